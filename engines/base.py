@@ -1,0 +1,315 @@
+"""The engine contract: what the HTTP layer may ask of an engine, and the plain dataclasses that cross.
+
+Everything below `server/` speaks in these types; pydantic never crosses this line and torch never crosses
+it upwards.  An engine
+
+* is built from an `EngineConfig`, loads its model in `start()` and releases it in `stop()`;
+* accepts `GenerationRequest`s through `submit()`, returning a `RequestHandle` — an async iterator of
+  `GenerationOutput` deltas that ends after the delta carrying a `finish_reason`; `handle.cancel()` (a
+  client disconnect) makes the engine drop the request at its next step and free its KV cache;
+* exposes `info` (model id, context length, architecture), `tokenizer` (a transformers tokenizer, used by
+  the serving layer for chat templates and prompt lengths), `stats()` for health and metrics, `score()` for
+  reward scores, and adapter management (`list_adapters`, `load_adapter`, `unload_adapter`).
+
+Errors a user can cause are raised as the typed exceptions below; the HTTP edge maps each to one status.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Protocol
+
+
+# ---------------------------------------------------------------------------------------------- errors
+class EngineError(Exception):
+    """Base of the errors engines raise on purpose."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """The request cannot be served as asked (HTTP 400). `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class NotFoundError(EngineError, LookupError):
+    """An adapter / model name that is not loaded (HTTP 404)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class QueueFullError(EngineError):
+    """The waiting queue is at its bound (HTTP 429)."""
+
+
+class EngineUnavailableError(EngineError):
+    """The engine is not running: loading, stopping or stopped (HTTP 503)."""
+
+
+class UnsupportedError(EngineError):
+    """The engine or model cannot do this (HTTP 400), e.g. scoring without a value head."""
+
+
+# ------------------------------------------------------------------------------------------- requests
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Validated by the serving layer before it gets here."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's logprob plus the top k
+    prompt_logprobs: int | None = None  # same, for every prompt position after the first
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class LogitsProcessor(Protocol):
+    """Per-request hook applied to the next-token logits (structured output, tool choice, ...).
+
+    Called on the engine thread with the request's generated token ids and a float32 logits row it may
+    modify in place; `accept(token_id)` is told which token was chosen."""
+
+    def __call__(self, output_ids: list[int], logits: Any) -> None: ...
+
+    def accept(self, token_id: int) -> None: ...
+
+
+_request_counter = itertools.count()
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    adapter: str | None = None  # None: the base model
+    request_id: str = field(default_factory=lambda: f"req-{next(_request_counter)}")
+    logits_processor: LogitsProcessor | None = None
+
+
+# -------------------------------------------------------------------------------------------- outputs
+@dataclass(slots=True)
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """The logprob of one chosen (or prompt) token, with the most likely alternatives at that position."""
+
+    token_id: int
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class GenerationOutput:
+    """One step's delta for one request. The last one has `finish_reason` set."""
+
+    request_id: str
+    text: str = ""  # new text since the previous delta
+    token_ids: list[int] = field(default_factory=list)  # new tokens since the previous delta
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first delta only, when asked for
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # cumulative
+    error: str | None = None  # set with finish_reason "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RequestHandle:
+    """The caller's end of a submitted request: iterate for deltas, `cancel()` to abandon it.
+
+    The engine thread delivers through `deliver()`, which hops onto the caller's event loop with
+    `call_soon_threadsafe`; the queue therefore only ever sees the loop's own thread."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, on_cancel: Callable[[str], None]):
+        self.request_id = request_id
+        self._loop = loop
+        self._queue: asyncio.Queue[GenerationOutput] = asyncio.Queue()
+        self._on_cancel = on_cancel
+        self._done = False
+
+    def deliver(self, output: GenerationOutput) -> None:
+        """Thread-safe: called by the engine thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, output)
+        except RuntimeError:  # the caller's loop has closed; nobody is listening
+            pass
+
+    def cancel(self) -> None:
+        if not self._done:
+            self._done = True
+            self._on_cancel(self.request_id)
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def __aiter__(self) -> AsyncIterator[GenerationOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[GenerationOutput]:
+        while True:
+            output = await self._queue.get()
+            yield output
+            if output.finished:
+                self._done = True
+                return
+
+    async def result(self) -> GenerationOutput:
+        """Collect the whole generation into one output (non-streaming)."""
+        text, ids, logprobs, prompt_lp = [], [], None, None
+        last: GenerationOutput | None = None
+        async for out in self:
+            text.append(out.text)
+            ids.extend(out.token_ids)
+            if out.logprobs is not None:
+                logprobs = (logprobs or []) + out.logprobs
+            if out.prompt_logprobs is not None:
+                prompt_lp = out.prompt_logprobs
+            last = out
+        assert last is not None
+        return GenerationOutput(
+            request_id=self.request_id, text="".join(text), token_ids=ids, logprobs=logprobs,
+            prompt_logprobs=prompt_lp, finish_reason=last.finish_reason, stop_reason=last.stop_reason,
+            prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens, error=last.error,
+        )
+
+
+# ------------------------------------------------------------------------------------ config and info
+@dataclass(slots=True)
+class EngineConfig:
+    """What an engine is built from. Filled by the server's settings; engines ignore keys they don't use."""
+
+    model_path: str
+    model_name: str | None = None  # the id clients use; default: the directory name
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"  # "auto" | "bfloat16" | "float16" | "float32"
+    max_concurrent: int = 16  # requests generating at once; the rest wait
+    max_queue: int = 1024  # waiting requests beyond which submit() raises QueueFullError
+    max_model_len: int | None = None  # default: the model's own
+    chunk_size: int = 512  # prefill tokens per step (chunked prefill)
+    kv_cache_tokens: int | None = None  # KV capacity in tokens; default from max_model_len x max_concurrent
+    trust_remote_code: bool = False
+    template: str | None = None  # built-in chat template name, overriding the model's
+    adapters: dict[str, str] = field(default_factory=dict)  # name -> path, loaded at start
+    # KTransformers engine
+    kt_optimize_rule: str | None = None
+    cpu_infer: int | None = None
+    kt_method: str | None = None  # override of the rules' expert backend (AMXINT8 | AMXINT4 | BF16 | ...)
+    kt_weight_cache: str | None = None
+    kt_use_cuda_graph: bool = False
+    kt_force_think: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    id: str
+    max_model_len: int
+    architecture: str
+    engine: str
+    created: int
+    eos_token_ids: tuple[int, ...] = ()
+    has_value_head: bool = False
+
+
+@dataclass(slots=True)
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_used_tokens: int = 0
+    kv_total_tokens: int = 0
+    steps: int = 0
+    # time the engine thread spent in model steps, and the part of it spent waiting on CPU experts
+    step_seconds: float = 0.0
+    expert_wait_seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class AdapterInfo:
+    name: str
+    path: str
+    created: int
+
+
+# ---------------------------------------------------------------------------------------- the engine
+class Engine(ABC):
+    """Base of every engine. See the module docstring for the contract."""
+
+    name: str = "base"
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+
+    @abstractmethod
+    def start(self) -> None:
+        """Load the model and start the generation thread. Blocking; may take minutes."""
+
+    @abstractmethod
+    def stop(self) -> None:
+        """Finish every request with `abort`, stop the thread, release the model."""
+
+    @property
+    @abstractmethod
+    def ready(self) -> bool: ...
+
+    @property
+    @abstractmethod
+    def info(self) -> ModelInfo: ...
+
+    @property
+    @abstractmethod
+    def tokenizer(self) -> Any: ...
+
+    @abstractmethod
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue a request. Raises InvalidRequestError, NotFoundError (adapter), QueueFullError,
+        EngineUnavailableError. Must be called from a running event loop."""
+
+    @abstractmethod
+    def stats(self) -> EngineStats: ...
+
+    async def score(self, prompts: list[list[int]], adapter: str | None = None) -> list[float]:
+        """Reward-model scores (value head on the last token) for each prompt."""
+        raise UnsupportedError(f"engine {self.name!r} cannot compute reward scores")
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return []
+
+    def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        raise UnsupportedError(f"engine {self.name!r} does not serve LoRA adapters")
+
+    def unload_adapter(self, name: str) -> None:
+        raise NotFoundError(f"adapter {name!r} is not loaded", param="lora_name")

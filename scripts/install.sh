@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Install ktserve and everything it needs into a project-local virtual environment (.venv by default).
+# Idempotent: a second run with nothing changed returns in about a second.
+#
+#   scripts/install.sh            # serving dependencies
+#   scripts/install.sh test       # plus the test tools
+#
+# Environment:
+#   KTSERVE_VENV        where the environment lives (default: <repo>/.venv)
+#   KTSERVE_PYTHON      the interpreter that creates it (default: python3)
+#   KTSERVE_TORCH       the torch requirement (default: torch==2.13.0; on a CUDA box pick the build you want)
+# This is the one install path: the README's commands and the Dockerfile both run it.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${KTSERVE_VENV:-$root/.venv}"
+python="${KTSERVE_PYTHON:-python3}"
+torch_req="${KTSERVE_TORCH:-torch==2.13.0}"
+extras="${1:-}"
+
+if [ ! -x "$venv/bin/python" ]; then
+  "$python" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+
+# Skip the resolver when nothing that decides the install has changed since the last success.
+stamp="$venv/.ktserve-install"
+want="$(cat "$root/pyproject.toml" "$root/scripts/install.sh" | sha256sum | cut -c1-16) $torch_req extras=$extras"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+
+"$venv/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" install "$torch_req"
+if [ -n "$extras" ]; then
+  "${pip[@]}" install -e "$root[$extras]"
+else
+  "${pip[@]}" install -e "$root"
+fi
+# kt-kernel pins torch==2.9.1 but does not link libtorch: install it alone and give it its small
+# runtime dependencies ourselves (typer/rich/packaging serve only its own CLI, which we do not use).
+"${pip[@]}" install --no-deps "kt-kernel>=0.7"
+"$venv/bin/python" -c "import kt_kernel" >/dev/null 2>&1 || {
+  echo "warning: kt-kernel does not load on this CPU; the ktransformers engine will be unavailable" >&2; }
+echo "$want" > "$stamp"
