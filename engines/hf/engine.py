@@ -1,0 +1,69 @@
+"""The "huggingface" engine: a plain transformers model, the correctness reference.
+
+Each request keeps its own transformers KV cache and runs as its own forward pass; nothing is batched
+across requests, so this engine is simple rather than fast. It loads any causal LM directory transformers
+can load (CPU here, CUDA when present)."""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engines.base import EngineConfig, ModelInfo
+from engines.runtime.llm_engine import LLMEngine
+from engines.runtime.model_runner import ModelRunner, ScheduledChunk
+from engines.runtime.sequence import Sequence
+from engines.model_files import load_tokenizer, model_id, resolve_device, resolve_dtype, eos_token_ids, context_length
+
+log = logging.getLogger("ktserve.engine.hf")
+
+
+class HFModelRunner(ModelRunner):
+    def __init__(self, model: Any, device: torch.device, max_model_len: int):
+        self.model = model
+        self.device = device
+        self.max_model_len = max_model_len
+
+    def execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
+        return [self._run_one(chunk) for chunk in chunks]
+
+    def _run_one(self, chunk: ScheduledChunk) -> torch.Tensor | None:
+        from transformers import DynamicCache
+
+        seq = chunk.seq
+        if seq.runner_state is None:
+            seq.runner_state = DynamicCache(config=self.model.config)
+        ids = torch.tensor([seq.token_ids[chunk.start:chunk.end]], dtype=torch.long, device=self.device)
+        keep = ids.shape[1] if chunk.all_logits else 1
+        out = self.model(input_ids=ids, past_key_values=seq.runner_state, use_cache=True, logits_to_keep=keep)
+        if not (chunk.all_logits or chunk.samples):
+            return None
+        return out.logits[0].float().cpu()
+
+    def release(self, seq: Sequence) -> None:
+        seq.runner_state = None
+
+
+class HFEngine(LLMEngine):
+    name = "huggingface"
+
+    def _load(self) -> tuple[ModelRunner, Any, ModelInfo]:
+        from transformers import AutoModelForCausalLM
+
+        cfg = self.config
+        device = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, device)
+        started = time.perf_counter()
+        tokenizer = load_tokenizer(cfg.model_path, cfg.template)
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.model_path, dtype=dtype, trust_remote_code=cfg.trust_remote_code).to(device).eval()
+        max_len = context_length(model.config, tokenizer, cfg.max_model_len)
+        log.info("loaded %s on %s (%s) in %.1fs", cfg.model_path, device, dtype, time.perf_counter() - started)
+        info = ModelInfo(id=model_id(cfg), max_model_len=max_len,
+                         architecture=(model.config.architectures or [type(model).__name__])[0],
+                         engine=self.name, created=int(time.time()),
+                         eos_token_ids=eos_token_ids(model.config, tokenizer, Path(cfg.model_path)))
+        return HFModelRunner(model, device, max_len), tokenizer, info

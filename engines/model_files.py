@@ -1,0 +1,72 @@
+"""What every engine reads from a model directory the same way: tokenizer, ids, devices, limits."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engines.base import EngineConfig
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" picks CUDA when there is a GPU; an explicit CUDA device on a machine without one is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {name!r} asked for, but this machine has no CUDA GPU")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto": bfloat16 on a GPU; float32 on the CPU, where bf16 matmuls are slow and lose precision."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtypes = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+              "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+    if name not in dtypes:
+        raise ValueError(f"dtype: {name!r} is not one of auto, {', '.join(dtypes)}")
+    return dtypes[name]
+
+
+def model_id(config: EngineConfig) -> str:
+    return config.model_name or Path(config.model_path.rstrip("/")).name
+
+
+def load_tokenizer(model_path: str, template: str | None = None) -> Any:
+    """The model directory's tokenizer; `template` (a built-in name) replaces its chat template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if template:
+        from engines.templates import builtin_template
+        tokenizer.chat_template = builtin_template(template)
+    return tokenizer
+
+
+def eos_token_ids(model_config: Any, tokenizer: Any, model_dir: Path) -> tuple[int, ...]:
+    """Every id that ends generation: the tokenizer's EOS plus generation_config.json's eos_token_id(s)."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    sources = [getattr(model_config, "eos_token_id", None)]
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    return tuple(sorted(ids))
+
+
+def context_length(model_config: Any, tokenizer: Any, override: int | None) -> int:
+    native = int(getattr(model_config, "max_position_embeddings", 0) or 0) or int(tokenizer.model_max_length)
+    if override is not None:
+        if override > native:
+            raise ValueError(f"max_model_len: {override} is larger than the model's {native} positions")
+        return override
+    return native

@@ -1,0 +1,239 @@
+"""The engine half every engine shares: one generation thread that owns the model runner.
+
+Each step: take cancellations, ask the scheduler for a batch, run the model once, then for each sequence
+that reached its end sample a token, detokenize, check the stop conditions and push a delta to its handle.
+An exception in a step fails only the requests in that step; the thread keeps serving the rest."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from abc import abstractmethod
+from typing import Any
+
+import torch
+
+from engines.base import (
+    Engine, EngineConfig, EngineStats, EngineUnavailableError, GenerationOutput, GenerationRequest,
+    InvalidRequestError, ModelInfo, RequestHandle,
+)
+from engines.runtime.detokenizer import IncrementalDetokenizer
+from engines.runtime.model_runner import ModelRunner, ScheduledChunk
+from engines.runtime.sampler import Sampler
+from engines.runtime.scheduler import Scheduler
+from engines.runtime.sequence import Sequence
+
+log = logging.getLogger("ktserve.engine")
+
+
+class LLMEngine(Engine):
+    """Subclasses implement `_load()`; everything else is shared."""
+
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        self._runner: ModelRunner | None = None
+        self._tokenizer: Any = None
+        self._info: ModelInfo | None = None
+        self._scheduler: Scheduler | None = None
+        self._sampler: Sampler | None = None
+        self._sequences: dict[str, Sequence] = {}
+        self._cancelled: set[str] = set()
+        self._cancel_lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stats = EngineStats()
+
+    # ------------------------------------------------------------------------------ subclass hook
+    @abstractmethod
+    def _load(self) -> tuple[ModelRunner, Any, ModelInfo]:
+        """Build the model runner, the tokenizer and the model info."""
+
+    # ------------------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._runner, self._tokenizer, self._info = self._load()
+        self._sampler = Sampler(self._tokenizer, self._info.eos_token_ids)
+        self._scheduler = Scheduler(self._runner, max_running=self.config.max_concurrent,
+                                    max_queue=self.config.max_queue, chunk_size=self.config.chunk_size)
+        self._thread = threading.Thread(target=self._loop, name=f"{self.name}-generation", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        for seq in list(self._sequences.values()):
+            self._finish(seq, "abort", error="the server is shutting down")
+        if self._runner is not None:
+            self._runner.close()
+
+    @property
+    def ready(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+
+    @property
+    def info(self) -> ModelInfo:
+        if self._info is None:
+            raise EngineUnavailableError("the model is still loading")
+        return self._info
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    def stats(self) -> EngineStats:
+        s = self._stats
+        if self._scheduler is not None:
+            s.running, s.waiting = self._scheduler.counts()
+        if self._runner is not None:
+            s.kv_used_tokens, s.kv_total_tokens = self._runner.kv_usage()
+            s.expert_wait_seconds = self._runner.expert_wait_seconds()
+        return EngineStats(**{k: getattr(s, k) for k in s.__slots__})
+
+    # ------------------------------------------------------------------------------ requests
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        if not self.ready or self._scheduler is None:
+            raise EngineUnavailableError("the engine is not serving (loading or shutting down)")
+        self._validate(request)
+        loop = asyncio.get_running_loop()
+        handle = RequestHandle(request.request_id, loop, self._cancel)
+        p = request.sampling
+        detok = IncrementalDetokenizer(self._tokenizer, skip_special_tokens=p.skip_special_tokens, stop=p.stop,
+                                       include_stop_str_in_output=p.include_stop_str_in_output)
+        seq = Sequence.create(request, handle, detok)
+        self._sequences[seq.id] = seq  # before the scheduler can hand it to the thread
+        try:
+            self._scheduler.add(seq)
+        except Exception:
+            self._sequences.pop(seq.id, None)
+            raise
+        self._wakeup.set()
+        return handle
+
+    def _validate(self, request: GenerationRequest) -> None:
+        n_prompt = len(request.prompt_token_ids)
+        limit = self.info.max_model_len
+        if n_prompt == 0:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if n_prompt + request.sampling.max_tokens > limit:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {limit} tokens; the prompt has {n_prompt} tokens and "
+                f"max_tokens asks for {request.sampling.max_tokens} more", param="max_tokens")
+        self._validate_adapter(request.adapter)
+
+    def _validate_adapter(self, adapter: str | None) -> None:
+        """Engines with adapters override this to raise NotFoundError for unknown names."""
+        if adapter is not None:
+            from engines.base import NotFoundError
+            raise NotFoundError(f"adapter {adapter!r} is not loaded", param="model")
+
+    def _cancel(self, request_id: str) -> None:
+        with self._cancel_lock:
+            self._cancelled.add(request_id)
+        self._wakeup.set()
+
+    # ------------------------------------------------------------------------------ the thread
+    def _loop(self) -> None:
+        assert self._scheduler is not None and self._runner is not None
+        while not self._stopping.is_set():
+            self._take_cancellations()
+            chunks = self._scheduler.schedule()
+            if not chunks:
+                self._wakeup.wait(timeout=0.5)
+                self._wakeup.clear()
+                continue
+            started = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    logits = self._runner.execute(chunks)
+                for chunk, rows in zip(chunks, logits):
+                    self._advance(chunk, rows)
+            except Exception as exc:  # one bad step must not take the server down
+                log.exception("model step failed; failing the %d requests in it", len(chunks))
+                for chunk in chunks:
+                    if chunk.seq.id in self._sequences:
+                        self._finish(chunk.seq, "error", error=f"internal error in the model step: {exc}")
+            self._stats.steps += 1
+            self._stats.step_seconds += time.perf_counter() - started
+
+    def _take_cancellations(self) -> None:
+        with self._cancel_lock:
+            cancelled, self._cancelled = self._cancelled, set()
+        for request_id in cancelled:
+            seq = self._sequences.get(request_id)
+            if seq is not None:
+                self._finish(seq, "abort")
+
+    def _advance(self, chunk: ScheduledChunk, rows: torch.Tensor | None) -> None:
+        seq = chunk.seq
+        if seq.id not in self._sequences:
+            return
+        if chunk.all_logits and rows is not None:
+            self._record_prompt_logprobs(chunk, rows)
+        seq.num_computed = chunk.end
+        if not chunk.samples:
+            return
+        if seq.sampling.max_tokens == 0:  # scoring only: the prompt's logprobs were the point
+            self._finish(seq, "length")
+            return
+        assert self._sampler is not None and rows is not None
+        token, logprob = self._sampler.sample(rows[-1].clone(), seq)
+        seq.token_ids.append(token)
+        if seq.first_token_at is None:
+            seq.first_token_at = time.monotonic()
+        seq.detokenizer.add_token(token)
+        reason, stop_reason = self._finish_reason(seq, token)
+        if reason is not None:
+            self._finish(seq, reason, stop_reason=stop_reason, new_tokens=[token],
+                         logprobs=[logprob] if logprob else None)
+        else:
+            self._deliver(seq, seq.detokenizer.take_delta(), [token], [logprob] if logprob else None)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> tuple[str | None, str | int | None]:
+        p = seq.sampling
+        if seq.detokenizer.stopped_by is not None:
+            return "stop", seq.detokenizer.stopped_by
+        if seq.num_output_tokens >= p.min_tokens:
+            if token in p.stop_token_ids:
+                return "stop", token
+            if not p.ignore_eos and token in self.info.eos_token_ids:
+                return "stop", None
+        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.info.max_model_len:
+            return "length", None
+        return None, None
+
+    def _record_prompt_logprobs(self, chunk: ScheduledChunk, rows: torch.Tensor) -> None:
+        seq = chunk.seq
+        assert self._sampler is not None and seq.prompt_logprobs is not None
+        top = seq.sampling.prompt_logprobs or 0
+        for i, position in enumerate(range(chunk.start, chunk.end)):
+            target = position + 1
+            if target >= seq.num_prompt_tokens:
+                break
+            logprobs = torch.log_softmax(rows[i], dim=-1)
+            seq.prompt_logprobs.append(self._sampler.logprob_entry(logprobs, seq.token_ids[target], top))
+
+    # ------------------------------------------------------------------------------ delivery
+    def _deliver(self, seq: Sequence, text: str, tokens: list[int], logprobs, finish_reason=None,
+                 stop_reason=None, error=None) -> None:
+        prompt_logprobs = None
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
+        if not (text or tokens or finish_reason or prompt_logprobs):
+            return
+        seq.handle.deliver(GenerationOutput(
+            request_id=seq.id, text=text, token_ids=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            finish_reason=finish_reason, stop_reason=stop_reason, prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_output_tokens, error=error))
+
+    def _finish(self, seq: Sequence, reason: str, *, stop_reason=None, error=None, new_tokens=(),
+                logprobs=None) -> None:
+        self._sequences.pop(seq.id, None)
+        assert self._scheduler is not None and self._runner is not None
+        self._scheduler.remove(seq)
+        self._runner.release(seq)
+        seq.detokenizer.flush()
+        self._deliver(seq, seq.detokenizer.take_delta(final=True), list(new_tokens), logprobs,
+                      finish_reason=reason, stop_reason=stop_reason, error=error)

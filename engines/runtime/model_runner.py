@@ -1,0 +1,64 @@
+"""What an engine must provide to run on the shared runtime: a ModelRunner.
+
+The runtime's generation thread does the rest (scheduling, sampling, detokenizing, stop strings,
+delivering deltas). A runner owns the model and the KV cache and computes logits for a batch of chunks."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from engines.runtime.sequence import Sequence
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """Feed positions [start, end) of `seq.token_ids` this step (start == seq.num_computed)."""
+
+    seq: Sequence
+    start: int
+    end: int
+    all_logits: bool = False  # return logits for every fed position (prompt logprobs), not only the last
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the end of the sequence, so the step yields a new token for it."""
+        return self.end == len(self.seq.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+class ModelRunner(ABC):
+    """Runs the model for the engine thread. Called only from that thread."""
+
+    max_model_len: int
+    chunked_prefill: bool = True  # False: the scheduler feeds a whole prompt in one step
+
+    @abstractmethod
+    def execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
+        """Run one step. For each chunk, return float32 logits on the CPU: shape [end - start, vocab] when
+        `all_logits`, [1, vocab] (the last position) when it `samples`, else None. Advance nothing: the
+        caller updates `seq.num_computed`."""
+
+    @abstractmethod
+    def release(self, seq: Sequence) -> None:
+        """Free whatever the sequence holds (KV cache). Idempotent."""
+
+    def admit(self, seq: Sequence, max_positions: int) -> bool:
+        """Reserve KV room for up to `max_positions` positions of `seq`, or return False if there is none
+        now (the request then waits). Reserving up front means a running request never runs out mid-way."""
+        return True
+
+    def kv_usage(self) -> tuple[int, int]:
+        """(used, total) KV cache positions; total 0 when unbounded."""
+        return 0, 0
+
+    def expert_wait_seconds(self) -> float:
+        """Cumulative time spent waiting on CPU experts (KT engine); 0 elsewhere."""
+        return 0.0
+
+    def close(self) -> None:
+        """Release the model."""

@@ -1,0 +1,74 @@
+"""Continuous batching: which sequences run this step, and how many tokens of each.
+
+Every step carries one decode token for each running sequence that has finished its prompt, then spends a
+token budget (`chunk_size`) on prompts: continuing chunked prefills first, then admitting waiting requests
+while fewer than `max_running` generate and the runner has KV room for them. The scheduler never touches a
+tensor; the runner decides whether a sequence fits."""
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+from engines.base import QueueFullError
+from engines.runtime.model_runner import ModelRunner, ScheduledChunk
+from engines.runtime.sequence import Sequence, Status
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, *, max_running: int, max_queue: int, chunk_size: int):
+        self._runner = runner
+        self.max_running = max_running
+        self.max_queue = max_queue
+        self.chunk_size = chunk_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._lock = threading.Lock()  # add() runs on the event loop's thread, the rest on the engine's
+
+    def add(self, seq: Sequence) -> None:
+        with self._lock:
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests); retry later")
+            self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        with self._lock:
+            if seq in self.running:
+                self.running.remove(seq)
+            elif seq in self.waiting:
+                self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+
+    def counts(self) -> tuple[int, int]:
+        return len(self.running), len(self.waiting)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        chunks: list[ScheduledChunk] = []
+        budget = self.chunk_size
+        with self._lock:
+            for seq in self.running:
+                if seq.num_computed == len(seq) - 1:  # decoding: feed the token sampled last step
+                    chunks.append(self._chunk(seq, len(seq)))
+            for seq in self.running:
+                if seq.num_computed < len(seq) - 1 and budget > 0:
+                    budget -= self._prefill(seq, budget, chunks)
+            while self.waiting and len(self.running) < self.max_running and budget > 0:
+                seq = self.waiting[0]
+                reserve = len(seq) + seq.sampling.max_tokens
+                if not self._runner.admit(seq, reserve):
+                    break  # no KV room now; it stays first in line
+                self.waiting.popleft()
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+                budget -= self._prefill(seq, budget, chunks)
+        return chunks
+
+    def _prefill(self, seq: Sequence, budget: int, chunks: list[ScheduledChunk]) -> int:
+        remaining = len(seq) - seq.num_computed
+        n = min(remaining, budget) if self._runner.chunked_prefill else remaining
+        chunks.append(self._chunk(seq, seq.num_computed + n))
+        return n
+
+    @staticmethod
+    def _chunk(seq: Sequence, end: int) -> ScheduledChunk:
+        wants_prompt_logprobs = seq.prompt_logprobs is not None and seq.num_computed < seq.num_prompt_tokens
+        return ScheduledChunk(seq=seq, start=seq.num_computed, end=end, all_logits=wants_prompt_logprobs)

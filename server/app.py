@@ -1,0 +1,116 @@
+"""The FastAPI application: routes, auth, error mapping, body limits, and the engine's lifetime.
+
+The model loads in a worker thread after the server starts listening, so `/health` answers 503 while it
+loads instead of the port being closed; a load failure is reported there and in the log."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from engines.base import Engine
+from server.auth import require_api_key
+from server.chat.router import router as chat_router
+from server.chat.serving import ChatServing
+from server.completions.router import router as completions_router
+from server.completions.serving import CompletionServing
+from server.errors import error_body, install_error_handlers
+from server.health import router as health_router
+from server.models.router import router as models_router
+from server.settings import Settings
+
+log = logging.getLogger("ktserve.server")
+
+
+class BodySizeLimit:
+    """Refuse request bodies over `limit` bytes with 413, before they are read into memory."""
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _TooLarge:
+            await self._refuse(send)
+
+    async def _refuse(self, send: Send) -> None:
+        import json
+        body = json.dumps(error_body(f"request body larger than {self.limit} bytes", "invalid_request_error",
+                                     code="request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def create_app(settings: Settings, engine: Engine, *, load_engine: bool = True) -> FastAPI:
+    """Build the app around an engine. With `load_engine`, the app starts the engine when it starts and
+    stops it when it stops; tests that manage the engine themselves pass False."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = None
+        if load_engine:
+            task = asyncio.create_task(_load(app, engine))
+        try:
+            yield
+        finally:
+            if task is not None and not task.done():
+                task.cancel()
+            if load_engine:
+                await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="ktserve", description="OpenAI-compatible server for DeepSeek MoE models",
+                  lifespan=lifespan)
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.load_error = None
+    app.state.draining = False
+    app.state.chat = ChatServing(engine, settings.request_timeout)
+    app.state.completions = CompletionServing(engine, settings.request_timeout)
+    install_error_handlers(app)
+    protected = [Depends(require_api_key)]
+    app.include_router(health_router)
+    for router in (models_router, chat_router, completions_router):
+        app.include_router(router, dependencies=protected)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
+                           allow_headers=["*"])
+    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
+    return app
+
+
+async def _load(app: FastAPI, engine: Engine) -> None:
+    try:
+        await asyncio.to_thread(engine.start)
+        log.info("serving %s with the %s engine", engine.info.id, engine.name)
+    except Exception as exc:  # reported on /health and in the log; the process stays up to say so
+        log.exception("the engine failed to start")
+        app.state.load_error = f"{type(exc).__name__}: {exc}"
+        on_failure = getattr(app.state, "on_load_failure", None)
+        if on_failure is not None:
+            on_failure()

@@ -1,0 +1,12 @@
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from server.chat.protocol import ChatCompletionRequest
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+    return await request.app.state.chat.create(body, request)

@@ -1,0 +1,163 @@
+"""POST /v1/completions: prompt(s) -> engine -> OpenAI legacy JSON, with echo and legacy logprobs.
+
+`max_tokens: 0` with `echo: true` and `logprobs` returns the prompt's own token logprobs: the way
+evaluation harnesses score multiple-choice options by log-likelihood."""
+from __future__ import annotations
+
+import codecs
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+
+from engines.base import Engine, GenerationOutput, InvalidRequestError, TokenLogprob
+from server.completions.protocol import CompletionRequest
+from server.errors import APIError
+from server.protocol import check_max_tokens, usage
+from server.serving import (
+    Deadline, cancel_all, collect, error_chunk, merged, new_id, resolve_adapter, sse_response, submit_choices,
+    with_deadline,
+)
+
+
+def legacy_logprobs(entries: list[TokenLogprob | None], special: set[int], start_offset: int = 0) -> dict:
+    """OpenAI's legacy shape: parallel lists of tokens, their logprobs, top alternatives and the character
+    offset where each token's text starts in the returned text (special tokens add no characters)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offset = start_offset
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for e in entries:
+        assert e is not None
+        tokens.append(e.token)
+        offsets.append(offset)
+        if e.token_id not in special:
+            offset += len(decoder.decode(bytes(e.bytes or [])))
+        token_logprobs.append(e.logprob if e.logprob is not None else None)
+        top_logprobs.append({t.token: t.logprob for t in e.top} if e.top or e.logprob is not None else None)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+class CompletionServing:
+    def __init__(self, engine: Engine, request_timeout: float | None = None):
+        self.engine = engine
+        self.request_timeout = request_timeout
+
+    def _tokenize(self, prompt: str | list[int], index: int) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty", param="prompt")
+            return tokenizer.encode(prompt)
+        vocab = len(tokenizer)
+        if any(t >= vocab for t in prompt):
+            raise InvalidRequestError(f"prompt {index} has token ids outside the vocabulary (size {vocab})",
+                                      param="prompt")
+        return prompt
+
+    async def create(self, req: CompletionRequest, raw: Request):
+        engine = self.engine
+        adapter = resolve_adapter(engine, req.model)
+        if req.max_tokens == 0 and not req.echo:
+            raise InvalidRequestError("max_tokens 0 is only meaningful with echo (to score the prompt)",
+                                      param="max_tokens")
+        if req.suffix:
+            raise InvalidRequestError("'suffix' is not supported by this server", param="suffix")
+        prompts = [self._tokenize(p, i) for i, p in enumerate(req.prompts())]
+        limit = engine.info.max_model_len
+        vocab = len(engine.tokenizer)
+        request_id = new_id("cmpl")
+        handles, plans = [], []
+        try:
+            for p_index, ids in enumerate(prompts):
+                max_tokens = check_max_tokens(req.max_tokens, 16, len(ids), limit, "prompt")
+                prompt_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
+                params = [req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs,
+                                              prompt_logprobs=prompt_lp, vocab_size=vocab, choice=c)
+                          for c in range(req.n)]
+                handles += submit_choices(engine, ids, params, adapter, f"{request_id}-{p_index}")
+                plans += [ids] * req.n
+        except Exception:
+            cancel_all(handles)
+            raise
+        model = req.model or engine.info.id
+        if req.stream:
+            return sse_response(self._stream(req, request_id, model, handles, plans), handles)
+        outputs = await collect(raw, handles, self.request_timeout)
+        return self._response(req, request_id, model, outputs, plans)
+
+    def _echo_text(self, ids: list[int]) -> str:
+        return self.engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _special(self) -> set[int]:
+        return set(self.engine.tokenizer.all_special_ids)
+
+    def _choice(self, req: CompletionRequest, index: int, out: GenerationOutput, prompt: list[int]) -> dict:
+        text = out.text
+        logprobs = None
+        if req.echo:
+            text = self._echo_text(prompt) + text
+        if req.logprobs is not None:
+            entries: list[Any] = []
+            if req.echo:
+                entries = self._prompt_entries(prompt, out)
+            entries += out.logprobs or []
+            logprobs = legacy_logprobs(entries, self._special())
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason}
+
+    def _prompt_entries(self, prompt: list[int], out: GenerationOutput) -> list[TokenLogprob]:
+        """The prompt's logprob entries; the first token has no context, so its logprob is null."""
+        text = self._token(prompt[0])
+        first = TokenLogprob(token_id=prompt[0], token=text, logprob=None, bytes=list(text.encode()))  # type: ignore[arg-type]
+        return [first] + list((out.prompt_logprobs or [None])[1:])  # type: ignore[list-item]
+
+    def _token(self, token_id: int) -> str:
+        return self.engine.tokenizer.convert_ids_to_tokens(token_id) if token_id in self._special() else \
+            self.engine.tokenizer.decode([token_id])
+
+    def _response(self, req, request_id, model, outputs: list[GenerationOutput], plans) -> dict:
+        for out in outputs:
+            if out.finish_reason == "error":
+                raise APIError(500, out.error or "generation failed", type="internal_error")
+        choices = [self._choice(req, i, out, plans[i]) for i, out in enumerate(outputs)]
+        n_prompt = sum(len(p) for p in plans[::req.n])
+        return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+                "choices": choices, "usage": usage(n_prompt, sum(o.completion_tokens for o in outputs))}
+
+    async def _stream(self, req, request_id, model, handles, plans) -> AsyncIterator[dict[str, Any]]:
+        base = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
+        include_usage = req.include_usage
+        offsets = [0] * len(handles)  # characters of text sent so far, per choice
+        echoed = [False] * len(handles)
+        completion_tokens = [0] * len(handles)
+
+        def chunk(choices, usage_value=None):
+            body = {**base, "choices": choices}
+            if include_usage:
+                body["usage"] = usage_value
+            return body
+
+        try:
+            async for i, out in with_deadline(merged(handles), Deadline(self.request_timeout)):
+                completion_tokens[i] = out.completion_tokens
+                if out.finish_reason == "error":
+                    yield error_chunk(out.error or "generation failed")
+                    return
+                text, entries = out.text, list(out.logprobs or [])
+                if req.echo and not echoed[i]:
+                    echoed[i] = True
+                    text = self._echo_text(plans[i]) + text
+                    if req.logprobs is not None:
+                        entries = self._prompt_entries(plans[i], out) + entries
+                logprobs = legacy_logprobs(entries, self._special(), offsets[i]) if req.logprobs is not None else None
+                offsets[i] += len(text)
+                yield chunk([{"index": i, "text": text, "logprobs": logprobs,
+                              "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}])
+        except TimeoutError:
+            yield error_chunk(f"the request did not finish within {self.request_timeout:g} seconds",
+                              "timeout_error", "request_timeout")
+            return
+        if include_usage:
+            n_prompt = sum(len(p) for p in plans[::req.n])
+            yield chunk([], usage(n_prompt, sum(completion_tokens)))

@@ -1,0 +1,113 @@
+"""Errors on the wire: every failure leaves as OpenAI error JSON with one status, decided here only.
+
+Engines raise typed errors (engines.base); handlers below map each type to its status. Validation errors
+from pydantic become 400s that name the field — FastAPI's own 422 body never reaches a client."""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engines.base import (
+    EngineUnavailableError, InvalidRequestError, NotFoundError, QueueFullError, UnsupportedError,
+)
+
+log = logging.getLogger("ktserve.server")
+
+
+class APIError(Exception):
+    """An error raised in the HTTP layer itself, with its status, type and offending parameter."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type, param, code), status_code=status, headers=headers)
+
+
+def to_api_error(exc: Exception) -> APIError:
+    """Map an engine (or our own) exception to its wire form."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc), param=exc.param)
+    if isinstance(exc, NotFoundError):
+        return APIError(404, str(exc), type="not_found_error", param=exc.param, code="model_not_found")
+    if isinstance(exc, QueueFullError):
+        return APIError(429, str(exc), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+    if isinstance(exc, EngineUnavailableError):
+        return APIError(503, str(exc), type="service_unavailable", headers={"Retry-After": "5"})
+    if isinstance(exc, UnsupportedError):
+        return APIError(400, str(exc), code="unsupported")
+    log.exception("unexpected error", exc_info=exc)
+    return APIError(500, "internal server error", type="internal_error")
+
+
+def _field_name(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if p not in ("body",)]
+    name = ""
+    for part in parts:
+        name += f"[{part}]" if part.isdigit() else (f".{part}" if name else part)
+    return name
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    loc = tuple(first.get("loc", ()))
+    # pydantic tags union members in the location (e.g. "str", "list[...]"); drop those for the name
+    loc = tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in ("str", "int", "function-after"))))
+    field = _field_name(loc) or None
+    msg = first.get("msg", "invalid value")
+    if first.get("type") == "missing":
+        return f"'{field}' is required", field
+    if field is None:
+        return f"invalid request body: {msg}", None
+    return f"invalid value for '{field}': {msg}", field
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(APIError)
+    async def _api(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found_error", 405: "invalid_request_error", 401: "authentication_error"}
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"no route {request.method} {request.url.path}"
+        return error_response(exc.status_code, message, kind.get(exc.status_code, "invalid_request_error"),
+                              headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        err = to_api_error(exc)
+        return error_response(err.status, err.message, err.type, err.param, err.code, err.headers)
+
+    for engine_error in (InvalidRequestError, NotFoundError, QueueFullError, EngineUnavailableError,
+                         UnsupportedError):
+        app.add_exception_handler(engine_error, _unexpected)

@@ -1,0 +1,26 @@
+"""GET /health (open; 503 while the model loads or the server drains) and GET /version."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from server import __version__
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request):
+    state = request.app.state
+    if getattr(state, "draining", False):
+        return JSONResponse({"status": "draining"}, status_code=503)
+    if state.load_error is not None:
+        return JSONResponse({"status": "failed", "error": state.load_error}, status_code=503)
+    if not state.engine.ready:
+        return JSONResponse({"status": "loading"}, status_code=503)
+    return {"status": "ok", "model": state.engine.info.id}
+
+
+@router.get("/version")
+async def version(request: Request):
+    return {"version": __version__, "engine": request.app.state.engine.name}

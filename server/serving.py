@@ -1,0 +1,148 @@
+"""What every OpenAI endpoint does the same way: resolve the model name, submit one engine request per
+choice, and either stream the deltas as SSE or collect them, cancelling the engine work when the client
+goes away."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import Request
+from sse_starlette.sse import EventSourceResponse
+
+from engines.base import Engine, GenerationOutput, GenerationRequest, NotFoundError, RequestHandle, SamplingParams
+
+DISCONNECT_POLL_SECONDS = 0.25
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def resolve_adapter(engine: Engine, model: str | None) -> str | None:
+    """The `model` field selects the base model (None or its id) or a loaded adapter by name — it is only
+    ever a name, never a path that would be opened."""
+    if model is None or model == engine.info.id:
+        return None
+    if any(a.name == model for a in engine.list_adapters()):
+        return model
+    known = [engine.info.id] + [a.name for a in engine.list_adapters()]
+    raise NotFoundError(f"the model '{model}' does not exist; this server serves: {', '.join(known)}",
+                        param="model")
+
+
+def submit_choices(engine: Engine, prompt: list[int], params: list[SamplingParams], adapter: str | None,
+                   request_id: str, processors: Callable[[int], Any] | None = None) -> list[RequestHandle]:
+    """Submit one engine request per choice; if one is refused, cancel the ones already queued."""
+    handles: list[RequestHandle] = []
+    try:
+        for i, p in enumerate(params):
+            handles.append(engine.submit(GenerationRequest(
+                prompt_token_ids=prompt, sampling=p, adapter=adapter, request_id=f"{request_id}-{i}",
+                logits_processor=processors(i) if processors else None)))
+    except Exception:
+        for h in handles:
+            h.cancel()
+        raise
+    return handles
+
+
+async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, GenerationOutput]]:
+    """Deltas of several handles as they arrive, tagged with the handle's index."""
+    if len(handles) == 1:
+        async for out in handles[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, GenerationOutput]] = asyncio.Queue()
+
+    async def pump(index: int, handle: RequestHandle) -> None:
+        async for out in handle:
+            queue.put_nowait((index, out))
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        remaining = len(handles)
+        while remaining:
+            index, out = await queue.get()
+            yield index, out
+            remaining -= out.finished
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def cancel_all(handles: list[RequestHandle]) -> None:
+    for h in handles:
+        h.cancel()
+
+
+async def collect(request: Request, handles: list[RequestHandle], timeout: float | None) -> list[GenerationOutput]:
+    """Wait for every choice, cancelling the engine work if the client disconnects or time runs out."""
+    from server.errors import APIError
+
+    results = asyncio.gather(*(h.result() for h in handles))
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while True:
+            done, _ = await asyncio.wait({results}, timeout=DISCONNECT_POLL_SECONDS)
+            if done:
+                return results.result()
+            if await request.is_disconnected():
+                raise asyncio.CancelledError("client disconnected")
+            if deadline is not None and time.monotonic() > deadline:
+                raise APIError(408, f"the request did not finish within {timeout:g} seconds",
+                               type="timeout_error", code="request_timeout")
+    finally:
+        if not results.done():
+            results.cancel()
+            cancel_all(handles)
+
+
+def sse_response(events: AsyncIterator[dict[str, Any]], handles: list[RequestHandle],
+                 headers: dict[str, str] | None = None) -> EventSourceResponse:
+    """Stream JSON chunks as `data:` lines and end with `data: [DONE]`. sse-starlette cancels the
+    generator when the client disconnects; cancelling the handles then frees the engine's work."""
+
+    async def body() -> AsyncIterator[dict[str, str]]:
+        try:
+            async for chunk in events:
+                yield {"data": json.dumps(chunk, ensure_ascii=False)}
+            yield {"data": "[DONE]"}
+        finally:
+            cancel_all(handles)
+
+    return EventSourceResponse(body(), sep="\n", ping=15, headers=headers)
+
+
+def error_chunk(message: str, type: str = "internal_error", code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": None, "code": code}}
+
+
+@dataclass
+class Deadline:
+    """A per-request time limit for streams (non-streaming uses `collect`'s timeout)."""
+
+    seconds: float | None
+    start: float = field(default_factory=time.monotonic)
+
+    def remaining(self) -> float | None:
+        return None if self.seconds is None else self.seconds - (time.monotonic() - self.start)
+
+
+async def with_deadline(stream: AsyncIterator[tuple[int, GenerationOutput]], deadline: Deadline
+                        ) -> AsyncIterator[tuple[int, GenerationOutput]]:
+    """Pass deltas through until the deadline; then raise TimeoutError (the caller reports it)."""
+    iterator = stream.__aiter__()
+    while True:
+        remaining = deadline.remaining()
+        try:
+            if remaining is None:
+                item = await iterator.__anext__()
+            else:
+                item = await asyncio.wait_for(iterator.__anext__(), timeout=max(remaining, 0.001))
+        except StopAsyncIteration:
+            return
+        yield item

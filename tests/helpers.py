@@ -1,0 +1,24 @@
+"""Reference computations the end-to-end tests compare the server against."""
+from __future__ import annotations
+
+import torch
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def greedy_reference(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy `generate`, run directly on the model."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    return out[0, len(prompt_ids):].tolist()
+
+
+def forward_logprobs(model, token_ids: list[int]) -> torch.Tensor:
+    """log-softmax of one full forward pass: row i predicts token i + 1."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([token_ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)

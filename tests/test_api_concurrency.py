@@ -1,0 +1,69 @@
+"""Many requests at once: every answer is right (no cross-talk), MAX_CONCURRENT bounds how many generate,
+and a client that goes away stops costing anything."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from conftest import start_server
+from helpers import chat_prompt_ids, greedy_reference
+
+
+@pytest.fixture(scope="module")
+def two_at_a_time(demo_model_dir):
+    running = start_server(demo_model_dir, max_concurrent=2)
+    yield running
+    running.stop()
+
+
+def test_eight_streams_with_max_concurrent_two_all_complete_correctly(two_at_a_time, tokenizer, reference_model):
+    prompts = [f"Count to {i}:" for i in range(8)]
+    client = two_at_a_time.async_openai()
+    peak = 0
+
+    async def one(prompt):
+        stream = await client.chat.completions.create(
+            model=two_at_a_time.engine.info.id, messages=[{"role": "user", "content": prompt}],
+            temperature=0, max_tokens=10, stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def watch():
+        nonlocal peak
+        while True:
+            peak = max(peak, two_at_a_time.engine.stats().running)
+            await asyncio.sleep(0.01)
+
+    async def main():
+        watcher = asyncio.create_task(watch())
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), timeout=240)
+        finally:
+            watcher.cancel()
+
+    texts = asyncio.run(main())
+    for prompt, text in zip(prompts, texts):
+        ids = greedy_reference(reference_model, chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}]), 10)
+        assert text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert peak <= 2
+
+
+def test_a_disconnected_stream_stops_generating(server):
+    body = {"messages": [{"role": "user", "content": "go on forever"}], "max_tokens": 2000, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            lines = response.iter_lines()
+            for _ in range(5):
+                next(lines)
+            assert server.engine.stats().running == 1
+        # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 10
+    while server.engine.stats().running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.engine.stats().running == 0
+    assert server.engine.stats().kv_used_tokens == 0
+    with server.http() as http:
+        assert http.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 3}).status_code == 200
