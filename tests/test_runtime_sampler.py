@@ -1,0 +1,91 @@
+"""Sampling rules on hand-made logits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.base import GenerationRequest, RequestHandle, SamplingParams
+from engines.runtime.detokenizer import IncrementalDetokenizer
+from engines.runtime.sampler import Sampler
+from engines.runtime.sequence import Sequence
+
+VOCAB = 50
+
+
+def seq_for(tokenizer, output=(), **params):
+    req = GenerationRequest(prompt_token_ids=[3, 4], sampling=SamplingParams(**params))
+    handle = RequestHandle(req.request_id, loop=None, on_cancel=lambda _: None)  # type: ignore[arg-type]
+    seq = Sequence.create(req, handle, IncrementalDetokenizer(tokenizer))
+    seq.token_ids += list(output)
+    return seq
+
+
+def logits_with(best: int, runner_up: int) -> torch.Tensor:
+    logits = torch.zeros(VOCAB)
+    logits[best], logits[runner_up] = 5.0, 4.0
+    return logits
+
+
+@pytest.fixture
+def sampler(tokenizer):
+    return Sampler(tokenizer, eos_token_ids=(1,))
+
+
+def test_greedy_takes_the_argmax(sampler, tokenizer):
+    token, _ = sampler.sample(logits_with(7, 9), seq_for(tokenizer, temperature=0))
+    assert token == 7
+
+
+def test_frequency_penalty_moves_away_from_repeated_tokens(sampler, tokenizer):
+    seq = seq_for(tokenizer, output=[7, 7], temperature=0, frequency_penalty=1.0)
+    assert sampler.sample(logits_with(7, 9), seq)[0] == 9
+
+
+def test_presence_penalty_counts_each_token_once(sampler, tokenizer):
+    seq = seq_for(tokenizer, output=[7, 7, 7], temperature=0, presence_penalty=0.5)
+    assert sampler.sample(logits_with(7, 9), seq)[0] == 7
+
+
+def test_repetition_penalty_covers_the_prompt(sampler, tokenizer):
+    seq = seq_for(tokenizer, temperature=0, repetition_penalty=2.0)
+    assert sampler.sample(logits_with(3, 9), seq)[0] == 9
+
+
+def test_logit_bias_can_force_a_token(sampler, tokenizer):
+    seq = seq_for(tokenizer, temperature=0, logit_bias={11: 100.0})
+    assert sampler.sample(logits_with(7, 9), seq)[0] == 11
+
+
+def test_min_tokens_blocks_eos(sampler, tokenizer):
+    seq = seq_for(tokenizer, temperature=0, min_tokens=2)
+    assert sampler.sample(logits_with(1, 9), seq)[0] == 9
+
+
+def test_top_k_one_sampling_is_greedy(sampler, tokenizer):
+    tokens = {sampler.sample(logits_with(7, 9), seq_for(tokenizer, temperature=1.5, top_k=1, seed=s))[0]
+              for s in range(20)}
+    assert tokens == {7}
+
+
+def test_top_p_keeps_only_the_nucleus(sampler, tokenizer):
+    logits = torch.full((VOCAB,), -20.0)
+    logits[7], logits[9], logits[11] = 3.0, 2.9, -1.0
+    tokens = {sampler.sample(logits.clone(), seq_for(tokenizer, temperature=1.0, top_p=0.9, seed=s))[0]
+              for s in range(40)}
+    assert tokens == {7, 9}
+
+
+def test_same_seed_same_choice(sampler, tokenizer):
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(0))
+    picks = [sampler.sample(logits.clone(), seq_for(tokenizer, temperature=1.0, seed=42))[0] for _ in range(3)]
+    assert len(set(picks)) == 1
+
+
+def test_logprobs_are_the_models_own_distribution(sampler, tokenizer):
+    logits = logits_with(7, 9)
+    seq = seq_for(tokenizer, temperature=0, frequency_penalty=2.0, logprobs=2, output=[7])
+    token, entry = sampler.sample(logits.clone(), seq)
+    expected = torch.log_softmax(logits, dim=-1)
+    assert token == 9
+    assert entry.logprob == pytest.approx(float(expected[9]))
+    assert [t.token_id for t in entry.top] == [7, 9]
