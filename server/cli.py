@@ -8,6 +8,8 @@ from typing import Any
 
 log = logging.getLogger("ktserve")
 
+DEMO_MODEL_NAME = "ktserve-demo"
+
 
 def _adapter_pair(value: str) -> tuple[str, str]:
     name, sep, path = value.partition("=")
@@ -81,6 +83,7 @@ def serve(args: argparse.Namespace) -> int:
     else:
         from engines.demo_model import ensure_demo_model
         model_path = str(ensure_demo_model())
+        settings.served_model_name = settings.served_model_name or DEMO_MODEL_NAME
         log.info("no model given: serving the built-in demo model from %s", model_path)
     try:
         engine = create_engine(settings.engine, settings.engine_config(model_path))
