@@ -1,0 +1,80 @@
+# syntax=docker/dockerfile:1
+# ktserve images: one Dockerfile, two variants, both installed by scripts/install.sh (the README's path).
+#   docker build -t ktserve:gpu .                          attention on the GPU, routed experts on the CPU
+#   docker build -t ktserve:cpu --build-arg VARIANT=cpu .  no GPU; with no config it serves the demo model
+# docker-compose.yml builds and runs both; docs/docker.md explains how.
+
+ARG VARIANT=gpu
+# PyPI's torch==2.13.0 for Linux is a CUDA 13.0 build that brings its own CUDA libraries, so the base only
+# has to match its major version (host driver >= 580). For a CUDA 12 driver build both from CUDA 12.8:
+#   --build-arg CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+#   --build-arg GPU_TORCH_INDEX=https://download.pytorch.org/whl/cu128
+ARG CUDA_IMAGE=nvidia/cuda:13.0.0-runtime-ubuntu24.04
+# kt-kernel 0.7 ships wheels for CPython 3.11 and 3.12 on glibc >= 2.35 only: Ubuntu 24.04 (3.12) and
+# Debian 12 (3.11) both fit; Ubuntu 22.04's Python 3.10 does not.
+ARG CPU_IMAGE=python:3.11-slim-bookworm
+ARG KTSERVE_TORCH=torch==2.13.0
+# An extra package index for torch; pip takes the highest version, and a local build tag such as
+# 2.13.0+cpu sorts above plain 2.13.0, so the index's build wins. Empty: PyPI's CUDA build.
+ARG GPU_TORCH_INDEX=
+ARG CPU_TORCH_INDEX=https://download.pytorch.org/whl/cpu
+
+FROM ${CUDA_IMAGE} AS gpu-os
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv \
+ && rm -rf /var/lib/apt/lists/*
+
+FROM ${CPU_IMAGE} AS cpu-os
+
+# The torch index is set in these build-only stages so that it never reaches the served image.
+FROM gpu-os AS gpu-toolchain
+ARG GPU_TORCH_INDEX
+ENV PIP_EXTRA_INDEX_URL=${GPU_TORCH_INDEX}
+
+FROM cpu-os AS cpu-toolchain
+ARG CPU_TORCH_INDEX
+ENV PIP_EXTRA_INDEX_URL=${CPU_TORCH_INDEX}
+
+FROM ${VARIANT}-toolchain AS build
+ARG KTSERVE_TORCH
+ENV KTSERVE_VENV=/opt/ktserve/venv \
+    KTSERVE_PYTHON=python3 \
+    KTSERVE_TORCH=${KTSERVE_TORCH}
+WORKDIR /opt/ktserve/src
+# First only the files that decide what gets installed, so a code change does not reinstall torch.
+COPY pyproject.toml ./
+COPY scripts/install.sh scripts/
+RUN --mount=type=cache,target=/root/.cache/pip bash scripts/install.sh
+COPY . .
+# The editable install maps the top-level packages present when it ran (none, above), so run it again
+# with the code in place. Its up-to-date stamp would skip the run: drop it. Every dependency is already
+# satisfied, so this only registers the package (seconds); `ktserve --help` proves it imports.
+RUN --mount=type=cache,target=/root/.cache/pip rm -f "$KTSERVE_VENV/.ktserve-install" \
+ && bash scripts/install.sh \
+ && "$KTSERVE_VENV/bin/ktserve" --help > /dev/null
+
+FROM ${VARIANT}-os AS runtime
+# A fixed high uid: no clash with host users, and numeric for orchestrators that check runAsNonRoot.
+RUN useradd --system --no-log-init --uid 10001 --user-group --create-home --shell /usr/sbin/nologin ktserve \
+ && mkdir -p /models /adapters /cache /config \
+ && chown 10001:10001 /cache
+COPY --from=build /opt/ktserve /opt/ktserve
+ENV PATH=/opt/ktserve/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    API_HOST=0.0.0.0 \
+    API_PORT=8000 \
+    KTSERVE_CACHE_DIR=/cache \
+    HF_HOME=/cache/huggingface
+# Relative paths in configs (kt_optimize_rules/...) resolve against the source tree.
+WORKDIR /opt/ktserve/src
+USER 10001:10001
+VOLUME ["/models", "/adapters", "/cache"]
+EXPOSE 8000
+# /health answers 503 while the model loads, which urlopen raises on; a large model takes many minutes.
+HEALTHCHECK --interval=30s --timeout=10s --start-period=30m --start-interval=10s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('API_PORT', '8000'), timeout=8)"]
+LABEL org.opencontainers.image.title="ktserve" \
+      org.opencontainers.image.description="OpenAI-compatible server for DeepSeek MoE models with CPU/GPU expert offload" \
+      org.opencontainers.image.licenses="Apache-2.0"
+# Config by file (pass its path: `docker run ... ktserve:gpu /config/server.yaml`) or by API_* variables.
+ENTRYPOINT ["ktserve", "serve"]
