@@ -48,3 +48,10 @@ def test_adapter_name_or_path_names_adapters_by_directory(tmp_path):
 def test_unreadable_yaml_is_reported(tmp_path):
     with pytest.raises(SettingsError, match="not valid YAML"):
         load_settings(write(tmp_path, "a: [\n"), env={})
+
+
+@pytest.mark.parametrize("name", ["demo-cpu.yaml", "deepseek-v2-lite.yaml", "deepseek-v3.yaml", "docker-gpu.yaml"])
+def test_shipped_configs_load(name):
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "configs" / name
+    assert load_settings(str(path), env={}).engine == "ktransformers"
