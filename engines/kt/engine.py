@@ -1,0 +1,123 @@
+"""The "ktransformers" engine: DeepSeek V2/V2-Lite/V3/R1 with the routed experts on the CPU (kt-kernel)
+and everything else where the placement rules put it, usually one GPU.
+
+Choosing a rule file: `kt_optimize_rule` when given (a path, or a file name in kt_optimize_rules/);
+otherwise the CPU-only file on a machine without CUDA, and the single-GPU file for the architecture when
+there is one."""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engines.base import EngineConfig, ModelInfo
+from engines.kt.kv_cache import LatentKVCache
+from engines.kt.loader import load_checkpoint, missing_tensors
+from engines.kt.runner import KTModelRunner, layer_devices, uses_cpu_experts
+from engines.model_files import context_length, eos_token_ids, load_tokenizer, model_id, resolve_dtype
+from engines.runtime.llm_engine import LLMEngine
+from engines.runtime.model_runner import ModelRunner
+
+log = logging.getLogger("ktserve.engine.kt")
+
+RULES_DIR = Path(__file__).resolve().parents[2] / "kt_optimize_rules"
+SUPPORTED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+CPU_RULES = "DeepSeek-CPU.yaml"
+
+
+def default_rule_file(config: Any) -> str:
+    if not torch.cuda.is_available():
+        return CPU_RULES
+    if config.model_type == "deepseek_v3":
+        return "DeepSeek-V3.yaml"
+    small = getattr(config, "n_routed_experts", 0) <= 64 and config.hidden_size <= 2048
+    return "DeepSeek-V2-Lite.yaml" if small else "DeepSeek-V2.yaml"
+
+
+def resolve_rule_file(name: str | None, config: Any) -> Path:
+    name = name or default_rule_file(config)
+    path = Path(name)
+    if not path.is_file():
+        path = RULES_DIR / name
+    if not path.is_file():
+        shipped = ", ".join(sorted(p.name for p in RULES_DIR.glob("*.yaml")))
+        raise ValueError(f"kt_optimize_rule: {name!r} is neither a file nor one of the shipped rules ({shipped})")
+    return path
+
+
+def _check_devices(placement: Any, rule_file: Path) -> None:
+    wanted = {d for d in placement.devices.values() if d.startswith("cuda")}
+    if wanted and not torch.cuda.is_available():
+        raise ValueError(f"kt_optimize_rule {rule_file.name} places modules on {', '.join(sorted(wanted))}, but "
+                         f"this machine has no CUDA GPU; use {CPU_RULES} (the default without a GPU)")
+    for device in wanted:
+        index = torch.device(device).index or 0
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"kt_optimize_rule {rule_file.name} uses {device}, but only "
+                             f"{torch.cuda.device_count()} GPU(s) are visible")
+
+
+class KTEngine(LLMEngine):
+    name = "ktransformers"
+
+    def _load(self) -> tuple[ModelRunner, Any, ModelInfo]:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from engines.kt.rules import apply_placement, load_rules, plan_placement
+
+        cfg = self.config
+        started = time.perf_counter()
+        model_path = Path(cfg.model_path)
+        config = AutoConfig.from_pretrained(model_path)
+        arch = (config.architectures or ["?"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"model: the ktransformers engine serves {', '.join(SUPPORTED_ARCHITECTURES)}; "
+                             f"{model_path} is {arch} (use the huggingface engine)")
+        tokenizer = load_tokenizer(str(model_path), cfg.template)
+        max_len = context_length(config, tokenizer, cfg.max_model_len)
+        # runtime knobs the operators read when the rules build them
+        config.kt_max_tokens = cfg.chunk_size + cfg.max_concurrent
+        config.kt_cpu_threads = cfg.cpu_infer
+        config.kt_method_override = cfg.kt_method
+        rule_file = resolve_rule_file(cfg.kt_optimize_rule, config)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        placement = plan_placement(model, load_rules(rule_file), default_device="cpu")
+        _check_devices(placement, rule_file)
+        apply_placement(model, placement, config)
+        gpu = any(d.startswith("cuda") for d in placement.devices.values())
+        dtype = resolve_dtype(cfg.dtype, torch.device("cuda" if gpu else "cpu"))
+        load_checkpoint(model, model_path, placement.device_of_param, dtype, config.num_hidden_layers,
+                        getattr(config, "n_routed_experts", None) or config.num_experts)
+        self._finish_model(model, config, placement)
+        model.eval()
+        devices = layer_devices(model)
+        cache = LatentKVCache(layer_devices=devices, num_tokens=self._kv_tokens(max_len),
+                              latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim, dtype=dtype)
+        runner = KTModelRunner(model, devices, cache, max_len)
+        log.info("loaded %s with %s (%s, experts on the CPU: %s) in %.1fs", model_path.name, rule_file.name, dtype,
+                 uses_cpu_experts(model), time.perf_counter() - started)
+        info = ModelInfo(id=model_id(cfg), max_model_len=max_len, architecture=arch, engine=self.name,
+                         created=int(time.time()), eos_token_ids=eos_token_ids(config, tokenizer, model_path))
+        return runner, tokenizer, info
+
+    def _kv_tokens(self, max_len: int) -> int:
+        if self.config.kv_cache_tokens:
+            return self.config.kv_cache_tokens
+        return max_len * min(self.config.max_concurrent, 8)
+
+    @staticmethod
+    def _finish_model(model: Any, config: Any, placement: Any) -> None:
+        """What the checkpoint does not carry: the rotary tables (computed) and a tied LM head."""
+        rotary = model.model.rotary_emb
+        device = placement.device_of_param("model.rotary_emb.inv_freq")
+        with torch.device(device):
+            model.model.rotary_emb = type(rotary)(config=config)
+        if getattr(config, "tie_word_embeddings", False) and model.lm_head.weight.is_meta:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        missing = missing_tensors(model)
+        if missing:
+            raise ValueError(f"model: the checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")

@@ -1,0 +1,225 @@
+"""Operators the placement rules put in place of transformers' DeepSeek modules.
+
+Each operator class has `KWARGS` (what a rule may pass) and `from_module(module, name, config, **kwargs)`,
+which builds it from the module it replaces (on the meta device; weights arrive later from the loader).
+
+* `MLAAttention`       multi-head latent attention over the paged latent cache; decode attends in the
+                       latent space (the "absorbed" form) so the cache is never expanded to full K/V.
+* `MoEWithCPUExperts`  router and shared experts on `device`, routed experts in kt-kernel on the CPU;
+                       the CPU work runs while the shared experts run on the GPU.
+* `RoutedExpertsCPU`   only the routed experts (the transformers MoE block around it stays).
+"""
+from __future__ import annotations
+
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engines.kt.experts_cpu import RoutedExpertsCPU as _ExpertKernel
+from engines.kt.kv_cache import LatentKVCache
+
+_LAYER = re.compile(r"layers\.(\d+)(\.|$)")
+
+
+def layer_index(name: str) -> int:
+    match = _LAYER.search(name)
+    if match is None:
+        raise ValueError(f"cannot tell the layer index of module {name!r}")
+    return int(match.group(1))
+
+
+# --------------------------------------------------------------------------------------- step metadata
+@dataclass(slots=True)
+class Span:
+    """One sequence's slice of the flattened step: rows [row, row + n) are positions [start, start + n)."""
+
+    row: int
+    n: int
+    start: int
+    write_slots: torch.Tensor  # slots of the fed positions
+    read_slots: torch.Tensor  # slots of positions [0, start + n)
+
+
+@dataclass
+class StepBatch:
+    """What attention needs to know about the step, passed down explicitly (no global context)."""
+
+    spans: list[Span]
+    positions: torch.Tensor  # [T] on the CPU
+    cache: LatentKVCache
+    rotary: nn.Module
+    _on_device: dict[tuple[str, str], Any] = field(default_factory=dict)
+
+    def on(self, device: torch.device, key: str, make: Callable[[], Any]) -> Any:
+        """Per-device copies of step tensors, made once per step and shared by the layers on that device."""
+        k = (str(device), key)
+        if k not in self._on_device:
+            self._on_device[k] = make()
+        return self._on_device[k]
+
+    def rope(self, x: torch.Tensor) -> Any:
+        def make():
+            positions = self.positions.to(x.device).unsqueeze(0)
+            return self.rotary(x, positions)
+        return self.on(x.device, "rope", make)
+
+
+# ------------------------------------------------------------------------------------------ attention
+def _rope_function(hf_module: nn.Module, config: Any) -> Callable:
+    """transformers' own rotary helper for this architecture, so positions are encoded exactly as there:
+    V2 uses complex frequencies, V3 cos/sin (interleaved when the config says so)."""
+    modeling = sys.modules[type(hf_module).__module__]
+    if hasattr(modeling, "apply_rotary_emb"):
+        return lambda q, k, pe: modeling.apply_rotary_emb(q, k, pe)
+    fn = modeling.apply_rotary_pos_emb_interleave if getattr(config, "rope_interleave", False) \
+        else modeling.apply_rotary_pos_emb
+    return lambda q, k, pe: fn(q, k, pe[0], pe[1])
+
+
+class MLAAttention(nn.Module):
+    KWARGS = frozenset({"device", "absorb"})
+
+    def __init__(self, hf_attention: nn.Module, config: Any, layer: int, device: str, absorb: bool):
+        super().__init__()
+        a = hf_attention
+        self.layer = layer
+        self.device_name = device
+        self.absorb = absorb
+        self.num_heads = config.num_attention_heads
+        self.q_lora_rank = config.q_lora_rank
+        self.nope, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.scaling = a.scaling
+        for child in ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
+                      "kv_b_proj", "o_proj"):
+            setattr(self, child, getattr(a, child, None))
+        self._apply_rope = _rope_function(a, config)
+
+    @classmethod
+    def from_module(cls, module: nn.Module, name: str, config: Any, device: str = "cpu", absorb: bool = True,
+                    **_: Any) -> "MLAAttention":
+        return cls(module, config, layer_index(name), device, bool(absorb))
+
+    def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, self.num_heads, self.nope + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_pe, k_pe = self._apply_rope(q_pe.transpose(0, 1).unsqueeze(0), k_pe.view(1, 1, t, self.rope_dim),
+                                      batch.rope(x))
+        q_pe = q_pe[0].transpose(0, 1)
+        k_pe = k_pe.view(t, self.rope_dim)
+        write = batch.on(x.device, "write", lambda: torch.cat([s.write_slots for s in batch.spans]).to(x.device))
+        batch.cache.write(self.layer, write, latent, k_pe)
+        out = torch.empty(t, self.num_heads, self.v_dim, dtype=x.dtype, device=x.device)
+        for i, span in enumerate(batch.spans):
+            read = batch.on(x.device, f"read{i}", lambda s=span: s.read_slots.to(x.device))
+            cached_latent, cached_pe = batch.cache.read(self.layer, read)
+            rows = slice(span.row, span.row + span.n)
+            attend = self._absorbed if self.absorb and span.n == 1 else self._expanded
+            out[rows] = attend(q_nope[rows], q_pe[rows], cached_latent.to(x.dtype), cached_pe.to(x.dtype), span)
+        return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
+
+    def _causal_mask(self, span: Span, length: int, device: torch.device) -> torch.Tensor | None:
+        if span.n == 1:
+            return None
+        query_pos = torch.arange(span.start, span.start + span.n, device=device).unsqueeze(1)
+        return torch.arange(length, device=device).unsqueeze(0) <= query_pos
+
+    def _expanded(self, q_nope, q_pe, latent, k_pe, span: Span) -> torch.Tensor:
+        """Expand the cached latents to per-head keys and values (prefill: many queries share them)."""
+        length = latent.shape[0]
+        kv = self.kv_b_proj(latent).view(length, self.num_heads, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        mask = self._causal_mask(span, length, latent.device)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           attn_mask=mask, scale=self.scaling)
+        return o.transpose(0, 1)
+
+    def _absorbed(self, q_nope, q_pe, latent, k_pe, span: Span) -> torch.Tensor:
+        """Attend in the latent space: fold kv_b's key half into the query and its value half into the
+        output, so a decode step reads kv_lora_rank + rope numbers per cached token and expands nothing."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
+        q_latent = torch.einsum("nhd,hdr->hnr", q_nope, w_uk)
+        scores = (torch.einsum("hnr,lr->hnl", q_latent, latent)
+                  + torch.einsum("nhd,ld->hnl", q_pe, k_pe)) * self.scaling
+        probs = torch.softmax(scores.float(), dim=-1).to(latent.dtype)
+        out_latent = torch.einsum("hnl,lr->hnr", probs, latent)
+        return torch.einsum("hnr,hvr->nhv", out_latent, w_uv)
+
+
+# --------------------------------------------------------------------------------------------- experts
+def _expert_kwargs(name: str, config: Any, device: str, method: str | None, gpu_experts: Any,
+                   threads: int | None) -> dict[str, Any]:
+    method = (getattr(config, "kt_method_override", None) or method or "AMXINT8").upper()
+    num_experts = getattr(config, "n_routed_experts", None) or config.num_experts
+    if isinstance(gpu_experts, int):
+        gpu_experts = list(range(gpu_experts)) if gpu_experts > 0 else None
+    return dict(layer_idx=layer_index(name), num_experts=num_experts, top_k=config.num_experts_per_tok,
+                hidden_size=config.hidden_size, intermediate_size=config.moe_intermediate_size, method=method,
+                threads=getattr(config, "kt_cpu_threads", None) or threads,
+                max_tokens=getattr(config, "kt_max_tokens", 512), gpu_experts=gpu_experts or None,
+                gpu_device=device)
+
+
+class RoutedExpertsCPU(_ExpertKernel):
+    """The routed experts alone, in kt-kernel on the CPU, returning their output on `device`."""
+
+    KWARGS = frozenset({"device", "method", "gpu_experts", "threads"})
+
+    def __init__(self, *, out_device: str = "cpu", **kwargs: Any):
+        super().__init__(**kwargs)
+        self.out_device = torch.device(out_device)
+        self.wait_seconds = 0.0
+
+    @classmethod
+    def from_module(cls, module: nn.Module, name: str, config: Any, device: str = "cpu", method: str | None = None,
+                    gpu_experts: Any = None, threads: int | None = None, **_: Any) -> "RoutedExpertsCPU":
+        return cls(out_device=device, **_expert_kwargs(name, config, device, method, gpu_experts, threads))
+
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        self.submit(hidden, topk_ids, topk_weights)
+        return self.wait()
+
+    def wait(self) -> torch.Tensor:
+        started = time.perf_counter()
+        out = self.sync()
+        self.wait_seconds += time.perf_counter() - started
+        return out.to(self.out_device)
+
+
+class MoEWithCPUExperts(nn.Module):
+    """Router and shared experts where the rule says, routed experts on the CPU, overlapped."""
+
+    KWARGS = frozenset({"device", "method", "gpu_experts", "threads"})
+
+    def __init__(self, gate: nn.Module, shared_experts: nn.Module | None, experts: RoutedExpertsCPU):
+        super().__init__()
+        self.gate = gate
+        self.shared_experts = shared_experts
+        self.experts = experts
+
+    @classmethod
+    def from_module(cls, module: nn.Module, name: str, config: Any, device: str = "cpu", method: str | None = None,
+                    gpu_experts: Any = None, threads: int | None = None, **_: Any) -> "MoEWithCPUExperts":
+        experts = RoutedExpertsCPU.from_module(module.experts, f"{name}.experts", config, device=device,
+                                               method=method, gpu_experts=gpu_experts, threads=threads)
+        return cls(module.gate, getattr(module, "shared_experts", None), experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, topk_weights, topk_ids = self.gate(x)
+        self.experts.submit(x, topk_ids, topk_weights)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        routed = self.experts.wait().to(x.dtype)
+        return routed if shared is None else routed + shared

@@ -1,0 +1,113 @@
+"""The KT engine's model runner: one forward pass over every token of the step, whatever sequence it
+belongs to. Linears, norms and the experts see one flat [tokens, hidden] batch (so the CPU experts run once
+per layer per step for the whole batch); only attention looks at sequence boundaries, through the spans."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engines.kt.kv_cache import BlockTable, LatentKVCache
+from engines.kt.operators import MLAAttention, MoEWithCPUExperts, RoutedExpertsCPU, Span, StepBatch
+from engines.runtime.model_runner import ModelRunner, ScheduledChunk
+from engines.runtime.sequence import Sequence
+
+
+class KTModelRunner(ModelRunner):
+    def __init__(self, model: nn.Module, layer_devices: list[torch.device], cache: LatentKVCache,
+                 max_model_len: int):
+        self.model = model
+        self.inner = model.model
+        self.layers = list(self.inner.layers)
+        self.layer_devices = layer_devices
+        self.cache = cache
+        self.max_model_len = max_model_len
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer.self_attn, MLAAttention):
+                raise ValueError(f"placement rules: model.layers.{i}.self_attn must be replaced by "
+                                 f"engines.kt.operators.MLAAttention (found {type(layer.self_attn).__name__})")
+        self._experts = [m for m in model.modules() if isinstance(m, RoutedExpertsCPU)]
+        self.embed_device = self.inner.embed_tokens.weight.device
+        self.head_device = model.lm_head.weight.device
+
+    # ------------------------------------------------------------------------ cache bookkeeping
+    @staticmethod
+    def _table(seq: Sequence) -> BlockTable:
+        if seq.runner_state is None:
+            seq.runner_state = BlockTable()
+        return seq.runner_state  # type: ignore[return-value]
+
+    def admit(self, seq: Sequence, max_positions: int) -> bool:
+        return self.cache.reserve(self._table(seq), min(max_positions, self.max_model_len))
+
+    def release(self, seq: Sequence) -> None:
+        if seq.runner_state is not None:
+            self.cache.release(seq.runner_state)  # type: ignore[arg-type]
+            seq.runner_state = None
+
+    def kv_usage(self) -> tuple[int, int]:
+        return self.cache.used_tokens, self.cache.capacity_tokens
+
+    def expert_wait_seconds(self) -> float:
+        return sum(e.wait_seconds for e in self._experts)
+
+    # ------------------------------------------------------------------------ the step
+    def execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
+        spans, ids, positions = [], [], []
+        row = 0
+        for chunk in chunks:
+            table = self._table(chunk.seq)
+            self.cache.ensure(table, chunk.end)
+            spans.append(Span(row=row, n=chunk.num_tokens, start=chunk.start,
+                              write_slots=self.cache.slots(table, chunk.start, chunk.end),
+                              read_slots=self.cache.slots(table, 0, chunk.end)))
+            ids.extend(chunk.seq.token_ids[chunk.start:chunk.end])
+            positions.append(torch.arange(chunk.start, chunk.end))
+            row += chunk.num_tokens
+        batch = StepBatch(spans=spans, positions=torch.cat(positions), cache=self.cache,
+                          rotary=self.inner.rotary_emb)
+        hidden = self.inner.embed_tokens(torch.tensor(ids, device=self.embed_device))
+        for layer, device in zip(self.layers, self.layer_devices):
+            hidden = hidden.to(device)
+            residual = hidden
+            hidden = residual + layer.self_attn(layer.input_layernorm(hidden), batch)
+            residual = hidden
+            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self._logits(chunks, spans, hidden)
+
+    def _logits(self, chunks: list[ScheduledChunk], spans: list[Span], hidden: torch.Tensor):
+        wanted: list[torch.Tensor] = []
+        shape: list[int] = []
+        for chunk, span in zip(chunks, spans):
+            if chunk.all_logits:
+                wanted.append(torch.arange(span.row, span.row + span.n))
+                shape.append(span.n)
+            elif chunk.samples:
+                wanted.append(torch.tensor([span.row + span.n - 1]))
+                shape.append(1)
+            else:
+                shape.append(0)
+        out: list[torch.Tensor | None] = [None] * len(chunks)
+        if not wanted:
+            return out
+        rows = torch.cat(wanted).to(hidden.device)
+        normed = self.inner.norm(hidden.index_select(0, rows).to(self.head_device))
+        logits = self.model.lm_head(normed).float().cpu()
+        start = 0
+        for i, n in enumerate(shape):
+            if n:
+                out[i] = logits[start:start + n]
+                start += n
+        return out
+
+    def close(self) -> None:
+        self.model = None  # type: ignore[assignment]
+        self.layers = []
+
+
+def layer_devices(model: nn.Module) -> list[torch.device]:
+    """Where each decoder layer computes: the device of its attention's output projection."""
+    return [layer.self_attn.o_proj.weight.device for layer in model.model.layers]
+
+
+def uses_cpu_experts(model: nn.Module) -> bool:
+    return any(isinstance(m, (RoutedExpertsCPU, MoEWithCPUExperts)) for m in model.modules())
