@@ -1,0 +1,102 @@
+"""The process-wide kt-kernel worker pool (`CPUInfer`) that every CPU MoE layer shares.
+
+kt-kernel runs each submitted task on one pool of pinned worker threads; a second pool would fight the
+first for the same cores, so there is exactly one per process. It is created on first use with the thread
+count of that first caller; later callers that ask for another count keep the existing pool and get a
+warning. The thread count follows BASELINES.md: never every physical core (16 of 16 cost 8 ms per layer
+against 0.4 ms with 15), so the default is physical cores minus one.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from types import ModuleType
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_pool: Any = None
+_pool_threads: int | None = None
+
+
+def load_ext() -> ModuleType:
+    """kt-kernel's compiled extension; importing `kt_kernel` first picks the build for this CPU."""
+    try:
+        import kt_kernel  # noqa: F401  (registers the CPU-specific build as `kt_kernel_ext`)
+        import kt_kernel_ext
+    except ImportError as exc:
+        raise ImportError("kt-kernel is not installed; install it with `pip install --no-deps kt-kernel`") from exc
+    return kt_kernel_ext
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on; hyper-thread siblings count once."""
+    cores = set()
+    for cpu in os.sched_getaffinity(0):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+                cores.add(f.read().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return max(1, len(cores))
+
+
+def default_cpu_threads() -> int:
+    """Physical cores minus one (at least 1): one core stays free for the Python / GPU thread."""
+    return max(1, physical_cores() - 1)
+
+
+def check_thread_count(threads: object) -> None:
+    """ValueError unless `threads` is a positive integer."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a positive integer, got {threads!r}")
+
+
+def resolve_thread_count(threads: int | None) -> int:
+    """The worker count to use for a requested `threads` (None = the default).
+
+    More threads than physical cores are cut to the core count: kt-kernel pins one worker per core and
+    leaves the surplus unpinned, where they only contend (3 threads on 2 cores ran a layer 2.3x slower
+    than 2). All cores is allowed but warned about.
+    """
+    if threads is None:
+        return default_cpu_threads()
+    check_thread_count(threads)
+    cores = physical_cores()
+    if threads > cores:
+        log.warning("threads=%d exceeds the %d physical cores; using %d", threads, cores, cores)
+        return cores
+    if threads == cores and cores > 1:
+        log.warning("threads=%d uses every physical core, leaving none for the Python thread; "
+                    "%d is usually faster", threads, cores - 1)
+    return threads
+
+
+def shared_cpu_infer(threads: int | None = None) -> Any:
+    """The one `kt_kernel_ext.CPUInfer` of this process, created on first call with `threads` workers."""
+    global _pool, _pool_threads
+    with _lock:
+        if _pool is None:
+            ext = load_ext()
+            count = resolve_thread_count(threads)
+            config = ext.WorkerPoolConfig()
+            # One subpool on NUMA node 0: the machines we target have one node (BASELINES.md).
+            config.subpool_count = 1
+            config.subpool_numa_map = [0]
+            config.subpool_thread_count = [count]
+            _pool = ext.CPUInfer(config)
+            _pool_threads = count
+            log.info("kt-kernel worker pool started with %d threads", count)
+        elif threads is not None:
+            check_thread_count(threads)
+            if min(threads, physical_cores()) != _pool_threads:
+                log.warning("kt-kernel worker pool already runs %d threads; ignoring a request for %d",
+                            _pool_threads, threads)
+        return _pool
+
+
+def pool_threads() -> int | None:
+    """Worker threads of the shared pool, or None before it exists."""
+    return _pool_threads

@@ -1,0 +1,415 @@
+"""Routed experts of one DeepSeek MoE layer, computed on the CPU by kt-kernel.
+
+`RoutedExpertsCPU` holds all routed experts of a layer as one kt-kernel MoE object (BF16 weights, INT8 /
+INT4 quantized online from them, or LLAMAFILE: GGUF-style Q8_0 / BF16 blocks) and computes
+`sum_k w_k * down(silu(gate(x)) * up(x))` for the experts the router picked. Experts named in
+`gpu_experts` ("hot experts") are kept as torch tensors on `gpu_device` and computed there with torch;
+kt-kernel skips them. Work is submitted to the process-wide worker pool
+(engines/kt/cpuinfer.py) so that `submit()` returns at once and the caller can run GPU work before `sync()`.
+
+Shape rules, measured with kt-kernel 0.7.2 (amx and avx512 builds): hidden and intermediate sizes must be
+multiples of 32 (BF16), 64 (AMXINT8), 128 (AMXINT4) or 256 (LLAMAFILE). Other sizes fail in kt-kernel,
+crash the process or (LLAMAFILE) silently return zeros, so they are refused here with a ValueError.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engines.kt.cpuinfer import check_thread_count, default_cpu_threads, load_ext, shared_cpu_infer
+
+__all__ = ["METHODS", "ExpertsUnsupportedError", "RoutedExpertsCPU", "default_cpu_threads", "supported_methods"]
+
+log = logging.getLogger(__name__)
+
+METHODS = ("AMXINT8", "AMXINT4", "BF16", "LLAMAFILE")
+# kt-kernel classes per method, best first (the avx2 build has only the AVX2 BF16 and llamafile kernels).
+_KERNELS = {"AMXINT8": ("AMXInt8_MOE",), "AMXINT4": ("AMXInt4_MOE",), "BF16": ("AMXBF16_MOE", "AVX2BF16_MOE"),
+            "LLAMAFILE": ("MOE",)}
+# LLAMAFILE: kt-kernel itself demands intermediate % 256; with hidden sizes below 256 its batched path
+# (10 tokens or more) returned zeros in our measurements, so hidden must be a multiple of 256 as well.
+_SIZE_MULTIPLE = {"AMXINT8": 64, "AMXINT4": 128, "BF16": 32, "LLAMAFILE": 256}
+# ggml block formats LLAMAFILE weights are converted to on load (the kernel reads GGUF-style blocks).
+LLAMAFILE_TYPES = ("Q8_0", "BF16")
+# Quantized kernels and their on-disk names (kt-kernel writes "<PREFIX>_<mat>_<expert>_<bytes>Byte_...").
+_QUANT_BITS = {"AMXINT8": 8, "AMXINT4": 4}
+_FILE_PREFIX = {"AMXINT8": "INT8", "AMXINT4": "INT4"}
+# kt-kernel sizes its token buffers in blocks of 32 (M_STEP); INT8/INT4 refuse other sizes and BF16
+# segfaults with buffers of 1-2 tokens, so the buffer is always a whole number of blocks.
+_TOKEN_BLOCK = 32
+_CACHE_FORMAT = 1
+
+
+class ExpertsUnsupportedError(ValueError):
+    """The requested experts method cannot run with this CPU and kt-kernel build."""
+
+
+def _kernel_class(method: str) -> type | None:
+    try:
+        moe = load_ext().moe
+    except ImportError:
+        return None
+    return next((getattr(moe, name) for name in _KERNELS[method] if hasattr(moe, name)), None)
+
+
+def supported_methods() -> list[str]:
+    """The methods of METHODS that this CPU and the installed kt-kernel build can run."""
+    return [m for m in METHODS if _kernel_class(m) is not None]
+
+
+def _build_info() -> dict[str, str]:
+    import kt_kernel
+
+    return {"kt_kernel": str(kt_kernel.__version__), "cpu_variant": str(kt_kernel.__cpu_variant__),
+            "int8_layout": str(getattr(kt_kernel, "__int8_weight_layout__", ""))}
+
+
+def _to_ggml_blocks(weights: torch.Tensor, ggml_type: str) -> torch.Tensor:
+    """[E, rows, cols] weights in the ggml layout llamafile reads: BF16, or Q8_0 (per 32 values of a row:
+    an fp16 scale then 32 int8, as gguf's own quantizer writes them). Converted one expert at a time to
+    bound the float32 temporaries."""
+    if ggml_type == "BF16":
+        return weights.to(torch.bfloat16).contiguous()
+    experts, rows, cols = weights.shape
+    out = torch.empty(experts, rows, cols // 32 * 34, dtype=torch.uint8, device="cpu")
+    for e in range(experts):
+        blocks = weights[e].float().reshape(-1, 32)
+        scale = blocks.abs().amax(1, keepdim=True) / 127
+        scaled = blocks * torch.where(scale == 0, 0.0, 1 / scale)
+        quants = torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)  # half away from zero, as gguf rounds
+        packed = torch.cat([scale.half().view(torch.uint8), quants.to(torch.int8).view(torch.uint8)], dim=1)
+        out[e] = packed.reshape(rows, -1)
+    return out
+
+
+def _fill_empty_slots(ids: torch.Tensor, weights: torch.Tensor, gpu_mask: torch.Tensor) -> None:
+    """Give every -1 slot (in place) a zero weight and an expert its token does not use yet.
+
+    The llamafile kernel does not skip -1 (it gave inf/NaN here) and mixes up a token that names one
+    expert twice, so each empty slot gets a distinct absent expert, hot ones first (kt-kernel skips those).
+    """
+    empty = ids < 0
+    if not empty.any():
+        return
+    tokens, experts = ids.shape[0], gpu_mask.shape[0]
+    rows, slots = (~empty).nonzero(as_tuple=True)
+    present = torch.zeros(tokens, experts, dtype=torch.bool, device="cpu")
+    present[rows, ids[rows, slots]] = True
+    preference = (~present).to(torch.int8) * (1 + gpu_mask.to(torch.int8))  # absent hot > absent > present
+    candidates = preference.argsort(dim=1, descending=True, stable=True)
+    rank = empty.to(torch.int64).cumsum(dim=1) - 1  # the n-th empty slot of a token takes candidate n
+    ids[empty] = candidates.gather(1, rank.clamp_min(0))[empty]
+    weights[empty] = 0.0
+
+
+@dataclass(slots=True)
+class _Pending:
+    """One submitted call: everything kt-kernel reads or writes must stay alive until sync()."""
+
+    tokens: int
+    device: torch.device
+    dtype: torch.dtype
+    staged: tuple[torch.Tensor, ...]  # input, ids, weights, output, chunk sizes
+    gpu_part: torch.Tensor | None
+
+
+def _check_config(method: str, *, threads: int | None, activation: str, llamafile_type: str,
+                  **sizes: int) -> None:
+    """ValueError (ExpertsUnsupportedError for the method) naming whatever the arguments get wrong."""
+    for name, value in sizes.items():
+        least = 0 if name == "layer_idx" else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    if sizes["top_k"] > sizes["num_experts"]:
+        raise ValueError(f"top_k ({sizes['top_k']}) cannot exceed num_experts ({sizes['num_experts']})")
+    if activation != "silu":
+        raise ValueError(f"activation {activation!r} is not supported; kt-kernel experts use 'silu'")
+    supported = supported_methods()
+    if method not in supported:
+        raise ExpertsUnsupportedError(
+            f"experts method {method!r} is not supported here; this CPU and kt-kernel build support: "
+            f"{', '.join(supported) or 'none (kt-kernel missing or too old)'}")
+    multiple = _SIZE_MULTIPLE[method]
+    for name in ("hidden_size", "intermediate_size"):
+        if sizes[name] % multiple:
+            raise ValueError(f"{name}={sizes[name]} is not a multiple of {multiple}, which kt-kernel's {method} "
+                             f"kernel needs")
+    if method == "LLAMAFILE" and llamafile_type not in LLAMAFILE_TYPES:
+        raise ValueError(f"llamafile_type {llamafile_type!r} is not one of {', '.join(LLAMAFILE_TYPES)}")
+    if threads is not None:
+        check_thread_count(threads)
+
+
+class RoutedExpertsCPU(nn.Module):
+    """All routed experts of one MoE layer, on the CPU through kt-kernel (hot experts optionally in torch).
+
+    Not safe for concurrent calls on one instance; any single thread may call it. `sync()` waits for
+    every task in the shared pool (other layers' too) and holds the GIL while it waits.
+    """
+
+    def __init__(self, *, layer_idx: int, num_experts: int, top_k: int, hidden_size: int,
+                 intermediate_size: int, method: str = "AMXINT8", threads: int | None = None,
+                 max_tokens: int = 512, gpu_experts: list[int] | None = None, gpu_device: str = "cpu",
+                 activation: str = "silu", llamafile_type: str = "Q8_0"):
+        super().__init__()
+        method = str(method).upper()
+        _check_config(method, layer_idx=layer_idx, num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
+                      intermediate_size=intermediate_size, max_tokens=max_tokens, activation=activation,
+                      threads=threads, llamafile_type=llamafile_type)
+        self.layer_idx, self.num_experts, self.top_k = layer_idx, num_experts, top_k
+        self.hidden_size, self.intermediate_size, self.method = hidden_size, intermediate_size, method
+        self.threads, self.max_tokens, self.llamafile_type = threads, max_tokens, llamafile_type
+        self.chunk_tokens = -(-max_tokens // _TOKEN_BLOCK) * _TOKEN_BLOCK
+        self.gpu_experts = self._check_gpu_experts(gpu_experts)
+        self.gpu_device = torch.device(gpu_device)
+        # kt-kernel reads this mask (1 byte per expert) on every forward to skip the hot experts.
+        self._gpu_mask = torch.zeros(num_experts, dtype=torch.bool, device="cpu")
+        self._gpu_mask[self.gpu_experts] = True
+        self._gpu_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._ggml_blocks: tuple[torch.Tensor, ...] = ()  # llamafile reads these in place: keep them alive
+        self._kernel = None
+        self._pool = None
+        self._staging: tuple[torch.Tensor, ...] | None = None
+        self._pending: _Pending | None = None
+        self._lock = threading.Lock()
+
+    def _check_gpu_experts(self, gpu_experts: list[int] | None) -> list[int]:
+        ids = sorted(set(int(e) for e in gpu_experts or ()))
+        bad = [e for e in ids if not 0 <= e < self.num_experts]
+        if bad:
+            raise ValueError(f"gpu_experts {bad} are outside 0..{self.num_experts - 1}")
+        return ids
+
+    # ------------------------------------------------------------------------------------------ loading
+    def load_weights(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
+                     cache_dir: str | os.PathLike | None = None) -> None:
+        """Take this layer's expert weights: gate/up [E, I, H], down [E, H, I], any float dtype.
+
+        INT8/INT4 quantize here. With `cache_dir`, the quantized form (and the hot experts' weights) is
+        also written there, so that `load_quantized(cache_dir)` can skip this on the next start; BF16 and
+        LLAMAFILE (quick to convert) write nothing. What kt-kernel needs is copied; the arguments may be freed.
+        """
+        self._check_idle()
+        E, I, H = self.num_experts, self.intermediate_size, self.hidden_size
+        for name, tensor, shape in (("gate", gate, (E, I, H)), ("up", up, (E, I, H)), ("down", down, (E, H, I))):
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"{name} weights of layer {self.layer_idx} have shape {tuple(tensor.shape)}, "
+                                 f"expected {shape}")
+            if tensor.is_meta or not tensor.is_floating_point():
+                raise ValueError(f"{name} weights of layer {self.layer_idx} must be real float tensors, "
+                                 f"got {tensor.dtype} on {tensor.device}")
+        with torch.no_grad():
+            self._keep_gpu_weights(gate, up, down)
+            gate, up, down = (t.to("cpu", torch.bfloat16).contiguous() for t in (gate, up, down))
+            save = cache_dir is not None and self.method in _QUANT_BITS
+            layer_dir = self._layer_dir(cache_dir) if save else None
+            if layer_dir is not None:
+                self._manifest_path(layer_dir).unlink(missing_ok=True)  # a crash mid-save leaves no manifest
+            self._build_kernel(gate=gate, up=up, down=down, save_dir=cache_dir if save else None)
+            if layer_dir is not None:
+                self._write_cache_extras(layer_dir)
+
+    def load_quantized(self, cache_dir: str | os.PathLike) -> bool:
+        """Load the form `load_weights(..., cache_dir=...)` wrote; False (nothing loaded) when there is no
+        complete cache for this layer, method, shape, kt-kernel build and set of hot experts."""
+        self._check_idle()
+        if self.method not in _QUANT_BITS:
+            return False
+        layer_dir = self._layer_dir(cache_dir)
+        try:
+            manifest = json.loads(self._manifest_path(layer_dir).read_text())
+        except (OSError, ValueError):
+            return False
+        if manifest != self._manifest() or not all(p.is_file() for p in self._expected_files(layer_dir)):
+            return False
+        if self.gpu_experts:
+            try:
+                saved = torch.load(layer_dir / "ktserve-gpu-experts.pt", weights_only=True)
+            except (OSError, RuntimeError):
+                return False
+            if not all(f"gate.{e}" in saved for e in self.gpu_experts):
+                return False
+            self._gpu_weights = tuple(
+                torch.stack([saved[f"{m}.{e}"] for e in self.gpu_experts]).to(self.gpu_device)
+                for m in ("gate", "up", "down"))
+        # kt-kernel only prints (and reads garbage) for a missing file, hence the checks above.
+        self._build_kernel(load_dir=cache_dir)
+        log.debug("layer %d: %s experts loaded from %s", self.layer_idx, self.method, layer_dir)
+        return True
+
+    def _check_idle(self) -> None:
+        if self._pending is not None:  # kt-kernel may still be reading the old weights
+            raise RuntimeError(f"experts of layer {self.layer_idx}: weights reloaded between submit and sync")
+
+    def _keep_gpu_weights(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        if not self.gpu_experts:
+            self._gpu_weights = None
+            return
+        index = torch.tensor(self.gpu_experts, device="cpu")
+        self._gpu_weights = tuple(t.index_select(0, index.to(t.device)).to(self.gpu_device)
+                                  for t in (gate, up, down))
+
+    def _build_kernel(self, *, gate: torch.Tensor | None = None, up: torch.Tensor | None = None,
+                      down: torch.Tensor | None = None, save_dir: str | os.PathLike | None = None,
+                      load_dir: str | os.PathLike | None = None) -> None:
+        ext = load_ext()
+        pool = shared_cpu_infer(self.threads)
+        config = ext.moe.MOEConfig(self.num_experts, self.top_k, self.hidden_size, self.intermediate_size,
+                                   self._gpu_mask.data_ptr())
+        config.layer_idx = self.layer_idx
+        config.pool = pool.backend_
+        config.max_len = self.chunk_tokens
+        if self.method == "LLAMAFILE":
+            self._ggml_blocks = tuple(_to_ggml_blocks(t, self.llamafile_type) for t in (gate, up, down))
+            gate, up, down = self._ggml_blocks
+            ggml = ext.kvcache.ggml_type
+            config.gate_type = config.up_type = config.down_type = getattr(ggml, self.llamafile_type)
+            config.hidden_type = ggml.BF16
+            # Batching settings as kt-kernel's own LlamafileMoEWrapper sets them.
+            config.m_block, config.group_min_len, config.group_max_len = 32, 10, self.chunk_tokens
+        if gate is not None:
+            config.gate_proj, config.up_proj, config.down_proj = gate.data_ptr(), up.data_ptr(), down.data_ptr()
+        if save_dir is not None or load_dir is not None:
+            config.path = os.fspath(save_dir if save_dir is not None else load_dir)
+            config.save, config.load = save_dir is not None, load_dir is not None
+        kernel = _kernel_class(self.method)(config)
+        identity = torch.arange(self.num_experts, dtype=torch.int64, device="cpu")  # physical -> logical ids
+        pool.submit(kernel.load_weights_task(identity.data_ptr()))
+        pool.sync()
+        self._kernel, self._pool = kernel, pool
+
+    # ------------------------------------------------------------------------------------ weight cache
+    def _layer_dir(self, cache_dir: str | os.PathLike) -> Path:
+        return Path(cache_dir) / f"_layer_{self.layer_idx}"  # kt-kernel's own per-layer folder
+
+    def _manifest_path(self, layer_dir: Path) -> Path:
+        return layer_dir / f"ktserve-{self.method}.json"
+
+    def _manifest(self) -> dict:
+        return {"format": _CACHE_FORMAT, "method": self.method, "num_experts": self.num_experts,
+                "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size, **_build_info()}
+
+    def _expected_files(self, layer_dir: Path) -> list[Path]:
+        bits, prefix = _QUANT_BITS[self.method], _FILE_PREFIX[self.method]
+        files = []
+        for mat, rows, cols in (("gate", self.intermediate_size, self.hidden_size),
+                                ("up", self.intermediate_size, self.hidden_size),
+                                ("down", self.hidden_size, self.intermediate_size)):
+            for e in range(self.num_experts):
+                stem = layer_dir / "_numa_0" / f"{prefix}_{mat}_{e}_"
+                files += [stem.with_name(stem.name + f"{rows * cols * bits // 8}Byte_quant_.kt"),
+                          stem.with_name(stem.name + f"{rows * 4}Byte_scale_.kt")]
+        return files
+
+    def _write_cache_extras(self, layer_dir: Path) -> None:
+        if self._gpu_weights is not None:
+            gate, up, down = self._gpu_weights
+            tensors = {f"{m}.{e}": t[i].detach().to("cpu").contiguous()
+                       for m, t in (("gate", gate), ("up", up), ("down", down)) for i, e in enumerate(self.gpu_experts)}
+            torch.save(tensors, layer_dir / "ktserve-gpu-experts.pt")
+        self._manifest_path(layer_dir).write_text(json.dumps(self._manifest(), indent=1))
+
+    # ------------------------------------------------------------------------------------------ compute
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(hidden), as [T, H] in hidden's dtype and device.
+
+        hidden [T, H] any float dtype/device; topk_ids [T, top_k] integer (-1 = no expert: contributes 0);
+        topk_weights [T, top_k]. Any T: kt-kernel sees chunks of at most `chunk_tokens` tokens.
+        """
+        self.submit(hidden, topk_ids, topk_weights)
+        return self.sync()
+
+    @torch.no_grad()
+    def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """Start the CPU work and return; the hot experts (if any) are computed meanwhile on gpu_device."""
+        tokens = self._check_inputs(hidden, topk_ids, topk_weights)
+        with self._lock:
+            if self._kernel is None:
+                raise RuntimeError(f"experts of layer {self.layer_idx} have no weights yet; call load_weights")
+            if self._pending is not None:
+                raise RuntimeError(f"experts of layer {self.layer_idx}: submit called again before sync")
+            x, ids, weights, out = (t[:tokens] for t in self._staging_for(tokens, hidden.device))
+            x.copy_(hidden)
+            ids.copy_(topk_ids)
+            weights.copy_(topk_weights)
+            if tokens and (int(ids.max()) >= self.num_experts or int(ids.min()) < -1):
+                raise ValueError(f"topk_ids of layer {self.layer_idx} must lie in -1..{self.num_experts - 1}, "
+                                 f"got {int(ids.min())}..{int(ids.max())}")
+            if self.method == "LLAMAFILE":
+                _fill_empty_slots(ids, weights, self._gpu_mask)
+            starts = range(0, tokens, self.chunk_tokens)
+            sizes = torch.tensor([min(self.chunk_tokens, tokens - s) for s in starts], dtype=torch.int32,
+                                 device="cpu")
+            for i, start in enumerate(starts):
+                self._pool.submit(self._kernel.forward_task(
+                    sizes[i].data_ptr(), self.top_k, ids[start].data_ptr(), weights[start].data_ptr(),
+                    x[start].data_ptr(), out[start].data_ptr(), False))
+            try:
+                gpu_part = self._hot_experts(hidden, topk_ids, topk_weights) if self._gpu_weights else None
+            except BaseException:
+                self._pool.sync()  # kt-kernel must be done with the staging buffers before anyone reuses them
+                raise
+            self._pending = _Pending(tokens, hidden.device, hidden.dtype, (x, ids, weights, out, sizes), gpu_part)
+
+    def sync(self) -> torch.Tensor:
+        """Wait for the work `submit` started; returns what `forward` would have."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+            if pending is None:
+                raise RuntimeError(f"experts of layer {self.layer_idx}: sync called without submit")
+            if pending.tokens:
+                self._pool.sync()
+            out = pending.staged[3]
+            if pending.gpu_part is not None:
+                result = out.to(pending.gpu_part.device, torch.float32) + pending.gpu_part
+                return result.to(pending.device, pending.dtype)
+            # copy=True: the staging buffer is reused by the next submit
+            return out.to(pending.device, pending.dtype, copy=True)
+
+    def _check_inputs(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> int:
+        if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
+            raise ValueError(f"hidden must be [tokens, {self.hidden_size}], got {tuple(hidden.shape)}")
+        expected = (hidden.shape[0], self.top_k)
+        for name, tensor in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"{name} must be {list(expected)} for layer {self.layer_idx}, "
+                                 f"got {list(tensor.shape)}")
+        if topk_ids.is_floating_point() or topk_ids.is_complex():
+            raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+        return hidden.shape[0]
+
+    def _staging_for(self, tokens: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """CPU buffers kt-kernel reads and writes, grown on demand; pinned when a GPU is on the other side."""
+        if self._staging is None or self._staging[0].shape[0] < tokens:
+            rows = max(tokens, self.chunk_tokens)
+            pin = device.type == "cuda" or self.gpu_device.type == "cuda"
+
+            def make(cols: int, dtype: torch.dtype) -> torch.Tensor:
+                return torch.zeros(rows, cols, dtype=dtype, device="cpu", pin_memory=pin)
+            # kt-kernel's forward reads bf16 input, int64 ids, float32 weights and writes bf16 output
+            self._staging = (make(self.hidden_size, torch.bfloat16), make(self.top_k, torch.int64),
+                             make(self.top_k, torch.float32), make(self.hidden_size, torch.bfloat16))
+        return self._staging
+
+    def _hot_experts(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The hot experts' share of the output, computed with torch on gpu_device (float32)."""
+        gate, up, down = self._gpu_weights
+        x = hidden.to(self.gpu_device, gate.dtype)
+        ids, weights = topk_ids.to(self.gpu_device), topk_weights.to(self.gpu_device, torch.float32)
+        out = torch.zeros(hidden.shape[0], self.hidden_size, dtype=torch.float32, device=self.gpu_device)
+        for slot, expert in enumerate(self.gpu_experts):
+            token, k = (ids == expert).nonzero(as_tuple=True)
+            if token.numel() == 0:
+                continue
+            h = x.index_select(0, token)
+            y = (F.silu(h @ gate[slot].T) * (h @ up[slot].T)) @ down[slot].T
+            out.index_add_(0, token, y.float() * weights[token, k].unsqueeze(1))
+        return out

@@ -1,0 +1,346 @@
+"""RoutedExpertsCPU: kt-kernel's CPU experts against a plain torch reference, and the shared worker pool.
+
+Tolerances are relative errors (norm of the difference / norm of the reference) on random bf16 weights.
+BF16 is exact up to bf16 rounding (~0.4% measured); INT8 adds per-row weight and activation quantization
+(~2.3%); INT4 per-row 4-bit weights (~24%, in line with a torch simulation of 4-bit rounding: ~22%);
+LLAMAFILE with its default Q8_0 blocks ~1.5%.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("kt_kernel")
+
+from engines.kt.cpuinfer import physical_cores, pool_threads, resolve_thread_count, shared_cpu_infer  # noqa: E402
+from engines.kt.experts_cpu import (  # noqa: E402
+    METHODS, ExpertsUnsupportedError, RoutedExpertsCPU, default_cpu_threads, supported_methods)
+
+E, K, H, I = 16, 4, 256, 256
+MAX_TOKENS = 32
+TOLERANCE = {"BF16": 0.01, "AMXINT8": 0.05, "AMXINT4": 0.35, "LLAMAFILE": 0.05}
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def weights() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    gate = (torch.randn(E, I, H, generator=g) / H**0.5).bfloat16()
+    up = (torch.randn(E, I, H, generator=g) / H**0.5).bfloat16()
+    down = (torch.randn(E, H, I, generator=g) / I**0.5).bfloat16()
+    return gate, up, down
+
+
+@pytest.fixture(scope="module")
+def experts_for(weights):
+    """One loaded RoutedExpertsCPU per method, shared by the tests that only call it."""
+    made: dict[str, RoutedExpertsCPU] = {}
+
+    def get(method: str = "BF16") -> RoutedExpertsCPU:
+        if method not in supported_methods():
+            pytest.skip(f"{method} not supported here")
+        if method not in made:
+            made[method] = loaded(weights, method)
+        return made[method]
+    return get
+
+
+def make_experts(method: str = "BF16", **kwargs) -> RoutedExpertsCPU:
+    kwargs = {"layer_idx": 0, "num_experts": E, "top_k": K, "hidden_size": H, "intermediate_size": I,
+              "method": method, "max_tokens": MAX_TOKENS, **kwargs}
+    return RoutedExpertsCPU(**kwargs)
+
+
+def loaded(weights, method: str = "BF16", **kwargs) -> RoutedExpertsCPU:
+    experts = make_experts(method, **kwargs)
+    experts.load_weights(*weights)
+    return experts
+
+
+def routing(tokens: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)]) if tokens else \
+        torch.zeros(0, K, dtype=torch.int64)
+    return hidden, ids, torch.rand(tokens, K, generator=g)
+
+
+def reference(weights, hidden, ids, topk_weights) -> torch.Tensor:
+    """sum_k w_k * down(silu(gate(x)) * up(x)) in float32; id -1 contributes nothing."""
+    gate, up, down = (w.float() for w in weights)
+    x, out = hidden.float(), torch.zeros(hidden.shape[0], down.shape[1])
+    for e in range(gate.shape[0]):
+        token, k = (ids == e).nonzero(as_tuple=True)
+        h = x[token]
+        out.index_add_(0, token, topk_weights[token, k, None] * ((F.silu(h @ gate[e].T) * (h @ up[e].T)) @ down[e].T))
+    return out
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+# ------------------------------------------------------------------------------------ methods and threads
+def test_supported_methods_are_a_subset_of_methods_and_include_bf16():
+    assert set(supported_methods()) <= set(METHODS)
+    assert "BF16" in supported_methods()
+
+
+def test_unsupported_method_error_names_it_and_the_supported_ones():
+    with pytest.raises(ExpertsUnsupportedError) as info:
+        make_experts("FP8")
+    assert isinstance(info.value, ValueError)
+    assert "'FP8'" in str(info.value)
+    assert all(m in str(info.value) for m in supported_methods())
+
+
+def test_cpu_without_avx512_offers_no_int_methods():
+    # kt-kernel's avx2 build (what a CPU without AVX-512 gets) has no INT8/INT4 experts.
+    code = ("from engines.kt.experts_cpu import RoutedExpertsCPU, supported_methods\n"
+            "print(supported_methods())\n"
+            "try:\n"
+            "    RoutedExpertsCPU(layer_idx=0, num_experts=8, top_k=2, hidden_size=128, intermediate_size=128)\n"
+            "except ValueError as exc:\n"
+            "    print(type(exc).__name__, exc)\n")
+    env = {**os.environ, "KT_KERNEL_CPU_VARIANT": "avx2", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    lines = out.stdout.strip().splitlines()
+    assert "AMXINT8" not in lines[0] and "AMXINT4" not in lines[0] and "BF16" in lines[0], out.stderr
+    assert lines[1].startswith("ExpertsUnsupportedError") and "'AMXINT8'" in lines[1] and "BF16" in lines[1]
+
+
+def test_default_cpu_threads_leaves_one_physical_core_free():
+    assert default_cpu_threads() == max(1, physical_cores() - 1)
+
+
+def test_more_threads_than_physical_cores_are_cut_to_the_core_count(caplog):
+    with caplog.at_level(logging.WARNING, logger="engines.kt.cpuinfer"):
+        assert resolve_thread_count(physical_cores() + 3) == physical_cores()
+    assert "physical cores" in caplog.text
+
+
+@pytest.mark.parametrize("threads", [0, -2, 1.5, "4", True])
+def test_thread_count_must_be_a_positive_integer(threads):
+    with pytest.raises(ValueError, match="threads"):
+        make_experts(threads=threads)
+
+
+def test_worker_pool_is_one_per_process_and_the_first_thread_count_wins(caplog):
+    pool = shared_cpu_infer()
+    if physical_cores() == 1:
+        pytest.skip("needs two cores to ask for a different thread count")
+    other = 1 if pool_threads() != 1 else 2
+    with caplog.at_level(logging.WARNING, logger="engines.kt.cpuinfer"):
+        assert shared_cpu_infer(other) is pool
+    assert "already runs" in caplog.text
+
+
+# ------------------------------------------------------------------------------------------ validation
+@pytest.mark.parametrize(("method", "hidden"), [("BF16", 48), ("AMXINT8", 96), ("AMXINT4", 192), ("LLAMAFILE", 128)])
+def test_sizes_the_kernel_cannot_tile_are_refused(method, hidden):
+    if method not in supported_methods():
+        pytest.skip(f"{method} not supported here")
+    with pytest.raises(ValueError, match="hidden_size"):
+        make_experts(method, hidden_size=hidden)
+
+
+@pytest.mark.parametrize(("method", "size"), [("BF16", 32), ("AMXINT8", 64), ("AMXINT4", 128), ("LLAMAFILE", 256)])
+def test_smallest_sizes_each_method_accepts_compute_correctly(method, size):
+    if method not in supported_methods():
+        pytest.skip(f"{method} not supported here")
+    g = torch.Generator().manual_seed(2)
+    small = tuple((torch.randn(8, size, size, generator=g) / size**0.5).bfloat16() for _ in range(3))
+    experts = RoutedExpertsCPU(layer_idx=0, num_experts=8, top_k=2, hidden_size=size, intermediate_size=size,
+                               method=method)
+    experts.load_weights(*small)
+    hidden = torch.randn(12, size, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(12)])
+    w = torch.rand(12, 2, generator=g)
+    assert rel_err(experts(hidden, ids, w), reference(small, hidden, ids, w)) < TOLERANCE[method]
+
+
+def test_weights_of_the_wrong_shape_are_refused(weights):
+    gate, up, down = weights
+    with pytest.raises(ValueError, match=r"down weights .* expected \(16, 256, 256\)"):
+        make_experts().load_weights(gate, up, down[:, :128])
+
+
+def test_expert_ids_outside_the_layer_are_refused(experts_for):
+    hidden, ids, w = routing(3)
+    ids[1, 0] = E
+    with pytest.raises(ValueError, match="topk_ids"):
+        experts_for()(hidden, ids, w)
+
+
+def test_gpu_experts_outside_the_layer_are_refused():
+    with pytest.raises(ValueError, match="gpu_experts"):
+        make_experts(gpu_experts=[3, E])
+
+
+# ------------------------------------------------------------------------------------------ correctness
+@pytest.mark.parametrize("tokens", [1, 7, 75])
+@pytest.mark.parametrize("method", METHODS)
+def test_output_matches_torch_reference_within_the_method_tolerance(weights, experts_for, method, tokens):
+    hidden, ids, w = routing(tokens)
+    out = experts_for(method)(hidden, ids, w)
+    assert out.shape == (tokens, H) and out.dtype == torch.bfloat16
+    assert rel_err(out, reference(weights, hidden, ids, w)) < TOLERANCE[method]
+
+
+def test_more_tokens_than_max_tokens_equal_feeding_them_in_chunks(experts_for):
+    experts = experts_for()
+    hidden, ids, w = routing(75)
+    pieces = [experts(hidden[s:s + MAX_TOKENS], ids[s:s + MAX_TOKENS], w[s:s + MAX_TOKENS])
+              for s in range(0, 75, MAX_TOKENS)]
+    assert torch.equal(experts(hidden, ids, w), torch.cat(pieces))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_expert_id_minus_one_contributes_nothing(weights, experts_for, method):
+    hidden, ids, w = routing(40)  # one chunk of 32 and one of 8: both of kt-kernel's code paths
+    ids[:, -1] = -1
+    ids[2, :] = -1
+    out = experts_for(method)(hidden, ids, w)
+    assert rel_err(out, reference(weights, hidden, ids, w)) < TOLERANCE[method]
+    assert not out[2].any()
+
+
+def test_output_has_the_dtype_and_device_of_hidden(experts_for):
+    hidden, ids, w = routing(3)
+    out = experts_for()(hidden.float(), ids.int(), w.double())
+    assert out.dtype == torch.float32 and out.device == hidden.device
+
+
+def test_zero_tokens_give_an_empty_output(experts_for):
+    hidden, ids, w = routing(0)
+    assert experts_for()(hidden, ids, w).shape == (0, H)
+
+
+def test_load_weights_copies_so_the_source_tensors_may_change(weights):
+    mine = tuple(t.clone() for t in weights)
+    experts = loaded(mine)
+    hidden, ids, w = routing(4)
+    before = experts(hidden, ids, w)
+    for t in mine:
+        t.zero_()
+    assert torch.equal(experts(hidden, ids, w), before)
+
+
+def test_hot_experts_in_torch_match_all_experts_in_kt_kernel(weights, experts_for):
+    hidden, ids, w = routing(20)
+    all_cpu = experts_for()(hidden, ids, w)
+    split = loaded(weights, gpu_experts=[0, 3, 9], gpu_device="cpu")(hidden, ids, w)
+    assert rel_err(split, all_cpu.float()) < 0.01
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_hot_experts_leave_the_output_within_the_method_tolerance(weights, method):
+    if method not in supported_methods():
+        pytest.skip(f"{method} not supported here")
+    hidden, ids, w = routing(40)
+    out = loaded(weights, method, gpu_experts=[0, 3, 9], gpu_device="cpu")(hidden, ids, w)
+    assert rel_err(out, reference(weights, hidden, ids, w)) < TOLERANCE[method]
+
+
+def test_llamafile_with_bf16_blocks_is_as_exact_as_bf16(weights):
+    if "LLAMAFILE" not in supported_methods():
+        pytest.skip("LLAMAFILE not supported here")
+    hidden, ids, w = routing(12)
+    out = loaded(weights, "LLAMAFILE", llamafile_type="BF16")(hidden, ids, w)
+    assert rel_err(out, reference(weights, hidden, ids, w)) < TOLERANCE["BF16"]
+
+
+def test_unknown_llamafile_block_type_is_refused():
+    if "LLAMAFILE" not in supported_methods():
+        pytest.skip("LLAMAFILE not supported here")
+    with pytest.raises(ValueError, match="llamafile_type 'Q4_K'"):
+        make_experts("LLAMAFILE", llamafile_type="Q4_K")
+
+
+def test_llamafile_q8_0_blocks_are_the_ones_gguf_writes(weights):
+    gguf = pytest.importorskip("gguf")
+    from engines.kt.experts_cpu import _to_ggml_blocks
+
+    gate = weights[0][:2]
+    expected = gguf.quants.quantize(gate.float().numpy(), gguf.GGMLQuantizationType.Q8_0)
+    assert torch.equal(_to_ggml_blocks(gate, "Q8_0"), torch.from_numpy(expected))
+
+
+def test_submit_then_sync_equals_forward(experts_for):
+    experts = experts_for("AMXINT8" if "AMXINT8" in supported_methods() else "BF16")
+    hidden, ids, w = routing(40)
+    experts.submit(hidden, ids, w)
+    assert torch.equal(experts.sync(), experts(hidden, ids, w))
+
+
+def test_submit_twice_without_sync_is_refused(experts_for):
+    experts = experts_for()
+    hidden, ids, w = routing(2)
+    experts.submit(hidden, ids, w)
+    with pytest.raises(RuntimeError, match="before sync"):
+        experts.submit(hidden, ids, w)
+    experts.sync()
+
+
+def test_forward_works_from_a_thread_other_than_the_creator(experts_for):
+    experts = experts_for()
+    hidden, ids, w = routing(9)
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault("out", experts(hidden, ids, w)))
+    worker.start()
+    worker.join(timeout=60)
+    assert torch.equal(result["out"], experts(hidden, ids, w))
+
+
+# ---------------------------------------------------------------------------------------- weight cache
+QUANTIZED = [m for m in ("AMXINT8", "AMXINT4") if m in supported_methods()]
+
+
+@pytest.mark.parametrize("method", QUANTIZED)
+def test_quantized_weights_round_trip_through_the_cache(weights, tmp_path, method):
+    first = make_experts(method, layer_idx=3)
+    first.load_weights(*weights, cache_dir=tmp_path)
+    second = make_experts(method, layer_idx=3)
+    assert second.load_quantized(tmp_path)
+    hidden, ids, w = routing(11)
+    assert torch.equal(second(hidden, ids, w), first(hidden, ids, w))
+
+
+@pytest.mark.skipif(not QUANTIZED, reason="no quantized method here")
+def test_cache_keeps_the_hot_experts_weights(weights, tmp_path):
+    kwargs = {"gpu_experts": [1, 2], "gpu_device": "cpu"}
+    first = make_experts(QUANTIZED[0], **kwargs)
+    first.load_weights(*weights, cache_dir=tmp_path)
+    second = make_experts(QUANTIZED[0], **kwargs)
+    assert second.load_quantized(tmp_path)
+    hidden, ids, w = routing(11)
+    assert torch.equal(second(hidden, ids, w), first(hidden, ids, w))
+
+
+@pytest.mark.skipif(not QUANTIZED, reason="no quantized method here")
+def test_cache_is_not_used_for_another_shape_layer_or_hot_expert_set(weights, tmp_path):
+    make_experts(QUANTIZED[0]).load_weights(*weights, cache_dir=tmp_path)
+    assert not make_experts(QUANTIZED[0], layer_idx=1).load_quantized(tmp_path)
+    assert not make_experts(QUANTIZED[0], num_experts=8).load_quantized(tmp_path)
+    assert not make_experts(QUANTIZED[0], gpu_experts=[0]).load_quantized(tmp_path)
+
+
+@pytest.mark.skipif(not QUANTIZED, reason="no quantized method here")
+def test_cache_with_a_missing_file_is_not_used(weights, tmp_path):
+    make_experts(QUANTIZED[0]).load_weights(*weights, cache_dir=tmp_path)
+    next((tmp_path / "_layer_0" / "_numa_0").glob("*_down_5_*quant_.kt")).unlink()
+    assert not make_experts(QUANTIZED[0]).load_quantized(tmp_path)
+
+
+def test_bf16_has_nothing_to_cache(weights, tmp_path):
+    make_experts("BF16").load_weights(*weights, cache_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    assert not make_experts("BF16").load_quantized(tmp_path)
