@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from engines.base import EngineConfig, ModelInfo
+from engines.lora.install import LoraModules
+from engines.lora.modules import AdapterRows
 from engines.runtime.llm_engine import LLMEngine
 from engines.runtime.model_runner import ModelRunner, ScheduledChunk
 from engines.runtime.sequence import Sequence
@@ -26,6 +28,7 @@ class HFModelRunner(ModelRunner):
         self.model = model
         self.device = device
         self.max_model_len = max_model_len
+        self.lora = LoraModules(model, model.config.hidden_size)
 
     def execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
         return [self._run_one(chunk) for chunk in chunks]
@@ -38,13 +41,22 @@ class HFModelRunner(ModelRunner):
             seq.runner_state = DynamicCache(config=self.model.config)
         ids = torch.tensor([seq.token_ids[chunk.start:chunk.end]], dtype=torch.long, device=self.device)
         keep = ids.shape[1] if chunk.all_logits else 1
-        out = self.model(input_ids=ids, past_key_values=seq.runner_state, use_cache=True, logits_to_keep=keep)
+        with self.lora.context.step(AdapterRows.uniform(seq.request.adapter)):
+            out = self.model(input_ids=ids, past_key_values=seq.runner_state, use_cache=True, logits_to_keep=keep)
         if not (chunk.all_logits or chunk.samples):
             return None
         return out.logits[0].float().cpu()
 
     def release(self, seq: Sequence) -> None:
         seq.runner_state = None
+
+    def last_hidden_states(self, prompts: list[list[int]], adapter: str | None) -> torch.Tensor:
+        rows = []
+        with self.lora.context.step(AdapterRows.uniform(adapter)):
+            for prompt in prompts:
+                ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+                rows.append(self.model.model(input_ids=ids, use_cache=False).last_hidden_state[0, -1].float().cpu())
+        return torch.stack(rows)
 
 
 class HFEngine(LLMEngine):

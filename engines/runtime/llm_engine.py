@@ -6,7 +6,9 @@ An exception in a step fails only the requests in that step; the thread keeps se
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import queue
 import threading
 import time
 from abc import abstractmethod
@@ -15,8 +17,8 @@ from typing import Any
 import torch
 
 from engines.base import (
-    Engine, EngineConfig, EngineStats, EngineUnavailableError, GenerationOutput, GenerationRequest,
-    InvalidRequestError, ModelInfo, RequestHandle,
+    AdapterInfo, Engine, EngineConfig, EngineStats, EngineUnavailableError, GenerationOutput, GenerationRequest,
+    InvalidRequestError, ModelInfo, NotFoundError, RequestHandle, UnsupportedError,
 )
 from engines.runtime.detokenizer import IncrementalDetokenizer
 from engines.runtime.model_runner import ModelRunner, ScheduledChunk
@@ -44,6 +46,10 @@ class LLMEngine(Engine):
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._stats = EngineStats()
+        # work other threads hand to the generation thread (adapter swaps, scoring), run between steps
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._adapters: Any = None  # engines.lora.manager.AdapterManager, when the runner supports LoRA
+        self._value_head: Any = None  # the model directory's reward head, if it has one
 
     # ------------------------------------------------------------------------------ subclass hook
     @abstractmethod
@@ -56,6 +62,7 @@ class LLMEngine(Engine):
         self._sampler = Sampler(self._tokenizer, self._info.eos_token_ids)
         self._scheduler = Scheduler(self._runner, max_running=self.config.max_concurrent,
                                     max_queue=self.config.max_queue, chunk_size=self.config.chunk_size)
+        self._start_adapters()
         self._thread = threading.Thread(target=self._loop, name=f"{self.name}-generation", daemon=True)
         self._thread.start()
 
@@ -64,6 +71,9 @@ class LLMEngine(Engine):
         self._wakeup.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        while not self._commands.empty():
+            _, future = self._commands.get_nowait()
+            future.set_exception(EngineUnavailableError("the engine is shutting down"))
         for seq in list(self._sequences.values()):
             self._finish(seq, "abort", error="the server is shutting down")
         if self._runner is not None:
@@ -97,6 +107,14 @@ class LLMEngine(Engine):
         if not self.ready or self._scheduler is None:
             raise EngineUnavailableError("the engine is not serving (loading or shutting down)")
         self._validate(request)
+        try:
+            return self._enqueue(request)
+        except Exception:
+            self._release_adapter(request.adapter)
+            raise
+
+    def _enqueue(self, request: GenerationRequest) -> RequestHandle:
+        assert self._scheduler is not None
         loop = asyncio.get_running_loop()
         handle = RequestHandle(request.request_id, loop, self._cancel)
         p = request.sampling
@@ -124,10 +142,87 @@ class LLMEngine(Engine):
         self._validate_adapter(request.adapter)
 
     def _validate_adapter(self, adapter: str | None) -> None:
-        """Engines with adapters override this to raise NotFoundError for unknown names."""
-        if adapter is not None:
-            from engines.base import NotFoundError
+        """NotFoundError for names that are not loaded; a loaded one is counted until the request ends."""
+        if adapter is None:
+            return
+        if self._adapters is None:
             raise NotFoundError(f"adapter {adapter!r} is not loaded", param="model")
+        self._adapters.acquire(adapter)
+
+    def _release_adapter(self, adapter: str | None) -> None:
+        if adapter is not None and self._adapters is not None:
+            self._adapters.release(adapter)
+
+    # ------------------------------------------------------------------------------ adapters and scores
+    def _start_adapters(self) -> None:
+        from engines.lora import value_head
+        from engines.lora.manager import AdapterManager
+
+        assert self._runner is not None and self._info is not None
+        self._value_head = value_head.read(self.config.model_path)
+        self._info.has_value_head = self._value_head is not None
+        modules = getattr(self._runner, "lora", None)
+        if modules is not None:
+            self._adapters = AdapterManager(modules, self.run_on_engine_thread, self._info.id)
+        for name, path in self.config.adapters.items():  # before the thread starts: installed inline
+            info = self.load_adapter(name, path)
+            log.info("adapter %s loaded from %s", info.name, info.path)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return [] if self._adapters is None else self._adapters.list()
+
+    def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        if self._adapters is None:
+            raise UnsupportedError(f"engine {self.name!r} does not serve LoRA adapters")
+        return self._adapters.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        if self._adapters is None:
+            raise NotFoundError(f"adapter {name!r} is not loaded", param="lora_name")
+        self._adapters.unload(name)
+
+    async def score(self, prompts: list[list[int]], adapter: str | None = None) -> list[float]:
+        """The value head (the adapter's, else the model directory's) on each prompt's last final hidden state."""
+        if not self.ready:
+            raise EngineUnavailableError("the engine is not serving (loading or shutting down)")
+        head = self._value_head
+        self._validate_adapter(adapter)
+        try:
+            if adapter is not None:
+                head = self._adapters.value_head(adapter) or head
+            if head is None:
+                raise UnsupportedError("this model has no value head (value_head.safetensors in the model directory "
+                                       "or in a reward adapter's), so it cannot compute reward scores")
+            runner = self._runner
+            hidden = await asyncio.wrap_future(self._command(lambda: runner.last_hidden_states(prompts, adapter)))
+            return [float(v) for v in head(hidden).nan_to_num()]
+        finally:
+            self._release_adapter(adapter)
+
+    def run_on_engine_thread(self, fn):
+        """Run `fn` on the generation thread between two steps and return its result (blocking). Before
+        the thread runs, and on the thread itself, `fn` runs at once."""
+        if self._thread is None or threading.current_thread() is self._thread:
+            return fn()
+        return self._command(fn).result()
+
+    def _command(self, fn) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._thread is None or not self._thread.is_alive():
+            future.set_exception(EngineUnavailableError("the engine is not running"))
+            return future
+        self._commands.put((fn, future))
+        self._wakeup.set()
+        return future
+
+    def _run_commands(self) -> None:
+        while not self._commands.empty():
+            fn, future = self._commands.get_nowait()
+            try:
+                with torch.inference_mode():
+                    future.set_result(fn())
+            except BaseException as exc:  # handed to the waiting caller
+                future.set_exception(exc)
 
     def _cancel(self, request_id: str) -> None:
         with self._cancel_lock:
@@ -138,6 +233,7 @@ class LLMEngine(Engine):
     def _loop(self) -> None:
         assert self._scheduler is not None and self._runner is not None
         while not self._stopping.is_set():
+            self._run_commands()
             self._take_cancellations()
             chunks = self._scheduler.schedule()
             if not chunks:
@@ -230,7 +326,8 @@ class LLMEngine(Engine):
 
     def _finish(self, seq: Sequence, reason: str, *, stop_reason=None, error=None, new_tokens=(),
                 logprobs=None) -> None:
-        self._sequences.pop(seq.id, None)
+        if self._sequences.pop(seq.id, None) is not None:
+            self._release_adapter(seq.request.adapter)
         assert self._scheduler is not None and self._runner is not None
         self._scheduler.remove(seq)
         self._runner.release(seq)

@@ -36,6 +36,7 @@ class ModelRunner(ABC):
 
     max_model_len: int
     chunked_prefill: bool = True  # False: the scheduler feeds a whole prompt in one step
+    lora: object | None = None  # engines.lora.install.LoraModules when the runner serves LoRA adapters
 
     @abstractmethod
     def execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
@@ -46,6 +47,11 @@ class ModelRunner(ABC):
     @abstractmethod
     def release(self, seq: Sequence) -> None:
         """Free whatever the sequence holds (KV cache). Idempotent."""
+
+    def last_hidden_states(self, prompts: list[list[int]], adapter: str | None) -> torch.Tensor:
+        """[len(prompts), hidden] float32: the final (normed) hidden state at each prompt's last token, with
+        `adapter` applied (reward scores). Called on the engine thread."""
+        raise NotImplementedError(f"{type(self).__name__} cannot return hidden states")
 
     def admit(self, seq: Sequence, max_positions: int) -> bool:
         """Reserve KV room for up to `max_positions` positions of `seq`, or return False if there is none

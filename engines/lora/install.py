@@ -1,0 +1,100 @@
+"""Putting adapters into a loaded model: LoRA wrappers replace the targeted modules the first time an
+adapter needs them and stay (a wrapper with no update for the step's adapters costs one dict lookup).
+
+`prepare` (any thread) checks the adapter against the model and moves its tensors to their devices;
+`install` / `remove` (the engine thread, between steps) only swap dictionary entries."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from engines.lora.adapter import LoraAdapter
+from engines.lora.bind import ModelTargets, bind, describe
+from engines.lora.modules import LoraContext, LoraLinear, RouterLora, TorchExpertsLora
+
+_ROUTER = re.compile(r"\.mlp\.gate$")
+
+
+@dataclass
+class PreparedAdapter:
+    linears: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
+    experts: dict[int, Any] = field(default_factory=dict)  # layer -> what the experts module's install takes
+    nbytes: int = 0
+
+
+class LoraModules:
+    """The LoRA wrappers of one model and the context its runner fills for each forward."""
+
+    def __init__(self, model: nn.Module, hidden_size: int):
+        self.model = model
+        self.hidden_size = hidden_size
+        self.context = LoraContext()
+        self._wrapped: dict[str, nn.Module] = {}
+
+    def targets(self) -> ModelTargets:
+        return describe(self.model, self.hidden_size)
+
+    # --------------------------------------------------------------------------- any thread
+    def prepare(self, adapter: LoraAdapter) -> PreparedAdapter:
+        bind(adapter, self.targets())
+        prepared = PreparedAdapter()
+        for name, update in adapter.linears.items():
+            weight = self.model.get_submodule(name).weight
+            a, b = (t.to(weight.device, weight.dtype).contiguous() for t in (update.a, update.b))
+            prepared.linears[name] = (a, b, update.scale)
+            prepared.nbytes += a.numel() * a.element_size() + b.numel() * b.element_size()
+        for layer, updates in adapter.experts.items():
+            module = self._experts_base(layer)
+            if hasattr(module, "prepare_lora"):  # kt-kernel experts lay the update out for their kernel
+                prepared.experts[layer] = module.prepare_lora(updates)
+            else:
+                device, dtype = module.gate_up_proj.device, module.gate_up_proj.dtype
+                prepared.experts[layer] = {p: (u.a.to(device, dtype), u.b.to(device, dtype), u.scale)
+                                           for p, u in updates.items()}
+            prepared.nbytes += sum(u.a.numel() * u.a.element_size() + u.b.numel() * u.b.element_size()
+                                   for u in updates.values())
+        return prepared
+
+    # --------------------------------------------------------------------------- engine thread
+    def install(self, name: str, prepared: PreparedAdapter) -> None:
+        for module_name, update in prepared.linears.items():
+            self._wrapper(module_name).updates[name] = update
+        for layer, update in prepared.experts.items():
+            module = self._experts_base(layer)
+            if hasattr(module, "install_lora"):
+                module.install_lora(name, update, self.context)
+            else:
+                self._wrapper(f"model.layers.{layer}.mlp.experts").updates[name] = update
+
+    def remove(self, name: str) -> None:
+        for wrapper in self._wrapped.values():
+            wrapper.updates.pop(name, None)
+        for module in self.model.modules():
+            if hasattr(module, "remove_lora"):
+                module.remove_lora(name)
+
+    # --------------------------------------------------------------------------- helpers
+    def _experts_base(self, layer: int) -> nn.Module:
+        module = self.model.get_submodule(f"model.layers.{layer}.mlp.experts")
+        return getattr(module, "lora_base", module)
+
+    def _wrapper(self, module_name: str) -> nn.Module:
+        if module_name in self._wrapped:
+            return self._wrapped[module_name]
+        parent_name, _, child = module_name.rpartition(".")
+        parent = self.model.get_submodule(parent_name)
+        base = getattr(parent, child)
+        if child == "experts":
+            kind = TorchExpertsLora
+        elif _ROUTER.search(module_name):
+            kind = RouterLora
+        else:
+            kind = LoraLinear
+        wrapper = kind(base, self.context)
+        setattr(parent, child, wrapper)
+        self._wrapped[module_name] = wrapper
+        return wrapper
