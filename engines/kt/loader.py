@@ -148,3 +148,28 @@ def missing_tensors(model: nn.Module) -> list[str]:
     names = [n for n, p in model.named_parameters() if p.is_meta]
     names += [n for n, b in model.named_buffers() if b.is_meta]
     return names
+
+
+def read_layer_experts(model_path: Path, prefix: str, num_experts: int) -> tuple[torch.Tensor, ...]:
+    """One layer's routed experts straight from the checkpoint, stacked: gate, up [E, I, H], down [E, H, I]
+    (per-expert tensors, or the fused gate_up_proj / down_proj layout)."""
+    from safetensors import safe_open
+
+    parts: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
+    fused: dict[str, torch.Tensor] = {}
+    for path in checkpoint_files(Path(model_path)):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if not name.startswith(prefix + "."):
+                    continue
+                expert = _PER_EXPERT.match(name)
+                if expert and expert.group(1) == prefix:
+                    parts[expert.group(3)][int(expert.group(2))] = f.get_tensor(name)
+                elif name in (f"{prefix}.gate_up_proj", f"{prefix}.down_proj"):
+                    fused[name.rpartition(".")[2]] = f.get_tensor(name)
+    if len(fused) == 2:
+        gate, up = fused["gate_up_proj"].chunk(2, dim=1)
+        return gate, up, fused["down_proj"]
+    if any(len(parts[w]) != num_experts for w in ("gate_proj", "up_proj", "down_proj")):
+        raise ValueError(f"model: routed experts incomplete in the checkpoint for {prefix}")
+    return tuple(torch.stack([parts[w][e] for e in range(num_experts)]) for w in ("gate_proj", "up_proj", "down_proj"))

@@ -23,6 +23,7 @@ from torch import nn
 
 from engines.kt.experts_cpu import RoutedExpertsCPU as _ExpertKernel
 from engines.kt.kv_cache import LatentKVCache
+from engines.lora.modules import MIXED, LoraLinear
 
 _LAYER = re.compile(r"layers\.(\d+)(\.|$)")
 
@@ -44,6 +45,7 @@ class Span:
     start: int
     write_slots: torch.Tensor  # slots of the fed positions
     read_slots: torch.Tensor  # slots of positions [0, start + n)
+    adapter: str | None = None  # the sequence's LoRA adapter
 
 
 @dataclass
@@ -134,10 +136,19 @@ class MLAAttention(nn.Module):
         query_pos = torch.arange(span.start, span.start + span.n, device=device).unsqueeze(1)
         return torch.arange(length, device=device).unsqueeze(0) <= query_pos
 
+    def _kv_b_update(self, span: Span):
+        """The span's adapter's LoRA on kv_b_proj, (A, B, scale), or None."""
+        if not isinstance(self.kv_b_proj, LoraLinear):
+            return None
+        return self.kv_b_proj.updates.get(span.adapter)
+
     def _expanded(self, q_nope, q_pe, latent, k_pe, span: Span) -> torch.Tensor:
         """Expand the cached latents to per-head keys and values (prefill: many queries share them)."""
         length = latent.shape[0]
-        kv = self.kv_b_proj(latent).view(length, self.num_heads, self.nope + self.v_dim)
+        # the cached rows are this span's, whatever the step's other rows are
+        kv = self.kv_b_proj(latent, adapter=span.adapter) if isinstance(self.kv_b_proj, LoraLinear) \
+            else self.kv_b_proj(latent)
+        kv = kv.view(length, self.num_heads, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
@@ -152,11 +163,21 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
         q_latent = torch.einsum("nhd,hdr->hnr", q_nope, w_uk)
+        update = self._kv_b_update(span)
+        if update is not None:  # kv_b + s*B@A, kept factored: B per head [h, nope + v, r], A [r, latent]
+            a, b, scale = update
+            b = b.view(self.num_heads, self.nope + self.v_dim, -1)
+            q_latent = q_latent + scale * torch.einsum("hnk,kr->hnr", torch.einsum("nhd,hdk->hnk", q_nope,
+                                                                                     b[:, :self.nope]), a)
         scores = (torch.einsum("hnr,lr->hnl", q_latent, latent)
                   + torch.einsum("nhd,ld->hnl", q_pe, k_pe)) * self.scaling
         probs = torch.softmax(scores.float(), dim=-1).to(latent.dtype)
         out_latent = torch.einsum("hnl,lr->hnr", probs, latent)
-        return torch.einsum("hnr,hvr->nhv", out_latent, w_uv)
+        out = torch.einsum("hnr,hvr->nhv", out_latent, w_uv)
+        if update is not None:
+            out = out + scale * torch.einsum("hnk,hvk->nhv", torch.einsum("hnr,kr->hnk", out_latent, a),
+                                             b[:, self.nope:])
+        return out
 
 
 # --------------------------------------------------------------------------------------------- experts
@@ -178,15 +199,87 @@ class RoutedExpertsCPU(_ExpertKernel):
 
     KWARGS = frozenset({"device", "method", "gpu_experts", "threads"})
 
-    def __init__(self, *, out_device: str = "cpu", **kwargs: Any):
+    def __init__(self, *, out_device: str = "cpu", checkpoint: str | None = None, **kwargs: Any):
         super().__init__(**kwargs)
         self.out_device = torch.device(out_device)
         self.wait_seconds = 0.0
+        self.checkpoint = checkpoint  # where the LoRA kernel re-reads this layer's base experts from
+        self._lora: Any = None  # engines.kt.expert_lora.ExpertLoraKernel, while an expert-LoRA adapter is in
+        self._lora_context: Any = None
+        self._lora_step: Any = None
 
     @classmethod
     def from_module(cls, module: nn.Module, name: str, config: Any, device: str = "cpu", method: str | None = None,
                     gpu_experts: Any = None, threads: int | None = None, **_: Any) -> "RoutedExpertsCPU":
-        return cls(out_device=device, **_expert_kwargs(name, config, device, method, gpu_experts, threads))
+        return cls(out_device=device, checkpoint=getattr(config, "_name_or_path", None),
+                   **_expert_kwargs(name, config, device, method, gpu_experts, threads))
+
+    # ------------------------------------------------------------------ expert LoRA (engines/kt/expert_lora.py)
+    def prepare_lora(self, updates: dict) -> dict:
+        """Any thread: refuse what the kernels cannot do, and take the update as CPU tensors."""
+        from engines.kt.expert_lora import sft_kernel_class
+        sft_kernel_class(self.method)
+        return {p: (u.a.float().contiguous(), u.b.float().contiguous(), u.scale) for p, u in updates.items()}
+
+    def install_lora(self, name: str, updates: dict, context: Any) -> None:
+        """Engine thread: build (or widen) this layer's shared LoRA kernel and add the adapter to it."""
+        from engines.kt.expert_lora import ExpertLoraKernel, kernel_rank, pad_updates
+        from engines.kt.loader import read_layer_experts
+
+        self._lora_context = context
+        rank = kernel_rank(max(a.shape[1] for a, _, _ in updates.values()))
+        if self._lora is None or rank > self._lora.rank:
+            rank = max(rank, self._lora.rank if self._lora is not None else 0)
+            weights = read_layer_experts(self.checkpoint, f"model.layers.{self.layer_idx}.mlp.experts",
+                                         self.num_experts)
+            kernel = ExpertLoraKernel(layer_idx=self.layer_idx, num_experts=self.num_experts, top_k=self.top_k,
+                                      hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                                      method=self.method, rank=rank, chunk_tokens=self.chunk_tokens,
+                                      threads=self.threads, weights=weights)
+            if self._lora is not None:  # widen the adapters already in: zero columns are exact
+                for other, tensors in self._lora.adapters.items():
+                    kernel.adapters[other] = _widen(tensors, rank)
+            self._lora = kernel
+        self._lora.adapters[name] = pad_updates(updates, self.num_experts, self.intermediate_size,
+                                                self.hidden_size, self._lora.rank)
+
+    def remove_lora(self, name: str) -> None:
+        if self._lora is not None:
+            self._lora.adapters.pop(name, None)
+            if not self._lora.adapters:
+                self._lora = None  # the shared base copy goes with the last adapter
+
+    def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """Rows of adapters with expert LoRA get no expert here (-1: contributes 0); sync() adds them."""
+        names = self._lora_context.active(self._lora.adapters) if self._lora is not None else []
+        self._lora_step = None
+        if names:
+            self._lora_step = (hidden, topk_ids, topk_weights, names)
+            topk_ids = topk_ids.clone()
+            for n in names:
+                rows = self._rows_of(n, topk_ids.device)
+                topk_ids[slice(None) if rows is None else rows] = -1
+        super().submit(hidden, topk_ids, topk_weights)
+
+    def sync(self) -> torch.Tensor:
+        out = super().sync()
+        step, self._lora_step = self._lora_step, None
+        if step is None:
+            return out
+        hidden, ids, weights, names = step
+        for n in names:
+            rows = self._rows_of(n, torch.device("cpu"))
+            pick = (lambda t: t.cpu()) if rows is None else (lambda t: t.cpu().index_select(0, rows))
+            part = self._lora.run(n, pick(hidden), pick(ids), pick(weights)).to(out.device, out.dtype)
+            if rows is None:
+                out = out + part  # the base kernel returned zeros for every row
+            else:
+                out.index_copy_(0, rows.to(out.device), part)
+        return out
+
+    def _rows_of(self, name: str, device: torch.device) -> torch.Tensor | None:
+        rows = self._lora_context.rows
+        return None if rows.single is not MIXED else rows.index(name, device)
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         self.submit(hidden, topk_ids, topk_weights)
@@ -197,6 +290,15 @@ class RoutedExpertsCPU(_ExpertKernel):
         out = self.sync()
         self.wait_seconds += time.perf_counter() - started
         return out.to(self.out_device)
+
+
+def _widen(tensors: tuple[torch.Tensor, ...], rank: int) -> tuple[torch.Tensor, ...]:
+    """Kernel LoRA tensors (A [E, r, in], B [E, out, r] alternating) zero-padded to `rank`."""
+    out = []
+    for i, t in enumerate(tensors):
+        pad = [0, 0, 0, rank - t.shape[1]] if i % 2 == 0 else [0, rank - t.shape[2]]  # F.pad: last dim first
+        out.append(F.pad(t, pad).contiguous())
+    return tuple(out)
 
 
 class MoEWithCPUExperts(nn.Module):

@@ -8,6 +8,8 @@ from torch import nn
 
 from engines.kt.kv_cache import BlockTable, LatentKVCache
 from engines.kt.operators import MLAAttention, MoEWithCPUExperts, RoutedExpertsCPU, Span, StepBatch
+from engines.lora.install import LoraModules
+from engines.lora.modules import AdapterRows
 from engines.runtime.model_runner import ModelRunner, ScheduledChunk
 from engines.runtime.sequence import Sequence
 
@@ -28,6 +30,7 @@ class KTModelRunner(ModelRunner):
         self._experts = [m for m in model.modules() if isinstance(m, RoutedExpertsCPU)]
         self.embed_device = self.inner.embed_tokens.weight.device
         self.head_device = model.lm_head.weight.device
+        self.lora = LoraModules(model, model.config.hidden_size)
 
     # ------------------------------------------------------------------------ cache bookkeeping
     @staticmethod
@@ -52,27 +55,53 @@ class KTModelRunner(ModelRunner):
 
     # ------------------------------------------------------------------------ the step
     def execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
-        spans, ids, positions = [], [], []
-        row = 0
+        pieces = []
         for chunk in chunks:
             table = self._table(chunk.seq)
             self.cache.ensure(table, chunk.end)
-            spans.append(Span(row=row, n=chunk.num_tokens, start=chunk.start,
-                              write_slots=self.cache.slots(table, chunk.start, chunk.end),
-                              read_slots=self.cache.slots(table, 0, chunk.end)))
-            ids.extend(chunk.seq.token_ids[chunk.start:chunk.end])
-            positions.append(torch.arange(chunk.start, chunk.end))
-            row += chunk.num_tokens
+            pieces.append((table, chunk.seq.token_ids, chunk.start, chunk.end, chunk.seq.request.adapter))
+        spans, hidden = self._forward(pieces)
+        return self._logits(chunks, spans, hidden)
+
+    def _forward(self, pieces: list[tuple]) -> tuple[list[Span], torch.Tensor]:
+        """One forward over (block table, token ids, start, end, adapter) pieces; the last hidden states."""
+        spans, ids, positions = [], [], []
+        row = 0
+        for table, tokens, start, end, adapter in pieces:
+            spans.append(Span(row=row, n=end - start, start=start, write_slots=self.cache.slots(table, start, end),
+                              read_slots=self.cache.slots(table, 0, end), adapter=adapter))
+            ids.extend(tokens[start:end])
+            positions.append(torch.arange(start, end))
+            row += end - start
         batch = StepBatch(spans=spans, positions=torch.cat(positions), cache=self.cache,
                           rotary=self.inner.rotary_emb)
-        hidden = self.inner.embed_tokens(torch.tensor(ids, device=self.embed_device))
-        for layer, device in zip(self.layers, self.layer_devices):
-            hidden = hidden.to(device)
-            residual = hidden
-            hidden = residual + layer.self_attn(layer.input_layernorm(hidden), batch)
-            residual = hidden
-            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self._logits(chunks, spans, hidden)
+        rows = AdapterRows([(s.adapter, s.row, s.n) for s in spans])
+        with self.lora.context.step(rows):
+            hidden = self.inner.embed_tokens(torch.tensor(ids, device=self.embed_device))
+            for layer, device in zip(self.layers, self.layer_devices):
+                hidden = hidden.to(device)
+                residual = hidden
+                hidden = residual + layer.self_attn(layer.input_layernorm(hidden), batch)
+                residual = hidden
+                hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        return spans, hidden
+
+    def last_hidden_states(self, prompts: list[list[int]], adapter: str | None) -> torch.Tensor:
+        """Each prompt in its own forward over borrowed cache blocks, freed at once."""
+        from engines.base import EngineUnavailableError
+
+        rows = []
+        for prompt in prompts:
+            table = BlockTable()
+            if not self.cache.reserve(table, len(prompt)):
+                raise EngineUnavailableError("no KV cache room to score this prompt now; retry later")
+            try:
+                self.cache.ensure(table, len(prompt))
+                _, hidden = self._forward([(table, prompt, 0, len(prompt), adapter)])
+                rows.append(self.inner.norm(hidden[-1:].to(self.head_device))[0].float().cpu())
+            finally:
+                self.cache.release(table)
+        return torch.stack(rows)
 
     def _logits(self, chunks: list[ScheduledChunk], spans: list[Span], hidden: torch.Tensor):
         wanted: list[torch.Tensor] = []
