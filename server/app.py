@@ -13,6 +13,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engines.base import Engine
+from server.adapters.router import router as adapters_router
 from server.auth import require_api_key
 from server.chat.router import router as chat_router
 from server.chat.serving import ChatServing
@@ -97,6 +98,7 @@ def create_app(settings: Settings, engine: Engine, *, load_engine: bool = True) 
     app.include_router(health_router)
     for router in (models_router, chat_router, completions_router):
         app.include_router(router, dependencies=protected)
+    app.include_router(adapters_router, dependencies=protected)  # LoRA load/unload, reward scores
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"])

@@ -1,0 +1,17 @@
+"""POST /v1/score/evaluation (LLaMA-Factory's API)."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from server.score.protocol import ScoreEvaluationRequest
+from server.score.serving import ScoreServing
+
+router = APIRouter()
+
+
+@router.post("/v1/score/evaluation")
+async def create_score_evaluation(body: ScoreEvaluationRequest, request: Request):
+    app = request.app
+    if getattr(app.state, "score", None) is None:
+        app.state.score = ScoreServing(app.state.engine)
+    return await app.state.score.create(body)
