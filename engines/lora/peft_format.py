@@ -147,7 +147,8 @@ def read(directory: Path) -> LoraAdapter:
         if set(ab) != {"A", "B"}:
             raise AdapterFormatError(f"{directory}: {next(iter(ab.values()))[0]} has no matching "
                                      f"lora_{'B' if 'A' in ab else 'A'} tensor")
-        (source, a), (_, b) = ab["A"], ab["B"]
+        (key_a, a), (key_b, b) = ab["A"], ab["B"]
+        source = key_a.replace("lora_A", "lora_{A,B}") if key_b == key_a.replace("lora_A", "lora_B") else key_a
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
             raise AdapterFormatError(f"{source}: LoRA A {list(a.shape)} and B {list(b.shape)} do not chain")
         if fused := _FUSED_EXPERTS.match(module):
