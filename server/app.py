@@ -1,7 +1,8 @@
 """The FastAPI application: routes, auth, error mapping, body limits, and the engine's lifetime.
 
 The model loads in a worker thread after the server starts listening, so `/health` answers 503 while it
-loads instead of the port being closed; a load failure is reported there and in the log."""
+loads instead of the port being closed; a load failure is reported there and in the log. Shutdown drains
+first (server/shutdown.py); the engine stops after the server has stopped."""
 from __future__ import annotations
 
 import asyncio
@@ -21,8 +22,12 @@ from server.completions.router import router as completions_router
 from server.completions.serving import CompletionServing
 from server.errors import error_body, install_error_handlers
 from server.health import router as health_router
+from server.metrics import Metrics
+from server.metrics import router as metrics_router
+from server.middleware import RequestTracking
 from server.models.router import router as models_router
 from server.settings import Settings
+from server.shutdown import Drain, refuse_while_draining
 
 log = logging.getLogger("ktserve.server")
 
@@ -90,19 +95,24 @@ def create_app(settings: Settings, engine: Engine, *, load_engine: bool = True) 
     app.state.settings = settings
     app.state.engine = engine
     app.state.load_error = None
-    app.state.draining = False
+    app.state.drain = Drain(settings.graceful_timeout)
+    app.state.metrics = Metrics(engine)
     app.state.chat = ChatServing(engine, settings.request_timeout)
     app.state.completions = CompletionServing(engine, settings.request_timeout)
     install_error_handlers(app)
-    protected = [Depends(require_api_key)]
+    key_required = [Depends(require_api_key)]
+    protected = [Depends(refuse_while_draining), *key_required]
     app.include_router(health_router)
+    app.include_router(metrics_router, dependencies=[] if settings.metrics_public else key_required)
     for router in (models_router, chat_router, completions_router):
         app.include_router(router, dependencies=protected)
     app.include_router(adapters_router, dependencies=protected)  # LoRA load/unload, reward scores
+    # The last middleware added runs first: request tracking sees every answer, CORS and 413s included.
+    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
-                           allow_headers=["*"])
-    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
+                           allow_headers=["*"], expose_headers=["X-Request-Id", "Retry-After"])
+    app.add_middleware(RequestTracking, metrics=app.state.metrics, drain=app.state.drain)
     return app
 
 

@@ -32,6 +32,10 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--max-queue", type=int, help="waiting requests beyond which new ones get 429")
     p.add_argument("--max-model-len", type=int, help="context length limit (LLaMA-Factory: kt_maxlen)")
     p.add_argument("--request-timeout", type=float, help="seconds before a request is ended with an error")
+    p.add_argument("--graceful-timeout", type=float,
+                   help="on SIGTERM, seconds in-flight requests get to finish before they are ended (default 30)")
+    p.add_argument("--metrics-public", action="store_const", const=True,
+                   help="serve /metrics without the API key")
     p.add_argument("--max-body-bytes", type=int, help="largest accepted request body")
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N (huggingface engine)")
     p.add_argument("--dtype", help="auto | bfloat16 | float16 | float32")
@@ -53,9 +57,9 @@ def _serve_parser(sub: Any) -> None:
 
 def _cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
     keys = ["model", "served_model_name", "engine", "host", "port", "api_key", "max_concurrent", "max_queue",
-            "max_model_len", "request_timeout", "max_body_bytes", "device", "dtype", "template",
-            "kt_optimize_rule", "cpu_infer", "chunk_size", "kt_method", "kt_weight_cache", "reasoning_parser",
-            "cors_origins", "log_format", "log_level"]
+            "max_model_len", "request_timeout", "graceful_timeout", "metrics_public", "max_body_bytes", "device",
+            "dtype", "template", "kt_optimize_rule", "cpu_infer", "chunk_size", "kt_method", "kt_weight_cache",
+            "reasoning_parser", "cors_origins", "log_format", "log_level"]
     out = {k: getattr(args, k) for k in keys}
     if args.adapter:
         out["adapters"] = dict(args.adapter)
@@ -71,6 +75,7 @@ def serve(args: argparse.Namespace) -> int:
     from server.app import create_app
     from server.logs import configure_logging
     from server.settings import SettingsError, load_settings
+    from server.shutdown import FLUSH_SECONDS, DrainingServer
 
     try:
         settings = load_settings(args.config, _cli_overrides(args))
@@ -91,9 +96,10 @@ def serve(args: argparse.Namespace) -> int:
         print(f"ktserve: {exc}", file=sys.stderr)
         return 2
     app = create_app(settings, engine)
+    # The drain has already waited for the requests; uvicorn's own wait only has idle connections to close.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
-                            timeout_keep_alive=5, timeout_graceful_shutdown=int(settings.graceful_timeout))
-    server = uvicorn.Server(config)
+                            timeout_keep_alive=5, timeout_graceful_shutdown=int(FLUSH_SECONDS))
+    server = DrainingServer(config, app.state.drain)
     app.state.on_load_failure = lambda: setattr(server, "should_exit", True)
     server.run()
     return 1 if app.state.load_error else 0

@@ -12,7 +12,7 @@ router = APIRouter()
 @router.get("/health")
 async def health(request: Request):
     state = request.app.state
-    if getattr(state, "draining", False):
+    if state.drain.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
     if state.load_error is not None:
         return JSONResponse({"status": "failed", "error": state.load_error}, status_code=503)

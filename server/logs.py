@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 
@@ -21,11 +22,14 @@ def configure_logging(fmt: str = "text", level: str = "info") -> None:
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(JSONFormatter())
+        # Every stderr line must parse: no progress bars (transformers reads this when it is first imported).
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    logging.captureWarnings(True)  # library warnings become log records in the chosen format
     for name in ("uvicorn", "uvicorn.error"):
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True

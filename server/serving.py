@@ -14,6 +14,7 @@ from fastapi import Request
 from sse_starlette.sse import EventSourceResponse
 
 from engines.base import Engine, GenerationOutput, GenerationRequest, NotFoundError, RequestHandle, SamplingParams
+from server.tracking import current_tracker
 
 DISCONNECT_POLL_SECONDS = 0.25
 
@@ -36,7 +37,10 @@ def resolve_adapter(engine: Engine, model: str | None) -> str | None:
 
 def submit_choices(engine: Engine, prompt: list[int], params: list[SamplingParams], adapter: str | None,
                    request_id: str, processors: Callable[[int], Any] | None = None) -> list[RequestHandle]:
-    """Submit one engine request per choice; if one is refused, cancel the ones already queued."""
+    """Submit one engine request per choice; if one is refused, cancel the ones already queued. The handles
+    come back wrapped so the request's tracker sees their deltas."""
+    tracker = current_tracker()
+    tracker.model = adapter or engine.info.id
     handles: list[RequestHandle] = []
     try:
         for i, p in enumerate(params):
@@ -47,7 +51,7 @@ def submit_choices(engine: Engine, prompt: list[int], params: list[SamplingParam
         for h in handles:
             h.cancel()
         raise
-    return handles
+    return tracker.track(handles, len(prompt))  # type: ignore[return-value]  # a RequestHandle in all but name
 
 
 async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, GenerationOutput]]:
@@ -83,16 +87,23 @@ async def collect(request: Request, handles: list[RequestHandle], timeout: float
     """Wait for every choice, cancelling the engine work if the client disconnects or time runs out."""
     from server.errors import APIError
 
+    tracker = current_tracker()
     results = asyncio.gather(*(h.result() for h in handles))
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while True:
             done, _ = await asyncio.wait({results}, timeout=DISCONNECT_POLL_SECONDS)
             if done:
-                return results.result()
+                outputs = results.result()
+                if any(o.error is not None and o.error == tracker.shutdown_message for o in outputs):
+                    raise APIError(503, tracker.shutdown_message, type="service_unavailable",
+                                   code="server_shutdown", headers={"Retry-After": "5"})
+                return outputs
             if await request.is_disconnected():
+                tracker.error = "client_disconnected"
                 raise asyncio.CancelledError("client disconnected")
             if deadline is not None and time.monotonic() > deadline:
+                tracker.error = "request_timeout"
                 raise APIError(408, f"the request did not finish within {timeout:g} seconds",
                                type="timeout_error", code="request_timeout")
     finally:
@@ -105,13 +116,20 @@ def sse_response(events: AsyncIterator[dict[str, Any]], handles: list[RequestHan
                  headers: dict[str, str] | None = None) -> EventSourceResponse:
     """Stream JSON chunks as `data:` lines and end with `data: [DONE]`. sse-starlette cancels the
     generator when the client disconnects; cancelling the handles then frees the engine's work."""
+    tracker = current_tracker()
 
     async def body() -> AsyncIterator[dict[str, str]]:
+        complete = False
         try:
             async for chunk in events:
+                if "error" in chunk:
+                    chunk = tracker.stream_error(chunk)
                 yield {"data": json.dumps(chunk, ensure_ascii=False)}
             yield {"data": "[DONE]"}
+            complete = True
         finally:
+            if not complete:
+                tracker.error = tracker.error or "client_disconnected"
             cancel_all(handles)
 
     return EventSourceResponse(body(), sep="\n", ping=15, headers=headers)

@@ -1,0 +1,106 @@
+"""GET /metrics: Prometheus text format, one registry per app (several servers can share a process).
+
+Request-side numbers come from each request's tracker when it ends; engine-side numbers (queue lengths,
+KV cache, step time) are read from `engine.stats()` at scrape time, so they are never stale.
+
+The share of step time the KT engine spends waiting on its CPU experts is
+`rate(ktserve_engine_expert_wait_seconds_total[5m]) / rate(ktserve_engine_step_seconds_total[5m])`."""
+from __future__ import annotations
+
+from typing import Iterator
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engines.base import Engine
+from server import __version__
+from server.tracking import RequestTracker
+
+# CPU-offloaded experts make prefill slow on big models: first tokens can take tens of seconds.
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5)
+
+router = APIRouter()
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+class Metrics:
+    def __init__(self, engine: Engine):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("ktserve_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=r)
+        self.latency = Histogram("ktserve_request_duration_seconds", "Seconds from arrival to the last byte",
+                                 ["route"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("ktserve_time_to_first_token_seconds",
+                              "Seconds from a request's arrival to the first token of each of its choices",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("ktserve_time_per_output_token_seconds",
+                              "Mean seconds per token after the first, per choice", buckets=TPOT_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("ktserve_prompt_tokens", "Prompt tokens of requests that were served",
+                                     registry=r)
+        self.generation_tokens = Counter("ktserve_generation_tokens", "Output tokens the model produced",
+                                         registry=r)
+        self.finished = Counter("ktserve_choices_finished", "Choices by how they ended: the engine's finish "
+                                "reason, or request_timeout / client_disconnected / server_shutdown",
+                                ["finish_reason"], registry=r)
+        r.register(EngineCollector(engine))
+
+    def observe(self, t: RequestTracker) -> None:
+        self.requests.labels(t.route, str(t.status)).inc()
+        self.latency.labels(t.route).observe(t.duration)
+        if not t.handles:
+            return
+        self.prompt_tokens.inc(t.prompt_tokens)
+        self.generation_tokens.inc(t.output_tokens)
+        for handle, reason in zip(t.handles, t.finish_reasons()):
+            self.finished.labels(reason).inc()
+            if handle.first_token_at is not None:
+                self.ttft.observe(handle.first_token_at - t.start)
+            tpot = handle.time_per_output_token()
+            if tpot is not None:
+                self.tpot.observe(tpot)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineCollector(Collector):
+    """Engine state, read when scraped."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def describe(self) -> list[Metric]:
+        return []  # nothing to read before the engine loads; the names appear at the first scrape
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self.engine
+        s = engine.stats()
+        model = engine.info.id if engine.ready else ""
+        info = GaugeMetricFamily("ktserve_info", "What is serving", labels=["version", "engine", "model"])
+        info.add_metric([__version__, engine.name, model], 1)
+        yield info
+        yield GaugeMetricFamily("ktserve_requests_running", "Engine requests (one per choice) generating now",
+                                value=s.running)
+        yield GaugeMetricFamily("ktserve_requests_waiting", "Engine requests (one per choice) queued to start",
+                                value=s.waiting)
+        yield GaugeMetricFamily("ktserve_kv_cache_used_tokens", "KV cache positions in use", value=s.kv_used_tokens)
+        yield GaugeMetricFamily("ktserve_kv_cache_total_tokens", "KV cache capacity in positions (0: unbounded)",
+                                value=s.kv_total_tokens)
+        if s.kv_total_tokens:
+            yield GaugeMetricFamily("ktserve_kv_cache_usage_ratio", "Share of the KV cache in use",
+                                    value=s.kv_used_tokens / s.kv_total_tokens)
+        yield CounterMetricFamily("ktserve_engine_steps", "Model steps run", value=s.steps)
+        yield CounterMetricFamily("ktserve_engine_step_seconds", "Seconds the engine spent in model steps",
+                                  value=s.step_seconds)
+        yield CounterMetricFamily("ktserve_engine_expert_wait_seconds",
+                                  "Seconds of model steps spent waiting on CPU experts (ktransformers engine)",
+                                  value=s.expert_wait_seconds)

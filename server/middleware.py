@@ -1,0 +1,77 @@
+"""The outermost middleware: every HTTP request gets an id and a tracker, and on its way out is recorded
+once — in the metrics and in one log line. It also keeps the set of requests in flight that a drain waits
+for.
+
+The log line carries no headers and no query string, so an API key never reaches the log."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.metrics import Metrics
+from server.shutdown import Drain
+from server.tracking import UNMATCHED, RequestTracker, begin, end, request_id_from
+
+log = logging.getLogger("ktserve.requests")
+
+# Probes and scrapes are logged at debug level, so a probe every few seconds does not bury the requests.
+SERVICE_ROUTES = frozenset({"/health", "/version", "/metrics"})
+
+
+class RequestTracking:
+    def __init__(self, app: ASGIApp, *, metrics: Metrics, drain: Drain):
+        self.app, self.metrics, self.drain = app, metrics, drain
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        tracker = RequestTracker(request_id_from(Headers(scope=scope).get("x-request-id")), scope["method"],
+                                 scope["path"])
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                tracker.status = message["status"]
+                MutableHeaders(scope=message).append("X-Request-Id", tracker.request_id)
+            await send(message)
+
+        token = begin(tracker)
+        self.drain.in_flight.add(tracker)
+        try:
+            await self.app(scope, receive, send_with_id)
+        except asyncio.CancelledError:
+            tracker.status = tracker.status or 499  # the client went away before an answer began
+            tracker.error = tracker.error or "client_disconnected"
+            raise
+        except Exception:
+            tracker.status = tracker.status or 500
+            raise
+        finally:
+            end(token)
+            self.drain.in_flight.discard(tracker)
+            tracker.end = time.monotonic()
+            tracker.route = route_template(scope)
+            self.metrics.observe(tracker)
+            log_request(tracker)
+
+
+def route_template(scope: Scope) -> str:
+    """The path template of the route that served the request (`/v1/models`), never the raw path, so the
+    metrics' label values stay few whatever paths clients try."""
+    return getattr(scope.get("route"), "path", None) or UNMATCHED
+
+
+def log_request(t: RequestTracker) -> None:
+    fields = t.summary()
+    text = f"{t.method} {t.path} {t.status} {t.duration:.3f}s id={t.request_id}"
+    if t.model is not None:
+        ttft = "-" if fields["ttft_s"] is None else f"{fields['ttft_s']:.3f}s"
+        text += (f" model={t.model} prompt_tokens={t.prompt_tokens} output_tokens={t.output_tokens} ttft={ttft}"
+                 f" finish={','.join(fields['finish_reasons'])}")
+    if t.error is not None:
+        text += f" error={t.error}"
+    level = logging.DEBUG if t.route in SERVICE_ROUTES else logging.INFO
+    log.log(level, "%s", text, extra={"fields": fields})
