@@ -121,6 +121,26 @@ class _Pending:
     gpu_part: torch.Tensor | None
 
 
+@dataclass(slots=True)
+class _StreamBuffers:
+    """Pinned host buffers kt-kernel reads and writes, and the device buffer the output returns to."""
+
+    x: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor
+    out: torch.Tensor
+    size: torch.Tensor
+    out_device: torch.Tensor
+
+
+@dataclass(slots=True)
+class _StreamPending:
+    tokens: int
+    dtype: torch.dtype
+    stream: "torch.cuda.Stream"
+    gpu_part: torch.Tensor | None
+
+
 def _check_config(method: str, *, threads: int | None, activation: str, llamafile_type: str,
                   **sizes: int) -> None:
     """ValueError (ExpertsUnsupportedError for the method) naming whatever the arguments get wrong."""
@@ -178,6 +198,7 @@ class RoutedExpertsCPU(nn.Module):
         self._kernel = None
         self._pool = None
         self._staging: tuple[torch.Tensor, ...] | None = None
+        self._stream_staging: _StreamBuffers | None = None
         self._pending: _Pending | None = None
         self._lock = threading.Lock()
 
@@ -331,6 +352,8 @@ class RoutedExpertsCPU(nn.Module):
     def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         """Start the CPU work and return; the hot experts (if any) are computed meanwhile on gpu_device."""
         tokens = self._check_inputs(hidden, topk_ids, topk_weights)
+        if self._can_use_stream(hidden, tokens):
+            return self._submit_on_stream(hidden, topk_ids, topk_weights, tokens)
         with self._lock:
             if self._kernel is None:
                 raise RuntimeError(f"experts of layer {self.layer_idx} have no weights yet; call load_weights")
@@ -365,6 +388,8 @@ class RoutedExpertsCPU(nn.Module):
             pending, self._pending = self._pending, None
             if pending is None:
                 raise RuntimeError(f"experts of layer {self.layer_idx}: sync called without submit")
+            if isinstance(pending, _StreamPending):
+                return self._sync_on_stream(pending)
             if pending.tokens:
                 self._pool.sync()
             out = pending.staged[3]
@@ -373,6 +398,59 @@ class RoutedExpertsCPU(nn.Module):
                 return result.to(pending.device, pending.dtype)
             # copy=True: the staging buffer is reused by the next submit
             return out.to(pending.device, pending.dtype, copy=True)
+
+    # ------------------------------------------------------------------------ GPU: stream-ordered path
+    # With the hidden states on a CUDA device, nothing here blocks the Python thread: the copies into
+    # pinned buffers, the start of the CPU work, the wait for it and the copy back are all queued on the
+    # current CUDA stream (kt-kernel runs the CPU task from a stream callback). The GPU meanwhile runs
+    # whatever was queued after submit (the shared experts), and Python can queue the next layers. This
+    # also matters because kt-kernel's blocking sync() spins while holding the GIL.
+    def _can_use_stream(self, hidden: torch.Tensor, tokens: int) -> bool:
+        return (hidden.is_cuda and self.method != "LLAMAFILE" and 0 < tokens <= self.chunk_tokens
+                and self._kernel is not None)
+
+    def _stream_buffers(self, device: torch.device) -> "_StreamBuffers":
+        buffers = self._stream_staging
+        if buffers is None or buffers.out_device.device != device:
+            rows = self.chunk_tokens
+
+            def pinned(cols: int, dtype: torch.dtype) -> torch.Tensor:
+                return torch.zeros(rows, cols, dtype=dtype, device="cpu", pin_memory=True)
+            buffers = _StreamBuffers(
+                x=pinned(self.hidden_size, torch.bfloat16), ids=pinned(self.top_k, torch.int64),
+                weights=pinned(self.top_k, torch.float32), out=pinned(self.hidden_size, torch.bfloat16),
+                size=torch.zeros(1, dtype=torch.int32, device="cpu", pin_memory=True),
+                out_device=torch.empty(rows, self.hidden_size, dtype=torch.bfloat16, device=device))
+            self._stream_staging = buffers
+        return buffers
+
+    def _submit_on_stream(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                          tokens: int) -> None:
+        with self._lock:
+            if self._pending is not None:
+                raise RuntimeError(f"experts of layer {self.layer_idx}: submit called again before sync")
+            b = self._stream_buffers(hidden.device)
+            stream = torch.cuda.current_stream(hidden.device)
+            b.x[:tokens].copy_(hidden, non_blocking=True)
+            b.ids[:tokens].copy_(topk_ids, non_blocking=True)
+            b.weights[:tokens].copy_(topk_weights, non_blocking=True)
+            # The host writes the token count now; the previous step's task that read it has finished,
+            # because each step ends by reading its logits back, which waits for the whole stream.
+            b.size[0] = tokens
+            self._pool.submit_with_cuda_stream(stream.cuda_stream, self._kernel.forward_task(
+                b.size.data_ptr(), self.top_k, b.ids.data_ptr(), b.weights.data_ptr(), b.x.data_ptr(),
+                b.out.data_ptr(), False))
+            gpu_part = self._hot_experts(hidden, topk_ids, topk_weights) if self._gpu_weights else None
+            self._pending = _StreamPending(tokens, hidden.dtype, stream, gpu_part)
+
+    def _sync_on_stream(self, pending: "_StreamPending") -> torch.Tensor:
+        b = self._stream_staging
+        self._pool.sync_with_cuda_stream(pending.stream.cuda_stream, 0)
+        out = b.out_device[:pending.tokens]
+        out.copy_(b.out[:pending.tokens], non_blocking=True)
+        if pending.gpu_part is not None:
+            return (out.float() + pending.gpu_part).to(pending.dtype)
+        return out.to(pending.dtype)
 
     def _check_inputs(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> int:
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:

@@ -1,0 +1,100 @@
+"""The KT engine with attention on CUDA and routed experts on the CPU (run on a GPU machine: pytest -m gpu).
+
+Prints the demo model's decode speed; asserts only agreement, never time."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+import torch
+
+from conftest import start_server
+from helpers import chat_prompt_ids, forward_logprobs, greedy_reference
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+# bf16 attention on the GPU adds its rounding to kt-kernel's; measured figures go in the issue note
+GPU_MIN_TOP1_AGREEMENT = 0.95
+GPU_MEDIAN_LOGPROB_DIFF = 0.05
+TEXT = ("The history of the river begins in the mountains, where snow melts each spring and feeds a hundred "
+        "small streams. They join in the valley, turn the old mills and slow down in the plain. ") * 6
+
+
+@pytest.fixture(scope="module")
+def kt_gpu(demo_model_dir):
+    running = start_server(demo_model_dir, engine="ktransformers", kt_method="BF16")
+    yield running
+    running.stop()
+
+
+def test_stream_ordered_experts_equal_the_blocking_path():
+    from engines.kt.experts_cpu import RoutedExpertsCPU
+
+    torch.manual_seed(0)
+    experts = RoutedExpertsCPU(layer_idx=90, num_experts=16, top_k=4, hidden_size=256, intermediate_size=256,
+                               method="BF16", max_tokens=64)
+    experts.load_weights(*(torch.randn(16, 256, 256, dtype=torch.bfloat16) * 0.05 for _ in range(3)))
+    hidden = torch.randn(9, 256, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(16)[:4] for _ in range(9)])
+    weights = torch.rand(9, 4)
+    on_cpu = experts(hidden, ids, weights)
+    on_gpu = experts(hidden.cuda(), ids.cuda(), weights.cuda())
+    torch.cuda.synchronize()
+    assert on_gpu.is_cuda
+    assert torch.equal(on_gpu.cpu(), on_cpu)
+
+
+def test_attention_runs_on_the_gpu_and_experts_on_the_cpu(kt_gpu):
+    runner = kt_gpu.engine._runner
+    assert all(d.type == "cuda" for d in runner.layer_devices)
+    assert runner._experts, "no routed experts were placed in kt-kernel"
+
+
+def test_gpu_prompt_logprobs_agree_with_transformers(kt_gpu, tokenizer, reference_model):
+    ids = tokenizer.encode(tokenizer.decode(tokenizer.encode(TEXT)[:300], skip_special_tokens=True))
+    reply = kt_gpu.openai().completions.create(model=kt_gpu.engine.info.id, prompt=tokenizer.decode(
+        ids, skip_special_tokens=True), max_tokens=0, echo=True, logprobs=1)
+    lp = reply.choices[0].logprobs
+    reference = forward_logprobs(reference_model, ids)
+    diffs = sorted(abs(lp.token_logprobs[i] - float(reference[i - 1, ids[i]])) for i in range(1, len(ids)))
+    agree = sum(max(lp.top_logprobs[i], key=lp.top_logprobs[i].get) ==
+                tokenizer.decode([int(reference[i - 1].argmax())]) for i in range(1, len(ids))) / (len(ids) - 1)
+    print(json.dumps({"gpu_median_logprob_diff": diffs[len(diffs) // 2], "gpu_top1_agreement": agree}))
+    assert diffs[len(diffs) // 2] < GPU_MEDIAN_LOGPROB_DIFF
+    assert agree >= GPU_MIN_TOP1_AGREEMENT
+
+
+def test_gpu_greedy_tokens_agree_with_transformers(kt_gpu, tokenizer, reference_model):
+    messages = [{"role": "user", "content": "Tell me about rivers."}]
+    reply = kt_gpu.openai().chat.completions.create(model=kt_gpu.engine.info.id, messages=messages,
+                                                    temperature=0, max_tokens=32, logprobs=True)
+    served = [e.token for e in reply.choices[0].logprobs.content]
+    expected = greedy_reference(reference_model, chat_prompt_ids(tokenizer, messages), 32)
+    same = next((i for i, (a, b) in enumerate(zip(served, [tokenizer.decode([t]) for t in expected])) if a != b), 32)
+    print(json.dumps({"gpu_greedy_identical_prefix": same}))
+    assert same >= 16
+
+
+def test_demo_decode_speed_is_reported(kt_gpu):
+    from engines.base import GenerationRequest, SamplingParams
+
+    async def decode() -> dict:
+        prompt = kt_gpu.engine.tokenizer.encode("Hello")
+        handle = kt_gpu.engine.submit(GenerationRequest(prompt_token_ids=prompt, sampling=SamplingParams(
+            max_tokens=128, temperature=0, ignore_eos=True)))
+        first = last = None
+        count = 0
+        async for out in handle:
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            count += len(out.token_ids)
+        return {"demo_decode_tokens_per_s": (count - 1) / (last - first)}
+
+    figures = asyncio.run(asyncio.wait_for(decode(), timeout=120))
+    print(json.dumps(figures))
+    assert figures["demo_decode_tokens_per_s"] > 0
+
