@@ -1,0 +1,59 @@
+"""The CPU memory-bandwidth ceiling on decode speed with CPU experts.
+
+Decoding one token reads every chosen routed expert's weights once: (MoE layers) x top_k x 3 matrices of
+hidden x moe_intermediate weights, at 1 byte (INT8), 0.5 (INT4) or 2 (BF16) per weight. Those bytes over
+the CPU's memory bandwidth bound batch-1 decode from above (BASELINES.md). Bandwidth is measured as
+BASELINES.md did: a large float32 copy with torch on the kt-kernel thread count, counting bytes read plus
+bytes written; a read-only pass (a sum) is reported beside it."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from bench.report import fig
+from bench.shapes import Shape
+
+BYTES_PER_WEIGHT = {"AMXINT8": 1.0, "AMXINT4": 0.5, "BF16": 2.0}
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up: page faults and thread start-up stay out of the timing
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def measure_cpu_bandwidth(shape: Shape, threads: int, nbytes: int, repeats: int = 10) -> dict:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_(-1, 1)  # not zeros: see METHOD.md
+        dst = torch.empty_like(src)
+        copy_s = _median_seconds(lambda: dst.copy_(src), repeats)
+        read_s = _median_seconds(lambda: src.sum(), repeats)
+    finally:
+        torch.set_num_threads(previous)
+    copy_bw = 2 * nbytes / copy_s / 1e9
+    result = {
+        "threads": threads, "buffer": fig(nbytes / 1e9, "GB"),
+        "copy_bandwidth": fig(copy_bw, "GB/s", note="torch float32 copy, bytes read + bytes written, median"),
+        "read_bandwidth": fig(nbytes / read_s / 1e9, "GB/s", note="torch float32 sum, bytes read, median"),
+        "expert_bytes_per_token": {}, "ceiling": {},
+    }
+    for method, bpw in BYTES_PER_WEIGHT.items():
+        per_token = shape.routed_expert_bytes_per_token(bpw)
+        result["expert_bytes_per_token"][method] = fig(per_token / 1e9, "GB")
+        result["ceiling"][method] = fig(copy_bw * 1e9 / per_token, "tok/s",
+                                        note="copy bandwidth / routed-expert bytes per token, batch 1")
+    return result
+
+
+def ceiling_for(cpu_bandwidth: dict | None, method: str) -> float | None:
+    if not cpu_bandwidth:
+        return None
+    return cpu_bandwidth["ceiling"].get(method, {}).get("value")

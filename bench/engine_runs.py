@@ -1,0 +1,130 @@
+"""Engine-level measurements through the Engine API: load an engine, decode with one request, time the first
+token at several prompt lengths. Requests are greedy with `ignore_eos`, so every run produces exactly the
+tokens asked for; token times are taken where the caller receives them (the handle's queue)."""
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from bench.report import fig, median, percentile
+from bench.shapes import prompt_ids
+from bench.sysinfo import memory_snapshot, reset_peaks, stdout_to
+from engines.base import Engine, EngineConfig, GenerationRequest, SamplingParams
+
+
+@dataclass
+class Generation:
+    prompt_tokens: int
+    submitted: float
+    token_times: list[float] = field(default_factory=list)
+    stopped_early: bool = False
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.submitted if self.token_times else None
+
+    @property
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    def figures(self, ceiling: float | None = None) -> dict:
+        """Decode speed counts from the first token to the last: prefill stays out of it."""
+        n, gaps = len(self.token_times), self.gaps
+        rate = (n - 1) / (self.token_times[-1] - self.token_times[0]) if n > 1 else None
+        out = {"prompt_tokens": self.prompt_tokens, "output_tokens": n, "ttft": fig(self.ttft, "s"),
+               "decode_throughput": fig(rate, "tok/s", note="(tokens - 1) / (last token time - first token time)"),
+               "tpot_median": fig(_ms(median(gaps)), "ms"), "tpot_p99": fig(_ms(percentile(gaps, 99)), "ms")}
+        if ceiling and rate:
+            out["fraction_of_ceiling"] = fig(rate / ceiling, "fraction", ceiling_tok_s=ceiling)
+        if self.stopped_early:
+            out["stopped_early"] = "phase deadline reached"
+        return out
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+async def generate(engine: Engine, prompt: list[int], max_tokens: int, deadline: float) -> Generation:
+    """One greedy request with ignore_eos; cancelled once `deadline` (perf_counter) passes."""
+    run = Generation(len(prompt), time.perf_counter())
+    handle = engine.submit(GenerationRequest(
+        prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
+    async for out in handle:
+        now = time.perf_counter()
+        run.token_times.extend([now] * len(out.token_ids))
+        if out.finish_reason == "error":
+            raise RuntimeError(f"engine error: {out.error}")
+        if now > deadline and not out.finished:
+            handle.cancel()
+            run.stopped_early = True
+            break
+    return run
+
+
+class EngineRun:
+    """One started engine with its own event loop; `close()` stops it and gives its memory back."""
+
+    def __init__(self, engine_name: str, config: EngineConfig, log_path: Path, label: str | None = None):
+        from engines.registry import create_engine
+
+        self.label = label or engine_name
+        self.loop = asyncio.new_event_loop()
+        self.rss_reset = reset_peaks()
+        started = time.perf_counter()
+        self.engine = create_engine(engine_name, config)
+        with stdout_to(log_path):
+            self.engine.start()
+        self.load_time = time.perf_counter() - started
+        self.memory_after_load = memory_snapshot(self.rss_reset)
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    def warm_up(self, vocab: int) -> None:
+        self.run(generate(self.engine, prompt_ids(16, vocab, seed=99), 4, float("inf")))
+
+    def decode(self, prompt_len: int, tokens: int, vocab: int, deadline: float, ceiling: float | None) -> dict:
+        before = self.engine.stats()
+        gen = self.run(generate(self.engine, prompt_ids(prompt_len, vocab, seed=1), tokens, deadline))
+        after = self.engine.stats()
+        out = gen.figures(ceiling)
+        step = after.step_seconds - before.step_seconds
+        if step > 0 and after.expert_wait_seconds:
+            out["expert_wait_share"] = fig((after.expert_wait_seconds - before.expert_wait_seconds) / step,
+                                           "fraction", note="time steps spent waiting on CPU experts")
+        return out
+
+    def close(self) -> dict:
+        """Stop the engine; the host memory still held afterwards shows whether it was given back."""
+        self.engine.stop()
+        self.engine = None
+        self.loop.close()
+        release_memory()
+        return memory_snapshot()["host_rss"]
+
+
+def release_memory() -> None:
+    """Collect what a stopped (or half-built) engine left, and hand cached GPU blocks back."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def ttft_points(run: EngineRun, lengths: tuple[int, ...], tokens: int, vocab: int, deadline: float) -> list[dict]:
+    """Time to first token per prompt length, and the time per output token right after it."""
+    points = []
+    for length in lengths:
+        if time.perf_counter() > deadline:
+            break
+        gen = run.run(generate(run.engine, prompt_ids(length, vocab, seed=length), tokens, deadline))
+        f = gen.figures()
+        points.append({"prompt_tokens": length, "ttft": f["ttft"], "tpot_median": f["tpot_median"],
+                       "tpot_p99": f["tpot_p99"], "output_tokens": f["output_tokens"],
+                       "prefill_throughput": fig(length / gen.ttft if gen.ttft else None, "tok/s")})
+    return points

@@ -1,0 +1,110 @@
+"""Streaming load generator: N concurrent clients, each one streaming completion through the official
+`openai` AsyncOpenAI client, for each N of `--levels`. Prints one JSON object (the rounds) on stdout.
+
+Each request sends token ids (so prompt length is exact), asks for `--max-tokens` with ignore_eos and
+greedy sampling, and records when each streamed token arrives. Per round: aggregate output tokens/s over
+the round's wall time, time to first token, time per output token per request ((last - first) / (n - 1))
+and the gaps between tokens across all requests, as medians and 99th percentiles.
+
+    python -m bench.http_client --base-url http://127.0.0.1:8000 --model m --levels 1,4 --vocab 100000
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+
+from bench.report import fig, median, percentile
+from bench.shapes import prompt_ids
+
+
+async def _one(client, model: str, prompt: list[int], max_tokens: int, record: dict) -> None:
+    record["start"] = time.perf_counter()
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices:
+            record["times"].append(now)
+        if chunk.usage is not None:
+            record["tokens"] = chunk.usage.completion_tokens
+    record["end"] = time.perf_counter()
+
+
+async def _round(client, model: str, level: int, args: argparse.Namespace, timeout: float) -> dict:
+    records = [{"times": [], "tokens": None, "end": None} for _ in range(level)]
+    prompts = [prompt_ids(args.prompt_tokens, args.vocab, seed=1000 * level + i) for i in range(level)]
+    tasks = [asyncio.create_task(_one(client, model, prompt, args.max_tokens, rec))
+             for prompt, rec in zip(prompts, records)]
+    _, pending = await asyncio.wait(tasks, timeout=timeout)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    errors = [repr(t.exception()) for t in tasks if not t.cancelled() and t.exception() is not None]
+    return _figures(level, records, bool(pending), errors)
+
+
+def _figures(level: int, records: list[dict], timed_out: bool, errors: list[str]) -> dict:
+    done = [r for r in records if r["end"] is not None and r["times"]]
+    started = [r for r in records if "start" in r]
+    tokens = sum(r["tokens"] or len(r["times"]) for r in done)
+    end = max((r["end"] for r in done), default=None)
+    wall = end - min(r["start"] for r in started) if done and started else None
+    ttfts = [r["times"][0] - r["start"] for r in done]
+    tpots = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) * 1e3 for r in done if len(r["times"]) > 1]
+    gaps = [(b - a) * 1e3 for r in done for a, b in zip(r["times"], r["times"][1:])]
+    out = {"concurrency": level, "requests": level, "completed": len(done), "timed_out": timed_out,
+           "output_tokens": tokens, "wall": fig(wall, "s"),
+           "output_throughput": fig(tokens / wall if wall else None, "tok/s",
+                                    note="all output tokens / round wall time (prefills included)"),
+           "ttft_median": fig(median(ttfts), "s"), "ttft_p99": fig(percentile(ttfts, 99), "s"),
+           "tpot_median": fig(median(tpots), "ms", note="per request: (last - first token) / (tokens - 1)"),
+           "tpot_p99": fig(percentile(tpots, 99), "ms"),
+           "itl_median": fig(median(gaps), "ms", note="gaps between streamed tokens, all requests"),
+           "itl_p99": fig(percentile(gaps, 99), "ms")}
+    if errors:
+        out["errors"] = errors[:5]
+    return out
+
+
+async def _main(args: argparse.Namespace) -> dict:
+    import openai
+
+    levels = [int(x) for x in args.levels.split(",") if x]
+    deadline = time.perf_counter() + args.time_left
+    client = openai.AsyncOpenAI(base_url=args.base_url + "/v1", api_key="unused", max_retries=0,
+                                timeout=args.round_timeout + 30)
+    async with client:
+        warm = {"times": [], "tokens": None, "end": None}
+        await _one(client, args.model, prompt_ids(16, args.vocab, seed=7), 2, warm)
+        rounds, skipped = [], []
+        for level in levels:
+            left = deadline - time.perf_counter()
+            if left < 5:
+                skipped.append(level)
+                continue
+            rounds.append(await _round(client, args.model, level, args, min(args.round_timeout, left)))
+    return {"rounds": rounds, "skipped_levels": skipped}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.http_client", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--levels", default="1,4,16,32")
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=100000, help="prompt token ids are drawn below this")
+    p.add_argument("--round-timeout", type=float, default=60.0)
+    p.add_argument("--time-left", type=float, default=300.0, help="seconds for all rounds together")
+    args = p.parse_args(argv)
+    print(json.dumps(asyncio.run(_main(args))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

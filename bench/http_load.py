@@ -1,0 +1,66 @@
+"""Serve an already started engine over HTTP (the real app, real uvicorn on 127.0.0.1) and load it with
+streaming clients in a separate process, so the clients' own Python work does not share the server's GIL.
+The engine stays loaded from the decode phase; the server adds only its own overhead."""
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+from engines.base import Engine
+from bench.shapes import Plan
+
+
+@contextlib.contextmanager
+def serving(engine: Engine, model_path: str, timeout: float = 60.0) -> Iterator[str]:
+    """The app around `engine` (which it neither starts nor stops) on a free loopback port; yields the URL."""
+    import httpx
+    import uvicorn
+
+    from server.app import create_app
+    from server.settings import load_settings
+
+    settings = load_settings(None, {"model": model_path, "engine": engine.name, "host": "127.0.0.1",
+                                    "max_concurrent": engine.config.max_concurrent}, env={})
+    app = create_app(settings, engine, load_engine=False)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=30,
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="bench-uvicorn", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("the benchmark server did not become healthy")
+            time.sleep(0.05)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+def run_clients(url: str, model: str, plan: Plan, vocab: int, time_left: float) -> dict:
+    """Every concurrency level of the plan, one round each, in a client subprocess; its JSON result."""
+    cmd = [sys.executable, "-m", "bench.http_client", "--base-url", url, "--model", model,
+           "--levels", ",".join(map(str, plan.http_levels)), "--prompt-tokens", str(plan.http_prompt),
+           "--max-tokens", str(plan.http_tokens), "--vocab", str(vocab),
+           "--round-timeout", str(plan.http_round_timeout), "--time-left", f"{time_left:.1f}"]
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=time_left + 30, check=False, cwd=repo)
+    if done.returncode != 0:
+        raise RuntimeError(f"the HTTP client exited with {done.returncode}")
+    return json.loads(done.stdout.strip().splitlines()[-1])

