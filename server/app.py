@@ -26,6 +26,7 @@ from server.metrics import Metrics
 from server.metrics import router as metrics_router
 from server.middleware import RequestTracking
 from server.models.router import router as models_router
+from server.ollama.router import router as ollama_router
 from server.settings import Settings
 from server.shutdown import Drain, refuse_while_draining
 
@@ -104,7 +105,7 @@ def create_app(settings: Settings, engine: Engine, *, load_engine: bool = True) 
     protected = [Depends(refuse_while_draining), *key_required]
     app.include_router(health_router)
     app.include_router(metrics_router, dependencies=[] if settings.metrics_public else key_required)
-    for router in (models_router, chat_router, completions_router):
+    for router in (models_router, chat_router, completions_router, ollama_router):
         app.include_router(router, dependencies=protected)
     app.include_router(adapters_router, dependencies=protected)  # LoRA load/unload, reward scores
     # The last middleware added runs first: request tracking sees every answer, CORS and 413s included.

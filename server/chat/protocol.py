@@ -5,6 +5,9 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+# OpenAI's rule for function names; it also keeps them safe to splice into a grammar.
+FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
+
 from server.protocol import OpenAIRequest, SamplingRequest
 
 
@@ -33,15 +36,55 @@ class ChatMessage(OpenAIRequest):
         return self.content or ""
 
 
+class FunctionDefinition(OpenAIRequest):
+    name: str = Field(pattern=FUNCTION_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(OpenAIRequest):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIRequest):
+    name: str
+
+
+class NamedToolChoice(OpenAIRequest):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+class JsonSchemaFormat(OpenAIRequest):
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIRequest):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a 'json_schema' object with a 'schema'")
+        return self
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -57,6 +100,13 @@ class ChatCompletionRequest(SamplingRequest):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("'top_logprobs' requires 'logprobs': true")
         return self
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: "auto" when tools are given, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice if self.tools or self.tool_choice == "none" else "none"
+        return "auto" if self.tools else "none"
 
     @property
     def requested_max_tokens(self) -> int | None:

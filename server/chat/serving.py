@@ -1,37 +1,30 @@
-"""POST /v1/chat/completions: messages -> prompt ids (the model's chat template) -> engine -> OpenAI JSON."""
+"""POST /v1/chat/completions: messages -> prompt ids (the chat template) -> engine -> OpenAI JSON.
+
+The work is split so other chat-shaped APIs (the Ollama routes) reuse it: `plan()` decides everything about
+a request (prompt, sampling, grammar, output parsing), `submit()` hands it to the engine, `events()` turns the
+engine's deltas into per-choice `ChatDelta`s and `replies()` collects whole replies."""
 from __future__ import annotations
 
+import asyncio
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import Request
 
-from engines.base import Engine, GenerationOutput, InvalidRequestError, TokenLogprob
+from engines.base import Engine, GenerationOutput, RequestHandle, SamplingParams, TokenLogprob
+from engines.runtime.structured import Grammar, compiler_for
+from server.chat.constraints import request_grammar
+from server.chat.output import ChatDelta, ChatOutputParser, ChatReply, join_deltas
+from server.chat.prompt import Prompt, render_prompt
 from server.chat.protocol import ChatCompletionRequest
+from server.chat.tool_calls import DeepSeekV3ToolParser
+from server.errors import APIError
 from server.protocol import check_max_tokens, usage
+from server.reasoning import THINK_END, THINK_START, check_reasoning_parser, reasoning_parser
 from server.serving import (
     Deadline, collect, error_chunk, merged, new_id, resolve_adapter, sse_response, submit_choices, with_deadline,
 )
-
-
-def render_prompt(engine: Engine, req: ChatCompletionRequest) -> list[int]:
-    """Apply the chat template. Template errors (e.g. roles out of order) are the client's to fix: 400."""
-    tokenizer = engine.tokenizer
-    messages = []
-    for m in req.messages:
-        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
-            if getattr(m, key) is not None:
-                msg[key] = getattr(m, key)
-        messages.append(msg)
-    try:
-        text = tokenizer.apply_chat_template(messages, tools=req.tools, tokenize=False,
-                                             add_generation_prompt=req.add_generation_prompt,
-                                             **(req.chat_template_kwargs or {}))
-    except Exception as exc:  # jinja raises TemplateError (and others) for conversations it rejects
-        raise InvalidRequestError(f"the chat template cannot render these messages: {exc}",
-                                  param="messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def chat_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
@@ -43,45 +36,139 @@ def chat_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
     } for e in entries]}
 
 
+@dataclass(slots=True)
+class ChatOptions:
+    """The server settings chat serving follows."""
+
+    reasoning_parser: str | None = None
+    force_think: bool = False
+
+    @classmethod
+    def of(cls, raw: Request) -> "ChatOptions":
+        settings = raw.app.state.settings
+        check_reasoning_parser(settings.reasoning_parser)
+        return cls(settings.reasoning_parser, settings.kt_force_think)
+
+
+@dataclass(slots=True)
+class ChatPlan:
+    """Everything decided about one chat request before it reaches the engine."""
+
+    request_id: str
+    model: str
+    adapter: str | None
+    prompt: list[int]
+    params: list[SamplingParams]
+    options: ChatOptions
+    starts_in_reasoning: bool
+    parse_tools: bool
+    grammar: Grammar | None = None
+    grammar_after: int | None = None  # constrain only after this token (</think>) when reasoning comes first
+
+    def output_parser(self) -> ChatOutputParser:
+        reasoning = reasoning_parser(self.options.reasoning_parser, self.starts_in_reasoning)
+        # without a parser, a reply whose thinking the server opened still shows that opening
+        prefix = THINK_START + "\n" if self.options.force_think and reasoning is None else ""
+        return ChatOutputParser(reasoning, DeepSeekV3ToolParser() if self.parse_tools else None, prefix)
+
+
+@dataclass(slots=True)
+class ChoiceEvent:
+    """One step of one choice: what it adds to the reply, and the engine's delta it came from."""
+
+    index: int
+    delta: ChatDelta
+    output: GenerationOutput
+    finish_reason: str | None  # set on the choice's last event
+
+
 class ChatServing:
     def __init__(self, engine: Engine, request_timeout: float | None = None):
         self.engine = engine
         self.request_timeout = request_timeout
 
-    async def create(self, req: ChatCompletionRequest, raw: Request):
+    async def plan(self, req: ChatCompletionRequest, options: ChatOptions, prompt: Prompt | None = None) -> ChatPlan:
+        """Decide everything about `req`; `prompt` replaces the rendered messages (a raw completion)."""
         engine = self.engine
         adapter = resolve_adapter(engine, req.model)
-        prompt = render_prompt(engine, req)
+        prompt = prompt or render_prompt(engine, req, options.force_think)
         limit = engine.info.max_model_len
-        max_tokens = check_max_tokens(req.requested_max_tokens, limit, len(prompt), limit, "messages")
+        max_tokens = check_max_tokens(req.requested_max_tokens, limit, len(prompt.token_ids), limit, "messages")
         top = (req.top_logprobs or 0) if req.logprobs else None
         vocab = len(engine.tokenizer)
         params = [req.sampling_params(max_tokens=max_tokens, logprobs=top, vocab_size=vocab, choice=i)
                   for i in range(req.n)]
-        request_id = new_id("chatcmpl")
-        handles = submit_choices(engine, prompt, params, adapter, request_id)
-        model = req.model or engine.info.id
+        plan = ChatPlan(new_id("chatcmpl"), req.model or engine.info.id, adapter, prompt.token_ids, params, options,
+                        starts_in_reasoning=prompt.opens_reasoning,
+                        parse_tools=req.effective_tool_choice != "none")
+        plan.grammar = request_grammar(req, engine.tokenizer)
+        if plan.grammar is not None:
+            await self._compile(plan.grammar)
+            if options.reasoning_parser and prompt.opens_reasoning:
+                plan.grammar_after = _single_token(engine.tokenizer, THINK_END)
+        return plan
+
+    async def _compile(self, grammar: Grammar) -> None:
+        """Build the tokenizer's grammar compiler (once) and check the grammar, off the event loop."""
+        tokenizer = self.engine.tokenizer
+        await asyncio.to_thread(lambda: compiler_for(tokenizer).compile(grammar))
+
+    def submit(self, plan: ChatPlan) -> list[RequestHandle]:
+        processors = None
+        if plan.grammar is not None:
+            compiler, grammar = compiler_for(self.engine.tokenizer), plan.grammar
+            processors = lambda i: compiler.processor(grammar, start_after=plan.grammar_after)  # noqa: E731
+        return submit_choices(self.engine, plan.prompt, plan.params, plan.adapter, plan.request_id, processors)
+
+    async def create(self, req: ChatCompletionRequest, raw: Request):
+        plan = await self.plan(req, ChatOptions.of(raw))
+        handles = self.submit(plan)
         if req.stream:
-            return sse_response(self._stream(req, request_id, model, handles, len(prompt)), handles)
+            return sse_response(self._stream(req, plan, handles), handles)
+        replies = await self.replies(raw, plan, handles)
+        return self._response(plan, replies)
+
+    # ---------------------------------------------------------------------------------- whole replies
+    async def replies(self, raw: Request, plan: ChatPlan, handles: list[RequestHandle]
+                      ) -> list[tuple[GenerationOutput, ChatReply]]:
         outputs = await collect(raw, handles, self.request_timeout)
-        return self._response(request_id, model, outputs, len(prompt))
-
-    def _response(self, request_id: str, model: str, outputs: list[GenerationOutput], n_prompt: int) -> dict:
-        choices = []
-        for i, out in enumerate(outputs):
+        for out in outputs:
             if out.finish_reason == "error":
-                from server.errors import APIError
                 raise APIError(500, out.error or "generation failed", type="internal_error")
-            choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
-                            "logprobs": chat_logprobs(out.logprobs), "finish_reason": out.finish_reason,
-                            "stop_reason": out.stop_reason})
-        return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": choices, "usage": usage(n_prompt, sum(o.completion_tokens for o in outputs))}
+        return [(out, plan.output_parser().reply(out.text, out.finish_reason)) for out in outputs]
 
-    async def _stream(self, req: ChatCompletionRequest, request_id: str, model: str, handles, n_prompt: int
+    def _response(self, plan: ChatPlan, replies: list[tuple[GenerationOutput, ChatReply]]) -> dict:
+        choices = []
+        for i, (out, reply) in enumerate(replies):
+            message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+            if reply.reasoning is not None:
+                message["reasoning_content"] = reply.reasoning
+            if reply.tool_calls:
+                message["tool_calls"] = reply.tool_calls
+            choices.append({"index": i, "message": message, "logprobs": chat_logprobs(out.logprobs),
+                            "finish_reason": reply.finish_reason, "stop_reason": out.stop_reason})
+        completion = sum(out.completion_tokens for out, _ in replies)
+        return {"id": plan.request_id, "object": "chat.completion", "created": int(time.time()),
+                "model": plan.model, "choices": choices, "usage": usage(len(plan.prompt), completion)}
+
+    # ---------------------------------------------------------------------------------- streaming
+    async def events(self, plan: ChatPlan, handles: list[RequestHandle]) -> AsyncIterator[ChoiceEvent]:
+        """Per-choice reply deltas as the engine produces them. Raises TimeoutError past the request timeout;
+        an engine error arrives as an event whose output has finish_reason "error"."""
+        parsers = [plan.output_parser() for _ in handles]
+        async for i, out in with_deadline(merged(handles), Deadline(self.request_timeout)):
+            if out.finish_reason == "error":
+                yield ChoiceEvent(i, ChatDelta(), out, "error")
+                return
+            delta = parsers[i].feed(out.text)
+            if out.finished:
+                delta = join_deltas([delta, parsers[i].finish()])
+            yield ChoiceEvent(i, delta, out, parsers[i].finish_reason(out.finish_reason) if out.finished else None)
+
+    async def _stream(self, req: ChatCompletionRequest, plan: ChatPlan, handles: list[RequestHandle]
                       ) -> AsyncIterator[dict[str, Any]]:
-        created = int(time.time())
-        base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+        base = {"id": plan.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": plan.model}
         include_usage = req.include_usage
 
         def chunk(choices: list[dict], usage_value: Any = None) -> dict[str, Any]:
@@ -95,20 +182,37 @@ class ChatServing:
                           "finish_reason": None}])
         completion_tokens = [0] * len(handles)
         try:
-            async for i, out in with_deadline(merged(handles), Deadline(self.request_timeout)):
+            async for event in self.events(plan, handles):
+                i, out = event.index, event.output
                 completion_tokens[i] = out.completion_tokens
-                if out.finish_reason == "error":
+                if event.finish_reason == "error":
                     yield error_chunk(out.error or "generation failed")
                     return
-                if out.text or out.logprobs:
-                    yield chunk([{"index": i, "delta": {"content": out.text}, "logprobs": chat_logprobs(out.logprobs),
-                                  "finish_reason": None}])
-                if out.finished:
-                    yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason,
+                if event.delta or out.logprobs:
+                    yield chunk([{"index": i, "delta": delta_json(event.delta),
+                                  "logprobs": chat_logprobs(out.logprobs), "finish_reason": None}])
+                if event.finish_reason is not None:
+                    yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason,
                                   "stop_reason": out.stop_reason}])
         except TimeoutError:
             yield error_chunk(f"the request did not finish within {self.request_timeout:g} seconds",
                               "timeout_error", "request_timeout")
             return
         if include_usage:
-            yield chunk([], usage(n_prompt, sum(completion_tokens)))
+            yield chunk([], usage(len(plan.prompt), sum(completion_tokens)))
+
+
+def delta_json(delta: ChatDelta) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    if delta.reasoning:
+        body["reasoning_content"] = delta.reasoning
+    if delta.content or not (delta.reasoning or delta.tool_calls):
+        body["content"] = delta.content
+    if delta.tool_calls:
+        body["tool_calls"] = [c.openai() for c in delta.tool_calls]
+    return body
+
+
+def _single_token(tokenizer: Any, text: str) -> int | None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None

@@ -1,0 +1,201 @@
+"""Ollama requests through the chat serving path: the same prompt rendering, sampling, constraints,
+reasoning and tool-call parsing as /v1/chat/completions, answered in Ollama's shapes — one JSON body, or
+newline-delimited JSON chunks ending with a `done: true` object that carries the counts and durations."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engines.base import Engine
+from server.chat.output import ChatDelta, ChatReply
+from server.chat.prompt import Prompt, render_prompt
+from server.chat.protocol import ChatCompletionRequest
+from server.chat.serving import ChatOptions, ChatPlan, ChatServing
+from server.errors import APIError, to_api_error
+from server.ollama.protocol import ChatRequest, GenerateRequest, tagged, timestamp
+from server.reasoning import prompt_opens_reasoning
+from server.serving import cancel_all
+
+
+def ollama_error(exc: Exception) -> JSONResponse:
+    """Ollama's error body, `{"error": "..."}`, with the status the OpenAI routes would give."""
+    err = to_api_error(exc)
+    return JSONResponse({"error": err.message}, status_code=err.status, headers=err.headers)
+
+
+class Timing:
+    """Ollama's durations, in nanoseconds: prompt evaluation lasts until the first delta arrives."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter_ns()
+        self.first: int | None = None
+
+    def mark(self) -> None:
+        if self.first is None:
+            self.first = time.perf_counter_ns()
+
+    def durations(self) -> dict[str, int]:
+        end = time.perf_counter_ns()
+        first = self.first or end
+        return {"total_duration": end - self.start, "load_duration": 0,
+                "prompt_eval_duration": first - self.start, "eval_duration": end - first}
+
+
+def tool_calls_json(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI tool calls -> Ollama's, whose arguments are an object rather than a JSON string."""
+    return [{"function": {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
+            for c in calls]
+
+
+def done_reason(finish_reason: str | None) -> str:
+    return "length" if finish_reason == "length" else "stop"
+
+
+class OllamaServing:
+    def __init__(self, chat: ChatServing):
+        self.chat = chat
+
+    @property
+    def engine(self) -> Engine:
+        return self.chat.engine
+
+    async def chat_reply(self, body: ChatRequest, raw: Request):
+        plan = await self.chat.plan(body.openai(), ChatOptions.of(raw))
+        return await self._run(plan, body.stream, chat=True)
+
+    async def generate(self, body: GenerateRequest, raw: Request):
+        req = body.openai()
+        options = ChatOptions.of(raw)
+        prompt = None
+        if body.raw or body.context:
+            prompt = self._raw_prompt(body, req, options)
+        plan = await self.chat.plan(req, options, prompt)
+        return await self._run(plan, body.stream, chat=False)
+
+    def _raw_prompt(self, body: GenerateRequest, req: ChatCompletionRequest, options: ChatOptions) -> Prompt:
+        """`raw` sends the prompt as it is; `context` (the ids a previous reply returned) goes before it."""
+        tokenizer = self.engine.tokenizer
+        text = body.prompt if body.raw else render_prompt(self.engine, req, options.force_think).text
+        if body.context:
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            ids = list(body.context) + (ids[1:] if ids[:1] == [tokenizer.bos_token_id] else ids)
+        else:
+            ids = tokenizer.encode(text)  # as /v1/completions encodes a prompt
+        return Prompt(ids, text, prompt_opens_reasoning(text))
+
+    async def _run(self, plan: ChatPlan, stream: bool, chat: bool):
+        timing = Timing()
+        handles = self.chat.submit(plan)
+        if stream:
+            return StreamingResponse(self._stream(plan, handles, timing, chat), media_type="application/x-ndjson")
+        reply, output_ids, eval_count = await self._whole(plan, handles, timing)
+        body = self._head(plan)
+        if chat:
+            message: dict[str, Any] = {"role": "assistant", "content": reply.content or ""}
+            if reply.reasoning:
+                message["thinking"] = reply.reasoning
+            if reply.tool_calls:
+                message["tool_calls"] = tool_calls_json(reply.tool_calls)
+            body["message"] = message
+        else:
+            body["response"] = reply.content or ""
+            if reply.reasoning:
+                body["thinking"] = reply.reasoning
+            body["context"] = plan.prompt + output_ids
+        return {**body, **self._done(plan, reply.finish_reason, eval_count, timing)}
+
+    async def _whole(self, plan: ChatPlan, handles, timing: Timing) -> tuple[ChatReply, list[int], int]:
+        """Run the request to its end, timing its first delta: (reply, output ids, output token count)."""
+        text: list[str] = []
+        ids: list[int] = []
+        try:
+            async for event in self.chat.events(plan, handles):
+                timing.mark()
+                out = event.output
+                if event.finish_reason == "error":
+                    raise APIError(500, out.error or "generation failed", type="internal_error")
+                text.append(out.text)
+                ids += out.token_ids
+                if event.finish_reason is not None:
+                    reply = plan.output_parser().reply("".join(text), out.finish_reason)
+                    return reply, ids, out.completion_tokens
+        except TimeoutError:
+            raise APIError(408, f"the request did not finish within {self.chat.request_timeout:g} seconds",
+                           type="timeout_error", code="request_timeout") from None
+        finally:
+            cancel_all(handles)
+        raise APIError(500, "the generation ended without a final delta", type="internal_error")
+
+    def _head(self, plan: ChatPlan) -> dict[str, Any]:
+        return {"model": tagged(plan.model), "created_at": timestamp()}
+
+    def _done(self, plan: ChatPlan, finish_reason: str | None, eval_count: int, timing: Timing) -> dict[str, Any]:
+        return {"done": True, "done_reason": done_reason(finish_reason), "prompt_eval_count": len(plan.prompt),
+                "eval_count": eval_count, **timing.durations()}
+
+    async def _stream(self, plan: ChatPlan, handles, timing: Timing, chat: bool) -> AsyncIterator[str]:
+        calls: dict[int, dict[str, Any]] = {}
+        output_ids: list[int] = []
+        try:
+            async for event in self.chat.events(plan, handles):
+                timing.mark()
+                out = event.output
+                output_ids += out.token_ids
+                if event.finish_reason == "error":
+                    yield _line({"error": out.error or "generation failed"})
+                    return
+                _collect_calls(calls, event.delta)
+                if event.delta.content or event.delta.reasoning:
+                    yield _line({**self._head(plan), **_piece(event.delta, chat), "done": False})
+                if event.finish_reason is not None:
+                    final = {**self._head(plan), **_piece(ChatDelta(), chat)}
+                    if calls and chat:
+                        yield _line({**self._head(plan), "message": {
+                            "role": "assistant", "content": "", "tool_calls": _ollama_calls(calls)}, "done": False})
+                    if not chat:
+                        final["context"] = plan.prompt + output_ids
+                    yield _line({**final, **self._done(plan, event.finish_reason, out.completion_tokens, timing)})
+        except TimeoutError:
+            yield _line({"error": f"the request did not finish within {self.chat.request_timeout:g} seconds"})
+        finally:
+            cancel_all(handles)
+
+
+def _piece(delta: ChatDelta, chat: bool) -> dict[str, Any]:
+    if chat:
+        message: dict[str, Any] = {"role": "assistant", "content": delta.content}
+        if delta.reasoning:
+            message["thinking"] = delta.reasoning
+        return {"message": message}
+    piece: dict[str, Any] = {"response": delta.content}
+    if delta.reasoning:
+        piece["thinking"] = delta.reasoning
+    return piece
+
+
+def _collect_calls(calls: dict[int, dict[str, Any]], delta: ChatDelta) -> None:
+    for d in delta.tool_calls:
+        if d.id is not None:
+            calls[d.index] = {"function": {"name": d.name, "arguments": d.arguments}}
+        else:
+            calls[d.index]["function"]["arguments"] += d.arguments
+
+
+def _ollama_calls(calls: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Complete calls only: Ollama sends a call once, with its arguments parsed."""
+    out = []
+    for i in sorted(calls):
+        try:
+            args = json.loads(calls[i]["function"]["arguments"])
+        except ValueError:
+            continue
+        out.append({"function": {"name": calls[i]["function"]["name"], "arguments": args}})
+    return out
+
+
+def _line(obj: dict[str, Any]) -> str:
+    return json.dumps(obj, ensure_ascii=False) + "\n"
