@@ -139,3 +139,13 @@ def test_a_named_tool_choice_makes_the_demo_model_call_that_function(server):
     call = choice.message.tool_calls[0]
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMS)
+
+
+def test_required_tool_choice_without_parallel_calls_makes_exactly_one_call(server):
+    if server.engine.name != "huggingface":
+        pytest.skip("one forced call on the reference engine is enough")
+    choice = server.openai().chat.completions.create(
+        model=server.engine.info.id, messages=[{"role": "user", "content": "Weather or time?"}], tools=TOOLS,
+        tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=2, max_tokens=60).choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    assert choice.message.tool_calls[0].function.name in ("get_weather", "get_time")

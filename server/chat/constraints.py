@@ -2,7 +2,7 @@
 demands one. Both become an engine `Grammar`; the engine's structured-output processor enforces it.
 
 `tool_choice: "required"` constrains the whole reply to one or more DeepSeek-V3 tool calls of the offered
-tools, a named function to exactly one call of it, each call's arguments to that function's parameter
+tools (exactly one with `parallel_tool_calls: false`), a named function to exactly one call of it, each call's arguments to that function's parameter
 schema; the reply then ends after the call block. `"auto"` leaves the model free and parses what it
 writes; `"none"` neither offers the tools in the prompt nor parses calls."""
 from __future__ import annotations
@@ -39,7 +39,7 @@ def request_grammar(req: ChatCompletionRequest, tokenizer: Any) -> Grammar | Non
             raise InvalidRequestError("'response_format' cannot be combined with a 'tool_choice' that forces a "
                                       "tool call", param="response_format")
         only = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        return tool_call_grammar(req.tools or [], tokenizer, only)
+        return tool_call_grammar(req.tools or [], tokenizer, only, single=req.parallel_tool_calls is False)
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
@@ -48,8 +48,8 @@ def request_grammar(req: ChatCompletionRequest, tokenizer: Any) -> Grammar | Non
     return json_schema_grammar(fmt.json_schema.json_schema)
 
 
-def tool_call_grammar(tools: list[Tool], tokenizer: Any, only: str | None = None) -> Grammar:
-    """A Lark grammar of DeepSeek-V3 tool calls: one call of `only`, or one or more of any tool."""
+def tool_call_grammar(tools: list[Tool], tokenizer: Any, only: str | None = None, single: bool = False) -> Grammar:
+    """A Lark grammar of DeepSeek-V3 tool calls: one call of `only`, or one (`single`) or more of any tool."""
     def token(text: str) -> str:
         ids = tokenizer.encode(text, add_special_tokens=False)
         if len(ids) != 1:  # a tokenizer without the V3 markers cannot be steered into the format
@@ -64,7 +64,7 @@ def tool_call_grammar(tools: list[Tool], tokenizer: Any, only: str | None = None
     rules = [f"fn_{i}: {literal(t.function.name + chr(10) + ARGS_OPEN)} {lark_json(t.function.parameters or ANY_OBJECT)}"
              for i, t in enumerate(offered)]
     close = ARGS_CLOSE[:-len(CALL_END)]
-    repeat = "" if only else f' ({literal(chr(10))} call)*'
+    repeat = "" if only or single else f' ({literal(chr(10))} call)*'
     lines = [f"start: {token(CALLS_BEGIN)} call{repeat} {token(CALLS_END)}",
              f"call: {token(CALL_BEGIN)} {literal('function')} {token(SEP)} fn {literal(close)} {token(CALL_END)}",
              "fn: " + " | ".join(f"fn_{i}" for i in range(len(offered))), *rules]
