@@ -106,3 +106,18 @@ def test_kv_cache_is_all_free_after_requests(kt_bf16):
     kt_bf16.openai().completions.create(model=kt_bf16.engine.info.id, prompt="Hello", max_tokens=5)
     kt_bf16.wait_idle()
     assert kt_bf16.engine.stats().kv_used_tokens == 0
+
+
+def test_weight_cache_skips_quantization_and_serves_the_same(demo_model_dir, tmp_path):
+    def scores():
+        running = start_server(demo_model_dir, engine="ktransformers", kt_method="AMXINT8",
+                               kt_weight_cache=str(tmp_path))
+        try:
+            return prompt_logprobs(running, LONG_TEXT[:300]).token_logprobs
+        finally:
+            running.stop()
+
+    first = scores()
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written and any((tmp_path / written[0]).rglob("*.kt"))
+    assert scores() == first

@@ -26,6 +26,10 @@ log = logging.getLogger("ktserve.engine.kt")
 RULES_DIR = Path(__file__).resolve().parents[2] / "kt_optimize_rules"
 SUPPORTED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 CPU_RULES = "DeepSeek-CPU.yaml"
+DEFAULT_KV_BUDGET_TOKENS = 65536
+# Without kt_maxlen / max_model_len, serve at most this context: DeepSeek configs declare 128k-160k positions,
+# which would make every default-length request reserve a cache that large.
+DEFAULT_MAX_MODEL_LEN = 16384
 
 
 def default_rule_file(config: Any) -> str:
@@ -78,6 +82,10 @@ class KTEngine(LLMEngine):
                              f"{model_path} is {arch} (use the huggingface engine)")
         tokenizer = load_tokenizer(str(model_path), cfg.template)
         max_len = context_length(config, tokenizer, cfg.max_model_len)
+        if cfg.max_model_len is None and max_len > DEFAULT_MAX_MODEL_LEN:
+            log.info("serving a context of %d tokens (the model allows %d; raise it with kt_maxlen)",
+                     DEFAULT_MAX_MODEL_LEN, max_len)
+            max_len = DEFAULT_MAX_MODEL_LEN
         # runtime knobs the operators read when the rules build them
         config.kt_max_tokens = cfg.chunk_size + cfg.max_concurrent
         config.kt_cpu_threads = cfg.cpu_infer
@@ -91,7 +99,8 @@ class KTEngine(LLMEngine):
         gpu = any(d.startswith("cuda") for d in placement.devices.values())
         dtype = resolve_dtype(cfg.dtype, torch.device("cuda" if gpu else "cpu"))
         load_checkpoint(model, model_path, placement.device_of_param, dtype, config.num_hidden_layers,
-                        getattr(config, "n_routed_experts", None) or config.num_experts)
+                        getattr(config, "n_routed_experts", None) or config.num_experts,
+                        weight_cache=self._weight_cache_dir(model_path))
         self._finish_model(model, config, placement)
         model.eval()
         devices = layer_devices(model)
@@ -105,9 +114,18 @@ class KTEngine(LLMEngine):
         return runner, tokenizer, info
 
     def _kv_tokens(self, max_len: int) -> int:
+        """KV capacity: as configured, else room for a few full-length requests within a fixed budget
+        (64k positions: 2 GB for V2-Lite's 27 layers x 576 bf16 values), never less than one request."""
         if self.config.kv_cache_tokens:
             return self.config.kv_cache_tokens
-        return max_len * min(self.config.max_concurrent, 8)
+        return max(max_len, min(max_len * min(self.config.max_concurrent, 4), DEFAULT_KV_BUDGET_TOKENS))
+
+    def _weight_cache_dir(self, model_path: Path) -> Path | None:
+        """Pre-quantized experts live under the cache root, one folder per model and expert method."""
+        if not self.config.kt_weight_cache:
+            return None
+        method = (self.config.kt_method or "rules").upper()
+        return Path(self.config.kt_weight_cache) / f"{model_path.resolve().name}-{method}"
 
     @staticmethod
     def _finish_model(model: Any, config: Any, placement: Any) -> None:

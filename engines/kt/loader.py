@@ -51,8 +51,10 @@ def iter_tensors(files: list[Path], progress: Any = None) -> Iterator[tuple[str,
 class ExpertStager:
     """Collects one layer's per-expert tensors until the layer is complete, then loads it in one go."""
 
-    def __init__(self, model: nn.Module, num_experts: int, dtype: torch.dtype, device_of: Any):
+    def __init__(self, model: nn.Module, num_experts: int, dtype: torch.dtype, device_of: Any,
+                 weight_cache: Path | None = None):
         self.model = model
+        self.weight_cache = weight_cache  # pre-quantized experts from an earlier start, when given
         self.device_of = device_of
         self.num_experts = num_experts
         self.dtype = dtype  # for experts kept as a torch module; kt-kernel takes the checkpoint's own
@@ -60,6 +62,8 @@ class ExpertStager:
         self.loaded: set[str] = set()
 
     def add(self, prefix: str, expert: int, which: str, tensor: torch.Tensor) -> None:
+        if prefix in self.loaded or (prefix not in self._parts and self._from_cache(prefix)):
+            return  # already loaded pre-quantized: the checkpoint's copy is not needed
         parts = self._parts[prefix]
         parts[which][expert] = tensor
         if all(len(parts[w]) == self.num_experts for w in ("gate_proj", "up_proj", "down_proj")):
@@ -67,10 +71,19 @@ class ExpertStager:
             del self._parts[prefix]
             self._load(prefix, stacked["gate_proj"], stacked["up_proj"], stacked["down_proj"])
 
+    def _from_cache(self, prefix: str) -> bool:
+        module = self.model.get_submodule(prefix)
+        if self.weight_cache is None or not hasattr(module, "load_quantized"):
+            return False
+        if module.load_quantized(self.weight_cache):
+            self.loaded.add(prefix)
+            return True
+        return False
+
     def _load(self, prefix: str, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         module = self.model.get_submodule(prefix)
-        if hasattr(module, "load_weights"):  # kt-kernel experts
-            module.load_weights(gate, up, down)
+        if hasattr(module, "load_weights"):  # kt-kernel experts (quantized here, saved for next time)
+            module.load_weights(gate, up, down, cache_dir=self.weight_cache)
         else:  # experts kept as transformers' fused module (a `default` rule)
             device = self.device_of(f"{prefix}.gate_up_proj")
             set_tensor(module, "gate_up_proj", torch.cat([gate, up], dim=1), device, self.dtype)
@@ -94,12 +107,12 @@ def set_tensor(module: nn.Module, name: str, tensor: torch.Tensor, device: str |
 
 
 def load_checkpoint(model: nn.Module, model_path: Path, device_of: Any, dtype: torch.dtype,
-                    num_layers: int, num_experts: int) -> None:
+                    num_layers: int, num_experts: int, weight_cache: Path | None = None) -> None:
     """Stream every tensor to its place. `device_of(param_name)` gives the final device."""
     from tqdm import tqdm
 
     files = checkpoint_files(model_path)
-    stager = ExpertStager(model, num_experts, dtype, device_of)
+    stager = ExpertStager(model, num_experts, dtype, device_of, weight_cache)
     unexpected: list[str] = []
     fused_experts = []
     with tqdm(total=len(files), desc="loading shards", unit="shard", leave=False) as progress:
