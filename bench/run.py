@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, help="seconds for the whole run (default: the shape's plan)")
     p.add_argument("--threads", type=int, help="kt-kernel CPU threads (default: physical cores - 1)")
     p.add_argument("--writers", type=int, default=4, help="threads writing checkpoint shards")
+    p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
+                   help="run the KT engine's decode without CUDA graphs (kt_use_cuda_graph off)")
     args = p.parse_args(argv)
     args.phases = PHASES if not args.only else tuple(x.strip() for x in args.only.split(",") if x.strip())
     unknown = sorted(set(args.phases) - set(PHASES))
@@ -111,6 +113,7 @@ class Bench:
         self.plan: Plan = self.shape.quick if args.quick else self.shape.plan
         self.budget = args.budget or self.plan.budget
         self.threads = args.threads or default_cpu_threads()
+        self.cuda_graph = getattr(args, "cuda_graph", True) and _has_cuda()
         date = datetime.date.today().isoformat()
         self.out: Path = args.out or REPO / "bench" / "results" / f"{device_slug()}-{date}"
         self.out.mkdir(parents=True, exist_ok=True)
@@ -187,7 +190,7 @@ class Bench:
         return EngineConfig(model_path=str(self.model_dir), model_name=f"bench-{self.shape.name}", kt_method=method,
                             cpu_infer=self.threads, max_concurrent=max(self.plan.http_levels),
                             kv_cache_tokens=self.plan.kv_cache_tokens(), max_model_len=self.plan.max_model_len(),
-                            **extra)
+                            kt_use_cuda_graph=self.cuda_graph, **extra)
 
     def kt_engine(self, method: str):
         """The KT engine with `method` experts, loaded (and warmed up) unless it already is."""
@@ -437,6 +440,12 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     return Bench(args, started).run()
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import chat_prompt_ids, forward_logprobs, greedy_reference
+from helpers import logprob_tolerance, chat_prompt_ids, forward_logprobs, greedy_reference
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three rivers."}]
 
@@ -103,9 +103,9 @@ def test_logprobs_match_a_direct_forward_pass(server, tokenizer, reference_model
     reference = forward_logprobs(reference_model, prompt + generated)
     for i, entry in enumerate(content):
         row = reference[len(prompt) - 1 + i]
-        assert entry.logprob == pytest.approx(float(row[generated[i]]), abs=1e-3)
+        assert entry.logprob == pytest.approx(float(row[generated[i]]), abs=logprob_tolerance(server.engine))
         assert len(entry.top_logprobs) == 3
-        assert entry.top_logprobs[0].logprob == pytest.approx(float(row.max()), abs=1e-3)
+        assert entry.top_logprobs[0].logprob == pytest.approx(float(row.max()), abs=logprob_tolerance(server.engine))
 
 
 def test_chinese_output_streams_without_replacement_characters(server, tokenizer):

@@ -98,3 +98,17 @@ def test_demo_decode_speed_is_reported(kt_gpu):
     print(json.dumps(figures))
     assert figures["demo_decode_tokens_per_s"] > 0
 
+
+
+def test_cuda_graph_decode_equals_eager_decode(demo_model_dir):
+    def greedy(**settings):
+        running = start_server(demo_model_dir, engine="ktransformers", kt_method="BF16", **settings)
+        try:
+            reply = running.openai().chat.completions.create(
+                model=running.engine.info.id, messages=[{"role": "user", "content": "Tell me about rivers."}],
+                temperature=0, max_tokens=24, n=3, seed=1)
+            return [c.message.content for c in reply.choices]
+        finally:
+            running.stop()
+
+    assert greedy(kt_use_cuda_graph=True) == greedy()

@@ -129,7 +129,7 @@ class _StreamBuffers:
     ids: torch.Tensor
     weights: torch.Tensor
     out: torch.Tensor
-    size: torch.Tensor
+    sizes: dict[int, torch.Tensor]
     out_device: torch.Tensor
 
 
@@ -419,7 +419,7 @@ class RoutedExpertsCPU(nn.Module):
             buffers = _StreamBuffers(
                 x=pinned(self.hidden_size, torch.bfloat16), ids=pinned(self.top_k, torch.int64),
                 weights=pinned(self.top_k, torch.float32), out=pinned(self.hidden_size, torch.bfloat16),
-                size=torch.zeros(1, dtype=torch.int32, device="cpu", pin_memory=True),
+                sizes={},
                 out_device=torch.empty(rows, self.hidden_size, dtype=torch.bfloat16, device=device))
             self._stream_staging = buffers
         return buffers
@@ -434,11 +434,13 @@ class RoutedExpertsCPU(nn.Module):
             b.x[:tokens].copy_(hidden, non_blocking=True)
             b.ids[:tokens].copy_(topk_ids, non_blocking=True)
             b.weights[:tokens].copy_(topk_weights, non_blocking=True)
-            # The host writes the token count now; the previous step's task that read it has finished,
-            # because each step ends by reading its logits back, which waits for the whole stream.
-            b.size[0] = tokens
+            # kt-kernel reads the token count through a pointer when the stream reaches the task, so each
+            # count has its own never-changing pinned cell (captured CUDA graphs replay these pointers).
+            size = b.sizes.get(tokens)
+            if size is None:
+                size = b.sizes[tokens] = torch.full((1,), tokens, dtype=torch.int32, pin_memory=True)
             self._pool.submit_with_cuda_stream(stream.cuda_stream, self._kernel.forward_task(
-                b.size.data_ptr(), self.top_k, b.ids.data_ptr(), b.weights.data_ptr(), b.x.data_ptr(),
+                size.data_ptr(), self.top_k, b.ids.data_ptr(), b.weights.data_ptr(), b.x.data_ptr(),
                 b.out.data_ptr(), False))
             gpu_part = self._hot_experts(hidden, topk_ids, topk_weights) if self._gpu_weights else None
             self._pending = _StreamPending(tokens, hidden.dtype, stream, gpu_part)

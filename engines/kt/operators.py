@@ -72,6 +72,25 @@ class StepBatch:
         return self.on(x.device, "rope", make)
 
 
+@dataclass
+class DecodeBatch:
+    """A decode-only step in fixed shapes: B sequences, one new token each, attending over up to L cached
+    positions (padded; `mask` marks the real ones). Fixed shapes let the step be captured in a CUDA graph."""
+
+    positions: torch.Tensor  # [B] on the model's device
+    write_slots: torch.Tensor  # [B]
+    read_slots: torch.Tensor  # [B, L]
+    mask: torch.Tensor  # [B, L] bool
+    cache: LatentKVCache
+    rotary: nn.Module
+    _rope: Any = None
+
+    def rope(self, x: torch.Tensor) -> Any:
+        if self._rope is None:
+            self._rope = self.rotary(x, self.positions.unsqueeze(0))
+        return self._rope
+
+
 # ------------------------------------------------------------------------------------------ attention
 def _rope_function(hf_module: nn.Module, config: Any) -> Callable:
     """transformers' own rotary helper for this architecture, so positions are encoded exactly as there:
@@ -129,6 +148,29 @@ class MLAAttention(nn.Module):
             attend = self._absorbed if self.absorb and span.n == 1 else self._expanded
             out[rows] = attend(q_nope[rows], q_pe[rows], cached_latent.to(x.dtype), cached_pe.to(x.dtype), span)
         return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
+
+    def decode(self, x: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        """One new token for each of B sequences, attending in the latent space over fixed-shape gathers."""
+        b = x.shape[0]
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(b, self.num_heads, self.nope + self.rope_dim).split([self.nope, self.rope_dim], -1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_pe, k_pe = self._apply_rope(q_pe.transpose(0, 1).unsqueeze(0), k_pe.view(1, 1, b, self.rope_dim),
+                                      batch.rope(x))
+        q_pe = q_pe[0].transpose(0, 1)
+        batch.cache.write(self.layer, batch.write_slots, latent, k_pe.view(b, self.rope_dim))
+        rows = batch.cache.layers[self.layer][batch.read_slots].to(x.dtype)  # [B, L, latent + rope]
+        cached_latent, cached_pe = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        q_latent = torch.einsum("bhd,hdr->bhr", q_nope, w[:, :self.nope])
+        scores = (torch.bmm(q_latent, cached_latent.transpose(1, 2))
+                  + torch.bmm(q_pe, cached_pe.transpose(1, 2))) * self.scaling
+        scores = scores.float().masked_fill(~batch.mask.unsqueeze(1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(x.dtype)
+        out_latent = torch.bmm(probs, cached_latent)  # [B, H, latent]
+        out = torch.einsum("bhr,hvr->bhv", out_latent, w[:, self.nope:])
+        return self.o_proj(out.reshape(b, self.num_heads * self.v_dim))
 
     def _causal_mask(self, span: Span, length: int, device: torch.device) -> torch.Tensor | None:
         if span.n == 1:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from engines.kt.kv_cache import BlockTable, LatentKVCache
-from engines.kt.operators import MLAAttention, MoEWithCPUExperts, RoutedExpertsCPU, Span, StepBatch
+from engines.kt.operators import DecodeBatch, MLAAttention, MoEWithCPUExperts, RoutedExpertsCPU, Span, StepBatch
 from engines.lora.install import LoraModules
 from engines.lora.modules import AdapterRows
 from engines.runtime.model_runner import ModelRunner, ScheduledChunk
@@ -31,6 +31,26 @@ class KTModelRunner(ModelRunner):
         self.embed_device = self.inner.embed_tokens.weight.device
         self.head_device = model.lm_head.weight.device
         self.lora = LoraModules(model, model.config.hidden_size)
+        # one cache slot no sequence owns: padded rows of a fixed-shape decode step write there
+        self._scratch = BlockTable()
+        cache.reserve(self._scratch, 1)
+        cache.ensure(self._scratch, 1)
+        self.scratch_slot = int(cache.slots(self._scratch, 0, 1)[0])
+        self.graphs = None  # DecodeGraphs, once captured
+
+    def capture_decode_graphs(self, max_batch: int) -> None:
+        """Capture the decode step in CUDA graphs (one GPU, no hot experts on it); see cuda_graphs.py."""
+        from engines.kt.cuda_graphs import DecodeGraphs
+
+        devices = set(self.layer_devices) | {self.embed_device, self.head_device}
+        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+            raise ValueError("kt_use_cuda_graph needs the whole non-expert model on one GPU")
+        if any(e.gpu_experts for e in self._experts):
+            raise ValueError("kt_use_cuda_graph cannot be combined with hot experts on the GPU (gpu_experts)")
+        self.graphs = DecodeGraphs(self._decode_forward, device=self.embed_device, max_batch=max_batch,
+                                   max_len=self.max_model_len, scratch_slot=self.scratch_slot)
+        with torch.inference_mode():
+            self.graphs.capture()
 
     # ------------------------------------------------------------------------ cache bookkeeping
     @staticmethod
@@ -48,13 +68,17 @@ class KTModelRunner(ModelRunner):
             seq.runner_state = None
 
     def kv_usage(self) -> tuple[int, int]:
-        return self.cache.used_tokens, self.cache.capacity_tokens
+        scratch = self.cache.block_size  # the scratch block is the runner's own, never a request's
+        return self.cache.used_tokens - scratch, self.cache.capacity_tokens - scratch
 
     def expert_wait_seconds(self) -> float:
         return sum(e.wait_seconds for e in self._experts)
 
     # ------------------------------------------------------------------------ the step
     def execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
+        if all(c.num_tokens == 1 and c.samples and not c.all_logits and c.seq.request.adapter is None
+               for c in chunks):
+            return self._decode(chunks)
         pieces = []
         for chunk in chunks:
             table = self._table(chunk.seq)
@@ -85,6 +109,48 @@ class KTModelRunner(ModelRunner):
                 residual = hidden
                 hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
         return spans, hidden
+
+    def _decode(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
+        """Every sequence decodes one token: one fixed-shape step, replayed from a CUDA graph when one fits."""
+        ids, positions, write, read = [], [], [], []
+        for chunk in chunks:
+            table = self._table(chunk.seq)
+            self.cache.ensure(table, chunk.end)
+            ids.append(chunk.seq.token_ids[chunk.start])
+            positions.append(chunk.start)
+            write.append(int(self.cache.slots(table, chunk.start, chunk.end)[0]))
+            read.append(self.cache.slots(table, 0, chunk.end))
+        longest = max(len(r) for r in read)
+        if self.graphs is not None and self.graphs.fits(len(ids), longest):
+            logits = self.graphs.run(ids, positions, write, read)
+        else:
+            read_rows = torch.full((len(ids), longest), self.scratch_slot, dtype=torch.long)
+            mask = torch.zeros(len(ids), longest, dtype=torch.bool)
+            for i, slots in enumerate(read):
+                read_rows[i, :len(slots)] = slots
+                mask[i, :len(slots)] = True
+            device = self.embed_device
+            with self.lora.context.step(AdapterRows([(None, i, 1) for i in range(len(ids))])):
+                logits = self._decode_forward(torch.tensor(ids, device=device), torch.tensor(positions, device=device),
+                                              torch.tensor(write, device=device), read_rows.to(device),
+                                              mask.to(device)).float().cpu()
+        return [logits[i:i + 1] for i in range(len(chunks))]
+
+    def _decode_forward(self, ids: torch.Tensor, positions: torch.Tensor, write: torch.Tensor,
+                        read: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The decode step on fixed-shape tensors (capturable): logits [B, vocab] in the model's dtype."""
+        batch = DecodeBatch(positions=positions, write_slots=write, read_slots=read, mask=mask, cache=self.cache,
+                            rotary=self.inner.rotary_emb)
+        hidden = self.inner.embed_tokens(ids)
+        for layer, device in zip(self.layers, self.layer_devices):
+            if hidden.device != device:
+                hidden = hidden.to(device)
+                batch = DecodeBatch(positions=positions.to(device), write_slots=write.to(device),
+                                    read_slots=read.to(device), mask=mask.to(device), cache=self.cache,
+                                    rotary=self.inner.rotary_emb)
+            hidden = hidden + layer.self_attn.decode(layer.input_layernorm(hidden), batch)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.model.lm_head(self.inner.norm(hidden.to(self.head_device)))
 
     def last_hidden_states(self, prompts: list[list[int]], adapter: str | None) -> torch.Tensor:
         """Each prompt in its own forward over borrowed cache blocks, freed at once."""
