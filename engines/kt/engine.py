@@ -64,12 +64,13 @@ def _check_devices(placement: Any, rule_file: Path) -> None:
                              f"{torch.cuda.device_count()} GPU(s) are visible")
 
 
-def _leave_cores_to_experts(cpu_infer: int | None) -> None:
-    """torch's own CPU thread pool spins on the cores kt-kernel's workers are pinned to; measured here, small
-    torch ops took 10 ms instead of 0.15 ms while they competed. Give torch the cores kt-kernel leaves."""
+def _cores_left_by_experts(cpu_infer: int | None) -> int:
+    """torch's own CPU thread pool spins (OpenMP keeps idle threads busy ~200 ms) on the cores kt-kernel's
+    workers are pinned to: small torch ops took 10 ms instead of 0.15 ms on the CPU box, and decode steps on
+    the H200 box took a flat 216 ms instead of 34 ms. torch gets the cores kt-kernel leaves."""
     from engines.kt.cpuinfer import physical_cores, resolve_thread_count
 
-    torch.set_num_threads(max(1, physical_cores() - resolve_thread_count(cpu_infer)))
+    return max(1, physical_cores() - resolve_thread_count(cpu_infer))
 
 
 class KTEngine(LLMEngine):
@@ -116,7 +117,8 @@ class KTEngine(LLMEngine):
                               latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim, dtype=dtype)
         runner = KTModelRunner(model, devices, cache, max_len)
         if uses_cpu_experts(model):
-            _leave_cores_to_experts(cfg.cpu_infer)
+            self.torch_threads = _cores_left_by_experts(cfg.cpu_infer)
+            torch.set_num_threads(self.torch_threads)
         if cfg.kt_use_cuda_graph:
             if gpu:
                 runner.capture_decode_graphs(cfg.max_concurrent)

@@ -32,6 +32,8 @@ log = logging.getLogger("ktserve.engine")
 class LLMEngine(Engine):
     """Subclasses implement `_load()`; everything else is shared."""
 
+    torch_threads: int | None = None  # the generation thread's torch CPU threads; None: torch's default
+
     def __init__(self, config: EngineConfig):
         super().__init__(config)
         self._runner: ModelRunner | None = None
@@ -232,6 +234,10 @@ class LLMEngine(Engine):
     # ------------------------------------------------------------------------------ the thread
     def _loop(self) -> None:
         assert self._scheduler is not None and self._runner is not None
+        if self.torch_threads is not None:
+            # torch's intra-op thread count is per thread: set it where the step's CPU work (sampling,
+            # CPU-side tensors) runs, not where the model was loaded
+            torch.set_num_threads(self.torch_threads)
         while not self._stopping.is_set():
             self._run_commands()
             self._take_cancellations()
