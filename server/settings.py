@@ -46,7 +46,7 @@ class Settings(BaseModel):
     # model
     model: str | None = Field(None, description="model directory; default: the built-in demo model")
     served_model_name: str | None = None
-    engine: str = "huggingface"
+    engine: str = "ktransformers"
     use_kt: bool | None = None
     template: str | None = None
     device: str = "auto"
@@ -65,6 +65,7 @@ class Settings(BaseModel):
     kt_force_think: bool = False
     kt_method: str | None = None
     kt_weight_cache: str | None = None
+    kv_cache_tokens: int | None = Field(None, gt=0)
     # serving
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -73,6 +74,7 @@ class Settings(BaseModel):
     max_queue: int = Field(256, ge=0)
     request_timeout: float | None = Field(None, gt=0)
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
+    read_timeout: float = Field(30.0, gt=0)  # seconds a client gets to send a whole request (server/http_protocol.py)
     graceful_timeout: float = Field(30.0, ge=0)
     reasoning_parser: str | None = None
     metrics_public: bool = False
@@ -95,8 +97,9 @@ class Settings(BaseModel):
 
     @model_validator(mode="after")
     def _use_kt_selects_engine(self) -> "Settings":
-        if self.use_kt is True and self.engine == "huggingface":
-            object.__setattr__(self, "engine", "ktransformers")
+        """LLaMA-Factory's `use_kt` picks the engine unless one is named explicitly."""
+        if self.use_kt is not None and "engine" not in self.model_fields_set:
+            object.__setattr__(self, "engine", "ktransformers" if self.use_kt else "huggingface")
         return self
 
     def all_adapters(self) -> dict[str, str]:
@@ -113,7 +116,7 @@ class Settings(BaseModel):
             max_concurrent=self.max_concurrent, max_queue=self.max_queue, max_model_len=self.max_model_len,
             chunk_size=self.chunk_size, trust_remote_code=self.trust_remote_code, template=self.template,
             adapters=self.all_adapters(), kt_optimize_rule=self.kt_optimize_rule, cpu_infer=self.cpu_infer,
-            kt_method=self.kt_method, kt_weight_cache=self.kt_weight_cache,
+            kt_method=self.kt_method, kt_weight_cache=self.kt_weight_cache, kv_cache_tokens=self.kv_cache_tokens,
             kt_use_cuda_graph=self.kt_use_cuda_graph, kt_force_think=self.kt_force_think)
 
 

@@ -55,3 +55,11 @@ def test_shipped_configs_load(name):
     from pathlib import Path
     path = Path(__file__).resolve().parents[1] / "configs" / name
     assert load_settings(str(path), env={}).engine == "ktransformers"
+
+
+def test_the_ktransformers_engine_is_the_default():
+    assert load_settings(None, env={}).engine == "ktransformers"
+
+
+def test_use_kt_false_selects_the_huggingface_engine(tmp_path):
+    assert load_settings(write(tmp_path, "use_kt: false\n"), env={}).engine == "huggingface"
