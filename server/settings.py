@@ -87,6 +87,13 @@ class Settings(BaseModel):
     def _empty_key_is_none(cls, v: str | None) -> str | None:
         return v or None
 
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, v: str | None) -> str | None:
+        from server.reasoning import check_reasoning_parser
+        check_reasoning_parser(v)
+        return v
+
     @field_validator("engine")
     @classmethod
     def _known_engine(cls, v: str) -> str:

@@ -63,3 +63,8 @@ def test_the_ktransformers_engine_is_the_default():
 
 def test_use_kt_false_selects_the_huggingface_engine(tmp_path):
     assert load_settings(write(tmp_path, "use_kt: false\n"), env={}).engine == "huggingface"
+
+
+def test_an_unknown_reasoning_parser_stops_start_up():
+    with pytest.raises(SettingsError, match="reasoning_parser"):
+        load_settings(None, cli={"reasoning_parser": "qwen3"}, env={})
