@@ -20,7 +20,7 @@ from server.chat.router import router as chat_router
 from server.chat.serving import ChatServing
 from server.completions.router import router as completions_router
 from server.completions.serving import CompletionServing
-from server.errors import error_body, install_error_handlers
+from server.errors import RequestTooLarge, error_body, install_error_handlers
 from server.health import router as health_router
 from server.metrics import Metrics
 from server.metrics import router as metrics_router
@@ -53,12 +53,12 @@ class BodySizeLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
-                    raise _TooLarge()
+                    raise RequestTooLarge(self.limit)
             return message
 
         try:
             await self.app(scope, limited_receive, send)
-        except _TooLarge:
+        except RequestTooLarge:
             await self._refuse(send)
 
     async def _refuse(self, send: Send) -> None:
@@ -68,10 +68,6 @@ class BodySizeLimit:
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
-
-
-class _TooLarge(Exception):
-    pass
 
 
 def create_app(settings: Settings, engine: Engine, *, load_engine: bool = True) -> FastAPI:
@@ -91,8 +87,11 @@ def create_app(settings: Settings, engine: Engine, *, load_engine: bool = True) 
             if load_engine:
                 await asyncio.to_thread(engine.stop)
 
+    # With a key, the schema is served behind it (below) and the docs pages not at all: they fetch the
+    # schema without a key.
+    keyed_docs = {"openapi_url": None, "docs_url": None, "redoc_url": None} if settings.api_key else {}
     app = FastAPI(title="ktserve", description="OpenAI-compatible server for DeepSeek MoE models",
-                  lifespan=lifespan)
+                  lifespan=lifespan, **keyed_docs)
     app.state.settings = settings
     app.state.engine = engine
     app.state.load_error = None
@@ -102,6 +101,8 @@ def create_app(settings: Settings, engine: Engine, *, load_engine: bool = True) 
     app.state.completions = CompletionServing(engine, settings.request_timeout)
     install_error_handlers(app)
     key_required = [Depends(require_api_key)]
+    if settings.api_key:
+        app.add_api_route("/openapi.json", app.openapi, include_in_schema=False, dependencies=key_required)
     protected = [Depends(refuse_while_draining), *key_required]
     app.include_router(health_router)
     app.include_router(metrics_router, dependencies=[] if settings.metrics_public else key_required)

@@ -37,6 +37,8 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--metrics-public", action="store_const", const=True,
                    help="serve /metrics without the API key")
     p.add_argument("--max-body-bytes", type=int, help="largest accepted request body")
+    p.add_argument("--read-timeout", type=float,
+                   help="seconds a client gets to send a whole request before it is disconnected (default 30)")
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N (huggingface engine)")
     p.add_argument("--dtype", help="auto | bfloat16 | float16 | float32")
     p.add_argument("--template", help="built-in chat template: deepseek | deepseek3 | deepseekr1")
@@ -59,7 +61,7 @@ def _cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
     keys = ["model", "served_model_name", "engine", "host", "port", "api_key", "max_concurrent", "max_queue",
             "max_model_len", "request_timeout", "graceful_timeout", "metrics_public", "max_body_bytes", "device",
             "dtype", "template", "kt_optimize_rule", "cpu_infer", "chunk_size", "kt_method", "kt_weight_cache",
-            "reasoning_parser", "cors_origins", "log_format", "log_level"]
+            "reasoning_parser", "cors_origins", "log_format", "log_level", "read_timeout"]
     out = {k: getattr(args, k) for k in keys}
     if args.adapter:
         out["adapters"] = dict(args.adapter)
@@ -73,6 +75,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from engines.registry import create_engine
     from server.app import create_app
+    from server.http_protocol import http_protocol
     from server.logs import configure_logging
     from server.settings import SettingsError, load_settings
     from server.shutdown import FLUSH_SECONDS, DrainingServer
@@ -98,6 +101,7 @@ def serve(args: argparse.Namespace) -> int:
     app = create_app(settings, engine)
     # The drain has already waited for the requests; uvicorn's own wait only has idle connections to close.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
+                            http=http_protocol(settings.read_timeout),
                             timeout_keep_alive=5, timeout_graceful_shutdown=int(FLUSH_SECONDS))
     server = DrainingServer(config, app.state.drain)
     app.state.on_load_failure = lambda: setattr(server, "should_exit", True)

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from engines.base import (
     EngineUnavailableError, InvalidRequestError, NotFoundError, QueueFullError, UnsupportedError,
@@ -28,6 +29,16 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers
+
+
+class RequestTooLarge(StarletteHTTPException):
+    """A request body found over the size limit while it is read. It is an HTTPException because FastAPI's
+    body parsing lets only those through (it turns any other exception there into a 400)."""
+
+    code = "request_too_large"
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"request body larger than {limit} bytes")
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -84,6 +95,24 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"invalid value for '{field}': {msg}", field
 
 
+# FastAPI answers any exception raised while it reads and decodes a JSON body (other than a JSON syntax
+# error) with this 400. The cause says whether the client sent something unparsable or we have a bug.
+BODY_PARSE_FAILED = "There was an error parsing the body"
+
+
+def _unparsable_body(cause: BaseException | None) -> APIError:
+    if isinstance(cause, RecursionError):
+        return APIError(400, "the request body is nested too deeply to parse", code="invalid_json")
+    if isinstance(cause, UnicodeDecodeError):
+        return APIError(400, "the request body is not valid UTF-8", code="invalid_json")
+    if isinstance(cause, ValueError):  # e.g. an integer beyond Python's digit limit
+        return APIError(400, f"the request body is not valid JSON: {cause}", code="invalid_json")
+    if isinstance(cause, ClientDisconnect):
+        return APIError(400, "the client went away while sending the body")  # nobody reads this answer
+    log.error("unexpected error while reading the request body", exc_info=cause)
+    return APIError(500, "internal server error", type="internal_error")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -96,12 +125,15 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == BODY_PARSE_FAILED:
+            err = _unparsable_body(exc.__cause__)
+            return error_response(err.status, err.message, err.type, err.param, err.code)
         kind = {404: "not_found_error", 405: "invalid_request_error", 401: "authentication_error"}
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
         return error_response(exc.status_code, message, kind.get(exc.status_code, "invalid_request_error"),
-                              headers=getattr(exc, "headers", None))
+                              code=getattr(exc, "code", None), headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

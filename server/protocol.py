@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator
 
-from engines.base import SamplingParams
+from engines.base import InvalidRequestError, SamplingParams
 
 MAX_STOP_STRINGS = 64
 MAX_STOP_LENGTH = 1024
@@ -37,7 +37,7 @@ class SamplingRequest(OpenAIRequest):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[NonNegativeInt] | None = Field(None, max_length=MAX_STOP_STRINGS)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
@@ -83,9 +83,11 @@ class SamplingRequest(OpenAIRequest):
         for token in list(bias) + list(self.stop_token_ids or []):
             if token >= vocab_size:
                 field = "logit_bias" if token in bias else "stop_token_ids"
-                from engines.base import InvalidRequestError
                 raise InvalidRequestError(f"token id {token} in '{field}' is outside the vocabulary "
                                           f"(size {vocab_size})", param=field)
+        if self.min_tokens > max_tokens:
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) is more than the {max_tokens} tokens this "
+                                      "request may generate", param="min_tokens")
         seed = None if self.seed is None else (self.seed + choice) % 2**63
         return SamplingParams(
             max_tokens=max_tokens,
@@ -109,7 +111,6 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 def check_max_tokens(requested: int | None, default: int, prompt_len: int, limit: int, param: str) -> int:
     """The completion budget: what was asked, or what the context has left; a prompt that leaves no room
     is an error naming the prompt."""
-    from engines.base import InvalidRequestError
     room = limit - prompt_len
     if room <= 0 or (requested is not None and requested > room and prompt_len >= limit):
         raise InvalidRequestError(f"this model's maximum context length is {limit} tokens, but the prompt has "

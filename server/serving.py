@@ -17,10 +17,20 @@ from engines.base import Engine, GenerationOutput, GenerationRequest, NotFoundEr
 from server.tracking import current_tracker
 
 DISCONNECT_POLL_SECONDS = 0.25
+# Prompts at least this long are tokenized on a worker thread: the tokenizers library releases the GIL, so a
+# megabyte-sized prompt (seconds of tokenizing) does not stall every other request on the event loop.
+OFF_LOOP_CHARACTERS = 16_384
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def encode(tokenizer: Any, text: str, **kwargs: Any) -> list[int]:
+    """`tokenizer.encode(text, **kwargs)`, off the event loop when the text is long."""
+    if len(text) < OFF_LOOP_CHARACTERS:
+        return tokenizer.encode(text, **kwargs)
+    return await asyncio.to_thread(tokenizer.encode, text, **kwargs)
 
 
 def resolve_adapter(engine: Engine, model: str | None) -> str | None:
@@ -100,8 +110,11 @@ async def collect(request: Request, handles: list[RequestHandle], timeout: float
                                    code="server_shutdown", headers={"Retry-After": "5"})
                 return outputs
             if await request.is_disconnected():
+                # An answer nobody will read, logged as 499 (nginx's "client closed request"). Raising
+                # CancelledError instead would make uvicorn log a traceback for every client that gives up.
                 tracker.error = "client_disconnected"
-                raise asyncio.CancelledError("client disconnected")
+                raise APIError(499, "the client closed the connection before the answer was ready",
+                               code="client_disconnected")
             if deadline is not None and time.monotonic() > deadline:
                 tracker.error = "request_timeout"
                 raise APIError(408, f"the request did not finish within {timeout:g} seconds",
@@ -109,7 +122,13 @@ async def collect(request: Request, handles: list[RequestHandle], timeout: float
     finally:
         if not results.done():
             results.cancel()
+            results.add_done_callback(_retrieve)  # else asyncio logs the cancelled gather's exception
             cancel_all(handles)
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def sse_response(events: AsyncIterator[dict[str, Any]], handles: list[RequestHandle],

@@ -74,6 +74,7 @@ def start_server(model_path: str | Path, **overrides: Any) -> RunningServer:
 
     from engines.registry import create_engine
     from server.app import create_app
+    from server.http_protocol import http_protocol
     from server.settings import load_settings
 
     overrides.setdefault("engine", "huggingface")
@@ -84,7 +85,8 @@ def start_server(model_path: str | Path, **overrides: Any) -> RunningServer:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=5, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, log_level="warning", http=http_protocol(settings.read_timeout),
+                            timeout_keep_alive=5, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

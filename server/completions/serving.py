@@ -15,8 +15,8 @@ from server.completions.protocol import CompletionRequest
 from server.errors import APIError
 from server.protocol import check_max_tokens, usage
 from server.serving import (
-    Deadline, cancel_all, collect, error_chunk, merged, new_id, resolve_adapter, sse_response, submit_choices,
-    with_deadline,
+    Deadline, cancel_all, collect, encode, error_chunk, merged, new_id, resolve_adapter, sse_response,
+    submit_choices, with_deadline,
 )
 
 
@@ -43,12 +43,12 @@ class CompletionServing:
         self.engine = engine
         self.request_timeout = request_timeout
 
-    def _tokenize(self, prompt: str | list[int], index: int) -> list[int]:
+    async def _tokenize(self, prompt: str | list[int], index: int) -> list[int]:
         tokenizer = self.engine.tokenizer
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty", param="prompt")
-            return tokenizer.encode(prompt)
+            return await encode(tokenizer, prompt)
         vocab = len(tokenizer)
         if any(t >= vocab for t in prompt):
             raise InvalidRequestError(f"prompt {index} has token ids outside the vocabulary (size {vocab})",
@@ -63,7 +63,7 @@ class CompletionServing:
                                       param="max_tokens")
         if req.suffix:
             raise InvalidRequestError("'suffix' is not supported by this server", param="suffix")
-        prompts = [self._tokenize(p, i) for i, p in enumerate(req.prompts())]
+        prompts = [await self._tokenize(p, i) for i, p in enumerate(req.prompts())]
         limit = engine.info.max_model_len
         vocab = len(engine.tokenizer)
         request_id = new_id("cmpl")
