@@ -72,8 +72,8 @@ def low_rank(x: torch.Tensor, update: tuple[torch.Tensor, torch.Tensor, float]) 
     return (x @ a.T) @ b.T * scale
 
 
-class LoraLinear(nn.Module):
-    """A linear layer plus per-adapter updates `scale * B @ A`, applied to the rows of each adapter."""
+class _WithUpdates(nn.Module):
+    """A base module plus per-adapter low-rank updates (A, B, scale), keyed by adapter name."""
 
     def __init__(self, base: nn.Module, context: LoraContext):
         super().__init__()
@@ -84,6 +84,10 @@ class LoraLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         return self.lora_base.weight
+
+
+class LoraLinear(_WithUpdates):
+    """A linear layer plus per-adapter updates `scale * B @ A`, applied to the rows of each adapter."""
 
     def forward(self, x: torch.Tensor, adapter=_STEP) -> torch.Tensor:
         y = self.lora_base(x)
@@ -101,19 +105,9 @@ class LoraLinear(nn.Module):
         return y
 
 
-class RouterLora(nn.Module):
+class RouterLora(_WithUpdates):
     """A MoE router with per-adapter LoRA on its weight. The router works row by row, so each adapter's
     rows run through it with that adapter's merged weight (a small [experts, hidden] matrix)."""
-
-    def __init__(self, base: nn.Module, context: LoraContext):
-        super().__init__()
-        self.lora_base = base
-        self.context = context
-        self.updates: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.lora_base.weight
 
     def _with(self, name: str, hidden: torch.Tensor):
         a, b, scale = self.updates[name]
