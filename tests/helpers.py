@@ -28,3 +28,14 @@ def logprob_tolerance(engine) -> float:
     """How closely served logprobs must match transformers' float32 forward pass: the HF engine computes the
     same float32 ops; the KT engine's kt-kernel experts round activations to bf16 (0.4% relative error)."""
     return 1e-3 if engine.name == "huggingface" else 0.05
+
+
+def require_kt_kernel() -> None:
+    """Skip unless kt-kernel loads here; loads it the way the engine does (IEEE floats kept in this thread)."""
+    import pytest
+
+    try:
+        from engines.kt.cpuinfer import load_ext
+        load_ext()
+    except ImportError as exc:
+        pytest.skip(f"kt-kernel does not load on this CPU: {exc}", allow_module_level=True)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import require_kt_kernel
+
 REPO = Path(__file__).resolve().parents[1]
 SMOKE_TIMEOUT = 90
 
@@ -33,7 +35,7 @@ def test_v2_lite_checkpoint_has_the_published_size():
 
 @pytest.mark.slow
 def test_tiny_quick_run_writes_decode_and_http_figures_with_units(tmp_path):
-    pytest.importorskip("kt_kernel", reason="kt-kernel does not load on this CPU")
+    require_kt_kernel()
     pytest.importorskip("openai")
     out = tmp_path / "results"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import start_server
-from helpers import chat_prompt_ids, forward_logprobs, greedy_reference
+from helpers import require_kt_kernel, chat_prompt_ids, forward_logprobs, greedy_reference
 
-pytest.importorskip("kt_kernel", reason="kt-kernel does not load on this CPU")
+require_kt_kernel()
 
 # kt-kernel's BF16 kernels round activations to bf16 while transformers on the CPU computes in float32, so
 # prompt logprobs differ a little everywhere and more where a routing decision flips on a near-tie.

@@ -15,10 +15,12 @@ import threading
 from pathlib import Path
 
 import pytest
+
+from helpers import require_kt_kernel
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("kt_kernel")
+require_kt_kernel()
 
 from engines.kt.cpuinfer import physical_cores, pool_threads, resolve_thread_count, shared_cpu_infer  # noqa: E402
 from engines.kt.experts_cpu import (  # noqa: E402
@@ -344,3 +346,10 @@ def test_bf16_has_nothing_to_cache(weights, tmp_path):
     make_experts("BF16").load_weights(*weights, cache_dir=tmp_path)
     assert list(tmp_path.iterdir()) == []
     assert not make_experts("BF16").load_quantized(tmp_path)
+
+
+def test_loading_kt_kernel_keeps_ieee_subnormals_in_this_thread():
+    from engines.kt.cpuinfer import load_ext
+
+    load_ext()
+    assert 2.2250738585072014e-308 / 2 != 0.0

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import start_server
-from helpers import forward_logprobs, greedy_reference
+from helpers import require_kt_kernel, forward_logprobs, greedy_reference
 from lora_helpers import make_peft_adapter, write_fused_expert_lora, write_gguf_lora
 
 PROMPT = "The river flows through the valley and"
@@ -48,7 +48,7 @@ def adapters(tmp_path_factory, reference_model):
 def lora_server(request, demo_model_dir, adapters):
     settings = {"engine": request.param, "adapters": {name: str(p) for name, (p, _) in adapters.items()}}
     if request.param == "ktransformers":
-        pytest.importorskip("kt_kernel", reason="kt-kernel does not load on this CPU")
+        require_kt_kernel()
         settings["kt_method"] = "BF16"
     running = start_server(demo_model_dir, **settings)
     yield running
@@ -132,7 +132,7 @@ INT8_MIN_TOP1_AGREEMENT = 0.85
 
 
 def test_int8_expert_lora_agrees_with_the_merged_reference(demo_model_dir, adapters, tokenizer):
-    pytest.importorskip("kt_kernel", reason="kt-kernel does not load on this CPU")
+    require_kt_kernel()
     running = start_server(demo_model_dir, engine="ktransformers", kt_method="AMXINT8",
                            adapters={"experts": str(adapters["experts"][0])})
     try:

@@ -89,3 +89,14 @@ def test_logprobs_are_the_models_own_distribution(sampler, tokenizer):
     assert token == 9
     assert entry.logprob == pytest.approx(float(expected[9]))
     assert [t.token_id for t in entry.top] == [7, 9]
+
+
+def test_a_subnormal_temperature_is_greedy_not_an_error(sampler, tokenizer):
+    assert sampler.sample(logits_with(7, 9), seq_for(tokenizer, temperature=5e-324))[0] == 7
+
+
+def test_a_distribution_with_nothing_left_falls_back_to_the_best_token(sampler, tokenizer):
+    logits = torch.full((VOCAB,), float("-inf"))
+    logits[3] = 0.0
+    seq = seq_for(tokenizer, temperature=1.0, logit_bias={3: -100.0}, repetition_penalty=10.0)
+    assert sampler.sample(logits, seq)[0] == 3

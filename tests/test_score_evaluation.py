@@ -5,6 +5,8 @@ from __future__ import annotations
 import shutil
 
 import pytest
+
+from helpers import require_kt_kernel
 import torch
 
 from conftest import start_server
@@ -73,7 +75,7 @@ def test_value_head_in_the_model_directory(engine, reward_setup, reference_model
     _, _, _, model_dir, (weight, bias) = reward_setup
     settings = {"engine": engine}
     if engine == "ktransformers":
-        pytest.importorskip("kt_kernel", reason="kt-kernel does not load on this CPU")
+        require_kt_kernel()
         settings["kt_method"] = "BF16"
     server = start_server(model_dir, **settings)
     try:

@@ -8,6 +8,10 @@ against 0.4 ms with 15), so the default is physical cores minus one.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import sys
+
 import logging
 import os
 import threading
@@ -28,7 +32,21 @@ def load_ext() -> ModuleType:
         import kt_kernel_ext
     except ImportError as exc:
         raise ImportError("kt-kernel is not installed; install it with `pip install --no-deps kt-kernel`") from exc
+    _restore_float_environment()
     return kt_kernel_ext
+
+
+def _restore_float_environment() -> None:
+    """Loading kt-kernel (built with fast-math) turns on flush-to-zero in the importing thread, so Python
+    floats in that thread silently lose subnormals (2.2e-308 / 2 == 0.0). Put the thread back to IEEE
+    defaults; kt-kernel's own worker threads keep their mode."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+        libm.fesetenv(ctypes.c_void_p(-1))  # glibc's FE_DFL_ENV
+    except OSError:
+        pass
 
 
 def physical_cores() -> int:

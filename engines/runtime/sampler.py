@@ -26,6 +26,10 @@ def _bytes_to_unicode() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs)}
 
 
+# Below this, dividing logits by the temperature overflows; such a temperature means greedy anyway.
+MIN_TEMPERATURE = 1e-5
+
+
 class TokenText:
     """Token id -> (display string, raw bytes), cached; byte-level tokens that are part of a UTF-8
     character still report their exact bytes."""
@@ -90,11 +94,13 @@ class Sampler:
         _apply_penalties(logits, seq, p)
         if seq.request.logits_processor is not None:
             seq.request.logits_processor(seq.output_ids, logits)
-        if p.greedy:
-            token = int(torch.argmax(logits))
-        else:
+        token = int(torch.argmax(logits))
+        if not p.greedy and p.temperature >= MIN_TEMPERATURE:
             probs = _filter(logits / p.temperature, p)
-            token = int(torch.multinomial(probs, 1, generator=seq.generator))
+            # a distribution that underflowed or overflowed (extreme bias, penalties or temperature) cannot be
+            # sampled; its most likely token is the one sampling would almost surely pick
+            if bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0:
+                token = int(torch.multinomial(probs, 1, generator=seq.generator))
         if seq.request.logits_processor is not None:
             seq.request.logits_processor.accept(token)
         entry = self.logprob_entry(logprobs, token, p.logprobs) if logprobs is not None else None
