@@ -15,6 +15,8 @@ def resolve_inside_roots(path: str, roots: list[str]) -> Path:
     if not roots:
         raise APIError(403, "runtime adapter loading is disabled: no adapter roots are configured "
                             "(--adapter-root / adapter_roots)", type="permission_error", param="lora_path")
+    if "\x00" in path:  # no file system path holds one; os.path would raise instead of answering
+        raise APIError(400, "lora_path must not contain a NUL character", param="lora_path")
     real = Path(os.path.realpath(path))
     for root in roots:
         if real.is_relative_to(os.path.realpath(root)):
