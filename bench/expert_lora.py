@@ -33,7 +33,6 @@ def timed(fn, repeat: int) -> float:
 
 def main() -> None:
     from engines.kt.operators import RoutedExpertsCPU
-    from engines.lora.adapter import ExpertLora
     from engines.lora.modules import AdapterRows, LoraContext
 
     p = argparse.ArgumentParser()

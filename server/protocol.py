@@ -5,8 +5,6 @@ with a 400 naming the field. Each request converts itself into the engine's `Sam
 from __future__ import annotations
 
 import math
-from typing import Any
-
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator
 
 from engines.base import InvalidRequestError, SamplingParams

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from engines.base import EngineConfig, ModelInfo
+from engines.base import ModelInfo
 from engines.lora.install import LoraModules
 from engines.lora.modules import AdapterRows
 from engines.runtime.llm_engine import LLMEngine

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from engines.base import EngineConfig, ModelInfo
+from engines.base import ModelInfo
 from engines.kt.kv_cache import LatentKVCache
 from engines.kt.loader import load_checkpoint, missing_tensors
 from engines.kt.runner import KTModelRunner, layer_devices, uses_cpu_experts
