@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from engines.kt.kv_cache import BlockTable, LatentKVCache
-from engines.kt.operators import DecodeBatch, MLAAttention, MoEWithCPUExperts, RoutedExpertsCPU, Span, StepBatch
+from engines.kt.attention import DecodeBatch, MLAAttention, Span, StepBatch
+from engines.kt.operators import MoEWithCPUExperts, RoutedExpertsCPU
 from engines.lora.install import LoraModules
 from engines.lora.modules import AdapterRows
 from engines.runtime.model_runner import ModelRunner, ScheduledChunk

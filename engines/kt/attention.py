@@ -1,0 +1,214 @@
+"""Multi-head latent attention (MLA) over the paged latent KV cache, and the step metadata it reads.
+
+Prefill expands the cached latents to per-head keys and values; decode attends in the latent space
+(the "absorbed" form), so the cache is never expanded to full K/V. Sequence boundaries reach attention
+only through the spans of a `StepBatch` (or the fixed shapes of a `DecodeBatch`)."""
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engines.kt.kv_cache import LatentKVCache
+from engines.lora.modules import LoraLinear
+
+_LAYER = re.compile(r"layers\.(\d+)(\.|$)")
+
+
+def layer_index(name: str) -> int:
+    match = _LAYER.search(name)
+    if match is None:
+        raise ValueError(f"cannot tell the layer index of module {name!r}")
+    return int(match.group(1))
+
+
+# --------------------------------------------------------------------------------------- step metadata
+@dataclass(slots=True)
+class Span:
+    """One sequence's slice of the flattened step: rows [row, row + n) are positions [start, start + n)."""
+
+    row: int
+    n: int
+    start: int
+    write_slots: torch.Tensor  # slots of the fed positions
+    read_slots: torch.Tensor  # slots of positions [0, start + n)
+    adapter: str | None = None  # the sequence's LoRA adapter
+
+
+@dataclass
+class StepBatch:
+    """What attention needs to know about the step, passed down explicitly (no global context)."""
+
+    spans: list[Span]
+    positions: torch.Tensor  # [T] on the CPU
+    cache: LatentKVCache
+    rotary: nn.Module
+    _on_device: dict[tuple[str, str], Any] = field(default_factory=dict)
+
+    def on(self, device: torch.device, key: str, make: Callable[[], Any]) -> Any:
+        """Per-device copies of step tensors, made once per step and shared by the layers on that device."""
+        k = (str(device), key)
+        if k not in self._on_device:
+            self._on_device[k] = make()
+        return self._on_device[k]
+
+    def rope(self, x: torch.Tensor) -> Any:
+        def make():
+            positions = self.positions.to(x.device).unsqueeze(0)
+            return self.rotary(x, positions)
+        return self.on(x.device, "rope", make)
+
+
+@dataclass
+class DecodeBatch:
+    """A decode-only step in fixed shapes: B sequences, one new token each, attending over up to L cached
+    positions (padded; `mask` marks the real ones). Fixed shapes let the step be captured in a CUDA graph."""
+
+    positions: torch.Tensor  # [B] on the model's device
+    write_slots: torch.Tensor  # [B]
+    read_slots: torch.Tensor  # [B, L]
+    mask: torch.Tensor  # [B, L] bool
+    cache: LatentKVCache
+    rotary: nn.Module
+    _rope: Any = None
+
+    def rope(self, x: torch.Tensor) -> Any:
+        if self._rope is None:
+            self._rope = self.rotary(x, self.positions.unsqueeze(0))
+        return self._rope
+
+
+# ------------------------------------------------------------------------------------------ attention
+def _rope_function(hf_module: nn.Module, config: Any) -> Callable:
+    """transformers' own rotary helper for this architecture, so positions are encoded exactly as there:
+    V2 uses complex frequencies, V3 cos/sin (interleaved when the config says so)."""
+    modeling = sys.modules[type(hf_module).__module__]
+    if hasattr(modeling, "apply_rotary_emb"):
+        return lambda q, k, pe: modeling.apply_rotary_emb(q, k, pe)
+    fn = modeling.apply_rotary_pos_emb_interleave if getattr(config, "rope_interleave", False) \
+        else modeling.apply_rotary_pos_emb
+    return lambda q, k, pe: fn(q, k, pe[0], pe[1])
+
+
+class MLAAttention(nn.Module):
+    KWARGS = frozenset({"device", "absorb"})
+
+    def __init__(self, hf_attention: nn.Module, config: Any, layer: int, device: str, absorb: bool):
+        super().__init__()
+        a = hf_attention
+        self.layer = layer
+        self.device_name = device
+        self.absorb = absorb
+        self.num_heads = config.num_attention_heads
+        self.q_lora_rank = config.q_lora_rank
+        self.nope, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.scaling = a.scaling
+        for child in ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
+                      "kv_b_proj", "o_proj"):
+            setattr(self, child, getattr(a, child, None))
+        self._apply_rope = _rope_function(a, config)
+
+    @classmethod
+    def from_module(cls, module: nn.Module, name: str, config: Any, device: str = "cpu", absorb: bool = True,
+                    **_: Any) -> "MLAAttention":
+        return cls(module, config, layer_index(name), device, bool(absorb))
+
+    def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, self.num_heads, self.nope + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_pe, k_pe = self._apply_rope(q_pe.transpose(0, 1).unsqueeze(0), k_pe.view(1, 1, t, self.rope_dim),
+                                      batch.rope(x))
+        q_pe = q_pe[0].transpose(0, 1)
+        k_pe = k_pe.view(t, self.rope_dim)
+        write = batch.on(x.device, "write", lambda: torch.cat([s.write_slots for s in batch.spans]).to(x.device))
+        batch.cache.write(self.layer, write, latent, k_pe)
+        out = torch.empty(t, self.num_heads, self.v_dim, dtype=x.dtype, device=x.device)
+        for i, span in enumerate(batch.spans):
+            read = batch.on(x.device, f"read{i}", lambda s=span: s.read_slots.to(x.device))
+            cached_latent, cached_pe = batch.cache.read(self.layer, read)
+            rows = slice(span.row, span.row + span.n)
+            attend = self._absorbed if self.absorb and span.n == 1 else self._expanded
+            out[rows] = attend(q_nope[rows], q_pe[rows], cached_latent.to(x.dtype), cached_pe.to(x.dtype), span)
+        return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
+
+    def decode(self, x: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        """One new token for each of B sequences, attending in the latent space over fixed-shape gathers."""
+        b = x.shape[0]
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(b, self.num_heads, self.nope + self.rope_dim).split([self.nope, self.rope_dim], -1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_pe, k_pe = self._apply_rope(q_pe.transpose(0, 1).unsqueeze(0), k_pe.view(1, 1, b, self.rope_dim),
+                                      batch.rope(x))
+        q_pe = q_pe[0].transpose(0, 1)
+        batch.cache.write(self.layer, batch.write_slots, latent, k_pe.view(b, self.rope_dim))
+        rows = batch.cache.layers[self.layer][batch.read_slots].to(x.dtype)  # [B, L, latent + rope]
+        cached_latent, cached_pe = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        q_latent = torch.einsum("bhd,hdr->bhr", q_nope, w[:, :self.nope])
+        scores = (torch.bmm(q_latent, cached_latent.transpose(1, 2))
+                  + torch.bmm(q_pe, cached_pe.transpose(1, 2))) * self.scaling
+        scores = scores.float().masked_fill(~batch.mask.unsqueeze(1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(x.dtype)
+        out_latent = torch.bmm(probs, cached_latent)  # [B, H, latent]
+        out = torch.einsum("bhr,hvr->bhv", out_latent, w[:, self.nope:])
+        return self.o_proj(out.reshape(b, self.num_heads * self.v_dim))
+
+    def _causal_mask(self, span: Span, length: int, device: torch.device) -> torch.Tensor | None:
+        if span.n == 1:
+            return None
+        query_pos = torch.arange(span.start, span.start + span.n, device=device).unsqueeze(1)
+        return torch.arange(length, device=device).unsqueeze(0) <= query_pos
+
+    def _kv_b_update(self, span: Span):
+        """The span's adapter's LoRA on kv_b_proj, (A, B, scale), or None."""
+        if not isinstance(self.kv_b_proj, LoraLinear):
+            return None
+        return self.kv_b_proj.updates.get(span.adapter)
+
+    def _expanded(self, q_nope, q_pe, latent, k_pe, span: Span) -> torch.Tensor:
+        """Expand the cached latents to per-head keys and values (prefill: many queries share them)."""
+        length = latent.shape[0]
+        # the cached rows are this span's, whatever the step's other rows are
+        kv = self.kv_b_proj(latent, adapter=span.adapter) if isinstance(self.kv_b_proj, LoraLinear) \
+            else self.kv_b_proj(latent)
+        kv = kv.view(length, self.num_heads, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        mask = self._causal_mask(span, length, latent.device)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           attn_mask=mask, scale=self.scaling)
+        return o.transpose(0, 1)
+
+    def _absorbed(self, q_nope, q_pe, latent, k_pe, span: Span) -> torch.Tensor:
+        """Attend in the latent space: fold kv_b's key half into the query and its value half into the
+        output, so a decode step reads kv_lora_rank + rope numbers per cached token and expands nothing."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
+        q_latent = torch.einsum("nhd,hdr->hnr", q_nope, w_uk)
+        update = self._kv_b_update(span)
+        if update is not None:  # kv_b + s*B@A, kept factored: B per head [h, nope + v, r], A [r, latent]
+            a, b, scale = update
+            b = b.view(self.num_heads, self.nope + self.v_dim, -1)
+            q_latent = q_latent + scale * torch.einsum("hnk,kr->hnr", torch.einsum("nhd,hdk->hnk", q_nope,
+                                                                                     b[:, :self.nope]), a)
+        scores = (torch.einsum("hnr,lr->hnl", q_latent, latent)
+                  + torch.einsum("nhd,ld->hnl", q_pe, k_pe)) * self.scaling
+        probs = torch.softmax(scores.float(), dim=-1).to(latent.dtype)
+        out_latent = torch.einsum("hnl,lr->hnr", probs, latent)
+        out = torch.einsum("hnr,hvr->nhv", out_latent, w_uv)
+        if update is not None:
+            out = out + scale * torch.einsum("hnk,hvk->nhv", torch.einsum("hnr,kr->hnk", out_latent, a),
+                                             b[:, self.nope:])
+        return out
