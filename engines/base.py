@@ -227,7 +227,8 @@ class EngineConfig:
     # KTransformers engine
     kt_optimize_rule: str | None = None
     cpu_infer: int | None = None
-    kt_method: str | None = None  # override of the rules' expert backend (AMXINT8 | AMXINT4 | BF16 | ...)
+    kt_method: str | None = None  # override of the rules' experts method (engines/kt/expert_methods.py)
+    kt_strict_placement: bool = False  # a rule device this machine lacks is an error, not folded
     kt_weight_cache: str | None = None
     kt_use_cuda_graph: bool = False
     kt_force_think: bool = False
@@ -243,6 +244,7 @@ class ModelInfo:
     created: int
     eos_token_ids: tuple[int, ...] = ()
     has_value_head: bool = False
+    details: dict[str, str] = field(default_factory=dict)  # engine facts worth showing (/version)
 
 
 @dataclass(slots=True)

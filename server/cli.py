@@ -49,7 +49,10 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--kt-optimize-rule", help="placement rule file (ktransformers engine)")
     p.add_argument("--cpu-infer", type=int, help="CPU expert threads (default: physical cores - 1)")
     p.add_argument("--chunk-size", type=int, help="prefill chunk size in tokens")
-    p.add_argument("--kt-method", help="expert kernel override: AMXINT8 | AMXINT4 | BF16")
+    p.add_argument("--kt-method", help="experts method for every layer: AMXINT8 | AMXINT4 | BF16 | FP8 | RAWINT4 | "
+                                       "LLAMAFILE (default: the rules' choice, or the closest this CPU runs)")
+    p.add_argument("--kt-strict-placement", action="store_true", default=None,
+                   help="refuse rule files naming GPUs this machine lacks instead of folding them")
     p.add_argument("--kt-weight-cache", help="directory for pre-quantized expert weights")
     p.add_argument("--kv-cache-tokens", type=int, help="KV cache capacity in tokens (ktransformers engine)")
     p.add_argument("--reasoning-parser", help="deepseek_r1: split <think> text into reasoning_content")
@@ -61,8 +64,9 @@ def _serve_parser(sub: Any) -> None:
 def _cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
     keys = ["model", "served_model_name", "engine", "host", "port", "api_key", "max_concurrent", "max_queue",
             "max_model_len", "request_timeout", "graceful_timeout", "metrics_public", "max_body_bytes", "device",
-            "dtype", "template", "kt_optimize_rule", "cpu_infer", "chunk_size", "kt_method", "kt_weight_cache",
-            "kv_cache_tokens", "reasoning_parser", "cors_origins", "log_format", "log_level", "read_timeout"]
+            "dtype", "template", "kt_optimize_rule", "cpu_infer", "chunk_size", "kt_method", "kt_strict_placement",
+            "kt_weight_cache", "kv_cache_tokens", "reasoning_parser", "cors_origins", "log_format", "log_level",
+            "read_timeout"]
     out = {k: getattr(args, k) for k in keys}
     if args.adapter:
         out["adapters"] = dict(args.adapter)

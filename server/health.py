@@ -23,4 +23,6 @@ async def health(request: Request):
 
 @router.get("/version")
 async def version(request: Request):
-    return {"version": __version__, "engine": request.app.state.engine.name}
+    engine = request.app.state.engine
+    details = engine.info.details if engine.ready else {}
+    return {"version": __version__, "engine": engine.name, **({"engine_details": details} if details else {})}

@@ -64,6 +64,7 @@ class Settings(BaseModel):
     kt_use_cuda_graph: bool = False
     kt_force_think: bool = False
     kt_method: str | None = None
+    kt_strict_placement: bool = False
     kt_weight_cache: str | None = None
     kv_cache_tokens: int | None = Field(None, gt=0)
     # serving
@@ -123,7 +124,8 @@ class Settings(BaseModel):
             max_concurrent=self.max_concurrent, max_queue=self.max_queue, max_model_len=self.max_model_len,
             chunk_size=self.chunk_size, trust_remote_code=self.trust_remote_code, template=self.template,
             adapters=self.all_adapters(), kt_optimize_rule=self.kt_optimize_rule, cpu_infer=self.cpu_infer,
-            kt_method=self.kt_method, kt_weight_cache=self.kt_weight_cache, kv_cache_tokens=self.kv_cache_tokens,
+            kt_method=self.kt_method, kt_strict_placement=self.kt_strict_placement,
+            kt_weight_cache=self.kt_weight_cache, kv_cache_tokens=self.kv_cache_tokens,
             kt_use_cuda_graph=self.kt_use_cuda_graph, kt_force_think=self.kt_force_think)
 
 

@@ -3,7 +3,9 @@
 Tolerances are relative errors (norm of the difference / norm of the reference) on random bf16 weights.
 BF16 is exact up to bf16 rounding (~0.4% measured); INT8 adds per-row weight and activation quantization
 (~2.3%); INT4 per-row 4-bit weights (~24%, in line with a torch simulation of 4-bit rounding: ~22%);
-LLAMAFILE with its default Q8_0 blocks ~1.5%.
+FP8 e4m3 in 128x128 blocks ~4.4% (3 mantissa bits); RAWINT4, 4 bits per group of 32, ~17% (the kernel
+agrees with the dequantized weights within 0.5%); LLAMAFILE with its default Q8_0 blocks ~1.5%.
+Every method runs wherever this CPU's kt-kernel build has it; tests of the others skip with the reason.
 """
 from __future__ import annotations
 
@@ -22,13 +24,14 @@ import torch.nn.functional as F
 
 require_kt_kernel()
 
-from engines.kt.cpuinfer import physical_cores, pool_threads, resolve_thread_count, shared_cpu_infer  # noqa: E402
-from engines.kt.experts_cpu import (  # noqa: E402
-    METHODS, ExpertsUnsupportedError, RoutedExpertsCPU, default_cpu_threads, supported_methods)
+from engines.kt.cpuinfer import (  # noqa: E402
+    default_cpu_threads, physical_cores, pool_threads, resolve_thread_count, shared_cpu_infer)
+from engines.kt.expert_methods import METHODS, ExpertsUnsupportedError, available_methods, cpu_variant  # noqa: E402
+from engines.kt.experts_cpu import RoutedExpertsCPU  # noqa: E402
 
 E, K, H, I = 16, 4, 256, 256
 MAX_TOKENS = 32
-TOLERANCE = {"BF16": 0.01, "AMXINT8": 0.05, "AMXINT4": 0.35, "LLAMAFILE": 0.05}
+TOLERANCE = {"BF16": 0.01, "AMXINT8": 0.05, "AMXINT4": 0.35, "FP8": 0.06, "RAWINT4": 0.25, "LLAMAFILE": 0.05}
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -47,7 +50,7 @@ def experts_for(weights):
     made: dict[str, RoutedExpertsCPU] = {}
 
     def get(method: str = "BF16") -> RoutedExpertsCPU:
-        if method not in supported_methods():
+        if method not in available_methods():
             pytest.skip(f"{method} not supported here")
         if method not in made:
             made[method] = loaded(weights, method)
@@ -91,32 +94,38 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------------------------------ methods and threads
-def test_supported_methods_are_a_subset_of_methods_and_include_bf16():
-    assert set(supported_methods()) <= set(METHODS)
-    assert "BF16" in supported_methods()
+def test_every_build_offers_bf16_an_8_bit_and_a_4_bit_method():
+    here = available_methods()
+    assert set(here) <= set(METHODS) and "BF16" in here
+    assert {m for m in here if METHODS[m].bits == 8} and {m for m in here if METHODS[m].bits == 4}
 
 
 def test_unsupported_method_error_names_it_and_the_supported_ones():
+    missing = next((m for m in METHODS if m not in available_methods()), None)
+    if missing is None:
+        pytest.skip(f"kt-kernel's {cpu_variant()} build runs every method")
     with pytest.raises(ExpertsUnsupportedError) as info:
-        make_experts("FP8")
+        make_experts(missing)
     assert isinstance(info.value, ValueError)
-    assert "'FP8'" in str(info.value)
-    assert all(m in str(info.value) for m in supported_methods())
+    assert f"'{missing}'" in str(info.value)
+    assert all(m in str(info.value) for m in available_methods())
 
 
-def test_cpu_without_avx512_offers_no_int_methods():
-    # kt-kernel's avx2 build (what a CPU without AVX-512 gets) has no INT8/INT4 experts.
-    code = ("from engines.kt.experts_cpu import RoutedExpertsCPU, supported_methods\n"
-            "print(supported_methods())\n"
+def test_avx2_build_runs_bf16_fp8_rawint4_and_llamafile_but_no_amx_methods():
+    # kt-kernel's avx2 build (what a CPU without AVX-512 gets: AMD EPYC Rome/Milan) has no AMX* classes.
+    code = ("from engines.kt.expert_methods import available_methods, cpu_variant\n"
+            "from engines.kt.experts_cpu import RoutedExpertsCPU\n"
+            "print(cpu_variant(), ' '.join(available_methods()))\n"
             "try:\n"
-            "    RoutedExpertsCPU(layer_idx=0, num_experts=8, top_k=2, hidden_size=128, intermediate_size=128)\n"
+            "    RoutedExpertsCPU(layer_idx=0, num_experts=8, top_k=2, hidden_size=128, intermediate_size=128,\n"
+            "                     method='AMXINT8')\n"
             "except ValueError as exc:\n"
             "    print(type(exc).__name__, exc)\n")
     env = {**os.environ, "KT_KERNEL_CPU_VARIANT": "avx2", "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     lines = out.stdout.strip().splitlines()
-    assert "AMXINT8" not in lines[0] and "AMXINT4" not in lines[0] and "BF16" in lines[0], out.stderr
-    assert lines[1].startswith("ExpertsUnsupportedError") and "'AMXINT8'" in lines[1] and "BF16" in lines[1]
+    assert lines[0].split() == ["avx2", "BF16", "FP8", "RAWINT4", "LLAMAFILE"], out.stderr
+    assert lines[1].startswith("ExpertsUnsupportedError") and "'AMXINT8'" in lines[1] and "FP8" in lines[1]
 
 
 def test_default_cpu_threads_leaves_one_physical_core_free():
@@ -146,17 +155,19 @@ def test_worker_pool_is_one_per_process_and_the_first_thread_count_wins(caplog):
 
 
 # ------------------------------------------------------------------------------------------ validation
-@pytest.mark.parametrize(("method", "hidden"), [("BF16", 48), ("AMXINT8", 96), ("AMXINT4", 192), ("LLAMAFILE", 128)])
+@pytest.mark.parametrize(("method", "hidden"), [("BF16", 48), ("AMXINT8", 96), ("AMXINT4", 192), ("FP8", 192),
+                                               ("RAWINT4", 96), ("LLAMAFILE", 128)])
 def test_sizes_the_kernel_cannot_tile_are_refused(method, hidden):
-    if method not in supported_methods():
+    if method not in available_methods():
         pytest.skip(f"{method} not supported here")
     with pytest.raises(ValueError, match="hidden_size"):
         make_experts(method, hidden_size=hidden)
 
 
-@pytest.mark.parametrize(("method", "size"), [("BF16", 32), ("AMXINT8", 64), ("AMXINT4", 128), ("LLAMAFILE", 256)])
+@pytest.mark.parametrize(("method", "size"), [("BF16", 32), ("AMXINT8", 64), ("AMXINT4", 128), ("FP8", 128),
+                                             ("RAWINT4", 64), ("LLAMAFILE", 256)])
 def test_smallest_sizes_each_method_accepts_compute_correctly(method, size):
-    if method not in supported_methods():
+    if method not in available_methods():
         pytest.skip(f"{method} not supported here")
     g = torch.Generator().manual_seed(2)
     small = tuple((torch.randn(8, size, size, generator=g) / size**0.5).bfloat16() for _ in range(3))
@@ -245,7 +256,7 @@ def test_hot_experts_in_torch_match_all_experts_in_kt_kernel(weights, experts_fo
 
 @pytest.mark.parametrize("method", METHODS)
 def test_hot_experts_leave_the_output_within_the_method_tolerance(weights, method):
-    if method not in supported_methods():
+    if method not in available_methods():
         pytest.skip(f"{method} not supported here")
     hidden, ids, w = routing(40)
     out = loaded(weights, method, gpu_experts=[0, 3, 9], gpu_device="cpu")(hidden, ids, w)
@@ -253,15 +264,28 @@ def test_hot_experts_leave_the_output_within_the_method_tolerance(weights, metho
 
 
 def test_llamafile_with_bf16_blocks_is_as_exact_as_bf16(weights):
-    if "LLAMAFILE" not in supported_methods():
-        pytest.skip("LLAMAFILE not supported here")
+    if cpu_variant() not in ("amx", "avx512_bf16"):
+        pytest.skip(f"kt-kernel's {cpu_variant()} build has no llamafile BF16 path")
     hidden, ids, w = routing(12)
     out = loaded(weights, "LLAMAFILE", llamafile_type="BF16")(hidden, ids, w)
     assert rel_err(out, reference(weights, hidden, ids, w)) < TOLERANCE["BF16"]
 
 
+def test_llamafile_bf16_blocks_are_refused_by_name_where_the_build_lacks_them():
+    code = ("from engines.kt.experts_cpu import RoutedExpertsCPU\n"
+            "try:\n"
+            "    RoutedExpertsCPU(layer_idx=0, num_experts=8, top_k=2, hidden_size=256, intermediate_size=256,\n"
+            "                     method='LLAMAFILE', llamafile_type='BF16')\n"
+            "except ValueError as exc:\n"
+            "    print(type(exc).__name__, exc)\n")
+    env = {**os.environ, "KT_KERNEL_CPU_VARIANT": "avx2", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.startswith("ExpertsUnsupportedError llamafile_type BF16"), out.stdout + out.stderr
+    assert "avx2" in out.stdout and "Q8_0" in out.stdout
+
+
 def test_unknown_llamafile_block_type_is_refused():
-    if "LLAMAFILE" not in supported_methods():
+    if "LLAMAFILE" not in available_methods():
         pytest.skip("LLAMAFILE not supported here")
     with pytest.raises(ValueError, match="llamafile_type 'Q4_K'"):
         make_experts("LLAMAFILE", llamafile_type="Q4_K")
@@ -277,7 +301,7 @@ def test_llamafile_q8_0_blocks_are_the_ones_gguf_writes(weights):
 
 
 def test_submit_then_sync_equals_forward(experts_for):
-    experts = experts_for("AMXINT8" if "AMXINT8" in supported_methods() else "BF16")
+    experts = experts_for("AMXINT8" if "AMXINT8" in available_methods() else "BF16")
     hidden, ids, w = routing(40)
     experts.submit(hidden, ids, w)
     assert torch.equal(experts.sync(), experts(hidden, ids, w))
@@ -303,7 +327,7 @@ def test_forward_works_from_a_thread_other_than_the_creator(experts_for):
 
 
 # ---------------------------------------------------------------------------------------- weight cache
-QUANTIZED = [m for m in ("AMXINT8", "AMXINT4") if m in supported_methods()]
+QUANTIZED = [m for m in available_methods() if METHODS[m].cacheable]
 
 
 @pytest.mark.parametrize("method", QUANTIZED)
@@ -338,7 +362,8 @@ def test_cache_is_not_used_for_another_shape_layer_or_hot_expert_set(weights, tm
 @pytest.mark.skipif(not QUANTIZED, reason="no quantized method here")
 def test_cache_with_a_missing_file_is_not_used(weights, tmp_path):
     make_experts(QUANTIZED[0]).load_weights(*weights, cache_dir=tmp_path)
-    next((tmp_path / "_layer_0" / "_numa_0").glob("*_down_5_*quant_.kt")).unlink()
+    data = [p for p in (tmp_path / "_layer_0").rglob("*") if p.is_file() and p.suffix in (".kt", ".safetensors")]
+    data[len(data) // 2].unlink()
     assert not make_experts(QUANTIZED[0]).load_quantized(tmp_path)
 
 

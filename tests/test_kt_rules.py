@@ -329,7 +329,7 @@ class FakeOperator(nn.Module):
         self.original_type, self.name, self.config, self.kwargs = type(original), name, config, kwargs
 
     @classmethod
-    def from_module(cls, module, name, config, **kwargs):
+    def from_module(cls, module, name, config, options, **kwargs):
         return cls(module, name, config, kwargs)
 
 

@@ -186,14 +186,26 @@ def resolve_replace_class(name: str) -> str:
                                       "engines.kt.aliases.CLASS_ALIASES")
 
 
+UNSUPPORTED_DEVICES = {
+    "xpu": "Intel GPUs: ktserve runs on the CPU and CUDA GPUs",
+    "npu": "Ascend NPUs: ktserve runs on the CPU and CUDA GPUs",
+    "meta": "'meta' is not a placement",
+}
+"""Device types KTransformers' rule files use that we refuse, with why. ROCm GPUs appear as cuda in torch,
+so KTransformers' rocm files (which name cuda devices) load."""
+
+
 def normalize_device(value: object, key: str) -> str:
     """``"cuda"`` -> ``"cuda:0"`` so devices compare equal however a file spells them."""
+    kind = str(value).partition(":")[0]
+    if kind in UNSUPPORTED_DEVICES:
+        raise KwargError(key, f"{value!r}: this device is not supported ({UNSUPPORTED_DEVICES[kind]})")
     try:
         device = torch.device(str(value))
     except RuntimeError as e:
         raise KwargError(key, f"{value!r} is not a device ({e})") from None
-    if device.type == "meta":
-        raise KwargError(key, "'meta' is not a placement")
+    if device.type not in ("cpu", "cuda"):
+        raise KwargError(key, f"{value!r}: this device is not supported (ktserve runs on the CPU and CUDA GPUs)")
     if device.type == "cpu":
         return "cpu"
     return f"{device.type}:{device.index or 0}"

@@ -115,8 +115,8 @@ class MLAAttention(nn.Module):
         self._apply_rope = _rope_function(a, config)
 
     @classmethod
-    def from_module(cls, module: nn.Module, name: str, config: Any, device: str = "cpu", absorb: bool = True,
-                    **_: Any) -> "MLAAttention":
+    def from_module(cls, module: nn.Module, name: str, config: Any, options: Any = None, device: str = "cpu",
+                    absorb: bool = True, **_: Any) -> "MLAAttention":
         return cls(module, config, layer_index(name), device, bool(absorb))
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:

@@ -1,9 +1,12 @@
 """The "ktransformers" engine: DeepSeek V2/V2-Lite/V3/R1 with the routed experts on the CPU (kt-kernel)
 and everything else where the placement rules put it, usually one GPU.
 
-Choosing a rule file: `kt_optimize_rule` when given (a path, or a file name in kt_optimize_rules/);
-otherwise the CPU-only file on a machine without CUDA, and the single-GPU file for the architecture when
-there is one."""
+Choosing a rule file: `kt_optimize_rule` when given (a path; a file name, or a path that does not exist,
+is looked up by file name in kt_optimize_rules/); otherwise the CPU-only file on a machine without CUDA,
+and the single-GPU file for the architecture when there is one. A rule file naming more GPUs than this
+machine has is folded onto the GPUs there are (else the CPU) with one warning, unless
+`kt_strict_placement` is set. The experts method each rule asks for is replaced by the closest one this
+CPU runs (engines/kt/expert_methods.py), logged once and reported in the model info."""
 from __future__ import annotations
 
 import logging
@@ -16,6 +19,7 @@ import torch
 from engines.base import ModelInfo
 from engines.kt.kv_cache import LatentKVCache
 from engines.kt.loader import load_checkpoint, missing_tensors
+from engines.kt.operators import OperatorOptions
 from engines.kt.runner import KTModelRunner, layer_devices, uses_cpu_experts
 from engines.model_files import context_length, eos_token_ids, load_tokenizer, model_id, resolve_dtype
 from engines.runtime.llm_engine import LLMEngine
@@ -42,26 +46,51 @@ def default_rule_file(config: Any) -> str:
 
 
 def resolve_rule_file(name: str | None, config: Any) -> Path:
+    """The rule file: `name` as a path, else a shipped file of that name (LLaMA-Factory configs name theirs
+    as `examples/kt_optimize_rules/<file>`), else the default for this machine and architecture."""
     name = name or default_rule_file(config)
-    path = Path(name)
-    if not path.is_file():
-        path = RULES_DIR / name
-    if not path.is_file():
-        shipped = ", ".join(sorted(p.name for p in RULES_DIR.glob("*.yaml")))
-        raise ValueError(f"kt_optimize_rule: {name!r} is neither a file nor one of the shipped rules ({shipped})")
-    return path
+    for path in (Path(name), RULES_DIR / name, RULES_DIR / Path(name).name):
+        if path.is_file():
+            return path
+    shipped = ", ".join(sorted(p.name for p in RULES_DIR.glob("*.yaml")))
+    raise ValueError(f"kt_optimize_rule: {name!r} is neither a file nor one of the shipped rules ({shipped})")
 
 
-def _check_devices(placement: Any, rule_file: Path) -> None:
-    wanted = {d for d in placement.devices.values() if d.startswith("cuda")}
-    if wanted and not torch.cuda.is_available():
-        raise ValueError(f"kt_optimize_rule {rule_file.name} places modules on {', '.join(sorted(wanted))}, but "
-                         f"this machine has no CUDA GPU; use {CPU_RULES} (the default without a GPU)")
-    for device in wanted:
-        index = torch.device(device).index or 0
-        if index >= torch.cuda.device_count():
-            raise ValueError(f"kt_optimize_rule {rule_file.name} uses {device}, but only "
-                             f"{torch.cuda.device_count()} GPU(s) are visible")
+def _gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _fold_devices(rules: list, rule_file: Path, strict: bool) -> dict[str, str]:
+    """The rules' devices this machine lacks -> where they run instead (warned once; an error when strict)."""
+    from engines.kt.rules import device_folding
+
+    gpus = _gpu_count()
+    fold = device_folding(rules, gpus)
+    if fold:
+        mapping = ", ".join(f"{a} -> {b}" for a, b in fold.items())
+        have = f"{gpus} GPU(s)" if gpus else "no CUDA GPU"
+        if strict:
+            raise ValueError(f"kt_optimize_rule {rule_file.name} places modules on {', '.join(fold)}, but this "
+                             f"machine has {have} (kt_strict_placement is set; unset it to run them on {mapping})")
+        log.warning("kt_optimize_rule %s names devices this machine lacks (%s); running them as %s", rule_file.name,
+                    have, mapping)
+    return fold
+
+
+def _expert_methods(placement: Any, explicit: str | None, rule_file: Path) -> dict[str, Any]:
+    """For each experts method the rules ask for: the MethodChoice that serves it (logged once each)."""
+    from engines.kt.aliases import EXPERT_OPERATORS
+    from engines.kt.expert_methods import DEFAULT_METHOD, choose_method, cpu_variant, normalize_method
+
+    asked = {normalize_method(kwargs.get("method") or DEFAULT_METHOD, "method")
+             for rule, kwargs in placement.replacements.values() if rule.replace in EXPERT_OPERATORS}
+    choices = {m: choose_method(m, explicit=explicit, source=f"rule file {rule_file.name}") for m in sorted(asked)}
+    for choice in choices.values():
+        if choice.reason:
+            log.warning("experts: %s (kt-kernel build %s)", choice.reason, cpu_variant())
+        else:
+            log.info("experts: %s on kt-kernel's %s build", choice.method, cpu_variant())
+    return choices
 
 
 def _cores_left_by_experts(cpu_infer: int | None) -> int:
@@ -95,16 +124,16 @@ class KTEngine(LLMEngine):
             log.info("serving a context of %d tokens (the model allows %d; raise it with kt_maxlen)",
                      DEFAULT_MAX_MODEL_LEN, max_len)
             max_len = DEFAULT_MAX_MODEL_LEN
-        # runtime knobs the operators read when the rules build them
-        config.kt_max_tokens = cfg.chunk_size + cfg.max_concurrent
-        config.kt_cpu_threads = cfg.cpu_infer
-        config.kt_method_override = cfg.kt_method
         rule_file = resolve_rule_file(cfg.kt_optimize_rule, config)
+        rules = load_rules(rule_file)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-        placement = plan_placement(model, load_rules(rule_file), default_device="cpu")
-        _check_devices(placement, rule_file)
-        apply_placement(model, placement, config)
+        placement = plan_placement(model, rules, default_device="cpu",
+                                   fold=_fold_devices(rules, rule_file, cfg.kt_strict_placement))
+        choices = _expert_methods(placement, cfg.kt_method, rule_file)
+        options = OperatorOptions(max_tokens=cfg.chunk_size + cfg.max_concurrent, cpu_threads=cfg.cpu_infer,
+                                  methods={m: c.method for m, c in choices.items()}, checkpoint=str(model_path))
+        apply_placement(model, placement, config, options)
         gpu = any(d.startswith("cuda") for d in placement.devices.values())
         dtype = resolve_dtype(cfg.dtype, torch.device("cuda" if gpu else "cpu"))
         load_checkpoint(model, model_path, placement.device_of_param, dtype, config.num_hidden_layers,
@@ -126,8 +155,12 @@ class KTEngine(LLMEngine):
                 log.info("kt_use_cuda_graph: no GPU in the placement; decode runs without CUDA graphs")
         log.info("loaded %s with %s (%s, experts on the CPU: %s) in %.1fs", model_path.name, rule_file.name, dtype,
                  uses_cpu_experts(model), time.perf_counter() - started)
+        details = {"kt_optimize_rule": rule_file.name}
+        for choice in choices.values():
+            details.update(choice.describe())
         info = ModelInfo(id=model_id(cfg), max_model_len=max_len, architecture=arch, engine=self.name,
-                         created=int(time.time()), eos_token_ids=eos_token_ids(config, tokenizer, model_path))
+                         created=int(time.time()), eos_token_ids=eos_token_ids(config, tokenizer, model_path),
+                         details=details)
         return runner, tokenizer, info
 
     def _kv_tokens(self, max_len: int) -> int:

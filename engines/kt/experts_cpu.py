@@ -1,15 +1,15 @@
-"""Routed experts of one DeepSeek MoE layer, computed on the CPU by kt-kernel.
+"""Routed experts of one DeepSeek MoE layer, computed on the CPU by kt-kernel: the `RoutedExpertsCPU` operator.
 
-`RoutedExpertsCPU` holds all routed experts of a layer as one kt-kernel MoE object (BF16 weights, INT8 /
-INT4 quantized online from them, or LLAMAFILE: GGUF-style Q8_0 / BF16 blocks) and computes
-`sum_k w_k * down(silu(gate(x)) * up(x))` for the experts the router picked. Experts named in
+`RoutedExpertsCPU` holds all routed experts of a layer as one kt-kernel MoE object, in one of the methods
+of engines/kt/expert_methods.py (which also says which of them this CPU's kt-kernel build runs), and
+computes `sum_k w_k * down(silu(gate(x)) * up(x))` for the experts the router picked. Experts named in
 `gpu_experts` ("hot experts") are kept as torch tensors on `gpu_device` and computed there with torch;
-kt-kernel skips them. Work is submitted to the process-wide worker pool
-(engines/kt/cpuinfer.py) so that `submit()` returns at once and the caller can run GPU work before `sync()`.
+kt-kernel skips them. Work is submitted to the process-wide worker pool (engines/kt/cpuinfer.py) so that
+`submit()` returns at once and the caller can run GPU work before `sync()`. Rows of adapters with expert
+LoRA are handed to `lora` (engines/lora/cpu_experts.py) and computed there.
 
-Shape rules, measured with kt-kernel 0.7.2 (amx and avx512 builds): hidden and intermediate sizes must be
-multiples of 32 (BF16), 64 (AMXINT8), 128 (AMXINT4) or 256 (LLAMAFILE). Other sizes fail in kt-kernel,
-crash the process or (LLAMAFILE) silently return zeros, so they are refused here with a ValueError.
+As an operator of the placement rules it takes `device` (where its output goes), `method`, `gpu_experts`
+and `threads`; engine-wide settings arrive explicitly in `OperatorOptions` (engines/kt/operators.py).
 """
 from __future__ import annotations
 
@@ -17,52 +17,35 @@ import json
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.kt.cpuinfer import check_thread_count, default_cpu_threads, load_ext, shared_cpu_infer
+from engines.kt.attention import layer_index
+from engines.kt.cpuinfer import check_thread_count, load_ext, shared_cpu_infer
+from engines.kt.expert_methods import (METHODS, ExpertsUnsupportedError, check_llamafile_type, kernel_class,
+                                       quantize_fp8_blocks, quantize_int4_groups, unavailable_reason)
 
-__all__ = ["METHODS", "ExpertsUnsupportedError", "RoutedExpertsCPU", "default_cpu_threads", "supported_methods"]
+if TYPE_CHECKING:
+    from engines.kt.operators import OperatorOptions
+    from engines.lora.cpu_experts import CPUExpertsLora
+
+__all__ = ["ExpertsUnsupportedError", "RoutedExpertsCPU"]
 
 log = logging.getLogger(__name__)
 
-METHODS = ("AMXINT8", "AMXINT4", "BF16", "LLAMAFILE")
-# kt-kernel classes per method, best first (the avx2 build has only the AVX2 BF16 and llamafile kernels).
-_KERNELS = {"AMXINT8": ("AMXInt8_MOE",), "AMXINT4": ("AMXInt4_MOE",), "BF16": ("AMXBF16_MOE", "AVX2BF16_MOE"),
-            "LLAMAFILE": ("MOE",)}
-# LLAMAFILE: kt-kernel itself demands intermediate % 256; with hidden sizes below 256 its batched path
-# (10 tokens or more) returned zeros in our measurements, so hidden must be a multiple of 256 as well.
-_SIZE_MULTIPLE = {"AMXINT8": 64, "AMXINT4": 128, "BF16": 32, "LLAMAFILE": 256}
-# ggml block formats LLAMAFILE weights are converted to on load (the kernel reads GGUF-style blocks).
-LLAMAFILE_TYPES = ("Q8_0", "BF16")
-# Quantized kernels and their on-disk names (kt-kernel writes "<PREFIX>_<mat>_<expert>_<bytes>Byte_...").
-_QUANT_BITS = {"AMXINT8": 8, "AMXINT4": 4}
-_FILE_PREFIX = {"AMXINT8": "INT8", "AMXINT4": "INT4"}
 # kt-kernel sizes its token buffers in blocks of 32 (M_STEP); INT8/INT4 refuse other sizes and BF16
 # segfaults with buffers of 1-2 tokens, so the buffer is always a whole number of blocks.
 _TOKEN_BLOCK = 32
-_CACHE_FORMAT = 1
-
-
-class ExpertsUnsupportedError(ValueError):
-    """The requested experts method cannot run with this CPU and kt-kernel build."""
-
-
-def _kernel_class(method: str) -> type | None:
-    try:
-        moe = load_ext().moe
-    except ImportError:
-        return None
-    return next((getattr(moe, name) for name in _KERNELS[method] if hasattr(moe, name)), None)
-
-
-def supported_methods() -> list[str]:
-    """The methods of METHODS that this CPU and the installed kt-kernel build can run."""
-    return [m for m in METHODS if _kernel_class(m) is not None]
+_CACHE_FORMAT = 2
+# kt-kernel writes the quantized AMX forms itself ("<PREFIX>_<mat>_<expert>_<bytes>Byte_..."); the forms we
+# quantize (FP8, RAWINT4) are saved by us as one safetensors file per layer.
+_KT_FILES = {"AMXINT8": ("INT8", 8), "AMXINT4": ("INT4", 4)}
 
 
 def _build_info() -> dict[str, str]:
@@ -152,18 +135,19 @@ def _check_config(method: str, *, threads: int | None, activation: str, llamafil
         raise ValueError(f"top_k ({sizes['top_k']}) cannot exceed num_experts ({sizes['num_experts']})")
     if activation != "silu":
         raise ValueError(f"activation {activation!r} is not supported; kt-kernel experts use 'silu'")
-    supported = supported_methods()
-    if method not in supported:
-        raise ExpertsUnsupportedError(
-            f"experts method {method!r} is not supported here; this CPU and kt-kernel build support: "
-            f"{', '.join(supported) or 'none (kt-kernel missing or too old)'}")
-    multiple = _SIZE_MULTIPLE[method]
+    reason = unavailable_reason(method)
+    if reason is not None:
+        from engines.kt.expert_methods import available_methods
+
+        raise ExpertsUnsupportedError(f"experts method {method!r} is not supported here: {reason}; this CPU and "
+                                      f"kt-kernel build support: {', '.join(available_methods()) or 'none'}")
+    multiple = METHODS[method].size_multiple
     for name in ("hidden_size", "intermediate_size"):
         if sizes[name] % multiple:
             raise ValueError(f"{name}={sizes[name]} is not a multiple of {multiple}, which kt-kernel's {method} "
                              f"kernel needs")
-    if method == "LLAMAFILE" and llamafile_type not in LLAMAFILE_TYPES:
-        raise ValueError(f"llamafile_type {llamafile_type!r} is not one of {', '.join(LLAMAFILE_TYPES)}")
+    if method == "LLAMAFILE":
+        check_llamafile_type(llamafile_type)
     if threads is not None:
         check_thread_count(threads)
 
@@ -175,10 +159,13 @@ class RoutedExpertsCPU(nn.Module):
     every task in the shared pool (other layers' too) and holds the GIL while it waits.
     """
 
+    KWARGS = frozenset({"device", "method", "gpu_experts", "threads"})
+
     def __init__(self, *, layer_idx: int, num_experts: int, top_k: int, hidden_size: int,
-                 intermediate_size: int, method: str = "AMXINT8", threads: int | None = None,
+                 intermediate_size: int, method: str = "BF16", threads: int | None = None,
                  max_tokens: int = 512, gpu_experts: list[int] | None = None, gpu_device: str = "cpu",
-                 activation: str = "silu", llamafile_type: str = "Q8_0"):
+                 activation: str = "silu", llamafile_type: str = "Q8_0", out_device: str | None = None,
+                 checkpoint: str | None = None):
         super().__init__()
         method = str(method).upper()
         _check_config(method, layer_idx=layer_idx, num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
@@ -190,17 +177,36 @@ class RoutedExpertsCPU(nn.Module):
         self.chunk_tokens = -(-max_tokens // _TOKEN_BLOCK) * _TOKEN_BLOCK
         self.gpu_experts = self._check_gpu_experts(gpu_experts)
         self.gpu_device = torch.device(gpu_device)
+        self.out_device = torch.device(out_device) if out_device is not None else None
+        self.checkpoint = checkpoint  # where expert LoRA re-reads this layer's base experts from
+        self.lora: CPUExpertsLora | None = None  # set while an adapter with expert LoRA on this layer is in
+        self.wait_seconds = 0.0  # time callers spent blocked in wait()
         # kt-kernel reads this mask (1 byte per expert) on every forward to skip the hot experts.
         self._gpu_mask = torch.zeros(num_experts, dtype=torch.bool, device="cpu")
         self._gpu_mask[self.gpu_experts] = True
         self._gpu_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._ggml_blocks: tuple[torch.Tensor, ...] = ()  # llamafile reads these in place: keep them alive
+        self._kernel_weights: tuple[torch.Tensor, ...] = ()  # tensors kt-kernel reads in place: keep them alive
         self._kernel = None
         self._pool = None
         self._staging: tuple[torch.Tensor, ...] | None = None
         self._stream_staging: _StreamBuffers | None = None
         self._pending: _Pending | None = None
+        self._lora_step: Any = None
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_module(cls, module: nn.Module, name: str, config: Any, options: "OperatorOptions",
+                    device: str = "cpu", method: str | None = None, gpu_experts: Any = None,
+                    threads: int | None = None, **_: Any) -> "RoutedExpertsCPU":
+        """The operator for transformers' routed experts at `name`; output goes to `device`."""
+        if isinstance(gpu_experts, int):
+            gpu_experts = list(range(gpu_experts)) if gpu_experts > 0 else None
+        return cls(layer_idx=layer_index(name), num_experts=getattr(config, "n_routed_experts", None) or
+                   config.num_experts, top_k=config.num_experts_per_tok, hidden_size=config.hidden_size,
+                   intermediate_size=config.moe_intermediate_size, method=options.method_for(method),
+                   threads=options.cpu_threads or threads, max_tokens=options.max_tokens,
+                   gpu_experts=gpu_experts or None, gpu_device=device, out_device=device,
+                   checkpoint=options.checkpoint)
 
     def _check_gpu_experts(self, gpu_experts: list[int] | None) -> list[int]:
         ids = sorted(set(int(e) for e in gpu_experts or ()))
@@ -214,8 +220,8 @@ class RoutedExpertsCPU(nn.Module):
                      cache_dir: str | os.PathLike | None = None) -> None:
         """Take this layer's expert weights: gate/up [E, I, H], down [E, H, I], any float dtype.
 
-        INT8/INT4 quantize here. With `cache_dir`, the quantized form (and the hot experts' weights) is
-        also written there, so that `load_quantized(cache_dir)` can skip this on the next start; BF16 and
+        Quantized methods quantize here. With `cache_dir`, their quantized form (and the hot experts' weights)
+        is also written there, so that `load_quantized(cache_dir)` can skip this on the next start; BF16 and
         LLAMAFILE (quick to convert) write nothing. What kt-kernel needs is copied; the arguments may be freed.
         """
         self._check_idle()
@@ -230,11 +236,14 @@ class RoutedExpertsCPU(nn.Module):
         with torch.no_grad():
             self._keep_gpu_weights(gate, up, down)
             gate, up, down = (t.to("cpu", torch.bfloat16).contiguous() for t in (gate, up, down))
-            save = cache_dir is not None and self.method in _QUANT_BITS
+            save = cache_dir is not None and METHODS[self.method].cacheable
             layer_dir = self._layer_dir(cache_dir) if save else None
             if layer_dir is not None:
                 self._manifest_path(layer_dir).unlink(missing_ok=True)  # a crash mid-save leaves no manifest
-            self._build_kernel(gate=gate, up=up, down=down, save_dir=cache_dir if save else None)
+            prepared = self._prepare_weights(gate, up, down)
+            if layer_dir is not None and self.method not in _KT_FILES:
+                self._save_prepared(layer_dir, prepared)
+            self._build_kernel(prepared, save_dir=cache_dir if save and self.method in _KT_FILES else None)
             if layer_dir is not None:
                 self._write_cache_extras(layer_dir)
 
@@ -242,7 +251,7 @@ class RoutedExpertsCPU(nn.Module):
         """Load the form `load_weights(..., cache_dir=...)` wrote; False (nothing loaded) when there is no
         complete cache for this layer, method, shape, kt-kernel build and set of hot experts."""
         self._check_idle()
-        if self.method not in _QUANT_BITS:
+        if not METHODS[self.method].cacheable:
             return False
         layer_dir = self._layer_dir(cache_dir)
         try:
@@ -261,8 +270,10 @@ class RoutedExpertsCPU(nn.Module):
             self._gpu_weights = tuple(
                 torch.stack([saved[f"{m}.{e}"] for e in self.gpu_experts]).to(self.gpu_device)
                 for m in ("gate", "up", "down"))
-        # kt-kernel only prints (and reads garbage) for a missing file, hence the checks above.
-        self._build_kernel(load_dir=cache_dir)
+        if self.method in _KT_FILES:  # kt-kernel only prints (and reads garbage) for a missing file: checked above
+            self._build_kernel({}, load_dir=cache_dir)
+        else:
+            self._build_kernel(self._load_prepared(layer_dir))
         log.debug("layer %d: %s experts loaded from %s", self.layer_idx, self.method, layer_dir)
         return True
 
@@ -278,8 +289,21 @@ class RoutedExpertsCPU(nn.Module):
         self._gpu_weights = tuple(t.index_select(0, index.to(t.device)).to(self.gpu_device)
                                   for t in (gate, up, down))
 
-    def _build_kernel(self, *, gate: torch.Tensor | None = None, up: torch.Tensor | None = None,
-                      down: torch.Tensor | None = None, save_dir: str | os.PathLike | None = None,
+    def _prepare_weights(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> dict[str, Any]:
+        """bf16 [E, ...] weights -> what the method's kernel reads: {"gate": ..., ...} (plus "<m>_scale")."""
+        form = METHODS[self.method].weights
+        if form == "bf16":
+            return {"gate": gate, "up": up, "down": down}
+        if form == "ggml":
+            return {m: _to_ggml_blocks(t, self.llamafile_type) for m, t in (("gate", gate), ("up", up), ("down", down))}
+        quantize = quantize_fp8_blocks if form == "fp8_blocks" else quantize_int4_groups
+        out: dict[str, Any] = {}
+        for m, t in (("gate", gate), ("up", up), ("down", down)):
+            parts = [quantize(t[e]) for e in range(self.num_experts)]
+            out[m], out[f"{m}_scale"] = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+        return out
+
+    def _build_kernel(self, weights: dict[str, Any], *, save_dir: str | os.PathLike | None = None,
                       load_dir: str | os.PathLike | None = None) -> None:
         ext = load_ext()
         pool = shared_cpu_infer(self.threads)
@@ -288,23 +312,35 @@ class RoutedExpertsCPU(nn.Module):
         config.layer_idx = self.layer_idx
         config.pool = pool.backend_
         config.max_len = self.chunk_tokens
-        if self.method == "LLAMAFILE":
-            self._ggml_blocks = tuple(_to_ggml_blocks(t, self.llamafile_type) for t in (gate, up, down))
-            gate, up, down = self._ggml_blocks
+        form = METHODS[self.method].weights
+        if form == "ggml":
             ggml = ext.kvcache.ggml_type
             config.gate_type = config.up_type = config.down_type = getattr(ggml, self.llamafile_type)
             config.hidden_type = ggml.BF16
             # Batching settings as kt-kernel's own LlamafileMoEWrapper sets them.
             config.m_block, config.group_min_len, config.group_max_len = 32, 10, self.chunk_tokens
-        if gate is not None:
-            config.gate_proj, config.up_proj, config.down_proj = gate.data_ptr(), up.data_ptr(), down.data_ptr()
+        if form in ("fp8_blocks", "int4_groups"):
+            # one pointer per expert, as kt-kernel's native loaders pass checkpoint tensors
+            for m in ("gate", "up", "down"):
+                setattr(config, f"{m}_projs", [[weights[m][e].data_ptr() for e in range(self.num_experts)]])
+                setattr(config, f"{m}_scales", [[weights[f"{m}_scale"][e].data_ptr()
+                                                 for e in range(self.num_experts)]])
+            fp8 = form == "fp8_blocks"
+            config.quant_config.bits = 8 if fp8 else 4
+            config.quant_config.group_size = 128 if fp8 else self.hidden_size // weights["gate_scale"].shape[2]
+            config.quant_config.zero_point = False
+        elif weights:
+            config.gate_proj, config.up_proj = weights["gate"].data_ptr(), weights["up"].data_ptr()
+            config.down_proj = weights["down"].data_ptr()
         if save_dir is not None or load_dir is not None:
             config.path = os.fspath(save_dir if save_dir is not None else load_dir)
             config.save, config.load = save_dir is not None, load_dir is not None
-        kernel = _kernel_class(self.method)(config)
+        kernel = kernel_class(self.method)(config)
         identity = torch.arange(self.num_experts, dtype=torch.int64, device="cpu")  # physical -> logical ids
         pool.submit(kernel.load_weights_task(identity.data_ptr()))
         pool.sync()
+        # kt-kernel copies bf16 weights it quantizes; FP8, RAWINT4 and GGUF blocks it reads in place.
+        self._kernel_weights = () if form == "bf16" else tuple(weights.values())
         self._kernel, self._pool = kernel, pool
 
     # ------------------------------------------------------------------------------------ weight cache
@@ -319,7 +355,9 @@ class RoutedExpertsCPU(nn.Module):
                 "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size, **_build_info()}
 
     def _expected_files(self, layer_dir: Path) -> list[Path]:
-        bits, prefix = _QUANT_BITS[self.method], _FILE_PREFIX[self.method]
+        if self.method not in _KT_FILES:
+            return [layer_dir / f"ktserve-{self.method}.safetensors"]
+        prefix, bits = _KT_FILES[self.method]
         files = []
         for mat, rows, cols in (("gate", self.intermediate_size, self.hidden_size),
                                 ("up", self.intermediate_size, self.hidden_size),
@@ -330,7 +368,19 @@ class RoutedExpertsCPU(nn.Module):
                           stem.with_name(stem.name + f"{rows * 4}Byte_scale_.kt")]
         return files
 
+    def _save_prepared(self, layer_dir: Path, prepared: dict[str, Any]) -> None:
+        from safetensors.torch import save_file
+
+        layer_dir.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in prepared.items()}, str(self._expected_files(layer_dir)[0]))
+
+    def _load_prepared(self, layer_dir: Path) -> dict[str, Any]:
+        from safetensors.torch import load_file
+
+        return load_file(str(self._expected_files(layer_dir)[0]))
+
     def _write_cache_extras(self, layer_dir: Path) -> None:
+        layer_dir.mkdir(parents=True, exist_ok=True)
         if self._gpu_weights is not None:
             gate, up, down = self._gpu_weights
             tensors = {f"{m}.{e}": t[i].detach().to("cpu").contiguous()
@@ -340,17 +390,38 @@ class RoutedExpertsCPU(nn.Module):
 
     # ------------------------------------------------------------------------------------------ compute
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(hidden), as [T, H] in hidden's dtype and device.
+        """sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(hidden), as [T, H] in hidden's dtype, on
+        `out_device` (hidden's device when that is None).
 
         hidden [T, H] any float dtype/device; topk_ids [T, top_k] integer (-1 = no expert: contributes 0);
         topk_weights [T, top_k]. Any T: kt-kernel sees chunks of at most `chunk_tokens` tokens.
         """
         self.submit(hidden, topk_ids, topk_weights)
-        return self.sync()
+        return self.wait()
+
+    def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """Start the CPU work and return; the hot experts (if any) are computed meanwhile on gpu_device.
+        Rows of adapters with expert LoRA on this layer go to `lora` instead (computed in sync())."""
+        self._lora_step = None
+        if self.lora is not None:
+            topk_ids, self._lora_step = self.lora.begin(hidden, topk_ids, topk_weights)
+        self._submit_kernel(hidden, topk_ids, topk_weights)
+
+    def sync(self) -> torch.Tensor:
+        """Wait for the work `submit` started; returns what `forward` would have."""
+        out = self._sync_kernel()
+        step, self._lora_step = self._lora_step, None
+        return out if step is None else self.lora.finish(out, step)
+
+    def wait(self) -> torch.Tensor:
+        """sync(), timed into `wait_seconds`, with the output on `out_device`."""
+        started = time.perf_counter()
+        out = self.sync()
+        self.wait_seconds += time.perf_counter() - started
+        return out if self.out_device is None else out.to(self.out_device)
 
     @torch.no_grad()
-    def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
-        """Start the CPU work and return; the hot experts (if any) are computed meanwhile on gpu_device."""
+    def _submit_kernel(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         tokens = self._check_inputs(hidden, topk_ids, topk_weights)
         if self._can_use_stream(hidden, tokens):
             return self._submit_on_stream(hidden, topk_ids, topk_weights, tokens)
@@ -382,8 +453,7 @@ class RoutedExpertsCPU(nn.Module):
                 raise
             self._pending = _Pending(tokens, hidden.device, hidden.dtype, (x, ids, weights, out, sizes), gpu_part)
 
-    def sync(self) -> torch.Tensor:
-        """Wait for the work `submit` started; returns what `forward` would have."""
+    def _sync_kernel(self) -> torch.Tensor:
         with self._lock:
             pending, self._pending = self._pending, None
             if pending is None:

@@ -226,8 +226,9 @@ class _Owner:
 
 
 class _Planner:
-    def __init__(self, rules: list[Rule]):
+    def __init__(self, rules: list[Rule], fold: dict[str, str]):
         self.rules = rules
+        self.fold = fold
         self.used: set[int] = set()
         self.devices: dict[str, str] = {}
         self.replacements: dict[str, tuple[Rule, dict]] = {}
@@ -237,7 +238,7 @@ class _Planner:
         rule = next((r for r in self.rules if r.matches(path, module)), None) if matching else None
         if rule is not None:
             self.used.add(id(rule))
-            device = rule.kwargs.get("device", device)
+            device = self.fold.get(rule.kwargs.get("device", device), rule.kwargs.get("device", device))
             if rule.replace != DEFAULT:
                 owner = self._replace(path, rule, device, owner)
             elif "transfer_map" in rule.kwargs:
@@ -261,24 +262,30 @@ class _Planner:
                                           f"already replaces with {owner.rule.replace}")
 
     def transfer_map(self, start: str) -> dict[int, str]:
-        """Layers before which the hidden states change device, checked against any declared map."""
-        derived, layers, previous = {}, set(), start
+        """Layers before which the hidden states change device, checked against any declared map.
+
+        KTransformers' files declare only the hops between GPUs: the move from the embeddings' device into
+        the first layer is implied, and a declared hop that folding made a no-op is dropped."""
+        derived, entries, previous = {}, {}, start
         for path, device in self.devices.items():
             found = _LAYER.search(path)
             if found is None:
                 continue
             index = int(found.group(1))
-            layers.add(index)
             entry = next((self.devices[f"{path}.{n}"] for n in _LAYER_ENTRY if f"{path}.{n}" in self.devices),
                          device)
+            entries[index] = entry
             if entry != previous:
                 derived[index] = entry
             previous = entry
+        first = min(entries, default=None)
         for rule in self.transfer_maps:
-            declared = {k: v for k, v in rule.kwargs["transfer_map"].items() if k in layers}
-            if declared != derived:
+            declared = {k: self.fold.get(v, v) for k, v in rule.kwargs["transfer_map"].items() if k in entries}
+            declared = {k: v for k, v in declared.items() if v != entries.get(k - 1, start)}
+            expected = {k: v for k, v in derived.items() if k != first or k in declared}
+            if declared != expected:
                 raise rule.error("replace.kwargs.transfer_map",
-                                 f"says {declared}, but the rules move hidden states at {derived}")
+                                 f"says {declared}, but the rules move hidden states at {expected}")
         return derived
 
 
@@ -304,12 +311,29 @@ def _holds_cpu_experts(path: str, owner: _Owner | None) -> bool:
     return path == root or path.startswith(root + ".")
 
 
-def plan_placement(model: nn.Module, rules: list[Rule], default_device: str = "cuda:0") -> Placement:
+def device_folding(rules: list[Rule], gpus: int) -> dict[str, str]:
+    """The CUDA devices the rules name beyond the `gpus` this machine has -> where they run instead:
+    cuda:k -> cuda:(k mod gpus), so a 4-GPU file on 2 GPUs keeps its balance; every GPU -> cpu without GPUs."""
+    named = set()
+    for rule in rules:
+        named.update(d for d in [rule.kwargs.get("device"), *rule.kwargs.get("transfer_map", {}).values()] if d)
+    fold = {}
+    for device in sorted(named):
+        if device.startswith("cuda:") and int(device.partition(":")[2]) >= gpus:
+            fold[device] = f"cuda:{int(device.partition(':')[2]) % gpus}" if gpus else "cpu"
+    return fold
+
+
+def plan_placement(model: nn.Module, rules: list[Rule], default_device: str = "cuda:0",
+                   fold: dict[str, str] | None = None) -> Placement:
     """Decide every module's rule, device and operator without touching the model.
 
-    ``default_device`` places the model itself when no rule matches the empty path."""
-    planner = _Planner(rules)
-    planner.visit("", model, normalize_device(default_device, "default_device"), None, True)
+    ``default_device`` places the model itself when no rule matches the empty path; ``fold`` maps devices
+    the rules name to the ones they run on (``device_folding``)."""
+    fold = fold or {}
+    default_device = normalize_device(default_device, "default_device")
+    planner = _Planner(rules, fold)
+    planner.visit("", model, fold.get(default_device, default_device), None, True)
     unused = [rule for rule in rules if id(rule) not in planner.used]
     for rule in unused:
         log.warning("%s:%s: rule %d matched no module (name=%r, class=%r)",
@@ -321,16 +345,23 @@ def plan_placement(model: nn.Module, rules: list[Rule], default_device: str = "c
     return placement
 
 
-def apply_placement(model: nn.Module, placement: Placement, config, operator_resolver=import_dotted) -> None:
-    """Swap in the planned operators. Every operator is resolved and its kwargs checked against its
-    ``KWARGS`` before the first swap, so a bad rule leaves the model untouched. New modules are built
-    under ``torch.device("meta")``: no weights move here; the loader streams them in afterwards."""
+def apply_placement(model: nn.Module, placement: Placement, config, options=None,
+                    operator_resolver=import_dotted) -> None:
+    """Swap in the planned operators, each built with ``from_module(module, path, config, options, **kwargs)``
+    (``options``: engines.kt.operators.OperatorOptions; its defaults when None). Every operator is resolved
+    and its kwargs checked against its ``KWARGS`` before the first swap, so a bad rule leaves the model
+    untouched. New modules are built under ``torch.device("meta")``: no weights move here; the loader
+    streams them in afterwards."""
+    if options is None:
+        from engines.kt.operators import OperatorOptions
+
+        options = OperatorOptions()
     swaps = []
     for path, (rule, kwargs) in placement.replacements.items():
         swaps.append((path, _operator_class(rule, kwargs, operator_resolver), kwargs))
     with torch.device("meta"):
         for path, cls, kwargs in swaps:
-            model.set_submodule(path, cls.from_module(model.get_submodule(path), path, config, **kwargs))
+            model.set_submodule(path, cls.from_module(model.get_submodule(path), path, config, options, **kwargs))
 
 
 def _operator_class(rule: Rule, kwargs: dict, resolver) -> type:

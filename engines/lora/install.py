@@ -14,6 +14,7 @@ from torch import nn
 
 from engines.lora.adapter import LoraAdapter
 from engines.lora.bind import ModelTargets, bind, describe
+from engines.lora.cpu_experts import CPUExperts, CPUExpertsLora
 from engines.lora.modules import LoraContext, LoraLinear, RouterLora, TorchExpertsLora
 
 _ROUTER = re.compile(r"\.mlp\.gate$")
@@ -49,8 +50,8 @@ class LoraModules:
             prepared.nbytes += a.numel() * a.element_size() + b.numel() * b.element_size()
         for layer, updates in adapter.experts.items():
             module = self._experts_base(layer)
-            if hasattr(module, "prepare_lora"):  # kt-kernel experts lay the update out for their kernel
-                prepared.experts[layer] = module.prepare_lora(updates)
+            if isinstance(module, CPUExperts):  # experts in kt-kernel: engines/lora/cpu_experts.py
+                prepared.experts[layer] = CPUExpertsLora.prepare(module, updates)
             else:
                 device, dtype = module.gate_up_proj.device, module.gate_up_proj.dtype
                 prepared.experts[layer] = {p: (u.a.to(device, dtype), u.b.to(device, dtype), u.scale)
@@ -65,8 +66,10 @@ class LoraModules:
             self._wrapper(module_name).updates[name] = update
         for layer, update in prepared.experts.items():
             module = self._experts_base(layer)
-            if hasattr(module, "install_lora"):
-                module.install_lora(name, update, self.context)
+            if isinstance(module, CPUExperts):
+                if module.lora is None:
+                    module.lora = CPUExpertsLora(module, self.context)
+                module.lora.install(name, update)
             else:
                 self._wrapper(f"model.layers.{layer}.mlp.experts").updates[name] = update
 
@@ -74,8 +77,8 @@ class LoraModules:
         for wrapper in self._wrapped.values():
             wrapper.updates.pop(name, None)
         for module in self.model.modules():
-            if hasattr(module, "remove_lora"):
-                module.remove_lora(name)
+            if isinstance(module, CPUExperts) and module.lora is not None and module.lora.remove(name):
+                module.lora = None  # the layer's base copy for expert LoRA goes with its last adapter
 
     # --------------------------------------------------------------------------- helpers
     def _experts_base(self, layer: int) -> nn.Module:

@@ -136,19 +136,19 @@ ExpertUpdates = dict[str, tuple[torch.Tensor, torch.Tensor, float]]  # projectio
 def experts_in_torch(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                      down: torch.Tensor, updates: ExpertUpdates, act=F.silu) -> torch.Tensor:
     """sum_k w_k * down_e(act(gate_e x) * up_e x) with LoRA updates, for fused transformers weights
-    gate_up [E, 2I, H] and down [E, H, I]."""
+    gate_up [E, 2I, H] and down [E, H, I], computed in hidden's dtype (weights are cast one expert at a time)."""
     inter = gate_up.shape[1] // 2
     out = torch.zeros_like(hidden)
     for expert in torch.unique(ids[ids >= 0]).tolist():
         token, slot = (ids == expert).nonzero(as_tuple=True)
         x = hidden.index_select(0, token)
-        gate, up = F.linear(x, gate_up[expert]).split(inter, dim=-1)
+        gate, up = F.linear(x, gate_up[expert].to(x.dtype)).split(inter, dim=-1)
         if "gate" in updates:
             gate = gate + _expert_low_rank(x, updates["gate"], expert)
         if "up" in updates:
             up = up + _expert_low_rank(x, updates["up"], expert)
         h = act(gate) * up
-        y = F.linear(h, down[expert])
+        y = F.linear(h, down[expert].to(h.dtype))
         if "down" in updates:
             y = y + _expert_low_rank(h, updates["down"], expert)
         out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))

@@ -1,0 +1,211 @@
+"""Which routed-expert methods this CPU can run, and which one serves when a rule asks for another.
+
+Everything that depends on kt-kernel's build lives here: method names, the kernel classes behind them,
+their size rules, the SFT (expert LoRA) kernels and the fallback order. kt-kernel ships one extension per
+CPU level and loads one at import (`kt_kernel.__cpu_variant__`; `KT_KERNEL_CPU_VARIANT` forces a lower
+one), so availability is read from the classes that build really exports, never from /proc/cpuinfo.
+
+What the builds of kt-kernel 0.7.2 export and compute (checked with the expert tests on each variant):
+
+| method    | weights             | amx / avx512_* builds            | avx2 build       |
+|-----------|---------------------|----------------------------------|------------------|
+| AMXINT8   | int8, per row       | AMXInt8_MOE (tiles only on amx)  | -                |
+| AMXINT4   | int4, per row       | AMXInt4_MOE                      | -                |
+| BF16      | bf16                | AMXBF16_MOE                      | AVX2BF16_MOE     |
+| FP8       | e4m3, 128x128 block | AMXFP8_MOE                       | AVX2FP8_MOE      |
+| RAWINT4   | int4, groups of 32  | AMXInt4_KGroup_MOE               | AVX2RawInt4_MOE  |
+| LLAMAFILE | GGUF blocks         | MOE (Q8_0 and BF16 blocks)       | MOE (Q8_0 only)  |
+
+AMXINT8/AMXINT4/BF16 take bf16 weights and quantize inside kt-kernel; FP8 and RAWINT4 take weights we
+quantize on load (`quantize_fp8_blocks`, `quantize_int4_groups`), as kt-kernel's own loaders hand them
+over from FP8 / compressed-tensors checkpoints.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger("ktserve.engine.kt")
+
+FP8_BLOCK = 128
+INT4_GROUP = 32
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertMethod:
+    name: str
+    bits: int  # weight bits, for choosing a replacement of the same precision
+    kernels: tuple[str, ...]  # kt-kernel classes, preferred first
+    size_multiple: int  # hidden and intermediate sizes must be multiples of this
+    weights: str  # "bf16" (kt-kernel quantizes), "fp8_blocks", "int4_groups", "ggml"
+    sft_kernel: str | None  # kt-kernel class computing these experts with a LoRA inside, if any
+    cacheable: bool  # the quantized form is worth saving for the next start (--kt-weight-cache)
+
+
+# Size rules measured with kt-kernel 0.7.2: other sizes fail in kt-kernel, crash the process or (LLAMAFILE)
+# silently return zeros. LLAMAFILE: kt-kernel demands intermediate % 256, and with hidden sizes below 256
+# its batched path returned zeros, so hidden must be a multiple of 256 as well.
+METHODS: dict[str, ExpertMethod] = {m.name: m for m in (
+    ExpertMethod("AMXINT8", 8, ("AMXInt8_MOE",), 64, "bf16", "AMXInt8_SFT_MOE", True),
+    ExpertMethod("AMXINT4", 4, ("AMXInt4_MOE",), 128, "bf16", "AMXInt4_SFT_MOE", True),
+    ExpertMethod("BF16", 16, ("AMXBF16_MOE", "AVX2BF16_MOE"), 32, "bf16", "AMXBF16_SFT_MOE", False),
+    ExpertMethod("FP8", 8, ("AMXFP8_MOE", "AVX2FP8_MOE"), FP8_BLOCK, "fp8_blocks", None, True),
+    ExpertMethod("RAWINT4", 4, ("AMXInt4_KGroup_MOE", "AVX2RawInt4_MOE"), 64, "int4_groups", None, True),
+    ExpertMethod("LLAMAFILE", 8, ("MOE",), 256, "ggml", None, False),
+)}
+DEFAULT_METHOD = "AMXINT8"  # what a rule without `backend`/`method` asks for, as in KTransformers
+
+# When a rule asks for a method this build lacks: the same precision first, then the next wider one.
+# (Measured with `python -m bench.expert_methods` on an AVX2-only EPYC: see that module.)
+FALLBACKS: dict[str, tuple[str, ...]] = {
+    "AMXINT8": ("FP8", "BF16"),
+    "AMXINT4": ("RAWINT4", "FP8", "AMXINT8", "BF16"),
+    "FP8": ("AMXINT8", "BF16"),
+    "RAWINT4": ("AMXINT4", "FP8", "AMXINT8", "BF16"),
+    "BF16": (),
+    "LLAMAFILE": ("FP8", "BF16"),
+}
+# ggml block types LLAMAFILE weights are converted to on load, and the builds that compute each correctly.
+LLAMAFILE_TYPES = ("Q8_0", "BF16")
+_BF16_BLOCK_VARIANTS = ("amx", "avx512_bf16")  # the avx2 build aborts with "llamafile not supported"
+
+
+class ExpertsUnsupportedError(ValueError):
+    """The requested experts method cannot run with this CPU and kt-kernel build."""
+
+
+def _moe_module() -> Any | None:
+    from engines.kt.cpuinfer import load_ext
+
+    try:
+        return load_ext().moe
+    except ImportError:
+        return None
+
+
+def cpu_variant() -> str:
+    """The kt-kernel build this process loaded ("amx", "avx512_bf16", ..., "avx2"), or "none"."""
+    if _moe_module() is None:
+        return "none"
+    import kt_kernel
+
+    return str(getattr(kt_kernel, "__cpu_variant__", "unknown"))
+
+
+def kernel_class(method: str) -> type | None:
+    moe = _moe_module()
+    if moe is None or method not in METHODS:
+        return None
+    return next((getattr(moe, n) for n in METHODS[method].kernels if hasattr(moe, n)), None)
+
+
+def sft_kernel_class(method: str) -> type | None:
+    """kt-kernel's expert-LoRA kernel for `method` in this build, or None (then LoRA runs in torch)."""
+    moe, name = _moe_module(), METHODS[method].sft_kernel if method in METHODS else None
+    return getattr(moe, name, None) if moe is not None and name else None
+
+
+def unavailable_reason(method: str) -> str | None:
+    """None when `method` runs here, else why not."""
+    if method not in METHODS:
+        return f"unknown method; known: {', '.join(METHODS)}"
+    if _moe_module() is None:
+        return "kt-kernel is not installed or does not load on this CPU"
+    if kernel_class(method) is None:
+        return f"kt-kernel's {cpu_variant()} build has none of {', '.join(METHODS[method].kernels)}"
+    return None
+
+
+def available_methods() -> list[str]:
+    return [m for m in METHODS if unavailable_reason(m) is None]
+
+
+def check_llamafile_type(ggml_type: str) -> None:
+    if ggml_type not in LLAMAFILE_TYPES:
+        raise ValueError(f"llamafile_type {ggml_type!r} is not one of {', '.join(LLAMAFILE_TYPES)}")
+    if ggml_type == "BF16" and cpu_variant() not in _BF16_BLOCK_VARIANTS:
+        raise ExpertsUnsupportedError(
+            f"llamafile_type BF16 needs kt-kernel's amx or avx512_bf16 build; this CPU runs the {cpu_variant()} "
+            "build, whose llamafile kernel has no BF16 path (use Q8_0 blocks, or method BF16)")
+
+
+@dataclass(frozen=True, slots=True)
+class MethodChoice:
+    """The method that serves, the one that was asked for, and why they differ (empty when they don't)."""
+
+    method: str
+    requested: str
+    reason: str = ""
+
+    def describe(self) -> dict[str, str]:
+        return {"experts_method": self.method, "experts_method_requested": self.requested,
+                "cpu_variant": cpu_variant(), **({"experts_method_reason": self.reason} if self.reason else {})}
+
+
+def choose_method(requested: str | None, *, explicit: str | None = None, source: str = "rules") -> MethodChoice:
+    """The method experts run with.
+
+    `explicit` (the `kt_method` setting) must run here, or ExpertsUnsupportedError names the key, this
+    build and the methods that do run. Otherwise the rule's `requested` method (DEFAULT_METHOD when the
+    rule names none) is kept when it runs here and replaced by its first runnable fallback when not."""
+    if explicit:
+        method = normalize_method(explicit, "kt_method")
+        reason = unavailable_reason(method)
+        if reason is not None:
+            raise ExpertsUnsupportedError(
+                f"kt_method {method}: {reason}. This CPU runs kt-kernel's {cpu_variant()} build, which runs: "
+                f"{', '.join(available_methods()) or 'none'} (leave kt_method unset to let the rules choose)")
+        return MethodChoice(method, method)
+    wanted = normalize_method(requested or DEFAULT_METHOD, "method")
+    reason = unavailable_reason(wanted)
+    if reason is None:
+        return MethodChoice(wanted, wanted)
+    for method in FALLBACKS.get(wanted, ()):
+        if unavailable_reason(method) is None:
+            return MethodChoice(method, wanted, f"{source} ask for {wanted}, but {reason}; {method} is the "
+                                                f"closest method it runs")
+    raise ExpertsUnsupportedError(f"{source} ask for experts method {wanted}: {reason}, and no replacement runs "
+                                  f"here (available: {', '.join(available_methods()) or 'none'})")
+
+
+_SPELLINGS = {"AMXINT8": "AMXINT8", "AMXINT4": "AMXINT4", "AMXBF16": "BF16", "BF16": "BF16", "FP8": "FP8",
+              "RAWINT4": "RAWINT4", "LLAMAFILE": "LLAMAFILE", "INT8": "AMXINT8", "INT4": "AMXINT4"}
+
+
+def normalize_method(value: object, key: str) -> str:
+    """A method as a user or rule file spells it (kt-kernel's or KTransformers' names, any case)."""
+    method = _SPELLINGS.get(str(value).upper().replace("_", ""), None) if isinstance(value, str) else None
+    if method is None:
+        raise ExpertsUnsupportedError(f"{key} {value!r} is not an experts method; known: {', '.join(METHODS)}")
+    return method
+
+
+def best_method(bits: int) -> str:
+    """The runnable method closest to `bits` weight bits (tests and benchmarks ask 'the 8-bit method here')."""
+    return choose_method({8: "AMXINT8", 4: "AMXINT4"}.get(bits, "BF16")).method
+
+
+# ----------------------------------------------------------------------------------- online quantization
+def quantize_fp8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, cols] -> (e4m3 bytes [rows, cols] as uint8, float32 scales [rows/128, cols/128]);
+    weight ~= fp8 * scale per 128x128 block (DeepSeek-V3's `weight_scale_inv` layout)."""
+    rows, cols = weight.shape
+    blocks = weight.float().reshape(rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK, FP8_BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-12) / FP8_MAX
+    quant = (blocks / scale).to(torch.float8_e4m3fn).reshape(rows, cols)
+    return quant.view(torch.uint8).contiguous(), scale.reshape(rows // FP8_BLOCK, cols // FP8_BLOCK).contiguous()
+
+
+def quantize_int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[rows, cols] -> (packed uint8 [rows, cols/2], bf16 scales [rows, cols/32]); symmetric int4 per group
+    of 32 along a row, stored as value + 8, two per byte, the earlier column in the low nibble."""
+    rows, cols = weight.shape
+    groups = weight.float().reshape(rows, cols // INT4_GROUP, INT4_GROUP)
+    scale = (groups.abs().amax(-1, keepdim=True) / 7).clamp_min(1e-12).bfloat16().float()
+    nibbles = (torch.clamp(torch.round(groups / scale), -8, 7) + 8).to(torch.uint8).reshape(rows, cols)
+    packed = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+    return packed.contiguous(), scale.squeeze(-1).bfloat16().contiguous()
