@@ -70,16 +70,27 @@ class RunningServer:
 
 def start_server(model_path: str | Path, **overrides: Any) -> RunningServer:
     """Start engine + app + uvicorn on a free loopback port; return once /health says ok."""
+    from server.settings import load_settings
+
+    overrides.setdefault("engine", "huggingface")
+    return serve_settings(load_settings(None, {"model": str(model_path), "host": "127.0.0.1", **overrides}, env={}))
+
+
+def start_server_from_config(config_path: str | Path) -> RunningServer:
+    """A server configured by a YAML file alone (as `ktserve serve FILE`), on a free loopback port."""
+    from server.settings import load_settings
+
+    return serve_settings(load_settings(str(config_path), {"host": "127.0.0.1"}, env={}))
+
+
+def serve_settings(settings: Any) -> RunningServer:
     import uvicorn
 
     from engines.registry import create_engine
     from server.app import create_app
     from server.http_protocol import http_protocol
-    from server.settings import load_settings
 
-    overrides.setdefault("engine", "huggingface")
-    settings = load_settings(None, {"model": str(model_path), "host": "127.0.0.1", **overrides}, env={})
-    engine = create_engine(settings.engine, settings.engine_config(str(model_path)))
+    engine = create_engine(settings.engine, settings.engine_config(settings.model))
     app = create_app(settings, engine)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -52,13 +52,30 @@ CLASS_ALIASES: dict[str, Alias] = {
         MOE_WITH_CPU_EXPERTS, "whole MoE block: router + shared experts on `device`, routed experts on the CPU"),
     _EXPERTS + "KDeepseekV3MoE": Alias(MOE_WITH_CPU_EXPERTS, "as KDeepseekV2MoE, with V3's grouped routing"),
     _EXPERTS + "KDeepseekV3MoEV2": Alias(MOE_WITH_CPU_EXPERTS, "the balance-serve variant of KDeepseekV3MoE"),
+    _EXPERTS + "DeepseekV2MoEInjected": Alias(MOE_WITH_CPU_EXPERTS, "the first-generation name of KDeepseekV2MoE"),
+    _EXPERTS + "KTransformersMLPExpert": Alias(
+        ROUTED_EXPERTS_CPU, "the first-generation name of KTransformersExperts (ops as prefill/generate_mlp_type)"),
     "ktransformers.operators.attention.KDeepseekV2Attention": Alias(
         MLA_ATTENTION, "MLA with the compressed latent KV cache on `device`"),
     "ktransformers.operators.attention.KDeepseekV3Attention": Alias(
         MLA_ATTENTION, "KTransformers' V3 multi-GPU files name MLA this way; same operator"),
+    "ktransformers.operators.attention.DeepseekV2AttentionInjected": Alias(
+        MLA_ATTENTION, "the first-generation name of KDeepseekV2Attention"),
+    "ktransformers.operators.balance_serve_attention.flashinfer_attn": Alias(
+        MLA_ATTENTION, "the -serve files' batched MLA over a paged cache: our MLAAttention over the paged latent "
+                       "cache, with FlashInfer where --attention-backend picks it"),
+    "ktransformers.operators.attention.flashinfer_attn": Alias(
+        MLA_ATTENTION, "older module path of balance_serve_attention.flashinfer_attn"),
     "ktransformers.operators.linear.KTransformersLinear": Alias(
         DEFAULT, "the torch nn.Linear is kept on `device`; KTransformers' Marlin/FP8 kernels are not used, "
                  "so the weights keep the checkpoint's dtype (more GPU memory than a Marlin INT4 file)"),
+    "ktransformers.operators.linear.KTransformerLinear": Alias(
+        DEFAULT, "the first-generation name of KTransformersLinear; same treatment"),
+    "ktransformers.operators.layernorm.RMSNorm": Alias(
+        DEFAULT, "the -serve files' fused RMSNorm: transformers' RMSNorm computes the same on `device`"),
+    "ktransformers.operators.mlp.kDeepseekV3MLP": Alias(
+        DEFAULT, "the -serve files' dense MLP (batch-size aware for their CUDA graphs): transformers' MLP"),
+    "ktransformers.operators.mlp.KDeepseekV3MLP": Alias(DEFAULT, "a later spelling of kDeepseekV3MLP"),
     _ROPE + "YarnRotaryEmbedding": Alias(DEFAULT, "transformers' rotary embedding already implements YaRN"),
     _ROPE + "YarnRotaryEmbeddingV3": Alias(DEFAULT, "as YarnRotaryEmbedding"),
     _ROPE + "RotaryEmbedding": Alias(DEFAULT, "as YarnRotaryEmbedding"),
@@ -70,6 +87,10 @@ CLASS_ALIASES: dict[str, Alias] = {
         DEFAULT, "the transformers model is kept; its `transfer_map` becomes Placement.transfer_map"),
     "ktransformers.operators.layer_wise_prefill.KDeepseekV2Model": Alias(
         DEFAULT, "older module path of the same class (KTransformers' V2 4-GPU file)"),
+    "ktransformers.operators.layer_wise_prefill.DeepseekV2ModelPerLayerPrefill": Alias(
+        DEFAULT, "first-generation name of the model wrapper; layer-wise prefill is off (threshold 0)"),
+    "ktransformers.operators.layer_wise_prefill.DeepseekV2ModelKTransformers": Alias(
+        DEFAULT, "first-generation name of the model wrapper"),
 }
 """``replace.class`` rows. Anything neither here, nor ``default``, nor in ``OPERATORS`` is a RuleError."""
 
@@ -122,7 +143,7 @@ class KwargAlias:
     """One KTransformers kwarg: ``kind`` says how it is translated, ``harmless`` the only value we accept
     for a knob we do not implement (``kind == "ignore"``)."""
 
-    kind: str  # device | op | method | transfer_map | ignore | reject
+    kind: str  # device | op | method | transfer_map | ignore (only `harmless` accepted) | accept | reject
     why: str
     harmless: object = None
 
@@ -136,6 +157,8 @@ KWARG_ALIASES: dict[str, KwargAlias] = {
                   "where they compute - always the CPU in kt-kernel"),
     "generate_op": KwargAlias("op", "checked against OPS, then dropped: the op follows from the operator"),
     "prefill_op": KwargAlias("op", "as generate_op"),
+    "generate_mlp_type": KwargAlias("op", "the first-generation spelling of generate_op"),
+    "prefill_mlp_type": KwargAlias("op", "the first-generation spelling of prefill_op"),
     "backend": KwargAlias("method", "kt-kernel weight format, spelled the way our operators spell it"),
     "transfer_map": KwargAlias(
         "transfer_map", "{layer: device} on the model rule; checked against the layer placement the rules give"),
@@ -145,7 +168,9 @@ KWARG_ALIASES: dict[str, KwargAlias] = {
     "absorb_for_prefill": KwargAlias(
         "ignore", "False is KTransformers' default; for absorbed MLA use our MLAAttention `absorb` kwarg",
         harmless=False),
-    "n_deferred_experts": KwargAlias("reject", "deferred experts (overlapping layers) are not implemented"),
+    "n_deferred_experts": KwargAlias(
+        "accept", "expert deferral (the last experts of a layer overlapping the next layer) is not implemented: every "
+                  "expert of a layer runs before the next layer, which gives the undeferred (exact) output"),
     "chunck_size": KwargAlias("reject", "per-operator prefill chunking is not implemented; set chunk_size in the "
                                         "server config"),
 }
@@ -156,10 +181,19 @@ OPS: dict[str, str] = {
     "KExpertsCPU": "experts",      # kt-kernel on the CPU: exactly our routed experts
     "KExpertsTorch": "experts",    # torch experts on the GPU -> still kt-kernel on the CPU; keep hot ones
     "KExpertsMarlin": "experts",   # with `gpu_experts` instead
+    "KSFTExpertsCPU": "experts",   # LLaMA-Factory's SFT files: the fine-tuning form of KExpertsCPU; serving needs
+                                   # only its forward, which is KExpertsCPU's (expert LoRA: engines/lora/cpu_experts)
+    "KSFTRouteExpertsCPU": "experts",  # kt-sft's routed-experts variant of KSFTExpertsCPU; same forward
     "KLinearTorch": "linear",      # every linear op -> the plain torch nn.Linear on its device
     "KLinearMarlin": "linear",
     "VLinearMarlin": "linear",
     "KLinearFP8": "linear",
+    "KLinearQ8": "linear",         # the rocm files' int8 torch linear: bf16 weights here
+    "KLinearCPUInfer": "linear",   # a GGUF linear on the CPU: the torch linear on the device the rule names
+    "QuantizedLinearMarlin": "linear",  # first-generation names of KLinearMarlin / KLinearTorch
+    "QuantizedLinearTorch": "linear",
+    "MLPCPUExperts": "experts",    # first-generation names of KExpertsCPU / KExpertsTorch
+    "MLPExpertsTorch": "experts",
 }
 """``generate_op`` / ``prefill_op`` values and the operator family they belong to."""
 
@@ -238,6 +272,8 @@ def translate_kwargs(raw: dict, target: str) -> tuple[dict, list[str]]:
             raise KwargError(key, f"unsupported value {value!r} (only {alias.harmless!r} is accepted): {alias.why}")
         elif alias.kind == "reject":
             raise KwargError(key, f"unsupported kwarg: {alias.why}")
+        elif alias.kind == "accept":
+            notes.append(f"{key}={value!r} accepted but not applied: {alias.why}")
     device = _pick_device(devices, notes)
     if device is not None:
         kwargs["device"] = device

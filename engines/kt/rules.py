@@ -51,6 +51,7 @@ _CPU_EXPERTS = {ROUTED_EXPERTS_CPU: "", MOE_WITH_CPU_EXPERTS: "experts"}
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)$")
 # Where hidden states enter a decoder layer: its device is the layer's device for the transfer map.
 _LAYER_ENTRY = ("input_layernorm", "self_attn")
+_DEVICE_KWARGS = {"device", "generate_device", "prefill_device", "out_device"}
 
 
 class RuleError(ValueError):
@@ -166,13 +167,17 @@ def _parse_rule(item: object, index: int, source: str, line: int) -> Rule:
     _check_keys(match, {"name", "class"}, "match.", fail)
     if not isinstance(replace, dict):
         raise fail("replace", "required: a mapping with `class` and `kwargs`")
-    _check_keys(replace, {"class", "kwargs"}, "replace.", fail)
+    _check_keys(replace, {"class", "kwargs", "device"}, "replace.", fail)
     recursive = item.get("recursive", True)
     if not isinstance(recursive, bool):
         raise fail("recursive", f"must be true or false, not {recursive!r}")
     raw_kwargs = replace.get("kwargs") or {}
     if not isinstance(raw_kwargs, dict):
         raise fail("replace.kwargs", "must be a mapping")
+    if "device" in replace and not _DEVICE_KWARGS & raw_kwargs.keys():
+        # first-generation KTransformers files: `replace.device` is where the module is built; it places the
+        # module only when no kwarg says where it runs
+        raw_kwargs = {**raw_kwargs, "device": replace["device"]}
     try:
         target = resolve_replace_class(str(replace.get("class", DEFAULT)))
         kwargs, notes = translate_kwargs(raw_kwargs, target)
