@@ -108,10 +108,10 @@ def free_port() -> int:
 class ServerProcess:
     """`ktserve serve` in a child process, its stderr collected line by line."""
 
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args],
             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -13,7 +13,7 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2ForCa
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM
 
 from engines.kt.aliases import MLA_ATTENTION, MOE_WITH_CPU_EXPERTS, ROUTED_EXPERTS_CPU
-from engines.kt.rules import RuleError, apply_placement, load_rules, plan_placement
+from engines.kt.rules import RuleError, apply_placement, device_folding, load_rules, plan_placement
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_DIR = ROOT / "kt_optimize_rules"
@@ -233,10 +233,10 @@ def test_unknown_operator_class_is_an_error_naming_file_index_and_class(tmp_path
         - match: {name: '^lm_head$'}
           replace: {class: default}
         - match: {name: 'self_attn$'}
-          replace: {class: ktransformers.operators.balance_serve_attention.flashinfer_attn}
+          replace: {class: ktransformers.operators.attention.KFancyAttention}
         """)
     assert re.match(r".*bad\.yaml:4: rule 1: replace\.class: unknown operator class "
-                    r"'ktransformers\.operators\.balance_serve_attention\.flashinfer_attn'", message)
+                    r"'ktransformers\.operators\.attention\.KFancyAttention'", message)
 
 
 def test_unknown_match_class_is_an_error_naming_file_index_and_key(tmp_path):
@@ -252,9 +252,9 @@ def test_unsupported_ktransformers_kwarg_is_an_error_naming_file_index_and_key(t
         - match: {name: 'experts$'}
           replace:
             class: ktransformers.operators.experts.KTransformersExpertsV2
-            kwargs: {out_device: cuda, n_deferred_experts: [6, 8]}
+            kwargs: {out_device: cuda, chunck_size: 512}
         """)
-    assert re.match(r".*bad\.yaml:2: rule 0: replace\.kwargs\.n_deferred_experts: unsupported kwarg", message)
+    assert re.match(r".*bad\.yaml:2: rule 0: replace\.kwargs\.chunck_size: unsupported kwarg", message)
 
 
 def test_knob_with_its_harmless_value_is_accepted_and_any_other_rejected(tmp_path):
@@ -385,8 +385,11 @@ SHIPPED = {
 }
 
 
+GUIDE_FILE = "DeepSeek-V3-Chat-sft-amx-multi-gpu.yaml"  # KTransformers' vocabulary: its own tests below
+
+
 def test_every_shipped_rule_file_has_an_expectation():
-    assert sorted(path.name for path in SHIPPED_DIR.glob("*.yaml")) == sorted(SHIPPED)
+    assert sorted(path.name for path in SHIPPED_DIR.glob("*.yaml")) == sorted([*SHIPPED, GUIDE_FILE])
 
 
 @pytest.mark.parametrize("file_name,model_name",
@@ -418,3 +421,99 @@ def test_cpu_rule_file_replaces_attention_and_routed_experts(model_name):
     layers = model.config.num_hidden_layers
     assert kinds.count(MLA_ATTENTION) == layers
     assert kinds.count(ROUTED_EXPERTS_CPU) == layers - model.config.first_k_dense_replace
+
+
+# --- the server's own path: CPU default device, KTransformers' files, machines with fewer GPUs ------------
+
+def test_multi_gpu_file_plans_with_the_embeddings_on_the_cpu_as_the_server_plans_it():
+    placement = plan_placement(v3_model(layers=4, dense=1), load_rules(KT_STYLE_FILE), default_device="cpu")
+    assert placement.transfer_map == {0: "cuda:0", 2: "cuda:1"}  # the hop into layer 0 is implied, not declared
+    assert placement.device_of_param("model.embed_tokens.weight") == "cpu"
+
+
+def test_guide_rule_file_splits_v3_over_two_gpus_with_sft_experts_on_the_cpu():
+    placement = plan_placement(MODELS["v3"](), load_rules(SHIPPED_DIR / GUIDE_FILE), default_device="cpu")
+    assert placement.transfer_map == {0: "cuda:0", 30: "cuda:1"}
+    experts = [kwargs for rule, kwargs in placement.replacements.values() if rule.replace == MOE_WITH_CPU_EXPERTS]
+    assert len(experts) == 58 and all(k["method"] == "AMXINT8" for k in experts)
+    assert placement.device_of_param("model.layers.40.mlp.experts.down_proj") == "cpu"
+    assert placement.device_of_param("lm_head.weight") == "cuda:1"
+
+
+@pytest.mark.parametrize(("gpus", "expected"), [(0, {"cuda:0": "cpu", "cuda:1": "cpu"}), (1, {"cuda:1": "cuda:0"}),
+                                                (2, {})])
+def test_devices_a_machine_lacks_fold_onto_the_gpus_it_has_else_the_cpu(gpus, expected):
+    assert device_folding(load_rules(SHIPPED_DIR / GUIDE_FILE), gpus) == expected
+
+
+def test_four_gpu_file_on_two_gpus_keeps_its_balance():
+    fold = device_folding(load_rules(SHIPPED_DIR / "DeepSeek-V3-4GPU.yaml"), 2)
+    assert fold == {"cuda:2": "cuda:0", "cuda:3": "cuda:1"}
+
+
+def test_folded_multi_gpu_file_plans_everything_on_the_cpu():
+    rules_ = load_rules(SHIPPED_DIR / GUIDE_FILE)
+    placement = plan_placement(MODELS["v3"](), rules_, default_device="cpu", fold=device_folding(rules_, 0))
+    assert set(placement.devices.values()) == {"cpu"} and placement.transfer_map == {}
+
+
+@pytest.mark.parametrize("op", ["KSFTExpertsCPU", "KSFTRouteExpertsCPU", "KExpertsCPU"])
+def test_sft_expert_ops_of_the_fine_tune_files_serve_as_cpu_experts(tmp_path, op):
+    placement = plan_placement(v3_model(), rules(tmp_path, f"""
+        - match: {{name: '^model\\.layers\\..*\\.mlp\\.experts$'}}
+          replace:
+            class: ktransformers.operators.experts.KTransformersExperts
+            kwargs: {{generate_device: cpu, generate_op: {op}, prefill_op: KExpertsTorch, out_device: "cuda:0",
+                      backend: AMXInt8}}
+        """), default_device="cpu")
+    assert {(rule.replace, kwargs["method"]) for rule, kwargs in placement.replacements.values()} == {
+        (ROUTED_EXPERTS_CPU, "AMXINT8")}
+
+
+def test_serve_files_flashinfer_attention_is_our_mla_attention(tmp_path):
+    placement = plan_placement(v3_model(), rules(tmp_path, """
+        - match: {name: 'self_attn$'}
+          replace: {class: ktransformers.operators.balance_serve_attention.flashinfer_attn}
+        """))
+    assert {rule.replace for rule, _ in placement.replacements.values()} == {MLA_ATTENTION}
+
+
+def test_expert_deferral_is_accepted_and_logged_as_not_applied(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="ktserve.kt.rules"):
+        loaded = rules(tmp_path, """
+            - match: {name: 'experts$'}
+              replace:
+                class: ktransformers.operators.experts.KTransformersExpertsV2
+                kwargs: {out_device: cuda, n_deferred_experts: [6, 8]}
+            """)
+    assert loaded[0].replace == ROUTED_EXPERTS_CPU
+    assert "n_deferred_experts=[6, 8] accepted but not applied" in caplog.text
+
+
+@pytest.mark.parametrize("device", ["xpu", "npu", "xpu:0"])
+def test_intel_and_ascend_devices_are_refused_naming_the_rule(tmp_path, device):
+    message = error_of(tmp_path, f"""
+        - match: {{name: '^lm_head$'}}
+          replace: {{class: default, kwargs: {{generate_device: "{device}"}}}}
+        """)
+    assert "bad.yaml:2: rule 0: replace.kwargs.generate_device:" in message
+    assert "this device is not supported" in message
+
+
+def test_first_generation_replace_device_places_the_module(tmp_path):
+    placement = plan_placement(v3_model(), rules(tmp_path, """
+        - match: {name: '^model\\.layers\\..*\\.mlp\\.experts$'}
+          replace:
+            class: ktransformers.operators.experts.KTransformersMLPExpert
+            device: "cpu"
+            kwargs: {prefill_mlp_type: MLPExpertsTorch, generate_mlp_type: MLPCPUExperts}
+          recursive: false
+        """), default_device="cpu")
+    assert {rule.replace for rule, _ in placement.replacements.values()} == {ROUTED_EXPERTS_CPU}
+
+
+def test_missing_relative_rule_path_is_found_by_file_name_among_ours():
+    from engines.kt.engine import resolve_rule_file
+
+    found = resolve_rule_file("examples/kt_optimize_rules/" + GUIDE_FILE, None)
+    assert found == SHIPPED_DIR / GUIDE_FILE
