@@ -1,4 +1,4 @@
-"""Cost of expert LoRA on the CPU experts (engines/kt/expert_lora.py), one MoE layer, random weights.
+"""Cost of expert LoRA on the CPU experts (engines/lora/cpu_experts.py), one MoE layer, random weights.
 
     PYTHONPATH=. python -m bench.expert_lora [--experts 64 --hidden 1024 --inter 512 --top-k 6 --rank 16]
 
@@ -9,6 +9,7 @@ two adapters (the rest base)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 import time
@@ -32,7 +33,9 @@ def timed(fn, repeat: int) -> float:
 
 
 def main() -> None:
-    from engines.kt.operators import RoutedExpertsCPU
+    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.lora.adapter import ExpertLora
+    from engines.lora.cpu_experts import CPUExpertsLora
     from engines.lora.modules import AdapterRows, LoraContext
 
     p = argparse.ArgumentParser()
@@ -41,6 +44,9 @@ def main() -> None:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--method", default="BF16")
     args = p.parse_args()
+    from engines.kt.cpuinfer import physical_cores
+
+    torch.set_num_threads(max(1, physical_cores() - args.threads))  # as the engine does: torch off kt's cores
     E, H, I, K, R = args.experts, args.hidden, args.inter, args.top_k, args.rank
     gen = torch.Generator().manual_seed(0)
     weights = {f"model.layers.1.mlp.experts.{e}.{w}.weight": (torch.randn(*shape, generator=gen) / shape[1] ** 0.5
@@ -55,21 +61,25 @@ def main() -> None:
         del weights
         context = LoraContext()
 
-        def adapter():
-            return {p: (torch.randn(E, R, i) * 0.05, torch.randn(E, o, R) * 0.05, 2.0)
-                    for p, (o, i) in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))}
+        def install(name: str) -> None:
+            updates = {p: ExpertLora(torch.randn(E, R, i) * 0.05, torch.randn(E, o, R) * 0.05, 2.0)
+                       for p, (o, i) in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))}
+            prepared = CPUExpertsLora.prepare(experts, updates)
+            if experts.lora is None:
+                experts.lora = CPUExpertsLora(experts, context)
+            experts.lora.install(name, prepared)
         before = rss_mib()
-        experts.install_lora("a", adapter(), context)
-        kernel_mib = rss_mib() - before
+        install("a")
+        backend_mib = rss_mib() - before
         before = rss_mib()
-        experts.install_lora("b", adapter(), context)
+        install("b")
         second_mib = rss_mib() - before
-        per_adapter = experts._lora.nbytes("a") / 2**20
-        print(f"method {args.method}, E={E} H={H} I={I} top_k={K} rank={R}, {args.threads} kt-kernel thread(s)")
-        print(f"per adapter: LoRA tensors {per_adapter:.2f} MiB per layer (bf16, rank padded to {experts._lora.rank});"
-              f" RSS growth for the second adapter {second_mib:.1f} MiB")
-        print(f"shared SFT kernel (once per layer, all adapters): RSS growth {kernel_mib:.1f} MiB; "
-              f"base bf16 experts are {3 * E * H * I * 2 / 2**20:.1f} MiB")
+        print(json.dumps({"method": args.method, "backend": type(experts.lora.backend).__name__, "experts": E,
+                          "hidden": H, "inter": I, "top_k": K, "rank": R, "threads": args.threads,
+                          "lora_mib_per_adapter_layer": round(experts.lora.nbytes("a") / 2**20, 2),
+                          "rss_growth_second_adapter_mib": round(second_mib, 1),
+                          "rss_growth_backend_once_per_layer_mib": round(backend_mib, 1),
+                          "base_bf16_experts_mib": round(3 * E * H * I * 2 / 2**20, 1)}), flush=True)
         for tokens in (4, 128):
             x = torch.randn(tokens, H)
             ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(tokens)])
@@ -82,7 +92,8 @@ def main() -> None:
                 def step(rows=rows):
                     with context.step(rows):
                         experts(x, ids, w)
-                print(f"{tokens:4d} tokens, {label:20s}: {timed(step, 20 if tokens == 4 else 5):7.2f} ms")
+                print(json.dumps({"tokens": tokens, "case": label,
+                                  "ms": round(timed(step, 20 if tokens == 4 else 5), 2)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -130,10 +130,10 @@ class Bench:
     # ------------------------------------------------------------------------------------ planning
     def _methods(self) -> dict[str, str | None]:
         """KT method -> None if runnable here, else why not."""
-        from engines.kt.experts_cpu import supported_methods
+        from engines.kt.expert_methods import available_methods
 
         try:
-            here = supported_methods()
+            here = available_methods()
         except Exception as exc:  # kt-kernel missing or broken: every KT phase is skipped with the reason
             return {m: f"kt-kernel unavailable: {exc}" for m in KT_METHODS}
         return {m: None if m in here else f"this CPU / kt-kernel build lacks {m}" for m in KT_METHODS}

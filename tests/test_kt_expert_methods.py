@@ -50,11 +50,25 @@ def test_an_unknown_method_names_the_key_and_the_known_ones():
         choose_method(None, explicit="INT3")
 
 
-def test_on_avx2_rule_methods_fall_back_to_the_closest_precision_and_say_why():
+def test_on_avx2_rule_methods_fall_back_to_the_fastest_replacement_and_say_why():
     int8, int4, bf16, llamafile = choices_on_avx2("'AMXINT8'", "'AMXINT4'", "'BF16'", "'LLAMAFILE'")
-    assert int8[0] == "FP8" and "AMXINT8" in int8[1] and "avx2" in int8[1]
+    assert int8[0] == "BF16" and "AMXINT8" in int8[1] and "avx2" in int8[1] and "fastest" in int8[1]
     assert int4[0] == "RAWINT4"
     assert bf16 == ["BF16", ""] and llamafile == ["LLAMAFILE", ""]
+
+
+def test_on_avx2_an_8_bit_rule_keeps_8_bits_when_bf16_experts_would_not_fit_in_memory():
+    shape = "ExpertShape(7168, 2048, 10 ** 15)"  # a petabyte of bf16 experts; 8 bits still too big: most compact
+    [(method, reason)] = choices_on_avx2(f"'AMXINT8', shape=__import__('engines.kt.expert_methods', "
+                                         f"fromlist=['x']).{shape}")
+    assert method in ("LLAMAFILE", "FP8") and "none fits in memory" in reason
+
+
+def test_on_avx2_a_replacement_must_fit_the_model_sizes():
+    # V2-Lite: intermediate 1408 is no multiple of LLAMAFILE's 256, so the compact 8-bit choice is FP8
+    [(method, _)] = choices_on_avx2("'AMXINT8', shape=__import__('engines.kt.expert_methods', "
+                                    "fromlist=['x']).ExpertShape(2048, 1408, 10 ** 15)")
+    assert method == "FP8"
 
 
 def test_on_avx2_an_explicit_kt_method_it_cannot_run_is_an_error_naming_key_build_and_choices():
@@ -88,8 +102,8 @@ def test_the_fallback_is_shown_in_version_and_logged_once(avx2_server):
 
     details = httpx.get(avx2_server.url + "/version", timeout=10).json()["engine_details"]
     assert details["cpu_variant"] == "avx2"
-    assert (details["experts_method"], details["experts_method_requested"]) == ("FP8", "AMXINT8")
-    warnings = [line for line in avx2_server.lines if "closest method it runs" in line]
+    assert (details["experts_method"], details["experts_method_requested"]) == ("BF16", "AMXINT8")
+    warnings = [line for line in avx2_server.lines if "replacement it runs" in line]
     assert len(warnings) == 1 and "DeepSeek-CPU.yaml" in warnings[0] and "avx2" in warnings[0]
 
 

@@ -77,14 +77,18 @@ def _fold_devices(rules: list, rule_file: Path, strict: bool) -> dict[str, str]:
     return fold
 
 
-def _expert_methods(placement: Any, explicit: str | None, rule_file: Path) -> dict[str, Any]:
+def _expert_methods(placement: Any, explicit: str | None, rule_file: Path, config: Any) -> dict[str, Any]:
     """For each experts method the rules ask for: the MethodChoice that serves it (logged once each)."""
     from engines.kt.aliases import EXPERT_OPERATORS
-    from engines.kt.expert_methods import DEFAULT_METHOD, choose_method, cpu_variant, normalize_method
+    from engines.kt.expert_methods import DEFAULT_METHOD, ExpertShape, choose_method, cpu_variant, normalize_method
 
-    asked = {normalize_method(kwargs.get("method") or DEFAULT_METHOD, "method")
-             for rule, kwargs in placement.replacements.values() if rule.replace in EXPERT_OPERATORS}
-    choices = {m: choose_method(m, explicit=explicit, source=f"rule file {rule_file.name}") for m in sorted(asked)}
+    layers = [kwargs for rule, kwargs in placement.replacements.values() if rule.replace in EXPERT_OPERATORS]
+    asked = {normalize_method(kwargs.get("method") or DEFAULT_METHOD, "method") for kwargs in layers}
+    experts = getattr(config, "n_routed_experts", None) or config.num_experts
+    shape = ExpertShape(config.hidden_size, config.moe_intermediate_size,
+                        len(layers) * experts * 3 * config.hidden_size * config.moe_intermediate_size)
+    choices = {m: choose_method(m, explicit=explicit, source=f"rule file {rule_file.name}", shape=shape)
+               for m in sorted(asked)}
     for choice in choices.values():
         if choice.reason:
             log.warning("experts: %s (kt-kernel build %s)", choice.reason, cpu_variant())
@@ -130,7 +134,7 @@ class KTEngine(LLMEngine):
             model = AutoModelForCausalLM.from_config(config)
         placement = plan_placement(model, rules, default_device="cpu",
                                    fold=_fold_devices(rules, rule_file, cfg.kt_strict_placement))
-        choices = _expert_methods(placement, cfg.kt_method, rule_file)
+        choices = _expert_methods(placement, cfg.kt_method, rule_file, config)
         options = OperatorOptions(max_tokens=cfg.chunk_size + cfg.max_concurrent, cpu_threads=cfg.cpu_infer,
                                   methods={m: c.method for m, c in choices.items()}, checkpoint=str(model_path))
         apply_placement(model, placement, config, options)

@@ -59,16 +59,51 @@ METHODS: dict[str, ExpertMethod] = {m.name: m for m in (
 )}
 DEFAULT_METHOD = "AMXINT8"  # what a rule without `backend`/`method` asks for, as in KTransformers
 
-# When a rule asks for a method this build lacks: the same precision first, then the next wider one.
-# (Measured with `python -m bench.expert_methods` on an AVX2-only EPYC: see that module.)
+# When a rule asks for a method this build lacks, the candidates in order: the first that runs here, fits the
+# model's sizes and whose experts fit in memory serves (else the most compact that runs). Measured with
+# `python -m bench.expert_methods` under the avx2 build (the only build without AMX* classes): BF16 is the
+# fastest kernel there (FP8 and RAWINT4 convert every weight in software: 8x and 4x slower than BF16 per call),
+# so an 8-bit rule gets BF16 when its experts fit in memory, then the 8-bit LLAMAFILE (Q8_0) and FP8 kernels;
+# a 4-bit rule keeps 4 bits (RAWINT4), the reason to ask for INT4 being memory.
 FALLBACKS: dict[str, tuple[str, ...]] = {
-    "AMXINT8": ("FP8", "BF16"),
-    "AMXINT4": ("RAWINT4", "FP8", "AMXINT8", "BF16"),
-    "FP8": ("AMXINT8", "BF16"),
-    "RAWINT4": ("AMXINT4", "FP8", "AMXINT8", "BF16"),
+    "AMXINT8": ("BF16", "LLAMAFILE", "FP8"),
+    "AMXINT4": ("RAWINT4", "BF16"),
+    "FP8": ("AMXINT8", "BF16", "LLAMAFILE"),
+    "RAWINT4": ("AMXINT4", "BF16"),
     "BF16": (),
-    "LLAMAFILE": ("FP8", "BF16"),
+    "LLAMAFILE": ("BF16", "FP8"),
 }
+MEMORY_HEADROOM = 0.9  # of MemAvailable the routed experts may take
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertShape:
+    """What the fallback choice needs to know of a model's routed experts."""
+
+    hidden_size: int
+    intermediate_size: int
+    params: int  # routed-expert weights of all layers (layers x experts x 3 x hidden x intermediate)
+
+    def fits(self, method: str) -> bool:
+        multiple = METHODS[method].size_multiple
+        return self.hidden_size % multiple == 0 and self.intermediate_size % multiple == 0
+
+    def nbytes(self, method: str) -> int:
+        return self.params * METHODS[method].bits // 8
+
+
+def memory_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 # ggml block types LLAMAFILE weights are converted to on load, and the builds that compute each correctly.
 LLAMAFILE_TYPES = ("Q8_0", "BF16")
 _BF16_BLOCK_VARIANTS = ("amx", "avx512_bf16")  # the avx2 build aborts with "llamafile not supported"
@@ -146,12 +181,14 @@ class MethodChoice:
                 "cpu_variant": cpu_variant(), **({"experts_method_reason": self.reason} if self.reason else {})}
 
 
-def choose_method(requested: str | None, *, explicit: str | None = None, source: str = "rules") -> MethodChoice:
+def choose_method(requested: str | None, *, explicit: str | None = None, source: str = "rules",
+                  shape: ExpertShape | None = None) -> MethodChoice:
     """The method experts run with.
 
     `explicit` (the `kt_method` setting) must run here, or ExpertsUnsupportedError names the key, this
     build and the methods that do run. Otherwise the rule's `requested` method (DEFAULT_METHOD when the
-    rule names none) is kept when it runs here and replaced by its first runnable fallback when not."""
+    rule names none) is kept when it runs here, and replaced by the first of its FALLBACKS that runs, fits
+    `shape`'s sizes and whose experts fit in memory when not (the most compact runnable one if none fits)."""
     if explicit:
         method = normalize_method(explicit, "kt_method")
         reason = unavailable_reason(method)
@@ -164,12 +201,16 @@ def choose_method(requested: str | None, *, explicit: str | None = None, source:
     reason = unavailable_reason(wanted)
     if reason is None:
         return MethodChoice(wanted, wanted)
-    for method in FALLBACKS.get(wanted, ()):
-        if unavailable_reason(method) is None:
-            return MethodChoice(method, wanted, f"{source} ask for {wanted}, but {reason}; {method} is the "
-                                                f"closest method it runs")
-    raise ExpertsUnsupportedError(f"{source} ask for experts method {wanted}: {reason}, and no replacement runs "
-                                  f"here (available: {', '.join(available_methods()) or 'none'})")
+    runnable = [m for m in FALLBACKS.get(wanted, ()) if unavailable_reason(m) is None
+                and (shape is None or shape.fits(m))]
+    if not runnable:
+        raise ExpertsUnsupportedError(f"{source} ask for experts method {wanted}: {reason}, and no replacement runs "
+                                      f"here (available: {', '.join(available_methods()) or 'none'})")
+    budget = memory_available()
+    fitting = [m for m in runnable if shape is None or budget is None or shape.nbytes(m) <= budget * MEMORY_HEADROOM]
+    method = fitting[0] if fitting else min(runnable, key=lambda m: METHODS[m].bits)
+    why = "the fastest replacement" if fitting else "the most compact replacement (none fits in memory)"
+    return MethodChoice(method, wanted, f"{source} ask for {wanted}, but {reason}; {method} is {why} it runs")
 
 
 _SPELLINGS = {"AMXINT8": "AMXINT8", "AMXINT4": "AMXINT4", "AMXBF16": "BF16", "BF16": "BF16", "FP8": "FP8",
@@ -185,8 +226,9 @@ def normalize_method(value: object, key: str) -> str:
 
 
 def best_method(bits: int) -> str:
-    """The runnable method closest to `bits` weight bits (tests and benchmarks ask 'the 8-bit method here')."""
-    return choose_method({8: "AMXINT8", 4: "AMXINT4"}.get(bits, "BF16")).method
+    """The preferred runnable method with `bits`-bit weights (tests and benchmarks ask 'the 8-bit method here')."""
+    return next(m for m in ("AMXINT8", "AMXINT4", "FP8", "RAWINT4", "LLAMAFILE", "BF16")
+                if METHODS[m].bits == bits and unavailable_reason(m) is None)
 
 
 # ----------------------------------------------------------------------------------- online quantization
