@@ -114,7 +114,8 @@ class KTEngine(LLMEngine):
         model.eval()
         devices = layer_devices(model)
         cache = LatentKVCache(layer_devices=devices, num_tokens=self._kv_tokens(max_len),
-                              latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim, dtype=dtype)
+                              latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim, dtype=dtype,
+                              prefix_cache=cfg.prefix_cache)
         runner = KTModelRunner(model, devices, cache, max_len)
         if uses_cpu_experts(model):
             self.torch_threads = _cores_left_by_experts(cfg.cpu_infer)

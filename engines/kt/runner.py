@@ -34,7 +34,7 @@ class KTModelRunner(ModelRunner):
         self.lora = LoraModules(model, model.config.hidden_size)
         # one cache slot no sequence owns: padded rows of a fixed-shape decode step write there
         self._scratch = BlockTable()
-        cache.reserve(self._scratch, 1)
+        cache.admit(self._scratch, [], 1, "", reuse=False)
         cache.ensure(self._scratch, 1)
         self.scratch_slot = int(cache.slots(self._scratch, 0, 1)[0])
         self.graphs = None  # DecodeGraphs, once captured
@@ -60,8 +60,15 @@ class KTModelRunner(ModelRunner):
             seq.runner_state = BlockTable()
         return seq.runner_state  # type: ignore[return-value]
 
-    def admit(self, seq: Sequence, max_positions: int) -> bool:
-        return self.cache.reserve(self._table(seq), min(max_positions, self.max_model_len))
+    def _prefix_key(self, adapter: str | None) -> str:
+        """What besides the tokens decides a page's latents: the adapter, as installed (a LoRA anywhere
+        changes the residual stream, hence every later layer's latents)."""
+        return "" if adapter is None else f"{adapter}\0{self.lora.installs.get(adapter, 0)}"
+
+    def admit(self, seq: Sequence, max_positions: int) -> int | None:
+        # prompt logprobs need logits at every prompt position, so those prompts are computed whole
+        return self.cache.admit(self._table(seq), seq.token_ids, min(max_positions, self.max_model_len),
+                                self._prefix_key(seq.request.adapter), reuse=seq.prompt_logprobs is None)
 
     def release(self, seq: Sequence) -> None:
         if seq.runner_state is not None:
@@ -79,14 +86,19 @@ class KTModelRunner(ModelRunner):
     def execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
         if all(c.num_tokens == 1 and c.samples and not c.all_logits and c.seq.request.adapter is None
                for c in chunks):
-            return self._decode(chunks)
-        pieces = []
-        for chunk in chunks:
-            table = self._table(chunk.seq)
-            self.cache.ensure(table, chunk.end)
-            pieces.append((table, chunk.seq.token_ids, chunk.start, chunk.end, chunk.seq.request.adapter))
-        spans, hidden = self._forward(pieces)
-        return self._logits(chunks, spans, hidden)
+            logits = self._decode(chunks)
+        else:
+            pieces = []
+            for chunk in chunks:
+                table = self._table(chunk.seq)
+                self.cache.ensure(table, chunk.end)
+                pieces.append((table, chunk.seq.token_ids, chunk.start, chunk.end, chunk.seq.request.adapter))
+            spans, hidden = self._forward(pieces)
+            logits = self._logits(chunks, spans, hidden)
+        for chunk in chunks:  # their pages now hold the fed positions: full ones can serve later requests
+            self.cache.offer(self._table(chunk.seq), chunk.seq.token_ids, chunk.end,
+                             self._prefix_key(chunk.seq.request.adapter))
+        return logits
 
     def _forward(self, pieces: list[tuple]) -> tuple[list[Span], torch.Tensor]:
         """One forward over (block table, token ids, start, end, adapter) pieces; the last hidden states."""
@@ -160,7 +172,7 @@ class KTModelRunner(ModelRunner):
         rows = []
         for prompt in prompts:
             table = BlockTable()
-            if not self.cache.reserve(table, len(prompt)):
+            if self.cache.admit(table, prompt, len(prompt), "", reuse=False) is None:
                 raise EngineUnavailableError("no KV cache room to score this prompt now; retry later")
             try:
                 self.cache.ensure(table, len(prompt))
