@@ -64,11 +64,30 @@ class LatentKVCache:
     def release(self, table: BlockTable) -> None:
         self.pool.release(table)
 
+    def blocks_for(self, num_positions: int) -> int:
+        return self.pool.blocks_for(num_positions)
+
     def slots(self, table: BlockTable, start: int, end: int) -> torch.Tensor:
         """Flat slot indices of positions [start, end), on the CPU."""
+        return self._slots(table.blocks, start, end)
+
+    def _slots(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
         positions = torch.arange(start, end)
-        blocks = torch.tensor(table.blocks, dtype=torch.long)[positions // self.block_size]
-        return blocks * self.block_size + positions % self.block_size
+        paged = torch.tensor(blocks, dtype=torch.long)[positions // self.block_size]
+        return paged * self.block_size + positions % self.block_size
+
+    def context_slots(self, pages: list[list[int]], lengths: list[int], rows: int, width: int, pad_slot: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[rows, width] slots of each sequence's positions [0, length) held in `pages`, padded with
+        `pad_slot`, and the mask of the real ones. Rows past the sequences attend to `pad_slot` alone (a
+        row with nothing to attend to would make a NaN softmax)."""
+        read = torch.full((rows, width), pad_slot, dtype=torch.long)
+        mask = torch.zeros(rows, width, dtype=torch.bool)
+        mask[len(pages):, 0] = True
+        for i, (blocks, length) in enumerate(zip(pages, lengths)):
+            read[i, :length] = self._slots(blocks, 0, length)
+            mask[i, :length] = True
+        return read, mask
 
     # --------------------------------------------------------------------------- data
     def write(self, layer: int, slots: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor) -> None:
