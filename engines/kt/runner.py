@@ -104,19 +104,24 @@ class KTModelRunner(ModelRunner):
                              self._prefix_key(chunk.seq.request.adapter))
         return logits
 
-    def _forward(self, pieces: list[tuple]) -> tuple[list[Span], torch.Tensor]:
-        """One forward over (block table, token ids, start, end, adapter) pieces; the last hidden states."""
-        spans, ids, positions = [], [], []
+    def step_batch(self, pieces: list[tuple]) -> StepBatch:
+        """The attention metadata of a step over (block table, start, end, adapter) pieces, in row order."""
+        spans, positions = [], []
         row = 0
-        for table, tokens, start, end, adapter in pieces:
+        for table, start, end, adapter in pieces:
             spans.append(Span(row=row, n=end - start, start=start, write_slots=self.cache.slots(table, start, end),
                               read_slots=self.cache.slots(table, 0, end), adapter=adapter,
                               blocks=table.blocks[:self.cache.blocks_for(end)]))
-            ids.extend(tokens[start:end])
             positions.append(torch.arange(start, end))
             row += end - start
-        batch = StepBatch(spans=spans, positions=torch.cat(positions), cache=self.cache,
-                          rotary=self.inner.rotary_emb, flash=self.flash)
+        return StepBatch(spans=spans, positions=torch.cat(positions), cache=self.cache,
+                         rotary=self.inner.rotary_emb, flash=self.flash)
+
+    def _forward(self, pieces: list[tuple]) -> tuple[list[Span], torch.Tensor]:
+        """One forward over (block table, token ids, start, end, adapter) pieces; the last hidden states."""
+        batch = self.step_batch([(table, start, end, adapter) for table, _, start, end, adapter in pieces])
+        ids = [t for _, tokens, start, end, _ in pieces for t in tokens[start:end]]
+        spans = batch.spans
         rows = AdapterRows([(s.adapter, s.row, s.n) for s in spans])
         with self.lora.context.step(rows):
             hidden = self.inner.embed_tokens(torch.tensor(ids, device=self.embed_device))
