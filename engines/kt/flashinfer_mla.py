@@ -14,6 +14,7 @@ its JIT cache (FLASHINFER_WORKSPACE_BASE, default ~/.cache/flashinfer)."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -134,9 +135,24 @@ def attention_for(requested: str, attention: Any, devices: list[torch.device], c
     """The FlashInfer attention for a model whose first MLA layer is `attention`, or None for torch; logs
     which one runs and why."""
     backend, why = choose_backend(requested, devices, cache.latent_dim, cache.rope_dim)
-    log.info("MLA attention: %s (%s)", backend, why)
     if backend == "torch":
+        log.info("MLA attention: torch (%s)", why)
         return None
     dtype = cache.layers[0].dtype
-    return FlashInferMLA(MLAShape(attention.num_heads, cache.latent_dim, cache.rope_dim, cache.block_size,
-                                  attention.scaling, dtype, dtype))
+    flash = FlashInferMLA(MLAShape(attention.num_heads, cache.latent_dim, cache.rope_dim, cache.block_size,
+                                   attention.scaling, dtype, dtype))
+    started = time.perf_counter()
+    try:  # compile (or load from the JIT cache) now rather than in the first request
+        for device in sorted(set(devices), key=str):
+            q = torch.zeros(1, attention.num_heads, cache.latent_dim, dtype=dtype, device=device)
+            pe = torch.zeros(1, attention.num_heads, cache.rope_dim, dtype=dtype, device=device)
+            layer = devices.index(device)
+            flash.eager(device).plan([1], [1], [[0]], causal=False).run(q, pe, cache, layer)
+            torch.cuda.synchronize(device)
+    except Exception as exc:  # no nvcc, an unsupported GPU build, ...
+        if requested == "flashinfer":
+            raise ValueError(f"attention_backend: flashinfer failed to build or run its kernel: {exc}") from exc
+        log.warning("MLA attention: torch (FlashInfer failed to build or run its kernel: %s)", exc)
+        return None
+    log.info("MLA attention: flashinfer (%s; kernels ready in %.1fs)", why, time.perf_counter() - started)
+    return flash
