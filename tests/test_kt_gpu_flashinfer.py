@@ -20,9 +20,10 @@ pytestmark = [pytest.mark.gpu,
 MLA_SHAPE = {"num_attention_heads": 16, "num_key_value_heads": 16, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
 TEXT = ("The history of the river begins in the mountains, where snow melts each spring and feeds a hundred "
         "small streams. They join in the valley, turn the old mills and slow down in the plain. ") * 6
-# bf16 attention summed in another order: a few hundredths of a logprob, well below a wrong page or mask
-MEDIAN_LOGPROB_DIFF = 0.02
-MAX_LOGPROB_DIFF = 0.25
+# bf16 attention summed in another order moves logprobs by hundredths; a wrong page, length or mask moves them
+# by whole units (the demo architecture's logits have a standard deviation of 8)
+MEDIAN_LOGPROB_DIFF = 0.05
+MAX_LOGPROB_DIFF = 0.5
 
 
 @pytest.fixture(scope="module")
