@@ -159,3 +159,13 @@ def test_eviction_under_memory_pressure_never_disturbs_a_running_request(demo_mo
         assert running.engine.stats().kv_used_tokens == 0
     finally:
         running.stop()
+
+
+def test_the_huggingface_engine_reports_no_cached_tokens(demo_model_dir):
+    running = start_server(demo_model_dir, engine="huggingface")
+    try:
+        for _ in range(2):
+            reply = ask(running, "Where does the river begin?", max_tokens=2)
+        assert reply.usage.prompt_tokens_details.cached_tokens == 0
+    finally:
+        running.stop()
