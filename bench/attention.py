@@ -38,15 +38,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--tokens", type=int, default=64, help="output tokens per request (ignore_eos)")
     p.add_argument("--backends", default="flashinfer,torch")
+    p.add_argument("--method", default="AMXINT8", help="the experts' kt-kernel method")
     p.add_argument("--round-timeout", type=float, default=240.0)
     return p.parse_args(argv)
 
 
 def engine_config(bench, backend: str, args: argparse.Namespace, contexts: list[int]):
-    from bench.run import PRIMARY
-
     longest = max(contexts + [CACHED_PROMPT]) + args.tokens + 64
-    return dataclasses.replace(bench.kt_config(PRIMARY), attention_backend=backend, max_concurrent=args.clients,
+    return dataclasses.replace(bench.kt_config(args.method), attention_backend=backend, max_concurrent=args.clients,
                                max_model_len=longest, kv_cache_tokens=args.clients * longest + 4096,
                                prefix_cache=True)
 
