@@ -141,6 +141,7 @@ class GenerationOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # cumulative
     error: str | None = None  # set with finish_reason "error"
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache rather than computed
 
     @property
     def finished(self) -> bool:
@@ -204,6 +205,7 @@ class RequestHandle:
             request_id=self.request_id, text="".join(text), token_ids=ids, logprobs=logprobs,
             prompt_logprobs=prompt_lp, finish_reason=last.finish_reason, stop_reason=last.stop_reason,
             prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens, error=last.error,
+            cached_tokens=last.cached_tokens,
         )
 
 
@@ -232,6 +234,8 @@ class EngineConfig:
     kt_weight_cache: str | None = None
     kt_use_cuda_graph: bool = False
     kt_force_think: bool = False
+    prefix_cache: bool = True  # share full KV pages between requests with the same token prefix
+    attention_backend: str = "auto"  # "auto" | "flashinfer" | "torch" (MLA attention on CUDA)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -257,6 +261,9 @@ class EngineStats:
     # time the engine thread spent in model steps, and the part of it spent waiting on CPU experts
     step_seconds: float = 0.0
     expert_wait_seconds: float = 0.0
+    # prompt tokens of requests that started, and how many of them the prefix cache already held
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
 
 
 @dataclass(slots=True)

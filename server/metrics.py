@@ -4,7 +4,9 @@ Request-side numbers come from each request's tracker when it ends; engine-side 
 KV cache, step time) are read from `engine.stats()` at scrape time, so they are never stale.
 
 The share of step time the KT engine spends waiting on its CPU experts is
-`rate(ktserve_engine_expert_wait_seconds_total[5m]) / rate(ktserve_engine_step_seconds_total[5m])`."""
+`rate(ktserve_engine_expert_wait_seconds_total[5m]) / rate(ktserve_engine_step_seconds_total[5m])`, and the
+prefix cache's hit rate
+`rate(ktserve_prefix_cache_hit_tokens_total[5m]) / rate(ktserve_prefix_cache_queried_tokens_total[5m])`."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -104,3 +106,9 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("ktserve_engine_expert_wait_seconds",
                                   "Seconds of model steps spent waiting on CPU experts (ktransformers engine)",
                                   value=s.expert_wait_seconds)
+        yield CounterMetricFamily("ktserve_prefix_cache_queried_tokens",
+                                  "Prompt tokens of engine requests (one per choice) that started",
+                                  value=s.prompt_tokens)
+        yield CounterMetricFamily("ktserve_prefix_cache_hit_tokens",
+                                  "Of those, prompt tokens the prefix cache already held (not computed again)",
+                                  value=s.cached_prompt_tokens)

@@ -99,6 +99,8 @@ class LLMEngine(Engine):
         s = self._stats
         if self._scheduler is not None:
             s.running, s.waiting = self._scheduler.counts()
+            s.prompt_tokens = self._scheduler.prompt_tokens
+            s.cached_prompt_tokens = self._scheduler.cached_prompt_tokens
         if self._runner is not None:
             s.kv_used_tokens, s.kv_total_tokens = self._runner.kv_usage()
             s.expert_wait_seconds = self._runner.expert_wait_seconds()
@@ -328,7 +330,7 @@ class LLMEngine(Engine):
         seq.handle.deliver(GenerationOutput(
             request_id=seq.id, text=text, token_ids=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             finish_reason=finish_reason, stop_reason=stop_reason, prompt_tokens=seq.num_prompt_tokens,
-            completion_tokens=seq.num_output_tokens, error=error))
+            completion_tokens=seq.num_output_tokens, error=error, cached_tokens=seq.num_cached_tokens))
 
     def _finish(self, seq: Sequence, reason: str, *, stop_reason=None, error=None, new_tokens=(),
                 logprobs=None) -> None:

@@ -53,10 +53,12 @@ class ModelRunner(ABC):
         `adapter` applied (reward scores). Called on the engine thread."""
         raise NotImplementedError(f"{type(self).__name__} cannot return hidden states")
 
-    def admit(self, seq: Sequence, max_positions: int) -> bool:
-        """Reserve KV room for up to `max_positions` positions of `seq`, or return False if there is none
-        now (the request then waits). Reserving up front means a running request never runs out mid-way."""
-        return True
+    def admit(self, seq: Sequence, max_positions: int) -> int | None:
+        """Reserve KV room for up to `max_positions` positions of `seq`, or return None if there is none
+        now (the request then waits). Reserving up front means a running request never runs out mid-way.
+        Returns how many leading positions of `seq` are already in the cache (prefix caching), so need
+        no computing; always fewer than the prompt's length."""
+        return 0
 
     def kv_usage(self) -> tuple[int, int]:
         """(used, total) KV cache positions; total 0 when unbounded."""

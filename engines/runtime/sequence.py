@@ -25,6 +25,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt, then generated tokens
     num_prompt_tokens: int = 0
     num_computed: int = 0  # positions whose KV is in the cache
+    num_cached_tokens: int = 0  # leading prompt positions found in the prefix cache at admission
     status: Status = Status.WAITING
     generator: torch.Generator | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None

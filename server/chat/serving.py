@@ -149,7 +149,8 @@ class ChatServing:
                             "finish_reason": reply.finish_reason, "stop_reason": out.stop_reason})
         completion = sum(out.completion_tokens for out, _ in replies)
         return {"id": plan.request_id, "object": "chat.completion", "created": int(time.time()),
-                "model": plan.model, "choices": choices, "usage": usage(len(plan.prompt), completion)}
+                "model": plan.model, "choices": choices,
+                "usage": usage(len(plan.prompt), completion, replies[0][0].cached_tokens)}
 
     # ---------------------------------------------------------------------------------- streaming
     async def events(self, plan: ChatPlan, handles: list[RequestHandle]) -> AsyncIterator[ChoiceEvent]:
@@ -181,10 +182,12 @@ class ChatServing:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
         completion_tokens = [0] * len(handles)
+        cached_tokens = 0
         try:
             async for event in self.events(plan, handles):
                 i, out = event.index, event.output
                 completion_tokens[i] = out.completion_tokens
+                cached_tokens = out.cached_tokens if i == 0 else cached_tokens
                 if event.finish_reason == "error":
                     yield error_chunk(out.error or "generation failed")
                     return
@@ -199,7 +202,7 @@ class ChatServing:
                               "timeout_error", "request_timeout")
             return
         if include_usage:
-            yield chunk([], usage(len(plan.prompt), sum(completion_tokens)))
+            yield chunk([], usage(len(plan.prompt), sum(completion_tokens), cached_tokens))
 
 
 def delta_json(delta: ChatDelta) -> dict[str, Any]:

@@ -122,8 +122,9 @@ class CompletionServing:
                 raise APIError(500, out.error or "generation failed", type="internal_error")
         choices = [self._choice(req, i, out, plans[i]) for i, out in enumerate(outputs)]
         n_prompt = sum(len(p) for p in plans[::req.n])
+        cached = sum(o.cached_tokens for o in outputs[::req.n])
         return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-                "choices": choices, "usage": usage(n_prompt, sum(o.completion_tokens for o in outputs))}
+                "choices": choices, "usage": usage(n_prompt, sum(o.completion_tokens for o in outputs), cached)}
 
     async def _stream(self, req, request_id, model, handles, plans) -> AsyncIterator[dict[str, Any]]:
         base = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
@@ -131,6 +132,7 @@ class CompletionServing:
         offsets = [0] * len(handles)  # characters of text sent so far, per choice
         echoed = [False] * len(handles)
         completion_tokens = [0] * len(handles)
+        cached_tokens = [0] * len(handles)
 
         def chunk(choices, usage_value=None):
             body = {**base, "choices": choices}
@@ -141,6 +143,7 @@ class CompletionServing:
         try:
             async for i, out in with_deadline(merged(handles), Deadline(self.request_timeout)):
                 completion_tokens[i] = out.completion_tokens
+                cached_tokens[i] = out.cached_tokens
                 if out.finish_reason == "error":
                     yield error_chunk(out.error or "generation failed")
                     return
@@ -160,4 +163,4 @@ class CompletionServing:
             return
         if include_usage:
             n_prompt = sum(len(p) for p in plans[::req.n])
-            yield chunk([], usage(n_prompt, sum(completion_tokens)))
+            yield chunk([], usage(n_prompt, sum(completion_tokens), sum(cached_tokens[::req.n])))
