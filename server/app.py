@@ -26,6 +26,7 @@ from server.metrics import Metrics
 from server.metrics import router as metrics_router
 from server.middleware import RequestTracking
 from server.models.router import router as models_router
+from server.native_output import stdout_to_log
 from server.ollama.router import router as ollama_router
 from server.settings import Settings
 from server.shutdown import Drain, refuse_while_draining
@@ -92,6 +93,7 @@ def create_app(settings: Settings, engine: Engine, *, load_engine: bool = True) 
     keyed_docs = {"openapi_url": None, "docs_url": None, "redoc_url": None} if settings.api_key else {}
     app = FastAPI(title="ktserve", description="OpenAI-compatible server for DeepSeek MoE models",
                   lifespan=lifespan, **keyed_docs)
+    app.router.redirect_slashes = False  # server.unmatched redirects, with a relative Location
     app.state.settings = settings
     app.state.engine = engine
     app.state.load_error = None
@@ -120,7 +122,8 @@ def create_app(settings: Settings, engine: Engine, *, load_engine: bool = True) 
 
 async def _load(app: FastAPI, engine: Engine) -> None:
     try:
-        await asyncio.to_thread(engine.start)
+        with stdout_to_log():  # kt-kernel's C++ prints while the model loads
+            await asyncio.to_thread(engine.start)
         log.info("serving %s with the %s engine", engine.info.id, engine.name)
     except Exception as exc:  # reported on /health and in the log; the process stays up to say so
         log.exception("the engine failed to start")

@@ -13,7 +13,9 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import Request
 from sse_starlette.sse import EventSourceResponse
 
-from engines.base import Engine, GenerationOutput, GenerationRequest, NotFoundError, RequestHandle, SamplingParams
+from engines.base import (
+    Engine, GenerationOutput, GenerationRequest, InvalidRequestError, NotFoundError, RequestHandle, SamplingParams,
+)
 from server.tracking import current_tracker
 
 DISCONNECT_POLL_SECONDS = 0.25
@@ -43,6 +45,17 @@ def resolve_adapter(engine: Engine, model: str | None) -> str | None:
     known = [engine.info.id] + [a.name for a in engine.list_adapters()]
     raise NotFoundError(f"the model '{model}' does not exist; this server serves: {', '.join(known)}",
                         param="model")
+
+
+def check_capacity(engine: Engine, choices: int, param: str = "n") -> None:
+    """A request needs one engine slot per choice; more than the engine ever holds at once (generating plus
+    waiting) can never be served, now or later: 400, not the 429 that says "retry"."""
+    config = engine.config
+    capacity = config.max_concurrent + config.max_queue
+    if choices > capacity:
+        raise InvalidRequestError(
+            f"this request needs {choices} generations at once, but this server holds at most {capacity} "
+            f"(max_concurrent {config.max_concurrent} + max_queue {config.max_queue})", param=param)
 
 
 def submit_choices(engine: Engine, prompt: list[int], params: list[SamplingParams], adapter: str | None,

@@ -3,14 +3,15 @@ included, answers in Ollama's error shape, `{"error": "..."}`."""
 from __future__ import annotations
 
 import functools
-import json
 from datetime import datetime
 from typing import Any, Awaitable, Callable, TypeVar
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
-from engines.base import InvalidRequestError, NotFoundError
+from engines.base import NotFoundError
+from server.errors import unparsable_body
+from server.json_body import decode
 from server.ollama.protocol import OLLAMA_API_VERSION, ChatRequest, GenerateRequest, ShowRequest, checked, tagged
 from server.ollama.serving import OllamaServing, ollama_error
 
@@ -20,9 +21,9 @@ Body = TypeVar("Body", bound=BaseModel)
 
 async def parse(request: Request, model: type[Body]) -> Body:
     try:
-        data = json.loads(await request.body() or b"{}")
-    except ValueError:
-        raise InvalidRequestError("the request body is not valid JSON") from None
+        data = decode(await request.body() or b"{}")
+    except (ValueError, RecursionError) as exc:  # not JSON, nested too deeply, not UTF-8
+        raise unparsable_body(exc) from None
     return checked(lambda: model.model_validate(data))
 
 

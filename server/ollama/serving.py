@@ -18,7 +18,7 @@ from server.chat.serving import ChatOptions, ChatPlan, ChatServing
 from server.errors import APIError, to_api_error
 from server.ollama.protocol import ChatRequest, GenerateRequest, tagged, timestamp
 from server.reasoning import prompt_opens_reasoning
-from server.serving import cancel_all
+from server.serving import cancel_all, encode
 
 
 def ollama_error(exc: Exception) -> JSONResponse:
@@ -72,19 +72,19 @@ class OllamaServing:
         options = ChatOptions.of(raw)
         prompt = None
         if body.raw or body.context:
-            prompt = self._raw_prompt(body, req, options)
+            prompt = await self._raw_prompt(body, req, options)
         plan = await self.chat.plan(req, options, prompt)
         return await self._run(plan, body.stream, chat=False)
 
-    def _raw_prompt(self, body: GenerateRequest, req: ChatCompletionRequest, options: ChatOptions) -> Prompt:
+    async def _raw_prompt(self, body: GenerateRequest, req: ChatCompletionRequest, options: ChatOptions) -> Prompt:
         """`raw` sends the prompt as it is; `context` (the ids a previous reply returned) goes before it."""
         tokenizer = self.engine.tokenizer
-        text = body.prompt if body.raw else render_prompt(self.engine, req, options.force_think).text
+        text = body.prompt if body.raw else (await render_prompt(self.engine, req, options.force_think)).text
         if body.context:
-            ids = tokenizer.encode(text, add_special_tokens=False)
+            ids = await encode(tokenizer, text, add_special_tokens=False)
             ids = list(body.context) + (ids[1:] if ids[:1] == [tokenizer.bos_token_id] else ids)
         else:
-            ids = tokenizer.encode(text)  # as /v1/completions encodes a prompt
+            ids = await encode(tokenizer, text)  # as /v1/completions encodes a prompt
         return Prompt(ids, text, prompt_opens_reasoning(text))
 
     async def _run(self, plan: ChatPlan, stream: bool, chat: bool):
