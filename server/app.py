@@ -20,6 +20,7 @@ from server.chat.router import router as chat_router
 from server.chat.serving import ChatServing
 from server.completions.router import router as completions_router
 from server.completions.serving import CompletionServing
+from server.embeddings.router import router as embeddings_router
 from server.errors import RequestTooLarge, error_body, install_error_handlers
 from server.health import router as health_router
 from server.metrics import Metrics
@@ -30,6 +31,7 @@ from server.native_output import stdout_to_log
 from server.ollama.router import router as ollama_router
 from server.settings import Settings
 from server.shutdown import Drain, refuse_while_draining
+from server.tokenize.router import router as tokenize_router
 
 log = logging.getLogger("ktserve.server")
 
@@ -108,7 +110,8 @@ def create_app(settings: Settings, engine: Engine, *, load_engine: bool = True) 
     protected = [Depends(refuse_while_draining), *key_required]
     app.include_router(health_router)
     app.include_router(metrics_router, dependencies=[] if settings.metrics_public else key_required)
-    for router in (models_router, chat_router, completions_router, ollama_router):
+    for router in (models_router, chat_router, completions_router, embeddings_router, tokenize_router,
+                   ollama_router):
         app.include_router(router, dependencies=protected)
     app.include_router(adapters_router, dependencies=protected)  # LoRA load/unload, reward scores
     # The last middleware added runs first: request tracking sees every answer, CORS and 413s included.

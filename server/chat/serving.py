@@ -163,7 +163,7 @@ class ChatServing:
                 return
             delta = parsers[i].feed(out.text)
             if out.finished:
-                delta = join_deltas([delta, parsers[i].finish()])
+                delta = join_deltas([delta, parsers[i].finish(out.finish_reason)])
             yield ChoiceEvent(i, delta, out, parsers[i].finish_reason(out.finish_reason) if out.finished else None)
 
     async def _stream(self, req: ChatCompletionRequest, plan: ChatPlan, handles: list[RequestHandle]

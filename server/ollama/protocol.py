@@ -120,6 +120,23 @@ class GenerateRequest(GenerationFields):
         return checked(lambda: ChatCompletionRequest.model_validate({**self.openai_fields(), "messages": messages}))
 
 
+class EmbedRequest(OllamaModel):
+    model: str
+    input: str | list[str]
+    truncate: bool = True  # cut inputs longer than the context to it (Ollama's default), else refuse them
+    dimensions: int | None = None
+
+    def inputs(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else list(self.input)
+
+
+class EmbeddingsRequest(OllamaModel):
+    """The older /api/embeddings: one prompt, one vector."""
+
+    model: str
+    prompt: str = ""
+
+
 class ShowRequest(OllamaModel):
     model: str | None = None
     name: str | None = None  # the older spelling of `model`
