@@ -30,6 +30,7 @@ from server.models.router import router as models_router
 from server.native_output import stdout_to_log
 from server.ollama.router import router as ollama_router
 from server.settings import Settings
+from server.responses.router import router as responses_router
 from server.shutdown import Drain, refuse_while_draining
 from server.tokenize.router import router as tokenize_router
 
@@ -88,7 +89,8 @@ def create_app(settings: Settings, engine: Engine, *, load_engine: bool = True) 
             if task is not None and not task.done():
                 task.cancel()
             if load_engine:
-                await asyncio.to_thread(engine.stop)
+                with stdout_to_log():  # kt-kernel says goodbye as its thread pool ends
+                    await asyncio.to_thread(engine.stop)
 
     # With a key, the schema is served behind it (below) and the docs pages not at all: they fetch the
     # schema without a key.
@@ -110,8 +112,8 @@ def create_app(settings: Settings, engine: Engine, *, load_engine: bool = True) 
     protected = [Depends(refuse_while_draining), *key_required]
     app.include_router(health_router)
     app.include_router(metrics_router, dependencies=[] if settings.metrics_public else key_required)
-    for router in (models_router, chat_router, completions_router, embeddings_router, tokenize_router,
-                   ollama_router):
+    for router in (models_router, chat_router, completions_router, responses_router, embeddings_router,
+                   tokenize_router, ollama_router):
         app.include_router(router, dependencies=protected)
     app.include_router(adapters_router, dependencies=protected)  # LoRA load/unload, reward scores
     # The last middleware added runs first: request tracking sees every answer, CORS and 413s included.

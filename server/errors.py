@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -19,6 +20,7 @@ from engines.base import (
 )
 
 log = logging.getLogger("ktserve.server")
+T = TypeVar("T")
 
 
 class APIError(Exception):
@@ -66,6 +68,15 @@ def to_api_error(exc: Exception) -> APIError:
         return APIError(400, str(exc), code="unsupported")
     log.exception("unexpected error", exc_info=exc)
     return APIError(500, "internal server error", type="internal_error")
+
+
+def checked(build: Callable[[], T]) -> T:
+    """Run a pydantic validation inside a route; a failure is a 400 naming the field, as a body's is."""
+    try:
+        return build()
+    except ValidationError as exc:
+        message, param = _validation_message(RequestValidationError(exc.errors()))
+        raise InvalidRequestError(message, param=param) from None
 
 
 def _field_name(loc: tuple[Any, ...]) -> str:

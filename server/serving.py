@@ -145,9 +145,10 @@ def _retrieve(future: asyncio.Future) -> None:
 
 
 def sse_response(events: AsyncIterator[dict[str, Any]], handles: list[RequestHandle],
-                 headers: dict[str, str] | None = None) -> EventSourceResponse:
-    """Stream JSON chunks as `data:` lines and end with `data: [DONE]`. sse-starlette cancels the
-    generator when the client disconnects; cancelling the handles then frees the engine's work."""
+                 headers: dict[str, str] | None = None, *, typed_events: bool = False) -> EventSourceResponse:
+    """Stream JSON chunks as `data:` lines and end with `data: [DONE]` — or, with `typed_events` (the
+    Responses API), give each an `event:` line naming its `type` and end without a marker. sse-starlette
+    cancels the generator when the client disconnects; cancelling the handles then frees the engine's work."""
     tracker = current_tracker()
 
     async def body() -> AsyncIterator[dict[str, str]]:
@@ -156,8 +157,12 @@ def sse_response(events: AsyncIterator[dict[str, Any]], handles: list[RequestHan
             async for chunk in events:
                 if "error" in chunk:
                     chunk = tracker.stream_error(chunk)
-                yield {"data": json.dumps(chunk, ensure_ascii=False)}
-            yield {"data": "[DONE]"}
+                message = {"data": json.dumps(chunk, ensure_ascii=False)}
+                if typed_events:
+                    message["event"] = chunk["type"]
+                yield message
+            if not typed_events:
+                yield {"data": "[DONE]"}
             complete = True
         finally:
             if not complete:

@@ -59,6 +59,9 @@ SURROGATE_BODIES = {
     "completions": (COMPLETIONS, '{"prompt":"a\\udfff","max_tokens":2}', "prompt"),
     "completions-list": (COMPLETIONS, '{"prompt":["ok","a\\udfff"],"max_tokens":2}', "prompt[1]"),
     "score": ("/v1/score/evaluation", '{"messages":["fine","\\ud800x"]}', "messages[1]"),
+    "responses": ("/v1/responses", '{"input":[{"role":"user","content":"\\ud800"}]}', "input[0].content"),
+    "embeddings": ("/v1/embeddings", '{"input":["a","\\udbff"]}', "input[1]"),
+    "tokenize": ("/tokenize", '{"prompt":"\\udfff"}', "prompt"),
     "tools": (CHAT, '{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":'
                     '{"name":"f","description":"\\udc00"}}]}', "tools[0].function.description"),
 }
@@ -307,3 +310,28 @@ def test_native_stdout_is_captured_at_the_descriptor_and_logged_at_debug(capfd, 
     lines = [r.getMessage() for r in caplog.records if r.name == "ktserve.native"]
     assert "CPUInfer[0x1]: Hello from C" in lines and "TP MOE layer 1, pool 0" in lines
     assert all(r.levelno == logging.DEBUG for r in caplog.records if r.name == "ktserve.native")
+
+
+def test_what_native_code_prints_while_the_engine_loads_goes_to_the_log(capfd, caplog):
+    """The app wraps the engine's start: kt-kernel's C++ lines ("CPUInfer[...]: Hello") land in the log."""
+    from ops_support import HeldLoadEngine, ThreadedServer, wait_for
+    from server.app import create_app
+    from server.settings import load_settings
+
+    class PrintingEngine(HeldLoadEngine):
+        def start(self) -> None:
+            libc = ctypes.CDLL(None)
+            libc.printf(b"CPUInfer[0x2]: Hello\n")
+            libc.fflush(None)
+            self.loaded.set()
+            super().start()
+
+    caplog.set_level(logging.DEBUG, logger="ktserve.native")
+    app = create_app(load_settings(None, {"model": "held"}, env={}), PrintingEngine())
+    server = ThreadedServer(app)
+    try:
+        wait_for(lambda: httpx.get(server.base_url + "/health", timeout=5).status_code == 200, 30, "the load")
+    finally:
+        server.stop()
+    assert "CPUInfer[0x2]: Hello" in [r.getMessage() for r in caplog.records if r.name == "ktserve.native"]
+    assert "CPUInfer" not in capfd.readouterr().out

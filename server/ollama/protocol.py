@@ -4,28 +4,15 @@ from __future__ import annotations
 
 import json
 from datetime import datetime, timezone
-from typing import Any, Callable, Literal, TypeVar
+from typing import Any, Literal
 
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from engines.base import InvalidRequestError
+from pydantic import BaseModel, ConfigDict, Field
 
 from server.chat.protocol import ChatCompletionRequest
-from server.errors import _validation_message
+from server.errors import checked
 
 # The Ollama API level these routes follow; clients compare it against the features they need.
 OLLAMA_API_VERSION = "0.6.2"
-T = TypeVar("T")
-
-
-def checked(build: Callable[[], T]) -> T:
-    """Run a pydantic validation; a failure is a 400 naming the field, as on the OpenAI routes."""
-    try:
-        return build()
-    except ValidationError as exc:
-        message, param = _validation_message(RequestValidationError(exc.errors()))
-        raise InvalidRequestError(message, param=param) from None
 
 
 class OllamaModel(BaseModel):
