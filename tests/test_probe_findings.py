@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 
 import httpx
 import pytest
@@ -335,3 +336,35 @@ def test_what_native_code_prints_while_the_engine_loads_goes_to_the_log(capfd, c
         server.stop()
     assert "CPUInfer[0x2]: Hello" in [r.getMessage() for r in caplog.records if r.name == "ktserve.native"]
     assert "CPUInfer" not in capfd.readouterr().out
+
+
+def test_a_request_still_running_when_the_drain_ends_gets_an_openai_503(caplog):
+    """What uvicorn cancels once the drain is over (here a route that never answers) is answered in our shape,
+    with no traceback, never uvicorn's plain-text 500."""
+    import signal
+
+    from ops_support import HeldLoadEngine, ThreadedServer, wait_for
+    from server.app import create_app
+    from server.settings import load_settings
+    from server.shutdown import DrainingServer
+
+    app = create_app(load_settings(None, {"model": "held", "graceful_timeout": 0.2}, env={}), HeldLoadEngine())
+
+    async def never_answers():
+        await asyncio.Event().wait()
+
+    app.add_api_route("/never", never_answers)
+    server = ThreadedServer(app, make_server=lambda config: DrainingServer(config, app.state.drain))
+    answers: list[httpx.Response] = []
+    client = threading.Thread(target=lambda: answers.append(httpx.get(server.base_url + "/never", timeout=60)))
+    client.start()
+    try:
+        wait_for(lambda: app.state.drain.in_flight, 10, "the request to arrive")
+        server.server.handle_exit(signal.SIGTERM, None)
+        client.join(timeout=60)
+    finally:
+        server.stop()
+    [r] = answers
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutdown"
+    assert r.headers["connection"] == "close" and r.headers["x-request-id"]
+    assert not [rec for rec in caplog.records if rec.exc_info is not None]
