@@ -29,8 +29,8 @@ from server.middleware import RequestTracking
 from server.models.router import router as models_router
 from server.native_output import stdout_to_log
 from server.ollama.router import router as ollama_router
-from server.settings import Settings
 from server.responses.router import router as responses_router
+from server.settings import Settings
 from server.shutdown import Drain, refuse_while_draining
 from server.tokenize.router import router as tokenize_router
 

@@ -23,7 +23,8 @@ from server.errors import APIError
 from server.protocol import check_max_tokens, usage
 from server.reasoning import THINK_END, THINK_START, check_reasoning_parser, reasoning_parser
 from server.serving import (
-    Deadline, check_capacity, collect, error_chunk, merged, new_id, resolve_adapter, sse_response, submit_choices, with_deadline,
+    Deadline, check_capacity, collect, error_chunk, merged, new_id, resolve_adapter, sse_response, submit_choices,
+    with_deadline,
 )
 
 
