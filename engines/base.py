@@ -9,7 +9,7 @@ it upwards.  An engine
   client disconnect) makes the engine drop the request at its next step and free its KV cache;
 * exposes `info` (model id, context length, architecture), `tokenizer` (a transformers tokenizer, used by
   the serving layer for chat templates and prompt lengths), `stats()` for health and metrics, `score()` for
-  reward scores, and adapter management (`list_adapters`, `load_adapter`, `unload_adapter`).
+  reward scores, `embed()` for embeddings, and adapter management (`list_adapters`, `load_adapter`, `unload_adapter`).
 
 Errors a user can cause are raised as the typed exceptions below; the HTTP edge maps each to one status.
 """
@@ -248,6 +248,8 @@ class ModelInfo:
     created: int
     eos_token_ids: tuple[int, ...] = ()
     has_value_head: bool = False
+    size_bytes: int = 0  # the weights as stored in the model directory
+    gpu_bytes: int = 0  # of it, what the engine holds in GPU memory
     details: dict[str, str] = field(default_factory=dict)  # engine facts worth showing (/version)
 
 
@@ -271,6 +273,7 @@ class AdapterInfo:
     name: str
     path: str
     created: int
+    size_bytes: int = 0  # the adapter's tensors in memory
 
 
 # ---------------------------------------------------------------------------------------- the engine
@@ -313,6 +316,11 @@ class Engine(ABC):
     async def score(self, prompts: list[list[int]], adapter: str | None = None) -> list[float]:
         """Reward-model scores (value head on the last token) for each prompt."""
         raise UnsupportedError(f"engine {self.name!r} cannot compute reward scores")
+
+    async def embed(self, prompts: list[list[int]], adapter: str | None = None) -> list[list[float]]:
+        """One embedding per prompt: the final (normed) hidden states averaged over the prompt's tokens and
+        scaled to unit length, with `adapter` applied. Concurrent calls may be computed together."""
+        raise UnsupportedError(f"engine {self.name!r} cannot compute embeddings")
 
     def list_adapters(self) -> list[AdapterInfo]:
         return []

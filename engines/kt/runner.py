@@ -184,22 +184,30 @@ class KTModelRunner(ModelRunner):
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.model.lm_head(self.inner.norm(hidden.to(self.head_device)))
 
-    def last_hidden_states(self, prompts: list[list[int]], adapter: str | None) -> torch.Tensor:
-        """Each prompt in its own forward over borrowed cache blocks, freed at once."""
+    def final_hidden_states(self, prompts: list[list[int]], adapter: str | None) -> list[torch.Tensor]:
+        """The prompts in as few forwards as the free cache allows (borrowed blocks, freed at once)."""
         from engines.base import EngineUnavailableError
 
-        rows = []
-        for prompt in prompts:
-            table = BlockTable()
-            if self.cache.admit(table, prompt, len(prompt), "", reuse=False) is None:
-                raise EngineUnavailableError("no KV cache room to score this prompt now; retry later")
+        states: list[torch.Tensor] = []
+        while len(states) < len(prompts):
+            tables: list[BlockTable] = []
             try:
-                self.cache.ensure(table, len(prompt))
-                _, hidden = self._forward([(table, prompt, 0, len(prompt), adapter)])
-                rows.append(self.inner.norm(hidden[-1:].to(self.head_device))[0].float().cpu())
+                for prompt in prompts[len(states):]:
+                    table = BlockTable()
+                    if self.cache.admit(table, prompt, len(prompt), "", reuse=False) is None:
+                        break
+                    tables.append(table)
+                    self.cache.ensure(table, len(prompt))
+                if not tables:
+                    raise EngineUnavailableError("no KV cache room for this prompt now; retry later")
+                batch = prompts[len(states):len(states) + len(tables)]
+                spans, hidden = self._forward([(t, p, 0, len(p), adapter) for t, p in zip(tables, batch)])
+                normed = self.inner.norm(hidden.to(self.head_device)).float().cpu()
+                states += [normed[s.row:s.row + s.n] for s in spans]
             finally:
-                self.cache.release(table)
-        return torch.stack(rows)
+                for table in tables:
+                    self.cache.release(table)
+        return states
 
     def _logits(self, chunks: list[ScheduledChunk], spans: list[Span], hidden: torch.Tensor):
         wanted: list[torch.Tensor] = []

@@ -20,7 +20,9 @@ from engines.base import (
     AdapterInfo, Engine, EngineConfig, EngineStats, EngineUnavailableError, GenerationOutput, GenerationRequest,
     InvalidRequestError, ModelInfo, NotFoundError, RequestHandle, UnsupportedError,
 )
+from engines.model_files import weights_size
 from engines.runtime.detokenizer import IncrementalDetokenizer
+from engines.runtime.embeddings import EmbeddingQueue
 from engines.runtime.model_runner import ModelRunner, ScheduledChunk
 from engines.runtime.sampler import Sampler
 from engines.runtime.scheduler import Scheduler
@@ -52,6 +54,7 @@ class LLMEngine(Engine):
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._adapters: Any = None  # engines.lora.manager.AdapterManager, when the runner supports LoRA
         self._value_head: Any = None  # the model directory's reward head, if it has one
+        self._embeddings: EmbeddingQueue | None = None
 
     # ------------------------------------------------------------------------------ subclass hook
     @abstractmethod
@@ -61,10 +64,13 @@ class LLMEngine(Engine):
     # ------------------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self._runner, self._tokenizer, self._info = self._load()
+        self._info.size_bytes = weights_size(self.config.model_path)
+        self._info.gpu_bytes = self._runner.gpu_bytes()
         self._sampler = Sampler(self._tokenizer, self._info.eos_token_ids)
         self._scheduler = Scheduler(self._runner, max_running=self.config.max_concurrent,
                                     max_queue=self.config.max_queue, chunk_size=self.config.chunk_size)
         self._start_adapters()
+        self._embeddings = EmbeddingQueue(self._runner, self._command, token_budget=self.config.chunk_size)
         self._thread = threading.Thread(target=self._loop, name=f"{self.name}-generation", daemon=True)
         self._thread.start()
 
@@ -200,6 +206,24 @@ class LLMEngine(Engine):
             runner = self._runner
             hidden = await asyncio.wrap_future(self._command(lambda: runner.last_hidden_states(prompts, adapter)))
             return [float(v) for v in head(hidden).nan_to_num()]
+        finally:
+            self._release_adapter(adapter)
+
+    async def embed(self, prompts: list[list[int]], adapter: str | None = None) -> list[list[float]]:
+        """Mean-pooled, unit-length final hidden states (engines/runtime/embeddings.py), batched with the
+        other embedding requests waiting for the engine thread."""
+        if not self.ready or self._embeddings is None:
+            raise EngineUnavailableError("the engine is not serving (loading or shutting down)")
+        limit = self.info.max_model_len
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise InvalidRequestError(f"input {i} is empty", param="input")
+            if len(prompt) > limit:
+                raise InvalidRequestError(f"input {i} has {len(prompt)} tokens; this model's maximum context "
+                                          f"length is {limit}", param="input")
+        self._validate_adapter(adapter)
+        try:
+            return await asyncio.wrap_future(self._embeddings.submit(prompts, adapter))
         finally:
             self._release_adapter(adapter)
 

@@ -23,7 +23,8 @@ from server.errors import APIError
 from server.protocol import check_max_tokens, usage
 from server.reasoning import THINK_END, THINK_START, check_reasoning_parser, reasoning_parser
 from server.serving import (
-    Deadline, collect, error_chunk, merged, new_id, resolve_adapter, sse_response, submit_choices, with_deadline,
+    Deadline, check_capacity, collect, error_chunk, merged, new_id, resolve_adapter, sse_response, submit_choices,
+    with_deadline,
 )
 
 
@@ -91,7 +92,8 @@ class ChatServing:
         """Decide everything about `req`; `prompt` replaces the rendered messages (a raw completion)."""
         engine = self.engine
         adapter = resolve_adapter(engine, req.model)
-        prompt = prompt or render_prompt(engine, req, options.force_think)
+        check_capacity(engine, req.n)
+        prompt = prompt or await render_prompt(engine, req, options.force_think)
         limit = engine.info.max_model_len
         max_tokens = check_max_tokens(req.requested_max_tokens, limit, len(prompt.token_ids), limit, "messages")
         top = (req.top_logprobs or 0) if req.logprobs else None
@@ -163,7 +165,7 @@ class ChatServing:
                 return
             delta = parsers[i].feed(out.text)
             if out.finished:
-                delta = join_deltas([delta, parsers[i].finish()])
+                delta = join_deltas([delta, parsers[i].finish(out.finish_reason)])
             yield ChoiceEvent(i, delta, out, parsers[i].finish_reason(out.finish_reason) if out.finished else None)
 
     async def _stream(self, req: ChatCompletionRequest, plan: ChatPlan, handles: list[RequestHandle]
