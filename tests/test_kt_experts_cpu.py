@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from helpers import require_kt_kernel
+from ops_support import child_pythonpath
 import torch
 import torch.nn.functional as F
 
@@ -32,7 +33,6 @@ from engines.kt.experts_cpu import RoutedExpertsCPU  # noqa: E402
 E, K, H, I = 16, 4, 256, 256
 MAX_TOKENS = 32
 TOLERANCE = {"BF16": 0.01, "AMXINT8": 0.05, "AMXINT4": 0.35, "FP8": 0.06, "RAWINT4": 0.25, "LLAMAFILE": 0.05}
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_unsupported_method_error_names_it_and_the_supported_ones():
 
 def on_avx2(code: str) -> str:
     """What `code` prints when run with kt-kernel's avx2 build forced (any x86-64 machine can load it)."""
-    env = {**os.environ, "KT_KERNEL_CPU_VARIANT": "avx2", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "KT_KERNEL_CPU_VARIANT": "avx2", "PYTHONPATH": child_pythonpath()}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout, out.stderr
     return out.stdout

