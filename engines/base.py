@@ -19,7 +19,8 @@ import asyncio
 import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Protocol
+import json
+from typing import Any, AsyncIterator, Callable, Literal
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -78,21 +79,38 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's logprob plus the top k
     prompt_logprobs: int | None = None  # same, for every prompt position after the first
     skip_special_tokens: bool = True
+    grammar: "Grammar | None" = None  # structured output: what the text must match (the engine compiles it)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
 
-class LogitsProcessor(Protocol):
-    """Per-request hook applied to the next-token logits (structured output, tool choice, ...).
+# Compact JSON with the separators DeepSeek models write: no runs of whitespace a model could loop in.
+JSON_WHITESPACE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
-    Called on the engine thread with the request's generated token ids and a float32 logits row it may
-    modify in place; `accept(token_id)` is told which token was chosen."""
 
-    def __call__(self, output_ids: list[int], logits: Any) -> None: ...
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """What the output must match, as data: a JSON schema (OpenAI's `response_format`) or a Lark grammar (a
+    forced tool call). Engines compile and cache it (engines/runtime/structured.py). `param` names the request
+    field it came from, for error messages; with `start_after` (a token id, e.g. `</think>`) the output is free
+    until that token and constrained from the next one on."""
 
-    def accept(self, token_id: int) -> None: ...
+    kind: Literal["json_schema", "lark"]
+    source: str  # the JSON schema as JSON text, or Lark grammar text
+    param: str = "response_format"
+    start_after: int | None = None
+
+
+def json_schema_grammar(schema: dict[str, Any], param: str = "response_format") -> Grammar:
+    """A grammar for JSON matching `schema`, written compactly."""
+    return Grammar("json_schema", json.dumps({**schema, "x-guidance": JSON_WHITESPACE}), param)
+
+
+def lark_json(schema: dict[str, Any]) -> str:
+    """A JSON schema embedded in a Lark grammar rule (`args: %json {...}`), written compactly."""
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_WHITESPACE})
 
 
 _request_counter = itertools.count()
@@ -104,7 +122,6 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     adapter: str | None = None  # None: the base model
     request_id: str = field(default_factory=lambda: f"req-{next(_request_counter)}")
-    logits_processor: LogitsProcessor | None = None
 
 
 # -------------------------------------------------------------------------------------------- outputs
@@ -312,6 +329,12 @@ class Engine(ABC):
 
     @abstractmethod
     def stats(self) -> EngineStats: ...
+
+    def check_grammar(self, grammar: Grammar) -> None:
+        """Compile `grammar` (SamplingParams.grammar) ahead of a request: InvalidRequestError naming its field
+        when it is invalid. Blocking (the first call may index the vocabulary): call it off the event loop."""
+        raise UnsupportedError(f"engine {self.name!r} cannot constrain output to a grammar",
+                               param=grammar.param)
 
     async def score(self, prompts: list[list[int]], adapter: str | None = None) -> list[float]:
         """Reward-model scores (value head on the last token) for each prompt."""

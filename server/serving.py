@@ -8,7 +8,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 from fastapi import Request
 from sse_starlette.sse import EventSourceResponse
@@ -59,7 +59,7 @@ def check_capacity(engine: Engine, choices: int, param: str = "n") -> None:
 
 
 def submit_choices(engine: Engine, prompt: list[int], params: list[SamplingParams], adapter: str | None,
-                   request_id: str, processors: Callable[[int], Any] | None = None) -> list[RequestHandle]:
+                   request_id: str) -> list[RequestHandle]:
     """Submit one engine request per choice; if one is refused, cancel the ones already queued. The handles
     come back wrapped so the request's tracker sees their deltas."""
     tracker = current_tracker()
@@ -68,8 +68,7 @@ def submit_choices(engine: Engine, prompt: list[int], params: list[SamplingParam
     try:
         for i, p in enumerate(params):
             handles.append(engine.submit(GenerationRequest(
-                prompt_token_ids=prompt, sampling=p, adapter=adapter, request_id=f"{request_id}-{i}",
-                logits_processor=processors(i) if processors else None)))
+                prompt_token_ids=prompt, sampling=p, adapter=adapter, request_id=f"{request_id}-{i}")))
     except Exception:
         for h in handles:
             h.cancel()

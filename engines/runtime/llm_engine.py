@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from engines.base import (
-    AdapterInfo, Engine, EngineConfig, EngineStats, EngineUnavailableError, GenerationOutput, GenerationRequest,
+    AdapterInfo, Engine, EngineConfig, EngineStats, EngineUnavailableError, GenerationOutput, GenerationRequest, Grammar,
     InvalidRequestError, ModelInfo, NotFoundError, RequestHandle, UnsupportedError,
 )
 from engines.model_files import weights_size
@@ -27,6 +27,7 @@ from engines.runtime.model_runner import ModelRunner, ScheduledChunk
 from engines.runtime.sampler import Sampler
 from engines.runtime.scheduler import Scheduler
 from engines.runtime.sequence import Sequence
+from engines.runtime.structured import compiler_for
 
 log = logging.getLogger("ktserve.engine")
 
@@ -130,7 +131,8 @@ class LLMEngine(Engine):
         p = request.sampling
         detok = IncrementalDetokenizer(self._tokenizer, skip_special_tokens=p.skip_special_tokens, stop=p.stop,
                                        include_stop_str_in_output=p.include_stop_str_in_output)
-        seq = Sequence.create(request, handle, detok)
+        processor = compiler_for(self._tokenizer).processor(p.grammar) if p.grammar is not None else None
+        seq = Sequence.create(request, handle, detok, processor)
         self._sequences[seq.id] = seq  # before the scheduler can hand it to the thread
         try:
             self._scheduler.add(seq)
@@ -139,6 +141,9 @@ class LLMEngine(Engine):
             raise
         self._wakeup.set()
         return handle
+
+    def check_grammar(self, grammar: Grammar) -> None:
+        compiler_for(self._tokenizer).compile(grammar)
 
     def _validate(self, request: GenerationRequest) -> None:
         n_prompt = len(request.prompt_token_ids)

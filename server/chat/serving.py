@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
 from fastapi import Request
 
 from engines.base import Engine, GenerationOutput, RequestHandle, SamplingParams, TokenLogprob
-from engines.runtime.structured import Grammar, compiler_for
 from server.chat.constraints import request_grammar
 from server.chat.output import ChatDelta, ChatOutputParser, ChatReply, join_deltas
 from server.chat.prompt import Prompt, render_prompt
@@ -63,8 +62,6 @@ class ChatPlan:
     options: ChatOptions
     starts_in_reasoning: bool
     parse_tools: bool
-    grammar: Grammar | None = None
-    grammar_after: int | None = None  # constrain only after this token (</think>) when reasoning comes first
 
     def output_parser(self) -> ChatOutputParser:
         reasoning = reasoning_parser(self.options.reasoning_parser, self.starts_in_reasoning)
@@ -103,24 +100,16 @@ class ChatServing:
         plan = ChatPlan(new_id("chatcmpl"), req.model or engine.info.id, adapter, prompt.token_ids, params, options,
                         starts_in_reasoning=prompt.opens_reasoning,
                         parse_tools=req.effective_tool_choice != "none")
-        plan.grammar = request_grammar(req, engine.tokenizer)
-        if plan.grammar is not None:
-            await self._compile(plan.grammar)
-            if options.reasoning_parser and prompt.opens_reasoning:
-                plan.grammar_after = _single_token(engine.tokenizer, THINK_END)
+        grammar = request_grammar(req, engine.tokenizer)
+        if grammar is not None:
+            if options.reasoning_parser and prompt.opens_reasoning:  # constrain only after </think>
+                grammar = replace(grammar, start_after=_single_token(engine.tokenizer, THINK_END))
+            await asyncio.to_thread(engine.check_grammar, grammar)  # compiled (and cached) by the engine
+            plan.params = [replace(p, grammar=grammar) for p in plan.params]
         return plan
 
-    async def _compile(self, grammar: Grammar) -> None:
-        """Build the tokenizer's grammar compiler (once) and check the grammar, off the event loop."""
-        tokenizer = self.engine.tokenizer
-        await asyncio.to_thread(lambda: compiler_for(tokenizer).compile(grammar))
-
     def submit(self, plan: ChatPlan) -> list[RequestHandle]:
-        processors = None
-        if plan.grammar is not None:
-            compiler, grammar = compiler_for(self.engine.tokenizer), plan.grammar
-            processors = lambda i: compiler.processor(grammar, start_after=plan.grammar_after)  # noqa: E731
-        return submit_choices(self.engine, plan.prompt, plan.params, plan.adapter, plan.request_id, processors)
+        return submit_choices(self.engine, plan.prompt, plan.params, plan.adapter, plan.request_id)
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
         plan = await self.plan(req, ChatOptions.of(raw))
