@@ -110,6 +110,25 @@ def test_two_gpu_demo_files_on_one_gpu_keep_every_layer_on_it_without_hops(vocab
     assert placement.device_of_param("lm_head.weight") == "cuda:0"
 
 
+def test_benchmark_model_exceeds_one_gpus_budget_and_its_rule_file_splits_it_in_two_that_fit(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bench.multi_gpu import gpu_bytes, split_point, two_gpu_rules, v3_config
+
+    config = v3_config(layers=20, experts=8, top_k=4)
+    budget = 10 * 1024 ** 3  # the benchmark's default per-GPU cap
+    first_of_second, halves = split_point(config)
+    assert sum(gpu_bytes(config).values()) > budget > 1.2 * max(halves)
+    (tmp_path / "rules.yaml").write_text(two_gpu_rules(config, first_of_second))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+            **{k: v for k, v in config.items() if k != "architectures"}))
+    placement = plan_for(tmp_path / "rules.yaml", gpus=2, model=model)
+    assert placement.transfer_map == {first_of_second: "cuda:1"}
+    assert layer_plan(placement, 20) == ["cuda:0"] * first_of_second + ["cuda:1"] * (20 - first_of_second)
+    assert placement.device_of_param("lm_head.weight") == "cuda:1"
+
+
 def test_cuda_graphs_asked_for_a_model_not_on_one_gpu_are_skipped_with_the_reason(demo_model_dir, caplog):
     running = start_server(demo_model_dir, engine="ktransformers", kt_method="BF16",
                            kt_optimize_rule="DeepSeek-CPU.yaml")
