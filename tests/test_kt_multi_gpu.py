@@ -25,6 +25,9 @@ SHIPPED = ROOT / "kt_optimize_rules"
 OURS_2GPU = RULES / "demo-2gpu.yaml"  # our rule vocabulary: layers 0-1 cuda:0, 2-3 + norm + head cuda:1
 KT_2GPU = RULES / "DeepSeek-V3-tiny-ktransformers-multi-gpu.yaml"  # KTransformers' vocabulary, transfer_map
 OURS_4GPU = RULES / "demo-4gpu.yaml"  # one layer per GPU
+# The fine-tune guide's file: on the 4-layer demo every layer falls in its cuda:0 range and only the final
+# norm and the LM head are on cuda:1 (embeddings and rotary tables on the CPU)
+GUIDE_2GPU = SHIPPED / "DeepSeek-V3-Chat-sft-amx-multi-gpu.yaml"
 SPLIT_FILES = {"ours": OURS_2GPU, "ktransformers": KT_2GPU}
 
 MAX_LOGPROB_DIFF = 0.25
@@ -268,6 +271,16 @@ def test_hidden_states_cross_to_the_second_gpu_at_the_transfer_point(served, voc
     split = served(SPLIT_FILES[vocabulary])
     assert split.layer_inputs == {0: {"cuda:0"}, 1: {"cuda:0"}, 2: {"cuda:1"}, 3: {"cuda:1"}}
     assert split.head_inputs == {"cuda:1"}
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_fine_tune_guide_file_serves_with_the_head_on_the_second_gpu(served):
+    split, single = served(GUIDE_2GPU), served(GUIDE_2GPU, one_gpu=True)
+    assert split.cache_devices == ["cuda:0"] * 4
+    assert split.head_inputs == {"cuda:1"}
+    assert_same_logprobs(split, single, "fine-tune guide file")
+    assert split.greedy == single.greedy
 
 
 @pytest.mark.gpu
