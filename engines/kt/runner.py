@@ -3,6 +3,8 @@ belongs to. Linears, norms and the experts see one flat [tokens, hidden] batch (
 per layer per step for the whole batch); only attention looks at sequence boundaries, through the spans."""
 from __future__ import annotations
 
+import contextlib
+import logging
 from typing import Any
 
 import torch
@@ -15,6 +17,8 @@ from engines.lora.install import LoraModules
 from engines.lora.modules import AdapterRows
 from engines.runtime.model_runner import ModelRunner, ScheduledChunk
 from engines.runtime.sequence import Sequence
+
+log = logging.getLogger("ktserve.engine.kt")
 
 
 class KTModelRunner(ModelRunner):
@@ -33,7 +37,13 @@ class KTModelRunner(ModelRunner):
                                  f"engines.kt.operators.MLAAttention (found {type(layer.self_attn).__name__})")
         self._experts = [m for m in model.modules() if isinstance(m, RoutedExpertsCPU)]
         self.embed_device = self.inner.embed_tokens.weight.device
+        self.norm_device = self.inner.norm.weight.device
         self.head_device = model.lm_head.weight.device
+        # Split over several devices (a multi-GPU rule file), each layer runs with its GPU as the current
+        # device, so whatever is launched on "the current device" (kt-kernel's stream callbacks included)
+        # goes to the layer's own GPU.
+        self.devices = set(layer_devices) | {self.embed_device, self.norm_device, self.head_device}
+        self._scope = _device_scope if len(self.devices) > 1 else (lambda device: contextlib.nullcontext())
         self.lora = LoraModules(model, model.config.hidden_size)
         # one cache slot no sequence owns: padded rows of a fixed-shape decode step write there
         self._scratch = BlockTable()
@@ -43,18 +53,24 @@ class KTModelRunner(ModelRunner):
         self.graphs = None  # DecodeGraphs, once captured
 
     def capture_decode_graphs(self, max_batch: int) -> None:
-        """Capture the decode step in CUDA graphs (one GPU, no hot experts on it); see cuda_graphs.py."""
+        """Capture the decode step in CUDA graphs (one GPU, no hot experts on it); see cuda_graphs.py.
+
+        A placement over several devices decodes without graphs (logged once): the step's hops between
+        GPUs would have to be captured across devices, which is not done here."""
         from engines.kt.cuda_graphs import DecodeGraphs
 
-        devices = set(self.layer_devices) | {self.embed_device, self.head_device}
-        if len(devices) != 1 or next(iter(devices)).type != "cuda":
-            raise ValueError("kt_use_cuda_graph needs the whole non-expert model on one GPU")
+        if len(self.devices) != 1 or next(iter(self.devices)).type != "cuda":
+            where = ", ".join(sorted(str(d) for d in self.devices))
+            log.warning("kt_use_cuda_graph: decode runs without CUDA graphs, because the non-expert model is "
+                        "not on one GPU (it runs on %s); graphs are captured for a single-GPU placement only",
+                        where)
+            return
         if any(e.gpu_experts for e in self._experts):
             raise ValueError("kt_use_cuda_graph cannot be combined with hot experts on the GPU (gpu_experts)")
         self.graphs = DecodeGraphs(self._decode_forward, device=self.embed_device, max_batch=max_batch,
                                    max_len=self.max_model_len, scratch_slot=self.scratch_slot, cache=self.cache,
                                    attention=self.flash)
-        with torch.inference_mode():
+        with torch.inference_mode(), torch.cuda.device(self.embed_device):  # the model's GPU need not be cuda:0
             self.graphs.capture()
 
     # ------------------------------------------------------------------------ cache bookkeeping
@@ -127,10 +143,11 @@ class KTModelRunner(ModelRunner):
             hidden = self.inner.embed_tokens(torch.tensor(ids, device=self.embed_device))
             for layer, device in zip(self.layers, self.layer_devices):
                 hidden = hidden.to(device)
-                residual = hidden
-                hidden = residual + layer.self_attn(layer.input_layernorm(hidden), batch)
-                residual = hidden
-                hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+                with self._scope(device):
+                    residual = hidden
+                    hidden = residual + layer.self_attn(layer.input_layernorm(hidden), batch)
+                    residual = hidden
+                    hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
         return spans, hidden
 
     def _decode(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
@@ -180,9 +197,16 @@ class KTModelRunner(ModelRunner):
             if hidden.device != device:
                 hidden = hidden.to(device)
                 batch = step_batch(device)
-            hidden = hidden + layer.self_attn.decode(layer.input_layernorm(hidden), batch)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.model.lm_head(self.inner.norm(hidden.to(self.head_device)))
+            with self._scope(device):
+                hidden = hidden + layer.self_attn.decode(layer.input_layernorm(hidden), batch)
+                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.model.lm_head(self._final_norm(hidden).to(self.head_device))
+
+
+    def _final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's final norm, on its own device (a rule may put it apart from the last layer)."""
+        with self._scope(self.norm_device):
+            return self.inner.norm(hidden.to(self.norm_device))
 
     def final_hidden_states(self, prompts: list[list[int]], adapter: str | None) -> list[torch.Tensor]:
         """The prompts in as few forwards as the free cache allows (borrowed blocks, freed at once)."""
@@ -202,7 +226,7 @@ class KTModelRunner(ModelRunner):
                     raise EngineUnavailableError("no KV cache room for this prompt now; retry later")
                 batch = prompts[len(states):len(states) + len(tables)]
                 spans, hidden = self._forward([(t, p, 0, len(p), adapter) for t, p in zip(tables, batch)])
-                normed = self.inner.norm(hidden.to(self.head_device)).float().cpu()
+                normed = self._final_norm(hidden).float().cpu()
                 states += [normed[s.row:s.row + s.n] for s in spans]
             finally:
                 for table in tables:
@@ -225,7 +249,7 @@ class KTModelRunner(ModelRunner):
         if not wanted:
             return out
         rows = torch.cat(wanted).to(hidden.device)
-        normed = self.inner.norm(hidden.index_select(0, rows).to(self.head_device))
+        normed = self._final_norm(hidden.index_select(0, rows)).to(self.head_device)
         logits = self.model.lm_head(normed).float().cpu()
         start = 0
         for i, n in enumerate(shape):
@@ -237,6 +261,10 @@ class KTModelRunner(ModelRunner):
     def close(self) -> None:
         self.model = None  # type: ignore[assignment]
         self.layers = []
+
+
+def _device_scope(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def layer_devices(model: nn.Module) -> list[torch.device]:
