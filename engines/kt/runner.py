@@ -202,7 +202,6 @@ class KTModelRunner(ModelRunner):
                 hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.model.lm_head(self._final_norm(hidden).to(self.head_device))
 
-
     def _final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's final norm, on its own device (a rule may put it apart from the last layer)."""
         with self._scope(self.norm_device):
