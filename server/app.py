@@ -29,6 +29,7 @@ from server.models.router import router as models_router
 from server.ollama.router import router as ollama_router
 from server.settings import Settings
 from server.shutdown import Drain, refuse_while_draining
+from server.worker.router import router as worker_router
 
 log = logging.getLogger("ktserve.server")
 
@@ -109,6 +110,7 @@ def create_app(settings: Settings, engine: Engine, *, load_engine: bool = True) 
     for router in (models_router, chat_router, completions_router, ollama_router):
         app.include_router(router, dependencies=protected)
     app.include_router(adapters_router, dependencies=protected)  # LoRA load/unload, reward scores
+    app.include_router(worker_router, dependencies=key_required)  # what a router in front asks (server/worker)
     # The last middleware added runs first: request tracking sees every answer, CORS and 413s included.
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     if settings.cors_origins:
