@@ -78,7 +78,8 @@ USER 10001:10001
 VOLUME ["/models", "/adapters", "/cache"]
 EXPOSE 8000
 # /health answers 503 while the model loads, which urlopen raises on; a large model takes many minutes.
-HEALTHCHECK --interval=30s --timeout=10s --start-period=30m --start-interval=10s --retries=3 \
+# No --start-interval: builders older than Docker Engine 25 refuse it (podman 4 stops the build there).
+HEALTHCHECK --interval=30s --timeout=10s --start-period=30m --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('API_PORT', '8000'), timeout=8)"]
 LABEL org.opencontainers.image.title="ktserve" \
       org.opencontainers.image.description="OpenAI-compatible server for DeepSeek MoE models with CPU/GPU expert offload" \

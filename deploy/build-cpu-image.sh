@@ -5,6 +5,7 @@
 #   apt-get install podman debootstrap
 #   deploy/build-cpu-image.sh                                  base made here with debootstrap
 #   BASE_IMAGE=python:3.11-slim-bookworm deploy/build-cpu-image.sh   base pulled from a registry
+#   deploy/build-cpu-image.sh --no-cache                       arguments go on to `podman build`
 #
 # Without BASE_IMAGE the base is Debian bookworm with python3 made by debootstrap and `podman import`ed as
 # localhost/ktserve-base:bookworm (kept for the next run), for hosts that reach Debian's archive but no
@@ -68,7 +69,7 @@ start=$(date +%s)
 # host's extra index (or none, when torch comes from its find-links) takes its place.
 "${podman[@]}" build --isolation=chroot --build-arg VARIANT=cpu --build-arg BASE_IMAGE="$base" \
   --build-arg CPU_TORCH_INDEX="$extra_index" --secret id=pip.conf,src="$pip_conf" "${mounts[@]}" \
-  --tag "$image" "$root"
+  --tag "$image" "$@" "$root"
 build_seconds=$(( $(date +%s) - start ))
 size_bytes=$("${podman[@]}" image inspect --format '{{.Size}}' "$image")
 echo "== built in ${build_seconds}s; image size $(( size_bytes / 1024 / 1024 )) MiB"
