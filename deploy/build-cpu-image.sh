@@ -14,7 +14,8 @@
 # the same paths, so the image installs from exactly where this host does; none of it lands in a layer.
 #
 # Environment: IMAGE (default localhost/ktserve:cpu), WORK (default /var/tmp/ktserve-image), DEBIAN_MIRROR,
-# SMOKE_PORT (default 18990). The last line printed is a JSON summary with the build time and image size.
+# SMOKE_PORT (default 18990), SMOKE_ARGS (added to `ktserve serve` for the smoke test, e.g. `--kt-method BF16`
+# on a CPU without AMX, whose kt-kernel build lacks the default INT8 experts). The last line printed is a JSON summary with the build time and image size.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 image="${IMAGE:-localhost/ktserve:cpu}"
@@ -92,7 +93,7 @@ mapfile -t env < <("${podman[@]}" image inspect --format '{{range .Config.Env}}{
 workdir=$("${podman[@]}" image inspect --format '{{.Config.WorkingDir}}' "$image")
 user=$("${podman[@]}" image inspect --format '{{.Config.User}}' "$image")
 env -i "${env[@]}" API_HOST=127.0.0.1 API_PORT="$port" \
-  chroot --userspec="$user" "$rootfs" /bin/sh -c "cd '$workdir' && exec ktserve serve" > "$work/serve.log" 2>&1 &
+  chroot --userspec="$user" "$rootfs" /bin/sh -c "cd '$workdir' && exec ktserve serve ${SMOKE_ARGS:-}" > "$work/serve.log" 2>&1 &
 server_pid=$!
 start=$(date +%s)
 until curl -fs "http://127.0.0.1:$port/health" > /dev/null; do
