@@ -13,6 +13,9 @@ ARG CUDA_IMAGE=nvidia/cuda:13.0.0-runtime-ubuntu24.04
 # kt-kernel 0.7 ships wheels for CPython 3.11 and 3.12 on glibc >= 2.35 only: Ubuntu 24.04 (3.12) and
 # Debian 12 (3.11) both fit; Ubuntu 22.04's Python 3.10 does not.
 ARG CPU_IMAGE=python:3.11-slim-bookworm
+# Replaces the variant's base above, e.g. with a Debian image made locally where no registry serves one
+# (deploy/build-cpu-image.sh). It must bring python3 (3.11 or 3.12) with venv and CA certificates.
+ARG BASE_IMAGE=
 ARG KTSERVE_TORCH=torch==2.13.0
 # An extra package index for torch; pip takes the highest version, and a local build tag such as
 # 2.13.0+cpu sorts above plain 2.13.0, so the index's build wins. Empty: PyPI's CUDA build.
@@ -23,13 +26,13 @@ ARG CPU_TORCH_INDEX=https://download.pytorch.org/whl/cpu
 # the compiler and CUDA headers of the base's version (change both with CUDA_IMAGE: cuda-nvcc-12-8 ...).
 ARG CUDA_JIT_PACKAGES="cuda-nvcc-13-0 cuda-cudart-dev-13-0 cuda-cccl-13-0"
 
-FROM ${CUDA_IMAGE} AS gpu-os
+FROM ${BASE_IMAGE:-${CUDA_IMAGE}} AS gpu-os
 ARG CUDA_JIT_PACKAGES
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv ${CUDA_JIT_PACKAGES} \
  && rm -rf /var/lib/apt/lists/*
 
-FROM ${CPU_IMAGE} AS cpu-os
+FROM ${BASE_IMAGE:-${CPU_IMAGE}} AS cpu-os
 
 # The torch index is set in these build-only stages so that it never reaches the served image.
 FROM gpu-os AS gpu-toolchain
@@ -51,12 +54,16 @@ WORKDIR /opt/ktserve/src
 # First only the files that decide what gets installed, so a code change does not reinstall torch.
 COPY pyproject.toml ./
 COPY scripts/install.sh scripts/
-RUN --mount=type=cache,target=/root/.cache/pip bash scripts/install.sh "$KTSERVE_EXTRAS"
+# Where pip must use a local index or proxy, pass its settings as a build secret (`--secret
+# id=pip.conf,src=...`): read by these two RUN steps only, never stored in a layer.
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=pip.conf,target=/etc/pip.conf \
+    bash scripts/install.sh "$KTSERVE_EXTRAS"
 COPY . .
 # The editable install maps the top-level packages present when it ran (none, above), so run it again
 # with the code in place. Its up-to-date stamp would skip the run: drop it. Every dependency is already
 # satisfied, so this only registers the package (seconds); `ktserve --help` proves it imports.
-RUN --mount=type=cache,target=/root/.cache/pip rm -f "$KTSERVE_VENV/.ktserve-install" \
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=pip.conf,target=/etc/pip.conf \
+    rm -f "$KTSERVE_VENV/.ktserve-install" \
  && bash scripts/install.sh "$KTSERVE_EXTRAS" \
  && "$KTSERVE_VENV/bin/ktserve" --help > /dev/null
 
@@ -79,7 +86,8 @@ USER 10001:10001
 VOLUME ["/models", "/adapters", "/cache"]
 EXPOSE 8000
 # /health answers 503 while the model loads, which urlopen raises on; a large model takes many minutes.
-HEALTHCHECK --interval=30s --timeout=10s --start-period=30m --start-interval=10s --retries=3 \
+# No --start-interval: builders older than Docker Engine 25 refuse it (podman 4 stops the build there).
+HEALTHCHECK --interval=30s --timeout=10s --start-period=30m --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('API_PORT', '8000'), timeout=8)"]
 LABEL org.opencontainers.image.title="ktserve" \
       org.opencontainers.image.description="OpenAI-compatible server for DeepSeek MoE models with CPU/GPU expert offload" \

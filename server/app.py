@@ -33,6 +33,7 @@ from server.responses.router import router as responses_router
 from server.settings import Settings
 from server.shutdown import Drain, refuse_while_draining
 from server.tokenize.router import router as tokenize_router
+from server.worker.router import router as worker_router
 
 log = logging.getLogger("ktserve.server")
 
@@ -116,6 +117,7 @@ def create_app(settings: Settings, engine: Engine, *, load_engine: bool = True) 
                    tokenize_router, ollama_router):
         app.include_router(router, dependencies=protected)
     app.include_router(adapters_router, dependencies=protected)  # LoRA load/unload, reward scores
+    app.include_router(worker_router, dependencies=key_required)  # what a router in front asks (server/worker)
     # The last middleware added runs first: request tracking sees every answer, CORS and 413s included.
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     if settings.cors_origins:
