@@ -85,7 +85,7 @@ class GrammarCompiler:
         import llguidance
 
         matcher = llguidance.LLMatcher(self._tokenizer, self.compile(grammar))
-        return GrammarProcessor(matcher, self.vocab_size, self.eos_token_id, start_after)
+        return GrammarProcessor(matcher, self.vocab_size, self.eos_token_id, start_after, grammar)
 
 
 _compilers: dict[int, tuple[Any, GrammarCompiler]] = {}
@@ -105,7 +105,9 @@ def compiler_for(tokenizer: Any) -> GrammarCompiler:
 class GrammarProcessor:
     """One request's matcher. Called on the engine thread: mask the logits, then learn the chosen token."""
 
-    def __init__(self, matcher: Any, vocab_size: int, eos_token_id: int, start_after: int | None = None):
+    def __init__(self, matcher: Any, vocab_size: int, eos_token_id: int, start_after: int | None = None,
+                 grammar: Grammar | None = None):
+        self.grammar = grammar  # what it enforces, for engines that run the grammar themselves (vllm)
         self._matcher = matcher
         self._vocab = vocab_size
         self._eos = eos_token_id
