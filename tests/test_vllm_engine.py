@@ -15,7 +15,9 @@ import pytest
 from conftest import start_server
 from helpers import forward_logprobs, greedy_reference
 
-pytestmark = pytest.mark.vllm
+# vLLM starts three processes that each import it: minutes on two busy cores
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+START_TIMEOUT = 600
 
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Hello there"}]
@@ -41,7 +43,9 @@ def reference(model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    running = start_server(model_dir, engine="vllm", adapter_roots=[str(tmp_path_factory.mktemp("adapters"))])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("conftest.SERVER_START_TIMEOUT", START_TIMEOUT)
+        running = start_server(model_dir, engine="vllm", adapter_roots=[str(tmp_path_factory.mktemp("adapters"))])
     yield running
     running.stop()
 

@@ -15,7 +15,9 @@ from conftest import start_server
 from helpers import greedy_reference
 from lora_helpers import make_peft_adapter
 
-pytestmark = pytest.mark.vllm
+# vLLM starts three processes that each import it: minutes on two busy cores
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+START_TIMEOUT = 600
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
@@ -55,8 +57,10 @@ def adapters(llama, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(llama, adapters):
     root, made = adapters
-    running = start_server(llama[0], engine="vllm", adapters={"first": str(made["first"][0])},
-                           adapter_roots=[str(root)])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("conftest.SERVER_START_TIMEOUT", START_TIMEOUT)
+        running = start_server(llama[0], engine="vllm", adapters={"first": str(made["first"][0])},
+                               adapter_roots=[str(root)])
     yield running
     running.stop()
 

@@ -7,8 +7,10 @@ task there that feeds `AsyncLLM.generate()` and hands each delta to the caller's
 cache. Adapters are PEFT LoRA directories served per request through vLLM's `LoRARequest`; the shared
 `AdapterManager` keeps the use counts, so an adapter is unloaded only after its last request.
 
-What vLLM cannot do here is refused with a 400: routed-expert (fused) LoRA, GGUF adapters, reward scores
-from a value head, and grammar constraints that start after the reasoning part."""
+What vLLM cannot do here is refused with a 400: reward scores from a value head, LoRA on routed experts, on
+kv_b_proj or in GGUF files, and grammar constraints that start after the reasoning part. What vLLM's CPU
+build would die on at the first request (another MLA latent width than DeepSeek's, LoRA on a MoE model) is
+refused at start (engines/vllm/settings.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -21,9 +23,10 @@ from typing import Any
 
 from engines.base import (
     AdapterInfo, Engine, EngineConfig, EngineStats, EngineUnavailableError, GenerationOutput, GenerationRequest,
-    InvalidRequestError, ModelInfo, NotFoundError, QueueFullError, RequestHandle, UnsupportedError,
+    ModelInfo, NotFoundError, QueueFullError, RequestHandle, UnsupportedError,
 )
 from engines.model_files import eos_token_ids, load_tokenizer, model_id
+from engines.runtime.llm_engine import check_length
 from engines.runtime.sampler import TokenText
 from engines.vllm.requests import OutputStream, sampling_params
 from engines.vllm.settings import check_model, cpu_lora_refusal, engine_args
@@ -50,9 +53,9 @@ class VLLMEngine(Engine):
         self._adapters: Any = None
         self._tasks: dict[str, asyncio.Task] = {}  # request id -> its task on the engine loop
         self._cancel_errors: dict[str, str] = {}  # request id -> why the server ended it
+        self._serving = False  # set once start() has finished
         self._stopping = False
         self._max_logprobs = 20
-        self._stats = EngineStats()
 
     # ------------------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -68,16 +71,18 @@ class VLLMEngine(Engine):
         self._max_logprobs = args.max_logprobs
         try:
             self._llm = self._call(self._build(args))
+            model_config = self._llm.vllm_config.model_config
+            self._info = ModelInfo(
+                id=model_id(cfg), max_model_len=model_config.max_model_len,
+                architecture=(model_config.architectures or ["unknown"])[0], engine=self.name,
+                created=int(time.time()),
+                eos_token_ids=eos_token_ids(model_config.hf_config, self._tokenizer, Path(cfg.model_path)))
+            if args.enable_lora:
+                self._start_adapters()
         except BaseException:
-            self._close_loop()
+            self.stop()  # vLLM's processes and our loop thread go with the failed start
             raise
-        model_config = self._llm.vllm_config.model_config
-        self._info = ModelInfo(
-            id=model_id(cfg), max_model_len=model_config.max_model_len,
-            architecture=(model_config.architectures or ["unknown"])[0], engine=self.name, created=int(time.time()),
-            eos_token_ids=eos_token_ids(model_config.hf_config, self._tokenizer, Path(cfg.model_path)))
-        if args.enable_lora:
-            self._start_adapters()
+        self._serving = True
         log.info("vLLM %s serving %s (%s) in %.1fs", self._vllm_version(), cfg.model_path, model_config.dtype,
                  time.perf_counter() - started)
 
@@ -120,7 +125,7 @@ class VLLMEngine(Engine):
 
     @property
     def ready(self) -> bool:
-        return self._llm is not None and not self._stopping and not self._llm.errored
+        return self._serving and not self._stopping and not self._llm.errored
 
     @property
     def info(self) -> ModelInfo:
@@ -133,8 +138,7 @@ class VLLMEngine(Engine):
         return self._tokenizer
 
     def stats(self) -> EngineStats:
-        s = self._stats
-        return EngineStats(running=len(self._tasks), steps=s.steps, step_seconds=s.step_seconds)
+        return EngineStats(running=len(self._tasks))
 
     @staticmethod
     def _vllm_version() -> str:
@@ -146,13 +150,7 @@ class VLLMEngine(Engine):
     def submit(self, request: GenerationRequest) -> RequestHandle:
         if not self.ready or self._loop is None:
             raise EngineUnavailableError("the engine is not serving (loading or shutting down)")
-        n_prompt, limit = len(request.prompt_token_ids), self.info.max_model_len
-        if n_prompt == 0:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if n_prompt + request.sampling.max_tokens > limit:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {limit} tokens; the prompt has {n_prompt} tokens and "
-                f"max_tokens asks for {request.sampling.max_tokens} more", param="max_tokens")
+        check_length(request, self.info.max_model_len)
         if len(self._tasks) >= self.config.max_concurrent + self.config.max_queue:
             raise QueueFullError(f"the server is at its limit of {len(self._tasks)} requests; retry later")
         params = sampling_params(request, self._max_logprobs)
