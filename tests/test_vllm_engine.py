@@ -118,6 +118,19 @@ def test_json_schema_output_validates(server):
     jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
 
 
+def test_a_named_tool_choice_makes_the_model_call_that_function(server):
+    # the forced call is a Lark grammar with token-id terminals, run by vLLM's llguidance backend
+    from test_tool_calls_api import TOOLS, WEATHER_PARAMS
+
+    choice = server.openai().chat.completions.create(
+        model=server.engine.info.id, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=1.0, seed=5,
+        max_tokens=60).choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    assert choice.message.tool_calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments), WEATHER_PARAMS)
+
+
 def test_ollama_chat_replies_as_the_openai_route_does(server):
     import ollama
 
