@@ -333,8 +333,7 @@ class Engine(ABC):
     def check_grammar(self, grammar: Grammar) -> None:
         """Compile `grammar` (SamplingParams.grammar) ahead of a request: InvalidRequestError naming its field
         when it is invalid. Blocking (the first call may index the vocabulary): call it off the event loop."""
-        raise UnsupportedError(f"engine {self.name!r} cannot constrain output to a grammar",
-                               param=grammar.param)
+        raise UnsupportedError(f"engine {self.name!r} cannot constrain output to a grammar ({grammar.param})")
 
     async def score(self, prompts: list[list[int]], adapter: str | None = None) -> list[float]:
         """Reward-model scores (value head on the last token) for each prompt."""

@@ -104,7 +104,8 @@ def demo_config(**overrides) -> dict:
 
 def make_demo_model(out_dir: str | Path, seed: int = DEMO_SEED, **overrides) -> Path:
     """Write the demo model into `out_dir` (created if missing) and return it; the same seed gives the same bytes.
-    `overrides` replace config keys (another shape of the same architecture)."""
+    `overrides` change config keys, e.g. `kv_lora_rank=512, qk_rope_head_dim=64` for the latent width vLLM's
+    CPU MLA kernel needs."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = demo_config(**overrides)

@@ -1,6 +1,7 @@
 """Engine names -> engine classes, imported only when chosen (torch-heavy modules load lazily).
 
-Built in: "huggingface" and "ktransformers" (LLaMA-Factory's `infer_backend` values). Other packages add
+Built in: "huggingface", "ktransformers" and "vllm" (LLaMA-Factory's `infer_backend` values; vllm needs the
+optional `vllm` extra and says so at start when it is missing). Other packages add
 engines through the entry-point group `ktserve.engines`, e.g. in their pyproject.toml:
 
     [project.entry-points."ktserve.engines"]
@@ -18,6 +19,7 @@ ENTRY_POINT_GROUP = "ktserve.engines"
 BUILTIN_ENGINES: dict[str, str] = {
     "huggingface": "engines.hf.engine:HFEngine",
     "ktransformers": "engines.kt.engine:KTEngine",
+    "vllm": "engines.vllm.engine:VLLMEngine",
 }
 
 

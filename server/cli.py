@@ -24,7 +24,7 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("config", nargs="?", help="YAML config file (LLaMA-Factory key names accepted)")
     p.add_argument("--model", help="model directory (default: the built-in demo model)")
     p.add_argument("--served-model-name", help="the model id clients use (env API_MODEL_NAME)")
-    p.add_argument("--engine", help="huggingface | ktransformers (LLaMA-Factory: infer_backend)")
+    p.add_argument("--engine", help="huggingface | ktransformers | vllm (LLaMA-Factory: infer_backend)")
     p.add_argument("--host", help="address to bind (env API_HOST; default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (env API_PORT; default 8000)")
     p.add_argument("--api-key", help="require this key on /v1 routes (env API_KEY)")

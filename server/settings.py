@@ -3,6 +3,7 @@ command-line flags. LLaMA-Factory's key names and environment variables are acce
 users bring their configs unchanged. A bad value stops start-up with a message naming the key."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -28,12 +29,14 @@ KEY_ALIASES: dict[str, str] = {
     "cutoff_len": "max_model_len",
     "api_model_name": "served_model_name",
     "infer_dtype": "dtype",
+    "vllm_maxlen": "max_model_len",
 }
 # LLaMA-Factory keys that mean nothing for serving; accepted silently.
 IGNORED_KEYS = frozenset({
     "finetuning_type", "stage", "do_train", "do_predict", "output_dir", "quantization_bit", "flash_attn",
-    "export_dir", "dataset", "dataset_dir", "kt_mode", "vllm_maxlen", "vllm_gpu_util", "vllm_enforce_eager",
+    "export_dir", "dataset", "dataset_dir", "kt_mode",
 })
+VLLM_KEYS = ("vllm_gpu_util", "vllm_enforce_eager", "vllm_max_lora_rank", "vllm_config")
 ENV_VARS: dict[str, str] = {
     "API_HOST": "host", "API_PORT": "port", "API_KEY": "api_key", "API_MODEL_NAME": "served_model_name",
     "MAX_CONCURRENT": "max_concurrent",
@@ -69,6 +72,11 @@ class Settings(BaseModel):
     kv_cache_tokens: int | None = Field(None, gt=0)
     prefix_cache: bool = True
     attention_backend: Literal["auto", "flashinfer", "torch"] = "auto"
+    # vLLM engine (LLaMA-Factory's keys; engines/vllm/settings.py)
+    vllm_gpu_util: float = Field(0.9, gt=0, le=1)
+    vllm_enforce_eager: bool | None = None
+    vllm_max_lora_rank: int = Field(32, gt=0)
+    vllm_config: dict[str, Any] = Field(default_factory=dict)
     # serving
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -89,6 +97,17 @@ class Settings(BaseModel):
     @classmethod
     def _empty_key_is_none(cls, v: str | None) -> str | None:
         return v or None
+
+    @field_validator("vllm_config", mode="before")
+    @classmethod
+    def _vllm_config_json(cls, v: Any) -> Any:
+        """LLaMA-Factory also takes vllm_config as a JSON string (from the command line or the environment)."""
+        if isinstance(v, str):
+            try:
+                return json.loads(v)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not a JSON object: {exc}") from None
+        return v
 
     @field_validator("reasoning_parser")
     @classmethod
@@ -129,7 +148,8 @@ class Settings(BaseModel):
             kt_method=self.kt_method, kt_strict_placement=self.kt_strict_placement,
             kt_weight_cache=self.kt_weight_cache, kv_cache_tokens=self.kv_cache_tokens,
             kt_use_cuda_graph=self.kt_use_cuda_graph, kt_force_think=self.kt_force_think,
-            prefix_cache=self.prefix_cache, attention_backend=self.attention_backend)
+            prefix_cache=self.prefix_cache, attention_backend=self.attention_backend,
+            extra={k: getattr(self, k) for k in VLLM_KEYS if getattr(self, k) is not None})
 
 
 def _canonical(raw: dict[str, Any], source: str) -> dict[str, Any]:

@@ -32,6 +32,17 @@ from engines.runtime.structured import compiler_for
 log = logging.getLogger("ktserve.engine")
 
 
+def check_length(request: GenerationRequest, limit: int) -> None:
+    """InvalidRequestError for an empty prompt, or one that leaves no room for max_tokens within `limit`."""
+    n_prompt = len(request.prompt_token_ids)
+    if n_prompt == 0:
+        raise InvalidRequestError("the prompt is empty", param="prompt")
+    if n_prompt + request.sampling.max_tokens > limit:
+        raise InvalidRequestError(
+            f"this model's maximum context length is {limit} tokens; the prompt has {n_prompt} tokens and "
+            f"max_tokens asks for {request.sampling.max_tokens} more", param="max_tokens")
+
+
 class LLMEngine(Engine):
     """Subclasses implement `_load()`; everything else is shared."""
 
@@ -146,14 +157,7 @@ class LLMEngine(Engine):
         compiler_for(self._tokenizer).compile(grammar)
 
     def _validate(self, request: GenerationRequest) -> None:
-        n_prompt = len(request.prompt_token_ids)
-        limit = self.info.max_model_len
-        if n_prompt == 0:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if n_prompt + request.sampling.max_tokens > limit:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {limit} tokens; the prompt has {n_prompt} tokens and "
-                f"max_tokens asks for {request.sampling.max_tokens} more", param="max_tokens")
+        check_length(request, self.info.max_model_len)
         self._validate_adapter(request.adapter)
 
     def _validate_adapter(self, adapter: str | None) -> None:
