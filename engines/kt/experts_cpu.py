@@ -29,7 +29,8 @@ from torch import nn
 from engines.kt.attention import layer_index
 from engines.kt.cpuinfer import check_thread_count, load_ext, shared_cpu_infer
 from engines.kt.expert_methods import (METHODS, ExpertsUnsupportedError, check_llamafile_type, kernel_class,
-                                       quantize_fp8_blocks, quantize_int4_groups, unavailable_reason)
+                                       quantize_fp8_blocks, quantize_int4_groups, sft_kernel_class,
+                                       unavailable_reason)
 
 if TYPE_CHECKING:
     from engines.kt.operators import OperatorOptions
@@ -207,6 +208,22 @@ class RoutedExpertsCPU(nn.Module):
                    threads=options.cpu_threads or threads, max_tokens=options.max_tokens,
                    gpu_experts=gpu_experts or None, gpu_device=device, out_device=device,
                    checkpoint=options.checkpoint)
+
+    # ------------------------------------------------------ what expert LoRA needs (engines/lora/cpu_experts.py)
+    def sft_kernel(self) -> tuple[type, Any] | None:
+        cls = sft_kernel_class(self.method)
+        return None if cls is None else (cls, load_ext().moe.MOESFTConfig())
+
+    def worker_pool(self) -> Any:
+        return shared_cpu_infer(self.threads)
+
+    def read_base_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from engines.kt.loader import read_layer_experts
+
+        if self.checkpoint is None:
+            raise ValueError(f"expert LoRA on layer {self.layer_idx}: the base model's checkpoint is unknown")
+        return read_layer_experts(Path(self.checkpoint), f"model.layers.{self.layer_idx}.mlp.experts",
+                                  self.num_experts)
 
     def _check_gpu_experts(self, gpu_experts: list[int] | None) -> list[int]:
         ids = sorted(set(int(e) for e in gpu_experts or ()))

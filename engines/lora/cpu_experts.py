@@ -21,7 +21,6 @@ checkpoint and building a kernel happen in `prepare` (any thread, off the genera
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -34,50 +33,43 @@ _RANK_STEP = 8  # kernel ranks are rounded up to this, so a slightly larger adap
 
 @runtime_checkable
 class CPUExperts(Protocol):
-    """What expert LoRA needs of a CPU-experts layer (engines/kt/experts_cpu.py: RoutedExpertsCPU)."""
+    """What expert LoRA needs of a CPU-experts layer (engines/kt/experts_cpu.py: RoutedExpertsCPU). The
+    kt-kernel specifics come through it, so LoRA code never imports an engine."""
 
     layer_idx: int
     num_experts: int
     top_k: int
     hidden_size: int
     intermediate_size: int
-    method: str
     chunk_tokens: int
-    threads: int | None
-    checkpoint: str | None
     lora: "CPUExpertsLora | None"
+
+    def sft_kernel(self) -> tuple[type, Any] | None:
+        """(kt-kernel's SFT kernel class for this layer's method, a fresh MOESFTConfig), or None."""
+
+    def worker_pool(self) -> Any:
+        """The shared kt-kernel worker pool."""
+
+    def read_base_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's base experts as the checkpoint has them: gate, up [E, I, H], down [E, H, I]."""
 
 
 def kernel_rank(rank: int) -> int:
     return -(-rank // _RANK_STEP) * _RANK_STEP
 
 
-def read_base_experts(experts: CPUExperts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The layer's base experts as the checkpoint has them: gate, up [E, I, H], down [E, H, I]."""
-    from engines.kt.loader import read_layer_experts
-
-    if experts.checkpoint is None:
-        raise ValueError(f"expert LoRA on layer {experts.layer_idx}: the base model's checkpoint is unknown")
-    return read_layer_experts(Path(experts.checkpoint), f"model.layers.{experts.layer_idx}.mlp.experts",
-                              experts.num_experts)
-
-
 # ------------------------------------------------------------------------------------------ backends
 class SFTKernelBackend:
     """One kt-kernel SFT kernel holding the layer's base experts; adapters switch its LoRA pointers."""
 
-    def __init__(self, experts: CPUExperts, kernel_cls: type, rank: int):
-        from engines.kt.cpuinfer import load_ext, shared_cpu_infer
-
-        ext = load_ext()
+    def __init__(self, experts: CPUExperts, kernel_cls: type, config: Any, rank: int):
         self.rank, self.top_k, self.hidden_size = rank, experts.top_k, experts.hidden_size
         self.shape = (experts.num_experts, experts.intermediate_size, experts.hidden_size)
         self.chunk_tokens = experts.chunk_tokens
-        self.pool = shared_cpu_infer(experts.threads)
-        gate, up, down = (w.to("cpu", torch.bfloat16).contiguous() for w in read_base_experts(experts))
+        self.pool = experts.worker_pool()
+        gate, up, down = (w.to("cpu", torch.bfloat16).contiguous() for w in experts.read_base_weights())
         self._keep = (gate, up, down, torch.arange(experts.num_experts, dtype=torch.int64))
         self._zeros = self.pad({})
-        config = ext.moe.MOESFTConfig()
         config.expert_num, config.num_experts_per_tok = experts.num_experts, experts.top_k
         config.hidden_size, config.intermediate_size = experts.hidden_size, experts.intermediate_size
         config.lora_rank, config.lora_alpha, config.lora_dropout = rank, float(rank), 0.0
@@ -138,7 +130,7 @@ class TorchBackend:
     rank = 0  # any rank fits
 
     def __init__(self, experts: CPUExperts):
-        gate, up, down = read_base_experts(experts)
+        gate, up, down = experts.read_base_weights()
         self.gate_up = torch.cat([gate, up], dim=1).to("cpu", torch.bfloat16).contiguous()
         self.down = down.to("cpu", torch.bfloat16).contiguous()
 
@@ -176,18 +168,15 @@ class CPUExpertsLora:
     @staticmethod
     def prepare(experts: CPUExperts, updates: dict) -> PreparedExpertLora:
         """Everything slow: read the base experts, build a kernel, lay the update out for it."""
-        from engines.kt.expert_methods import sft_kernel_class
-
         updates = {p: (u.a.float().contiguous(), u.b.float().contiguous(), u.scale) for p, u in updates.items()}
         current = experts.lora.backend if experts.lora is not None else None
-        kernel_cls = sft_kernel_class(experts.method)
-        backend = None
-        if kernel_cls is None:
+        sft = experts.sft_kernel()
+        if sft is None:
             backend = current if isinstance(current, TorchBackend) else TorchBackend(experts)
         else:
             rank = kernel_rank(max(a.shape[1] for a, _, _ in updates.values()))
             backend = current if current is not None and current.rank >= rank else \
-                SFTKernelBackend(experts, kernel_cls, max(rank, current.rank if current is not None else 0))
+                SFTKernelBackend(experts, *sft, max(rank, current.rank if current is not None else 0))
         return PreparedExpertLora(updates, None if backend is current else backend, backend.adopt(updates))
 
     # --------------------------------------------------------------------------- engine thread
