@@ -9,6 +9,7 @@ from torch import nn
 from engines.kt.kv_cache import BlockTable, LatentKVCache
 from engines.kt.attention import DecodeBatch, MLAAttention, Span, StepBatch
 from engines.kt.operators import MoEWithCPUExperts, RoutedExpertsCPU
+from engines.kt.step_timing import StepTimer
 from engines.lora.install import LoraModules
 from engines.lora.modules import AdapterRows
 from engines.runtime.model_runner import ModelRunner, ScheduledChunk
@@ -38,6 +39,9 @@ class KTModelRunner(ModelRunner):
         cache.ensure(self._scratch, 1)
         self.scratch_slot = int(cache.slots(self._scratch, 0, 1)[0])
         self.graphs = None  # DecodeGraphs, once captured
+        self._replayed = False  # the last decode step was a graph replay
+        devices = set(layer_devices) | {self.embed_device, self.head_device}
+        self.timer = StepTimer(self._experts, next(iter(devices)) if len(devices) == 1 else torch.device("cpu"))
 
     def capture_decode_graphs(self, max_batch: int) -> None:
         """Capture the decode step in CUDA graphs (one GPU, no hot experts on it); see cuda_graphs.py."""
@@ -72,11 +76,19 @@ class KTModelRunner(ModelRunner):
         scratch = self.cache.block_size  # the scratch block is the runner's own, never a request's
         return self.cache.used_tokens - scratch, self.cache.capacity_tokens - scratch
 
-    def expert_wait_seconds(self) -> float:
-        return sum(e.wait_seconds for e in self._experts)
+    def step_times(self) -> dict[str, float]:
+        t = self.timer.totals
+        return {"expert_wait": t.expert_wait, "expert": t.expert, "gpu": t.gpu}
 
     # ------------------------------------------------------------------------ the step
     def execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
+        self.timer.begin()
+        self._replayed = False
+        out = self._execute(chunks)
+        self.timer.end(self._replayed)
+        return out
+
+    def _execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
         if all(c.num_tokens == 1 and c.samples and not c.all_logits and c.seq.request.adapter is None
                for c in chunks):
             return self._decode(chunks)
@@ -124,6 +136,7 @@ class KTModelRunner(ModelRunner):
         longest = max(len(r) for r in read)
         if self.graphs is not None and self.graphs.fits(len(ids), longest):
             logits = self.graphs.run(ids, positions, write, read)
+            self._replayed = True
         else:
             read_rows = torch.full((len(ids), longest), self.scratch_slot, dtype=torch.long)
             mask = torch.zeros(len(ids), longest, dtype=torch.bool)
