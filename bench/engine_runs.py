@@ -118,6 +118,7 @@ def step_breakdown(before: EngineStats, after: EngineStats) -> dict:
     wait = after.expert_wait_seconds - before.expert_wait_seconds
     gpu = after.gpu_seconds - before.gpu_seconds
     expert = after.expert_seconds - before.expert_seconds
+    forward = after.forward_seconds - before.forward_seconds
 
     def per_step(seconds: float, note: str) -> dict:
         return fig(seconds / steps * 1e3, "ms", note=note)
@@ -133,6 +134,8 @@ def step_breakdown(before: EngineStats, after: EngineStats) -> dict:
                                "GPU work"),
             "other": per_step(max(0.0, step - gpu - wait), "step - gpu - expert_wait: Python (inputs, graph "
                               "launch, sampling, detokenizing, delivery); without a GPU also the non-expert compute"),
+            "after_forward": per_step(max(0.0, step - forward), "the part of `other` after the model's forward: "
+                                      "sampling, detokenizing, delivery"),
         }}
 
 

@@ -120,7 +120,8 @@ def summary_lines(data: dict) -> list[str]:
         b = (r or {}).get("decode", {}).get("step_breakdown")
         if b:
             lines.append(f"{label} per step (ms): step {_fmt(_v(b, 'step'), '.2f')} = gpu {_fmt(_v(b, 'gpu'), '.2f')} + "
-                         f"expert wait {_fmt(_v(b, 'expert_wait'), '.2f')} + other {_fmt(_v(b, 'other'), '.2f')}; "
+                         f"expert wait {_fmt(_v(b, 'expert_wait'), '.2f')} + other {_fmt(_v(b, 'other'), '.2f')} (after the "
+                         f"forward {_fmt(_v(b, 'after_forward'), '.2f')}); "
                          f"CPU experts {_fmt(_v(b, 'expert'), '.2f')}; wait share "
                          f"{_fmt(_v(r, 'decode', 'expert_wait_share'), '.3f')}")
     sweep = data.get("thread_sweep") or {}
@@ -132,10 +133,10 @@ def summary_lines(data: dict) -> list[str]:
                      + (f" failed: {r['failed']}" if "failed" in r else ""))
     avx2 = data.get("avx2") or {}
     if avx2.get("decode"):
-        d = avx2["decode"]
-        lines.append(f"avx2 build ({', '.join(f'{k}={v}' for k, v in (avx2.get('engine_details') or {}).items()
-                                              if k in ('experts_method', 'cpu_variant'))}): {_fmt(_v(d, 'decode_throughput'), '.2f')} tok/s, "
-                     f"TPOT median {_fmt(_v(d, 'tpot_median'))} ms p99 {_fmt(_v(d, 'tpot_p99'))} ms")
+        d, details = avx2["decode"], avx2.get("engine_details") or {}
+        lines.append(f"avx2 build ({details.get('cpu_variant')}, experts {details.get('experts_method')}): "
+                     f"{_fmt(_v(d, 'decode_throughput'), '.2f')} tok/s, TPOT median {_fmt(_v(d, 'tpot_median'))} ms "
+                     f"p99 {_fmt(_v(d, 'tpot_p99'))} ms")
     for p in (data.get("ttft") or {}).get("points", []):
         lines.append(f"TTFT {p['prompt_tokens']:>6} tokens: {_fmt(_v(p, 'ttft'), '.3f')} s, "
                      f"TPOT median {_fmt(_v(p, 'tpot_median'), '.1f')} ms")

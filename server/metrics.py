@@ -6,7 +6,7 @@ KV cache, step time) are read from `engine.stats()` at scrape time, so they are 
 The share of step time the KT engine spends waiting on its CPU experts is
 `rate(ktserve_engine_expert_wait_seconds_total[5m]) / rate(ktserve_engine_step_seconds_total[5m])`; the GPU's
 share likewise from `ktserve_engine_gpu_seconds_total`, and the rest of the step (Python, sampling, delivery)
-is step - gpu - expert_wait."""
+is step - gpu - expert_wait (of which step - forward is after the forward: sampling, detokenizing, delivery)."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -106,6 +106,8 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("ktserve_engine_expert_wait_seconds",
                                   "Seconds model steps stalled waiting on CPU experts (ktransformers engine)",
                                   value=s.expert_wait_seconds)
+        yield CounterMetricFamily("ktserve_engine_forward_seconds", "Seconds of model steps in the model's forward "
+                                  "(the rest: sampling, detokenizing, delivery)", value=s.forward_seconds)
         yield CounterMetricFamily("ktserve_engine_expert_seconds", "Seconds from submitting CPU experts to "
                                   "their results being ready, summed over layers (ktransformers engine)",
                                   value=s.expert_seconds)

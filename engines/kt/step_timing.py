@@ -106,6 +106,8 @@ class StepTimer:
                 e.events = ExpertEvents()
 
     def begin(self) -> None:
+        for e in self.experts:
+            e.host_times.take()  # calls outside model steps (scoring prompts) are not a step's time
         if self.cuda:
             for e in self.experts:
                 e.events.recorded = False

@@ -253,6 +253,7 @@ class LLMEngine(Engine):
             try:
                 with torch.inference_mode():
                     logits = self._runner.execute(chunks)
+                self._stats.forward_seconds += time.perf_counter() - started
                 sampling = [(chunk, rows) for chunk, rows in zip(chunks, logits) if self._advance(chunk, rows)]
                 tokens = self._sampler.sample_batch([rows[-1] for _, rows in sampling],
                                                     [chunk.seq for chunk, _ in sampling])
