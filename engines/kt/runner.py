@@ -55,7 +55,14 @@ class KTModelRunner(ModelRunner):
         self.graphs = DecodeGraphs(self._decode_forward, device=self.embed_device, max_batch=max_batch,
                                    max_len=self.max_model_len, scratch_slot=self.scratch_slot)
         with torch.inference_mode():
-            self.graphs.capture()
+            try:
+                self.graphs.capture()
+            except RuntimeError as exc:
+                if not self.timer.cuda:
+                    raise
+                self.timer.stop_gpu_timing(f"capturing the decode graphs with timing events failed ({exc})")
+                self.graphs.graphs.clear()
+                self.graphs.capture()
 
     # ------------------------------------------------------------------------ cache bookkeeping
     @staticmethod

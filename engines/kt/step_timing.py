@@ -134,9 +134,11 @@ class StepTimer:
                 step.expert_wait += stall
                 step.gpu = max(0.0, self._start.elapsed_time(self._end) / 1e3 - stall)
             except RuntimeError as exc:
-                log.warning("timing model steps with CUDA events failed (%s); GPU and expert-wait times "
-                            "are no longer reported", exc)
-                self.cuda = False
-                for e in self.experts:
-                    e.events = None
+                self.stop_gpu_timing(f"reading the CUDA timing events failed ({exc})")
         self.totals.add(step)
+
+    def stop_gpu_timing(self, why: str) -> None:
+        log.warning("%s; GPU time and the stalls on CPU experts are no longer measured", why)
+        self.cuda = False
+        for e in self.experts:
+            e.events = None
