@@ -131,3 +131,13 @@ def test_batched_sampling_leaves_the_logits_rows_unchanged(sampler, tokenizer):
     before = [row.clone() for row in rows]
     sampler.sample_batch(rows, seqs)
     assert all(torch.equal(a, b) for a, b in zip(rows, before))
+
+
+def test_a_step_of_one_row_samples_as_the_row_alone(sampler, tokenizer):
+    rows, seqs = _mixed_step(tokenizer, VOCAB)
+    for row, seq in zip(rows, seqs):
+        torch.manual_seed(3)
+        alone = sampler.sample(row.clone(), seq)[0]
+        torch.manual_seed(3)
+        seq.generator = None if seq.sampling.seed is None else torch.Generator().manual_seed(seq.sampling.seed)
+        assert sampler.sample_batch([row], [seq])[0][0] == alone

@@ -132,7 +132,8 @@ class StepTimer:
                         stall += wait
                         step.expert += span
                 step.expert_wait += stall
-                step.gpu = max(0.0, self._start.elapsed_time(self._end) / 1e3 - stall)
+                # blocking expert calls (chunks too big for the stream path) idle the stream as well
+                step.gpu = max(0.0, self._start.elapsed_time(self._end) / 1e3 - step.expert_wait)
             except RuntimeError as exc:
                 self.stop_gpu_timing(f"reading the CUDA timing events failed ({exc})")
         self.totals.add(step)

@@ -106,8 +106,10 @@ class Sampler:
         greedy = [i for i, k in enumerate(kinds) if k == "greedy"]
         scaled = [i for i, k in enumerate(kinds) if k == "temperature"]
         picked: dict[int, int] = {}
-        if len(greedy) > 1:
-            picked = dict(zip(greedy, torch.stack([rows[i] for i in greedy]).argmax(dim=-1).tolist()))
+        if greedy:
+            best = rows[greedy[0]].argmax().view(1) if len(greedy) == 1 else \
+                torch.stack([rows[i] for i in greedy]).argmax(dim=-1)
+            picked = dict(zip(greedy, best.tolist()))
         probs: dict[int, torch.Tensor] = {}
         if len(scaled) > 1:
             temps = torch.tensor([seqs[i].sampling.temperature for i in scaled], dtype=torch.float32)
