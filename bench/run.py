@@ -315,7 +315,7 @@ class Bench:
     def step_threads(self, deadline: float) -> None:
         section = self.results.section("thread_sweep")
         section.update({"method": PRIMARY, "default_threads": self.threads,
-                        "note": "decode at the default is kt.AMXINT8.decode; others ran in child processes"})
+                        "note": f"decode at the default is kt.{PRIMARY}.decode; others ran in child processes"})
         default = (self.results.get("kt") or {}).get(PRIMARY, {}).get("decode")
         if default:
             section[str(self.threads)] = {"decode": default}
