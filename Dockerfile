@@ -19,9 +19,14 @@ ARG KTSERVE_TORCH=torch==2.13.0
 ARG GPU_TORCH_INDEX=
 ARG CPU_TORCH_INDEX=https://download.pytorch.org/whl/cpu
 
+# FlashInfer (the gpu extra) compiles its attention kernels with nvcc on first use, so the GPU image carries
+# the compiler and CUDA headers of the base's version (change both with CUDA_IMAGE: cuda-nvcc-12-8 ...).
+ARG CUDA_JIT_PACKAGES="cuda-nvcc-13-0 cuda-cudart-dev-13-0 cuda-cccl-13-0"
+
 FROM ${CUDA_IMAGE} AS gpu-os
+ARG CUDA_JIT_PACKAGES
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv \
+ && apt-get install -y --no-install-recommends python3 python3-venv ${CUDA_JIT_PACKAGES} \
  && rm -rf /var/lib/apt/lists/*
 
 FROM ${CPU_IMAGE} AS cpu-os
@@ -29,11 +34,13 @@ FROM ${CPU_IMAGE} AS cpu-os
 # The torch index is set in these build-only stages so that it never reaches the served image.
 FROM gpu-os AS gpu-toolchain
 ARG GPU_TORCH_INDEX
-ENV PIP_EXTRA_INDEX_URL=${GPU_TORCH_INDEX}
+ENV PIP_EXTRA_INDEX_URL=${GPU_TORCH_INDEX} \
+    KTSERVE_EXTRAS=gpu
 
 FROM cpu-os AS cpu-toolchain
 ARG CPU_TORCH_INDEX
-ENV PIP_EXTRA_INDEX_URL=${CPU_TORCH_INDEX}
+ENV PIP_EXTRA_INDEX_URL=${CPU_TORCH_INDEX} \
+    KTSERVE_EXTRAS=
 
 FROM ${VARIANT}-toolchain AS build
 ARG KTSERVE_TORCH
@@ -44,13 +51,13 @@ WORKDIR /opt/ktserve/src
 # First only the files that decide what gets installed, so a code change does not reinstall torch.
 COPY pyproject.toml ./
 COPY scripts/install.sh scripts/
-RUN --mount=type=cache,target=/root/.cache/pip bash scripts/install.sh
+RUN --mount=type=cache,target=/root/.cache/pip bash scripts/install.sh "$KTSERVE_EXTRAS"
 COPY . .
 # The editable install maps the top-level packages present when it ran (none, above), so run it again
 # with the code in place. Its up-to-date stamp would skip the run: drop it. Every dependency is already
 # satisfied, so this only registers the package (seconds); `ktserve --help` proves it imports.
 RUN --mount=type=cache,target=/root/.cache/pip rm -f "$KTSERVE_VENV/.ktserve-install" \
- && bash scripts/install.sh \
+ && bash scripts/install.sh "$KTSERVE_EXTRAS" \
  && "$KTSERVE_VENV/bin/ktserve" --help > /dev/null
 
 FROM ${VARIANT}-os AS runtime
@@ -64,7 +71,8 @@ ENV PATH=/opt/ktserve/venv/bin:$PATH \
     API_HOST=0.0.0.0 \
     API_PORT=8000 \
     KTSERVE_CACHE_DIR=/cache \
-    HF_HOME=/cache/huggingface
+    HF_HOME=/cache/huggingface \
+    FLASHINFER_WORKSPACE_BASE=/cache
 # Relative paths in configs (kt_optimize_rules/...) resolve against the source tree.
 WORKDIR /opt/ktserve/src
 USER 10001:10001

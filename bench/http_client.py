@@ -36,7 +36,9 @@ async def _one(client, model: str, prompt: list[int], max_tokens: int, record: d
 
 async def _round(client, model: str, level: int, args: argparse.Namespace, timeout: float) -> dict:
     records = [{"times": [], "tokens": None, "end": None} for _ in range(level)]
-    prompts = [prompt_ids(args.prompt_tokens, args.vocab, seed=1000 * level + i) for i in range(level)]
+    shared = prompt_ids(args.shared_prefix, args.vocab, seed=7 + args.prompt_tokens)  # one per prompt length
+    prompts = [shared + prompt_ids(args.prompt_tokens - len(shared), args.vocab, seed=1000 * level + i)
+               for i in range(level)]
     tasks = [asyncio.create_task(_one(client, model, prompt, args.max_tokens, rec))
              for prompt, rec in zip(prompts, records)]
     _, pending = await asyncio.wait(tasks, timeout=timeout)
@@ -99,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--vocab", type=int, default=100000, help="prompt token ids are drawn below this")
+    p.add_argument("--shared-prefix", type=int, default=0,
+                   help="the first this many prompt tokens are the same in every request (prefix caching)")
     p.add_argument("--round-timeout", type=float, default=60.0)
     p.add_argument("--time-left", type=float, default=300.0, help="seconds for all rounds together")
     args = p.parse_args(argv)

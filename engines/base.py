@@ -9,7 +9,7 @@ it upwards.  An engine
   client disconnect) makes the engine drop the request at its next step and free its KV cache;
 * exposes `info` (model id, context length, architecture), `tokenizer` (a transformers tokenizer, used by
   the serving layer for chat templates and prompt lengths), `stats()` for health and metrics, `score()` for
-  reward scores, and adapter management (`list_adapters`, `load_adapter`, `unload_adapter`).
+  reward scores, `embed()` for embeddings, and adapter management (`list_adapters`, `load_adapter`, `unload_adapter`).
 
 Errors a user can cause are raised as the typed exceptions below; the HTTP edge maps each to one status.
 """
@@ -19,7 +19,8 @@ import asyncio
 import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Protocol
+import json
+from typing import Any, AsyncIterator, Callable, Literal
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -78,21 +79,38 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's logprob plus the top k
     prompt_logprobs: int | None = None  # same, for every prompt position after the first
     skip_special_tokens: bool = True
+    grammar: "Grammar | None" = None  # structured output: what the text must match (the engine compiles it)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
 
-class LogitsProcessor(Protocol):
-    """Per-request hook applied to the next-token logits (structured output, tool choice, ...).
+# Compact JSON with the separators DeepSeek models write: no runs of whitespace a model could loop in.
+JSON_WHITESPACE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
-    Called on the engine thread with the request's generated token ids and a float32 logits row it may
-    modify in place; `accept(token_id)` is told which token was chosen."""
 
-    def __call__(self, output_ids: list[int], logits: Any) -> None: ...
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """What the output must match, as data: a JSON schema (OpenAI's `response_format`) or a Lark grammar (a
+    forced tool call). Engines compile and cache it (engines/runtime/structured.py). `param` names the request
+    field it came from, for error messages; with `start_after` (a token id, e.g. `</think>`) the output is free
+    until that token and constrained from the next one on."""
 
-    def accept(self, token_id: int) -> None: ...
+    kind: Literal["json_schema", "lark"]
+    source: str  # the JSON schema as JSON text, or Lark grammar text
+    param: str = "response_format"
+    start_after: int | None = None
+
+
+def json_schema_grammar(schema: dict[str, Any], param: str = "response_format") -> Grammar:
+    """A grammar for JSON matching `schema`, written compactly."""
+    return Grammar("json_schema", json.dumps({**schema, "x-guidance": JSON_WHITESPACE}), param)
+
+
+def lark_json(schema: dict[str, Any]) -> str:
+    """A JSON schema embedded in a Lark grammar rule (`args: %json {...}`), written compactly."""
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_WHITESPACE})
 
 
 _request_counter = itertools.count()
@@ -104,7 +122,6 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     adapter: str | None = None  # None: the base model
     request_id: str = field(default_factory=lambda: f"req-{next(_request_counter)}")
-    logits_processor: LogitsProcessor | None = None
 
 
 # -------------------------------------------------------------------------------------------- outputs
@@ -141,6 +158,7 @@ class GenerationOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # cumulative
     error: str | None = None  # set with finish_reason "error"
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache rather than computed
 
     @property
     def finished(self) -> bool:
@@ -204,6 +222,7 @@ class RequestHandle:
             request_id=self.request_id, text="".join(text), token_ids=ids, logprobs=logprobs,
             prompt_logprobs=prompt_lp, finish_reason=last.finish_reason, stop_reason=last.stop_reason,
             prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens, error=last.error,
+            cached_tokens=last.cached_tokens,
         )
 
 
@@ -232,6 +251,8 @@ class EngineConfig:
     kt_weight_cache: str | None = None
     kt_use_cuda_graph: bool = False
     kt_force_think: bool = False
+    prefix_cache: bool = True  # share full KV pages between requests with the same token prefix
+    attention_backend: str = "auto"  # "auto" | "flashinfer" | "torch" (MLA attention on CUDA)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -244,6 +265,8 @@ class ModelInfo:
     created: int
     eos_token_ids: tuple[int, ...] = ()
     has_value_head: bool = False
+    size_bytes: int = 0  # the weights as stored in the model directory
+    gpu_bytes: int = 0  # of it, what the engine holds in GPU memory
     details: dict[str, str] = field(default_factory=dict)  # engine facts worth showing (/version)
 
 
@@ -263,6 +286,9 @@ class EngineStats:
     expert_wait_seconds: float = 0.0
     expert_seconds: float = 0.0
     gpu_seconds: float = 0.0
+    # prompt tokens of requests that started, and how many of them the prefix cache already held
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -270,6 +296,7 @@ class AdapterInfo:
     name: str
     path: str
     created: int
+    size_bytes: int = 0  # the adapter's tensors in memory
 
 
 # ---------------------------------------------------------------------------------------- the engine
@@ -309,9 +336,20 @@ class Engine(ABC):
     @abstractmethod
     def stats(self) -> EngineStats: ...
 
+    def check_grammar(self, grammar: Grammar) -> None:
+        """Compile `grammar` (SamplingParams.grammar) ahead of a request: InvalidRequestError naming its field
+        when it is invalid. Blocking (the first call may index the vocabulary): call it off the event loop."""
+        raise UnsupportedError(f"engine {self.name!r} cannot constrain output to a grammar",
+                               param=grammar.param)
+
     async def score(self, prompts: list[list[int]], adapter: str | None = None) -> list[float]:
         """Reward-model scores (value head on the last token) for each prompt."""
         raise UnsupportedError(f"engine {self.name!r} cannot compute reward scores")
+
+    async def embed(self, prompts: list[list[int]], adapter: str | None = None) -> list[list[float]]:
+        """One embedding per prompt: the final (normed) hidden states averaged over the prompt's tokens and
+        scaled to unit length, with `adapter` applied. Concurrent calls may be computed together."""
+        raise UnsupportedError(f"engine {self.name!r} cannot compute embeddings")
 
     def list_adapters(self) -> list[AdapterInfo]:
         return []

@@ -102,11 +102,12 @@ def demo_config(**overrides) -> dict:
     return config
 
 
-def make_demo_model(out_dir: str | Path, seed: int = DEMO_SEED) -> Path:
-    """Write the demo model into `out_dir` (created if missing) and return it; the same seed gives the same bytes."""
+def make_demo_model(out_dir: str | Path, seed: int = DEMO_SEED, **overrides) -> Path:
+    """Write the demo model into `out_dir` (created if missing) and return it; the same seed gives the same bytes.
+    `overrides` replace config keys (another shape of the same architecture)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = demo_config()
+    config = demo_config(**overrides)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json",
                 {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})

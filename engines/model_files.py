@@ -70,3 +70,14 @@ def context_length(model_config: Any, tokenizer: Any, override: int | None) -> i
             raise ValueError(f"max_model_len: {override} is larger than the model's {native} positions")
         return override
     return native
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
+
+
+def weights_size(model_path: str | Path) -> int:
+    """Bytes of the weight files in a model directory (what Ollama reports as a model's size)."""
+    path = Path(model_path)
+    if not path.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in path.iterdir() if f.suffix in WEIGHT_SUFFIXES and f.is_file())

@@ -4,6 +4,7 @@
 #
 #   scripts/install.sh            # serving dependencies
 #   scripts/install.sh test       # plus the test tools
+#   scripts/install.sh gpu        # plus FlashInfer (CUDA machines; "test,gpu" for both)
 #
 # Environment:
 #   KTSERVE_VENV        where the environment lives (default: <repo>/.venv)
@@ -30,6 +31,12 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 
 "$venv/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" install "$torch_req"
+# FlashInfer's source archive builds against the installed torch, so without build isolation; its metadata
+# (an SPDX license string) needs setuptools 77 or newer, which a fresh venv may lack (checked: 65 refuses it).
+case ",$extras," in *,gpu,*)
+  "${pip[@]}" install "setuptools>=77" wheel
+  "${pip[@]}" install --no-build-isolation "flashinfer-python==0.3.1" ;;
+esac
 if [ -n "$extras" ]; then
   "${pip[@]}" install -e "$root[$extras]"
 else

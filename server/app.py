@@ -20,15 +20,19 @@ from server.chat.router import router as chat_router
 from server.chat.serving import ChatServing
 from server.completions.router import router as completions_router
 from server.completions.serving import CompletionServing
+from server.embeddings.router import router as embeddings_router
 from server.errors import RequestTooLarge, error_body, install_error_handlers
 from server.health import router as health_router
 from server.metrics import Metrics
 from server.metrics import router as metrics_router
 from server.middleware import RequestTracking
 from server.models.router import router as models_router
+from server.native_output import stdout_to_log
 from server.ollama.router import router as ollama_router
+from server.responses.router import router as responses_router
 from server.settings import Settings
 from server.shutdown import Drain, refuse_while_draining
+from server.tokenize.router import router as tokenize_router
 
 log = logging.getLogger("ktserve.server")
 
@@ -85,13 +89,15 @@ def create_app(settings: Settings, engine: Engine, *, load_engine: bool = True) 
             if task is not None and not task.done():
                 task.cancel()
             if load_engine:
-                await asyncio.to_thread(engine.stop)
+                with stdout_to_log():  # kt-kernel says goodbye as its thread pool ends
+                    await asyncio.to_thread(engine.stop)
 
     # With a key, the schema is served behind it (below) and the docs pages not at all: they fetch the
     # schema without a key.
     keyed_docs = {"openapi_url": None, "docs_url": None, "redoc_url": None} if settings.api_key else {}
     app = FastAPI(title="ktserve", description="OpenAI-compatible server for DeepSeek MoE models",
                   lifespan=lifespan, **keyed_docs)
+    app.router.redirect_slashes = False  # server.unmatched redirects, with a relative Location
     app.state.settings = settings
     app.state.engine = engine
     app.state.load_error = None
@@ -106,7 +112,8 @@ def create_app(settings: Settings, engine: Engine, *, load_engine: bool = True) 
     protected = [Depends(refuse_while_draining), *key_required]
     app.include_router(health_router)
     app.include_router(metrics_router, dependencies=[] if settings.metrics_public else key_required)
-    for router in (models_router, chat_router, completions_router, ollama_router):
+    for router in (models_router, chat_router, completions_router, responses_router, embeddings_router,
+                   tokenize_router, ollama_router):
         app.include_router(router, dependencies=protected)
     app.include_router(adapters_router, dependencies=protected)  # LoRA load/unload, reward scores
     # The last middleware added runs first: request tracking sees every answer, CORS and 413s included.
@@ -120,7 +127,8 @@ def create_app(settings: Settings, engine: Engine, *, load_engine: bool = True) 
 
 async def _load(app: FastAPI, engine: Engine) -> None:
     try:
-        await asyncio.to_thread(engine.start)
+        with stdout_to_log():  # kt-kernel's C++ prints while the model loads
+            await asyncio.to_thread(engine.start)
         log.info("serving %s with the %s engine", engine.info.id, engine.name)
     except Exception as exc:  # reported on /health and in the log; the process stays up to say so
         log.exception("the engine failed to start")

@@ -55,6 +55,10 @@ def _serve_parser(sub: Any) -> None:
                    help="refuse rule files naming GPUs this machine lacks instead of folding them")
     p.add_argument("--kt-weight-cache", help="directory for pre-quantized expert weights")
     p.add_argument("--kv-cache-tokens", type=int, help="KV cache capacity in tokens (ktransformers engine)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False,
+                   help="compute every prompt whole instead of reusing cached KV pages of a shared prefix")
+    p.add_argument("--attention-backend", choices=["auto", "flashinfer", "torch"],
+                   help="MLA attention on CUDA: flashinfer, torch, or auto (flashinfer where it runs; default)")
     p.add_argument("--reasoning-parser", help="deepseek_r1: split <think> text into reasoning_content")
     p.add_argument("--cors-origin", action="append", dest="cors_origins", help="allowed CORS origin (repeatable)")
     p.add_argument("--log-format", choices=["text", "json"])
@@ -66,7 +70,7 @@ def _cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
             "max_model_len", "request_timeout", "graceful_timeout", "metrics_public", "max_body_bytes", "device",
             "dtype", "template", "kt_optimize_rule", "cpu_infer", "chunk_size", "kt_method", "kt_strict_placement",
             "kt_weight_cache", "kv_cache_tokens", "reasoning_parser", "cors_origins", "log_format", "log_level",
-            "read_timeout"]
+            "read_timeout", "prefix_cache", "attention_backend"]
     out = {k: getattr(args, k) for k in keys}
     if args.adapter:
         out["adapters"] = dict(args.adapter)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -19,6 +20,7 @@ from engines.base import (
 )
 
 log = logging.getLogger("ktserve.server")
+T = TypeVar("T")
 
 
 class APIError(Exception):
@@ -68,6 +70,15 @@ def to_api_error(exc: Exception) -> APIError:
     return APIError(500, "internal server error", type="internal_error")
 
 
+def checked(build: Callable[[], T]) -> T:
+    """Run a pydantic validation inside a route; a failure is a 400 naming the field, as a body's is."""
+    try:
+        return build()
+    except ValidationError as exc:
+        message, param = _validation_message(RequestValidationError(exc.errors()))
+        raise InvalidRequestError(message, param=param) from None
+
+
 def _field_name(loc: tuple[Any, ...]) -> str:
     parts = [str(p) for p in loc if p not in ("body",)]
     name = ""
@@ -76,7 +87,7 @@ def _field_name(loc: tuple[Any, ...]) -> str:
     return name
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_message(exc: RequestValidationError, body_model: Any = None) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
@@ -84,6 +95,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     loc = tuple(first.get("loc", ()))
+    if first.get("type") == "missing" and loc == ("body",):
+        return _empty_body_message(body_model)
     # pydantic tags union members in the location (e.g. "str", "list[...]"); drop those for the name
     loc = tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in ("str", "int", "function-after"))))
     field = _field_name(loc) or None
@@ -95,12 +108,28 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"invalid value for '{field}': {msg}", field
 
 
+def _empty_body_message(body_model: Any) -> tuple[str, str | None]:
+    """No body at all: name the first field the route requires."""
+    fields = getattr(body_model, "model_fields", {})
+    required = [name for name, f in fields.items() if f.is_required()]
+    if not required:
+        return "the request body is empty; send a JSON object", None
+    return f"the request body is empty; '{required[0]}' is required", required[0]
+
+
+def _body_model(request: Request) -> Any:
+    body_field = getattr(request.scope.get("route"), "body_field", None)
+    return getattr(getattr(body_field, "field_info", None), "annotation", None)
+
+
 # FastAPI answers any exception raised while it reads and decodes a JSON body (other than a JSON syntax
 # error) with this 400. The cause says whether the client sent something unparsable or we have a bug.
 BODY_PARSE_FAILED = "There was an error parsing the body"
 
 
-def _unparsable_body(cause: BaseException | None) -> APIError:
+def unparsable_body(cause: BaseException | None) -> APIError:
+    if isinstance(cause, APIError):  # refused by server.json_body.decode
+        return cause
     if isinstance(cause, RecursionError):
         return APIError(400, "the request body is nested too deeply to parse", code="invalid_json")
     if isinstance(cause, UnicodeDecodeError):
@@ -109,14 +138,13 @@ def _unparsable_body(cause: BaseException | None) -> APIError:
         return APIError(400, f"the request body is not valid JSON: {cause}", code="invalid_json")
     if isinstance(cause, ClientDisconnect):
         return APIError(400, "the client went away while sending the body")  # nobody reads this answer
-    log.error("unexpected error while reading the request body", exc_info=cause)
-    return APIError(500, "internal server error", type="internal_error")
+    raise cause or RuntimeError("the request body could not be read")  # a bug: answered as one 500
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = _validation_message(exc, _body_model(request))
         return error_response(400, message, "invalid_request_error", param)
 
     @app.exception_handler(APIError)
@@ -126,20 +154,25 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400 and exc.detail == BODY_PARSE_FAILED:
-            err = _unparsable_body(exc.__cause__)
+            err = unparsable_body(exc.__cause__)
             return error_response(err.status, err.message, err.type, err.param, err.code)
         kind = {404: "not_found_error", 405: "invalid_request_error", 401: "authentication_error"}
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if (exc.status_code, message) in ((404, "Not Found"), (405, "Method Not Allowed")):
+            from server.unmatched import unmatched_route
+            answer = unmatched_route(request)
+            if answer is not None:
+                return answer
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
         return error_response(exc.status_code, message, kind.get(exc.status_code, "invalid_request_error"),
                               code=getattr(exc, "code", None), headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    async def _engine(request: Request, exc: Exception) -> JSONResponse:
         err = to_api_error(exc)
         return error_response(err.status, err.message, err.type, err.param, err.code, err.headers)
 
+    # Any other exception is a bug: server.middleware.RequestTracking answers it, once, as a 500.
     for engine_error in (InvalidRequestError, NotFoundError, QueueFullError, EngineUnavailableError,
                          UnsupportedError):
-        app.add_exception_handler(engine_error, _unexpected)
+        app.add_exception_handler(engine_error, _engine)

@@ -13,7 +13,8 @@ router = APIRouter()
 async def health(request: Request):
     state = request.app.state
     if state.drain.draining:
-        return JSONResponse({"status": "draining"}, status_code=503)
+        # the instance is going away: a client (or balancer) should not keep this connection for its next probe
+        return JSONResponse({"status": "draining"}, status_code=503, headers={"Connection": "close"})
     if state.load_error is not None:
         return JSONResponse({"status": "failed", "error": state.load_error}, status_code=503)
     if not state.engine.ready:

@@ -6,7 +6,9 @@ KV cache, step time) are read from `engine.stats()` at scrape time, so they are 
 The share of step time the KT engine spends waiting on its CPU experts is
 `rate(ktserve_engine_expert_wait_seconds_total[5m]) / rate(ktserve_engine_step_seconds_total[5m])`; the GPU's
 share likewise from `ktserve_engine_gpu_seconds_total`, and the rest of the step (Python, sampling, delivery)
-is step - gpu - expert_wait (of which step - forward is after the forward: sampling, detokenizing, delivery)."""
+is step - gpu - expert_wait (of which step - forward is after the forward: sampling, detokenizing, delivery).
+The prefix cache's hit rate is
+`rate(ktserve_prefix_cache_hit_tokens_total[5m]) / rate(ktserve_prefix_cache_queried_tokens_total[5m])`."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -113,3 +115,9 @@ class EngineCollector(Collector):
                                   value=s.expert_seconds)
         yield CounterMetricFamily("ktserve_engine_gpu_seconds", "GPU stream seconds of model steps, less the "
                                   "stalls on CPU experts (ktransformers engine on a GPU)", value=s.gpu_seconds)
+        yield CounterMetricFamily("ktserve_prefix_cache_queried_tokens",
+                                  "Prompt tokens of engine requests (one per choice) that started",
+                                  value=s.prompt_tokens)
+        yield CounterMetricFamily("ktserve_prefix_cache_hit_tokens",
+                                  "Of those, prompt tokens the prefix cache already held (not computed again)",
+                                  value=s.cached_prompt_tokens)

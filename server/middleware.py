@@ -1,11 +1,13 @@
 """The outermost middleware: every HTTP request gets an id and a tracker, and on its way out is recorded
 once — in the metrics and in one log line. It also keeps the set of requests in flight that a drain waits
-for.
+for, and is where an exception nothing else handled (a bug) ends: logged once with its traceback and
+answered with one OpenAI-shaped 500 that carries the request id and closes the connection cleanly.
 
 The log line carries no headers and no query string, so an API key never reaches the log."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
@@ -17,6 +19,7 @@ from server.shutdown import Drain
 from server.tracking import UNMATCHED, RequestTracker, begin, end, request_id_from
 
 log = logging.getLogger("ktserve.requests")
+errors_log = logging.getLogger("ktserve.server")
 
 # Probes and scrapes are logged at debug level, so a probe every few seconds does not bury the requests.
 SERVICE_ROUTES = frozenset({"/health", "/version", "/metrics"})
@@ -43,12 +46,23 @@ class RequestTracking:
         try:
             await self.app(scope, receive, send_with_id)
         except asyncio.CancelledError:
+            if self.drain.draining and tracker.status is None:
+                # uvicorn cancels what is left once the drain is over: answer in our shape, not its plain text
+                tracker.error = tracker.error or "server_shutdown"
+                await send_with_id(json_response_start(503, SHUTDOWN_BODY))
+                await send_with_id({"type": "http.response.body", "body": SHUTDOWN_BODY})
+                return
             tracker.status = tracker.status or 499  # the client went away before an answer began
             tracker.error = tracker.error or "client_disconnected"
             raise
-        except Exception:
-            tracker.status = tracker.status or 500
-            raise
+        except Exception as exc:
+            if tracker.status is not None:  # the answer had begun: nothing to do but let uvicorn cut it
+                raise
+            errors_log.error("unexpected error in %s %s (id=%s)", tracker.method, tracker.path,
+                             tracker.request_id, exc_info=exc)
+            tracker.error = tracker.error or "internal_error"
+            await send_with_id(json_response_start(500, INTERNAL_ERROR_BODY))
+            await send_with_id({"type": "http.response.body", "body": INTERNAL_ERROR_BODY})
         finally:
             end(token)
             self.drain.in_flight.discard(tracker)
@@ -56,6 +70,20 @@ class RequestTracking:
             tracker.route = route_template(scope)
             self.metrics.observe(tracker)
             log_request(tracker)
+
+
+INTERNAL_ERROR_BODY = json.dumps({"error": {"message": "internal server error", "type": "internal_error",
+                                            "param": None, "code": None}}).encode()
+SHUTDOWN_BODY = json.dumps({"error": {"message": "the server shut down before this request finished",
+                                      "type": "service_unavailable", "param": None,
+                                      "code": "server_shutdown"}}).encode()
+
+
+def json_response_start(status: int, body: bytes) -> Message:
+    """The start of an answer after which the server closes the connection, and says so."""
+    return {"type": "http.response.start", "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"connection", b"close"),
+                        (b"content-length", str(len(body)).encode())]}
 
 
 def route_template(scope: Scope) -> str:

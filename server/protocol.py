@@ -5,6 +5,8 @@ with a 400 naming the field. Each request converts itself into the engine's `Sam
 from __future__ import annotations
 
 import math
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator
 
 from engines.base import InvalidRequestError, SamplingParams
@@ -101,9 +103,12 @@ class SamplingRequest(OpenAIRequest):
             skip_special_tokens=self.skip_special_tokens)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens` are prompt tokens the prefix cache already held (for n > 1,
+    those of each prompt's first choice, as prompt tokens are counted once per prompt)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def check_max_tokens(requested: int | None, default: int, prompt_len: int, limit: int, param: str) -> int:

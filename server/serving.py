@@ -8,12 +8,14 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 from fastapi import Request
 from sse_starlette.sse import EventSourceResponse
 
-from engines.base import Engine, GenerationOutput, GenerationRequest, NotFoundError, RequestHandle, SamplingParams
+from engines.base import (
+    Engine, GenerationOutput, GenerationRequest, InvalidRequestError, NotFoundError, RequestHandle, SamplingParams,
+)
 from server.tracking import current_tracker
 
 DISCONNECT_POLL_SECONDS = 0.25
@@ -45,8 +47,19 @@ def resolve_adapter(engine: Engine, model: str | None) -> str | None:
                         param="model")
 
 
+def check_capacity(engine: Engine, choices: int, param: str = "n") -> None:
+    """A request needs one engine slot per choice; more than the engine ever holds at once (generating plus
+    waiting) can never be served, now or later: 400, not the 429 that says "retry"."""
+    config = engine.config
+    capacity = config.max_concurrent + config.max_queue
+    if choices > capacity:
+        raise InvalidRequestError(
+            f"this request needs {choices} generations at once, but this server holds at most {capacity} "
+            f"(max_concurrent {config.max_concurrent} + max_queue {config.max_queue})", param=param)
+
+
 def submit_choices(engine: Engine, prompt: list[int], params: list[SamplingParams], adapter: str | None,
-                   request_id: str, processors: Callable[[int], Any] | None = None) -> list[RequestHandle]:
+                   request_id: str) -> list[RequestHandle]:
     """Submit one engine request per choice; if one is refused, cancel the ones already queued. The handles
     come back wrapped so the request's tracker sees their deltas."""
     tracker = current_tracker()
@@ -55,8 +68,7 @@ def submit_choices(engine: Engine, prompt: list[int], params: list[SamplingParam
     try:
         for i, p in enumerate(params):
             handles.append(engine.submit(GenerationRequest(
-                prompt_token_ids=prompt, sampling=p, adapter=adapter, request_id=f"{request_id}-{i}",
-                logits_processor=processors(i) if processors else None)))
+                prompt_token_ids=prompt, sampling=p, adapter=adapter, request_id=f"{request_id}-{i}")))
     except Exception:
         for h in handles:
             h.cancel()
@@ -132,9 +144,10 @@ def _retrieve(future: asyncio.Future) -> None:
 
 
 def sse_response(events: AsyncIterator[dict[str, Any]], handles: list[RequestHandle],
-                 headers: dict[str, str] | None = None) -> EventSourceResponse:
-    """Stream JSON chunks as `data:` lines and end with `data: [DONE]`. sse-starlette cancels the
-    generator when the client disconnects; cancelling the handles then frees the engine's work."""
+                 headers: dict[str, str] | None = None, *, typed_events: bool = False) -> EventSourceResponse:
+    """Stream JSON chunks as `data:` lines and end with `data: [DONE]` — or, with `typed_events` (the
+    Responses API), give each an `event:` line naming its `type` and end without a marker. sse-starlette
+    cancels the generator when the client disconnects; cancelling the handles then frees the engine's work."""
     tracker = current_tracker()
 
     async def body() -> AsyncIterator[dict[str, str]]:
@@ -143,8 +156,12 @@ def sse_response(events: AsyncIterator[dict[str, Any]], handles: list[RequestHan
             async for chunk in events:
                 if "error" in chunk:
                     chunk = tracker.stream_error(chunk)
-                yield {"data": json.dumps(chunk, ensure_ascii=False)}
-            yield {"data": "[DONE]"}
+                message = {"data": json.dumps(chunk, ensure_ascii=False)}
+                if typed_events:
+                    message["event"] = chunk["type"]
+                yield message
+            if not typed_events:
+                yield {"data": "[DONE]"}
             complete = True
         finally:
             if not complete:

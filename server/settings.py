@@ -67,6 +67,8 @@ class Settings(BaseModel):
     kt_strict_placement: bool = False
     kt_weight_cache: str | None = None
     kv_cache_tokens: int | None = Field(None, gt=0)
+    prefix_cache: bool = True
+    attention_backend: Literal["auto", "flashinfer", "torch"] = "auto"
     # serving
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -126,7 +128,8 @@ class Settings(BaseModel):
             adapters=self.all_adapters(), kt_optimize_rule=self.kt_optimize_rule, cpu_infer=self.cpu_infer,
             kt_method=self.kt_method, kt_strict_placement=self.kt_strict_placement,
             kt_weight_cache=self.kt_weight_cache, kv_cache_tokens=self.kv_cache_tokens,
-            kt_use_cuda_graph=self.kt_use_cuda_graph, kt_force_think=self.kt_force_think)
+            kt_use_cuda_graph=self.kt_use_cuda_graph, kt_force_think=self.kt_force_think,
+            prefix_cache=self.prefix_cache, attention_backend=self.attention_backend)
 
 
 def _canonical(raw: dict[str, Any], source: str) -> dict[str, Any]:

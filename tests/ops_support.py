@@ -20,6 +20,11 @@ from engines.base import Engine, EngineConfig, EngineStats, EngineUnavailableErr
 REPO = Path(__file__).resolve().parents[1]
 
 
+def child_pythonpath() -> str:
+    """PYTHONPATH for a child Python: the repository first, then whatever this process was given."""
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -111,7 +116,7 @@ class ServerProcess:
     def __init__(self, *args: str, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        env = {**os.environ, "PYTHONPATH": child_pythonpath(), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args],
             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -51,7 +51,7 @@ def open_routes(server) -> set[str]:
 
 def test_the_route_list_read_from_the_app_holds_every_documented_route(keyed):
     paths = {path for _, path in http_routes(keyed.app)}
-    documented = set(keyed.app.openapi()["paths"])
+    documented = {re.sub(r"\{[^}]+\}", "placeholder", path) for path in keyed.app.openapi()["paths"]}
     assert documented <= paths
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"} <= paths
 

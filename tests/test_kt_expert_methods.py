@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from helpers import require_kt_kernel
-from ops_support import REPO, ServerProcess
+from ops_support import ServerProcess, child_pythonpath
 
 require_kt_kernel()
 
@@ -28,7 +28,7 @@ def choices_on_avx2(*calls: str) -> list:
             + "".join(f"try:\n    c = choose_method({call})\n    out.append([c.method, c.reason])\n"
                       f"except ValueError as e:\n    out.append(['error', str(e)])\n" for call in calls)
             + "print(json.dumps(out))\n")
-    env = {**os.environ, **AVX2, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, **AVX2, "PYTHONPATH": child_pythonpath()}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     return json.loads(done.stdout.strip().splitlines()[-1])
 

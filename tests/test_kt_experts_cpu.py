@@ -14,11 +14,11 @@ import os
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
 from helpers import require_kt_kernel
+from ops_support import child_pythonpath
 import torch
 import torch.nn.functional as F
 
@@ -32,7 +32,6 @@ from engines.kt.experts_cpu import RoutedExpertsCPU  # noqa: E402
 E, K, H, I = 16, 4, 256, 256
 MAX_TOKENS = 32
 TOLERANCE = {"BF16": 0.01, "AMXINT8": 0.05, "AMXINT4": 0.35, "FP8": 0.06, "RAWINT4": 0.25, "LLAMAFILE": 0.05}
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -111,20 +110,26 @@ def test_unsupported_method_error_names_it_and_the_supported_ones():
     assert all(m in str(info.value) for m in available_methods())
 
 
+def on_avx2(code: str) -> str:
+    """What `code` prints when run with kt-kernel's avx2 build forced (any x86-64 machine can load it)."""
+    env = {**os.environ, "KT_KERNEL_CPU_VARIANT": "avx2", "PYTHONPATH": child_pythonpath()}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout, out.stderr
+    return out.stdout
+
+
+def construction_error(kwargs: str) -> str:
+    return ("from engines.kt.experts_cpu import RoutedExpertsCPU\n"
+            f"try:\n    RoutedExpertsCPU(layer_idx=0, num_experts=8, top_k=2, {kwargs})\n"
+            "except ValueError as exc:\n    print(type(exc).__name__, exc)\n")
+
+
 def test_avx2_build_runs_bf16_fp8_rawint4_and_llamafile_but_no_amx_methods():
     # kt-kernel's avx2 build (what a CPU without AVX-512 gets: AMD EPYC Rome/Milan) has no AMX* classes.
-    code = ("from engines.kt.expert_methods import available_methods, cpu_variant\n"
-            "from engines.kt.experts_cpu import RoutedExpertsCPU\n"
-            "print(cpu_variant(), ' '.join(available_methods()))\n"
-            "try:\n"
-            "    RoutedExpertsCPU(layer_idx=0, num_experts=8, top_k=2, hidden_size=128, intermediate_size=128,\n"
-            "                     method='AMXINT8')\n"
-            "except ValueError as exc:\n"
-            "    print(type(exc).__name__, exc)\n")
-    env = {**os.environ, "KT_KERNEL_CPU_VARIANT": "avx2", "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    lines = out.stdout.strip().splitlines()
-    assert lines[0].split() == ["avx2", "BF16", "FP8", "RAWINT4", "LLAMAFILE"], out.stderr
+    lines = on_avx2("from engines.kt.expert_methods import available_methods, cpu_variant\n"
+                    "print(cpu_variant(), ' '.join(available_methods()))\n"
+                    + construction_error("hidden_size=128, intermediate_size=128, method='AMXINT8'")).splitlines()
+    assert lines[0].split() == ["avx2", "BF16", "FP8", "RAWINT4", "LLAMAFILE"]
     assert lines[1].startswith("ExpertsUnsupportedError") and "'AMXINT8'" in lines[1] and "FP8" in lines[1]
 
 
@@ -281,16 +286,10 @@ def test_llamafile_with_bf16_blocks_is_as_exact_as_bf16(weights):
 
 
 def test_llamafile_bf16_blocks_are_refused_by_name_where_the_build_lacks_them():
-    code = ("from engines.kt.experts_cpu import RoutedExpertsCPU\n"
-            "try:\n"
-            "    RoutedExpertsCPU(layer_idx=0, num_experts=8, top_k=2, hidden_size=256, intermediate_size=256,\n"
-            "                     method='LLAMAFILE', llamafile_type='BF16')\n"
-            "except ValueError as exc:\n"
-            "    print(type(exc).__name__, exc)\n")
-    env = {**os.environ, "KT_KERNEL_CPU_VARIANT": "avx2", "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.stdout.startswith("ExpertsUnsupportedError llamafile_type BF16"), out.stdout + out.stderr
-    assert "avx2" in out.stdout and "Q8_0" in out.stdout
+    out = on_avx2(construction_error("hidden_size=256, intermediate_size=256, method='LLAMAFILE', "
+                                     "llamafile_type='BF16'"))
+    assert out.startswith("ExpertsUnsupportedError llamafile_type BF16")
+    assert "avx2" in out and "Q8_0" in out
 
 
 def test_unknown_llamafile_block_type_is_refused():

@@ -1,11 +1,14 @@
 """The grammar processor on its own: masks what the grammar forbids, forces EOS once it is complete."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from engines.base import InvalidRequestError
-from engines.runtime.structured import Grammar, compiler_for, json_schema_grammar
+from engines.base import Grammar, json_schema_grammar
+from engines.runtime.structured import compiler_for
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +44,7 @@ def test_a_completed_grammar_leaves_only_eos(compiler, tokenizer):
 
 def test_constraint_waits_for_the_start_token(compiler, tokenizer):
     think_end = tokenizer.encode("</think>", add_special_tokens=False)[0]
-    processor = compiler.processor(json_schema_grammar({"enum": ["cat"]}), start_after=think_end)
+    processor = compiler.processor(replace(json_schema_grammar({"enum": ["cat"]}), start_after=think_end))
     free = torch.zeros(len(tokenizer))
     processor([], free)
     assert torch.isfinite(free).all()

@@ -149,3 +149,67 @@ def test_required_tool_choice_without_parallel_calls_makes_exactly_one_call(serv
         tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=2, max_tokens=60).choices[0]
     assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
     assert choice.message.tool_calls[0].function.name in ("get_weather", "get_time")
+
+
+# ------------------------------------------------------------------------------------ cut by max_tokens
+def tokens_until(tokenizer, script: str, inside: str) -> int:
+    """How many of `script`'s tokens the model writes before its text first covers `inside`."""
+    ids = tokenizer.encode(script, add_special_tokens=False)
+    return next(k for k in range(1, len(ids) + 1) if inside in tokenizer.decode(ids[:k]))
+
+
+def streamed_message(server, text: str, **kwargs) -> dict:
+    """The final message a client assembles from the stream: content, calls by index, finish reason."""
+    content, calls, finish = "", {}, None
+    for chunk in ask(server, text, stream=True, **kwargs):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"name": None, "arguments": ""})
+                call["name"] = d.function.name or call["name"]
+                call["arguments"] += d.function.arguments or ""
+            finish = c.finish_reason or finish
+    return {"content": content or None, "calls": [calls[i] for i in sorted(calls)] or None, "finish": finish}
+
+
+def whole_message(server, text: str, **kwargs) -> dict:
+    choice = ask(server, text, **kwargs).choices[0]
+    calls = [{"name": c.function.name, "arguments": c.function.arguments}
+             for c in choice.message.tool_calls or []] or None
+    return {"content": choice.message.content, "calls": calls, "finish": choice.finish_reason}
+
+
+def test_a_call_cut_mid_arguments_ends_with_the_partial_call_and_length(scripted, tokenizer):
+    limit = tokens_until(tokenizer, ONE_CALL, '"city": "Pa')
+    message = whole_message(scripted, ONE_CALL, max_tokens=limit)
+    assert message["finish"] == "length" and message["content"] == "Let me look."
+    [call] = message["calls"]
+    assert call["name"] == "get_weather" and '{"city": "Pa' in call["arguments"]
+    assert CALL_BEGIN not in call["arguments"] and not call["arguments"].endswith("}")
+
+
+@pytest.mark.parametrize("inside", ['"city": "Pa', "function" + SEP + "get_wea", CALLS_BEGIN + CALL_BEGIN,
+                                    '"unit": "celsius"}\n```'],
+                         ids=["in-arguments", "in-the-name", "at-the-block-start", "at-the-call-end"])
+def test_a_call_cut_by_max_tokens_gives_the_same_message_streamed_or_not(scripted, tokenizer, inside):
+    limit = tokens_until(tokenizer, ONE_CALL, inside)
+    whole = whole_message(scripted, ONE_CALL, max_tokens=limit)
+    assert streamed_message(scripted, ONE_CALL, max_tokens=limit) == whole
+    assert whole["finish"] == "length" and CALL_BEGIN not in (whole["content"] or "")
+
+
+def test_a_call_cut_before_its_name_leaves_only_the_text_before_it(scripted, tokenizer):
+    limit = tokens_until(tokenizer, ONE_CALL, "function" + SEP + "get_wea")
+    assert whole_message(scripted, ONE_CALL, max_tokens=limit) == {
+        "content": "Let me look.", "calls": None, "finish": "length"}
+
+
+def test_an_ollama_reply_cut_inside_a_call_drops_the_unfinished_call(scripted, tokenizer):
+    limit = tokens_until(tokenizer, ONE_CALL, '"city": "Pa')
+    with scripted.http() as http:
+        r = http.post("/api/chat", json={"model": "scripted", "stream": False, "tools": TOOLS,
+                                         "options": {"num_predict": limit},
+                                         "messages": [{"role": "user", "content": ONE_CALL}]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["done_reason"] == "length" and not body["message"].get("tool_calls")

@@ -50,13 +50,19 @@ class HFModelRunner(ModelRunner):
     def release(self, seq: Sequence) -> None:
         seq.runner_state = None
 
-    def last_hidden_states(self, prompts: list[list[int]], adapter: str | None) -> torch.Tensor:
-        rows = []
+    def final_hidden_states(self, prompts: list[list[int]], adapter: str | None) -> list[torch.Tensor]:
+        """All prompts in one forward, right-padded: the causal mask keeps the padding out of every real
+        position."""
+        longest = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+        mask = torch.zeros(len(prompts), longest, dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            ids[i, :len(prompt)] = torch.tensor(prompt)
+            mask[i, :len(prompt)] = 1
         with self.lora.context.step(AdapterRows.uniform(adapter)):
-            for prompt in prompts:
-                ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
-                rows.append(self.model.model(input_ids=ids, use_cache=False).last_hidden_state[0, -1].float().cpu())
-        return torch.stack(rows)
+            hidden = self.model.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                      use_cache=False).last_hidden_state.float().cpu()
+        return [hidden[i, :len(prompt)] for i, prompt in enumerate(prompts)]
 
 
 class HFEngine(LLMEngine):

@@ -38,6 +38,7 @@ class Span:
     write_slots: torch.Tensor  # slots of the fed positions
     read_slots: torch.Tensor  # slots of positions [0, start + n)
     adapter: str | None = None  # the sequence's LoRA adapter
+    blocks: list[int] = field(default_factory=list)  # the cache pages of positions [0, start + n)
 
 
 @dataclass
@@ -48,6 +49,7 @@ class StepBatch:
     positions: torch.Tensor  # [T] on the CPU
     cache: LatentKVCache
     rotary: nn.Module
+    flash: Any = None  # engines.kt.flashinfer_mla.FlashInferMLA when FlashInfer attends; None: torch
     _on_device: dict[tuple[str, str], Any] = field(default_factory=dict)
 
     def on(self, device: torch.device, key: str, make: Callable[[], Any]) -> Any:
@@ -75,6 +77,7 @@ class DecodeBatch:
     mask: torch.Tensor  # [B, L] bool
     cache: LatentKVCache
     rotary: nn.Module
+    paged: Any = None  # a planned engines.kt.flashinfer_mla.PagedMLA when FlashInfer attends; None: torch
     _rope: Any = None
 
     def rope(self, x: torch.Tensor) -> Any:
@@ -132,6 +135,9 @@ class MLAAttention(nn.Module):
         k_pe = k_pe.view(t, self.rope_dim)
         write = batch.on(x.device, "write", lambda: torch.cat([s.write_slots for s in batch.spans]).to(x.device))
         batch.cache.write(self.layer, write, latent, k_pe)
+        if batch.flash is not None:
+            paged = batch.on(x.device, "paged", lambda: batch.flash.plan_spans(x.device, batch.spans))
+            return self.o_proj(self._paged(paged, q_nope, q_pe, batch).reshape(t, self.num_heads * self.v_dim))
         out = torch.empty(t, self.num_heads, self.v_dim, dtype=x.dtype, device=x.device)
         for i, span in enumerate(batch.spans):
             read = batch.on(x.device, f"read{i}", lambda s=span: s.read_slots.to(x.device))
@@ -152,17 +158,18 @@ class MLAAttention(nn.Module):
                                       batch.rope(x))
         q_pe = q_pe[0].transpose(0, 1)
         batch.cache.write(self.layer, batch.write_slots, latent, k_pe.view(b, self.rope_dim))
-        rows = batch.cache.layers[self.layer][batch.read_slots].to(x.dtype)  # [B, L, latent + rope]
-        cached_latent, cached_pe = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
-        q_latent = torch.einsum("bhd,hdr->bhr", q_nope, w[:, :self.nope])
-        scores = (torch.bmm(q_latent, cached_latent.transpose(1, 2))
-                  + torch.bmm(q_pe, cached_pe.transpose(1, 2))) * self.scaling
-        scores = scores.float().masked_fill(~batch.mask.unsqueeze(1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(x.dtype)
-        out_latent = torch.bmm(probs, cached_latent)  # [B, H, latent]
-        out = torch.einsum("bhr,hvr->bhv", out_latent, w[:, self.nope:])
-        return self.o_proj(out.reshape(b, self.num_heads * self.v_dim))
+        q_latent = self._absorb_query(q_nope)
+        if batch.paged is not None:
+            out_latent = batch.paged.run(q_latent, q_pe, batch.cache, self.layer)
+        else:
+            rows = batch.cache.layers[self.layer][batch.read_slots].to(x.dtype)  # [B, L, latent + rope]
+            cached_latent, cached_pe = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+            scores = (torch.bmm(q_latent, cached_latent.transpose(1, 2))
+                      + torch.bmm(q_pe, cached_pe.transpose(1, 2))) * self.scaling
+            scores = scores.float().masked_fill(~batch.mask.unsqueeze(1), float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(x.dtype)
+            out_latent = torch.bmm(probs, cached_latent)  # [B, H, latent]
+        return self.o_proj(self._expand_output(out_latent).reshape(b, self.num_heads * self.v_dim))
 
     def _causal_mask(self, span: Span, length: int, device: torch.device) -> torch.Tensor | None:
         if span.n == 1:
@@ -170,11 +177,52 @@ class MLAAttention(nn.Module):
         query_pos = torch.arange(span.start, span.start + span.n, device=device).unsqueeze(1)
         return torch.arange(length, device=device).unsqueeze(0) <= query_pos
 
-    def _kv_b_update(self, span: Span):
-        """The span's adapter's LoRA on kv_b_proj, (A, B, scale), or None."""
-        if not isinstance(self.kv_b_proj, LoraLinear):
+    def _kv_b_update(self, adapter: str | None):
+        """The adapter's LoRA on kv_b_proj, (A, B, scale) with B per head [h, nope + v, r], or None."""
+        if adapter is None or not isinstance(self.kv_b_proj, LoraLinear):
             return None
-        return self.kv_b_proj.updates.get(span.adapter)
+        update = self.kv_b_proj.updates.get(adapter)
+        if update is None:
+            return None
+        a, b, scale = update
+        return a, b.view(self.num_heads, self.nope + self.v_dim, -1), scale
+
+    def _absorb_query(self, q_nope: torch.Tensor, adapter: str | None = None) -> torch.Tensor:
+        """[n, h, nope] -> [n, h, latent]: the query times kv_b's key half (with the adapter's LoRA on kv_b,
+        kept factored), so it scores cached latents directly."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        q_latent = torch.einsum("nhd,hdr->nhr", q_nope, w[:, :self.nope])
+        update = self._kv_b_update(adapter)
+        if update is not None:
+            a, b, scale = update
+            q_latent = q_latent + scale * torch.einsum("nhk,kr->nhr", torch.einsum("nhd,hdk->nhk", q_nope,
+                                                                                     b[:, :self.nope]), a)
+        return q_latent
+
+    def _expand_output(self, out_latent: torch.Tensor, adapter: str | None = None) -> torch.Tensor:
+        """[n, h, latent] -> [n, h, v]: an attention output in the latent space times kv_b's value half."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        out = torch.einsum("nhr,hvr->nhv", out_latent, w[:, self.nope:])
+        update = self._kv_b_update(adapter)
+        if update is not None:
+            a, b, scale = update
+            out = out + scale * torch.einsum("nhk,hvk->nhv", torch.einsum("nhr,kr->nhk", out_latent, a),
+                                             b[:, self.nope:])
+        return out
+
+    def _paged(self, paged: Any, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """Every span at once through FlashInfer's paged MLA kernel; LoRA on kv_b applied per span around it."""
+        q_latent = self._absorb_query(q_nope)
+        adapted = [s for s in batch.spans if self._kv_b_update(s.adapter) is not None]
+        for span in adapted:
+            rows = slice(span.row, span.row + span.n)
+            q_latent[rows] = self._absorb_query(q_nope[rows], span.adapter)
+        out_latent = paged.run(q_latent, q_pe, batch.cache, self.layer)
+        out = self._expand_output(out_latent)
+        for span in adapted:
+            rows = slice(span.row, span.row + span.n)
+            out[rows] = self._expand_output(out_latent[rows], span.adapter)
+        return out
 
     def _expanded(self, q_nope, q_pe, latent, k_pe, span: Span) -> torch.Tensor:
         """Expand the cached latents to per-head keys and values (prefill: many queries share them)."""
@@ -194,21 +242,9 @@ class MLAAttention(nn.Module):
     def _absorbed(self, q_nope, q_pe, latent, k_pe, span: Span) -> torch.Tensor:
         """Attend in the latent space: fold kv_b's key half into the query and its value half into the
         output, so a decode step reads kv_lora_rank + rope numbers per cached token and expands nothing."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
-        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
-        q_latent = torch.einsum("nhd,hdr->hnr", q_nope, w_uk)
-        update = self._kv_b_update(span)
-        if update is not None:  # kv_b + s*B@A, kept factored: B per head [h, nope + v, r], A [r, latent]
-            a, b, scale = update
-            b = b.view(self.num_heads, self.nope + self.v_dim, -1)
-            q_latent = q_latent + scale * torch.einsum("hnk,kr->hnr", torch.einsum("nhd,hdk->hnk", q_nope,
-                                                                                     b[:, :self.nope]), a)
-        scores = (torch.einsum("hnr,lr->hnl", q_latent, latent)
+        q_latent = self._absorb_query(q_nope, span.adapter)
+        scores = (torch.einsum("nhr,lr->hnl", q_latent, latent)
                   + torch.einsum("nhd,ld->hnl", q_pe, k_pe)) * self.scaling
         probs = torch.softmax(scores.float(), dim=-1).to(latent.dtype)
-        out_latent = torch.einsum("hnl,lr->hnr", probs, latent)
-        out = torch.einsum("hnr,hvr->nhv", out_latent, w_uv)
-        if update is not None:
-            out = out + scale * torch.einsum("hnk,hvk->nhv", torch.einsum("hnr,kr->hnk", out_latent, a),
-                                             b[:, self.nope:])
-        return out
+        out_latent = torch.einsum("hnl,lr->nhr", probs, latent)
+        return self._expand_output(out_latent, span.adapter)

@@ -4,12 +4,14 @@ captured once per (batch size, context length) bucket and replayed, so a decode 
 instead of thousands of Python-issued kernels.
 
 A step is padded up to its buckets: extra rows decode a dummy token into a scratch cache slot, extra
-context positions are masked out."""
+context positions are masked out. With FlashInfer attention the context is not gathered at all: each batch
+bucket has its own FlashInfer wrapper with fixed-address index buffers, planned for the step's real pages
+and lengths before the replay, so one context bucket serves every length."""
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -21,12 +23,16 @@ CONTEXT_BUCKETS = (1024, 4096)
 
 class DecodeGraphs:
     def __init__(self, forward: Callable[..., torch.Tensor], *, device: torch.device, max_batch: int,
-                 max_len: int, scratch_slot: int):
-        self.forward = forward  # (ids, positions, write_slots, read_slots, mask) -> logits [B, vocab]
+                 max_len: int, scratch_slot: int, cache: Any, attention: Any = None):
+        self.forward = forward  # (ids, positions, write_slots, read_slots, mask, paged) -> logits [B, vocab]
         self.device = device
+        self.cache = cache
+        self.attention = attention  # engines.kt.flashinfer_mla.FlashInferMLA, or None: torch gathers
         self.batch_sizes = sorted({b for b in BATCH_BUCKETS if b < max_batch} | {max_batch})
-        self.context_sizes = sorted({c for c in CONTEXT_BUCKETS if c < max_len} | {max_len})
+        self.context_sizes = [1] if attention else sorted({c for c in CONTEXT_BUCKETS if c < max_len} | {max_len})
+        self.max_pages = cache.blocks_for(max_len)
         self.scratch_slot = scratch_slot
+        self.scratch_block = scratch_slot // cache.block_size
         b, c = self.batch_sizes[-1], self.context_sizes[-1]
         self.ids = torch.zeros(b, dtype=torch.long, device=device)
         self.positions = torch.zeros(b, dtype=torch.long, device=device)
@@ -34,7 +40,7 @@ class DecodeGraphs:
         self.read = torch.full((b, c), scratch_slot, dtype=torch.long, device=device)
         self.mask = torch.zeros(b, c, dtype=torch.bool, device=device)
         self.mask[:, 0] = True  # a padded row must attend to something, or its softmax is NaN
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, Any]] = {}
         self.pool = None
 
     def capture(self) -> None:
@@ -49,8 +55,17 @@ class DecodeGraphs:
         return (self.ids[:batch], self.positions[:batch], self.write[:batch], self.read[:batch, :context],
                 self.mask[:batch, :context])
 
-    def _capture(self, batch: int, context: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        inputs = self._inputs(batch, context)
+    def _plan(self, paged: Any, batch: int, lengths: list[int], pages: list[list[int]]) -> None:
+        """Plan a bucket's FlashInfer wrapper; padded rows attend to the scratch slot alone."""
+        pad = batch - len(lengths)
+        paged.plan([1] * batch, lengths + [1] * pad, pages + [[self.scratch_block]] * pad, causal=False)
+
+    def _capture(self, batch: int, context: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, Any]:
+        paged = None
+        if self.attention is not None:
+            paged = self.attention.for_graph(self.device, batch, self.max_pages)
+            self._plan(paged, batch, [], [])
+        inputs = self._inputs(batch, context) + ({self.device: paged} if paged else None,)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -62,29 +77,28 @@ class DecodeGraphs:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool):
             out = self.forward(*inputs)
-        return graph, out
+        return graph, out, paged
 
     def fits(self, batch: int, context: int) -> bool:
-        return batch <= self.batch_sizes[-1] and context <= self.context_sizes[-1]
+        return batch <= self.batch_sizes[-1] and (self.attention is not None or context <= self.context_sizes[-1])
 
-    def run(self, ids: list[int], positions: list[int], write: list[int], read: list[torch.Tensor]
-            ) -> torch.Tensor:
-        """Replay the smallest graph that fits; logits of the real rows, float32 on the CPU."""
-        n, longest = len(ids), max(len(r) for r in read)
+    def run(self, ids: list[int], positions: list[int], write: list[int], lengths: list[int],
+            pages: list[list[int]]) -> torch.Tensor:
+        """Replay the smallest graph that fits sequences of `lengths` positions held in `pages`; logits of
+        the real rows, float32 on the CPU."""
+        n = len(ids)
         batch = next(b for b in self.batch_sizes if b >= n)
-        context = next(c for c in self.context_sizes if c >= longest)
-        read_rows = torch.full((batch, context), self.scratch_slot, dtype=torch.long)
-        mask_rows = torch.zeros(batch, context, dtype=torch.bool)
-        mask_rows[:, 0] = True
-        for i, slots in enumerate(read):
-            read_rows[i, :len(slots)] = slots
-            mask_rows[i, :len(slots)] = True
+        context = 1 if self.attention else next(c for c in self.context_sizes if c >= max(lengths))
+        graph, out, paged = self.graphs[(batch, context)]
+        if paged is not None:
+            self._plan(paged, batch, lengths, pages)
+        else:
+            read_rows, mask_rows = self.cache.context_slots(pages, lengths, batch, context, self.scratch_slot)
+            self.read[:batch, :context].copy_(read_rows, non_blocking=True)
+            self.mask[:batch, :context].copy_(mask_rows, non_blocking=True)
         pad = batch - n
         self.ids[:batch].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
         self.positions[:batch].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
         self.write[:batch].copy_(torch.tensor(write + [self.scratch_slot] * pad), non_blocking=True)
-        self.read[:batch, :context].copy_(read_rows, non_blocking=True)
-        self.mask[:batch, :context].copy_(mask_rows, non_blocking=True)
-        graph, out = self.graphs[(batch, context)]
         graph.replay()
         return out[:n].float().cpu()

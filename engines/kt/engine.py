@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from engines.base import ModelInfo
+from engines.kt.flashinfer_mla import attention_for
 from engines.kt.kv_cache import LatentKVCache
 from engines.kt.loader import load_checkpoint, missing_tensors
 from engines.kt.operators import OperatorOptions
@@ -151,8 +152,10 @@ class KTEngine(LLMEngine):
         model.eval()
         devices = layer_devices(model)
         cache = LatentKVCache(layer_devices=devices, num_tokens=self._kv_tokens(max_len),
-                              latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim, dtype=dtype)
-        runner = KTModelRunner(model, devices, cache, max_len)
+                              latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim, dtype=dtype,
+                              prefix_cache=cfg.prefix_cache)
+        flash = attention_for(cfg.attention_backend, model.model.layers[0].self_attn, devices, cache)
+        runner = KTModelRunner(model, devices, cache, max_len, flash=flash)
         if uses_cpu_experts(model):
             self.torch_threads = _torch_threads(cfg.cpu_infer, all(d.type == "cuda" for d in devices))
             torch.set_num_threads(self.torch_threads)

@@ -444,6 +444,8 @@ class RoutedExpertsCPU(nn.Module):
             if tokens and (int(ids.max()) >= self.num_experts or int(ids.min()) < -1):
                 raise ValueError(f"topk_ids of layer {self.layer_idx} must lie in -1..{self.num_experts - 1}, "
                                  f"got {int(ids.min())}..{int(ids.max())}")
+            if self.gpu_experts:
+                ids.copy_(self._without_hot_experts(ids))
             if self.method == "LLAMAFILE":
                 _fill_empty_slots(ids, weights, self._gpu_mask)
             starts = range(0, tokens, self.chunk_tokens)
@@ -509,7 +511,8 @@ class RoutedExpertsCPU(nn.Module):
             b = self._stream_buffers(hidden.device)
             stream = torch.cuda.current_stream(hidden.device)
             b.x[:tokens].copy_(hidden, non_blocking=True)
-            b.ids[:tokens].copy_(topk_ids, non_blocking=True)
+            b.ids[:tokens].copy_(self._without_hot_experts(topk_ids) if self.gpu_experts else topk_ids,
+                                 non_blocking=True)
             b.weights[:tokens].copy_(topk_weights, non_blocking=True)
             # kt-kernel reads the token count through a pointer when the stream reaches the task, so each
             # count has its own never-changing pinned cell (captured CUDA graphs replay these pointers).
@@ -523,6 +526,12 @@ class RoutedExpertsCPU(nn.Module):
                 b.out.data_ptr(), False))
             gpu_part = self._hot_experts(hidden, topk_ids, topk_weights) if self._gpu_weights else None
             self._pending = _StreamPending(tokens, hidden.dtype, stream, gpu_part)
+
+    def _without_hot_experts(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """topk_ids with the hot experts as -1, on topk_ids' device: the torch part computes those, and
+        whether a kt-kernel build skips them by the mask alone differs between builds (the amx build did not)."""
+        mask = self._gpu_mask.to(topk_ids.device, non_blocking=True)
+        return topk_ids.masked_fill(mask[topk_ids.clamp_min(0)] & (topk_ids >= 0), -1)
 
     def _sync_on_stream(self, pending: "_StreamPending") -> torch.Tensor:
         b = self._stream_staging

@@ -2,31 +2,27 @@
 (qk_rope_head_dim) are stored — 576 numbers a layer for DeepSeek-V2/V3 instead of 2 x heads x head_dim.
 
 Storage is paged: each layer owns one [num_blocks * block_size, latent + rope] tensor on that layer's device,
-and each sequence a list of block ids. Admission reserves a sequence's worst case (prompt + max_tokens) so a
-running request never runs out; blocks themselves are taken only as positions are written."""
+and each sequence a `BlockTable` of block ids. Which block belongs to whom, and which full pages are kept for
+reuse by later requests with the same prefix, is the `BlockPool`'s business (block_pool.py)."""
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 
+from engines.kt.block_pool import BlockPool, BlockTable, extend_hashes
 
-@dataclass(slots=True)
-class BlockTable:
-    blocks: list[int] = field(default_factory=list)
-    reserved_blocks: int = 0
+__all__ = ["BlockTable", "LatentKVCache"]
 
 
 class LatentKVCache:
     def __init__(self, *, layer_devices: list[torch.device], num_tokens: int, latent_dim: int, rope_dim: int,
-                 dtype: torch.dtype, block_size: int = 64):
+                 dtype: torch.dtype, block_size: int = 64, prefix_cache: bool = True):
         self.block_size = block_size
         self.num_blocks = max(1, -(-num_tokens // block_size))
         self.latent_dim, self.rope_dim = latent_dim, rope_dim
+        self.prefix_cache = prefix_cache
         slots = self.num_blocks * block_size
         self.layers = [torch.zeros(slots, latent_dim + rope_dim, dtype=dtype, device=d) for d in layer_devices]
-        self._free = list(range(self.num_blocks - 1, -1, -1))
-        self._reserved = 0  # blocks promised to admitted sequences, taken or not
+        self.pool = BlockPool(self.num_blocks, block_size)
 
     # --------------------------------------------------------------------------- accounting
     @property
@@ -35,41 +31,63 @@ class LatentKVCache:
 
     @property
     def used_tokens(self) -> int:
-        return (self.num_blocks - len(self._free)) * self.block_size
+        """Positions in blocks some sequence holds; cached prefix pages nobody holds are reclaimable."""
+        return self.pool.in_use * self.block_size
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+    @property
+    def cached_tokens(self) -> int:
+        return self.pool.cached_blocks * self.block_size
 
-    def reserve(self, table: BlockTable, max_positions: int) -> bool:
-        need = self.blocks_for(max_positions)
-        extra = need - table.reserved_blocks
-        if extra <= 0:
-            return True
-        if self._reserved + extra > self.num_blocks:
-            return False
-        self._reserved += extra
-        table.reserved_blocks = need
-        return True
-
-    def release(self, table: BlockTable) -> None:
-        self._free.extend(reversed(table.blocks))
-        self._reserved -= table.reserved_blocks
-        table.blocks.clear()
-        table.reserved_blocks = 0
+    def admit(self, table: BlockTable, tokens: list[int], max_positions: int, root: str, reuse: bool = True
+              ) -> int | None:
+        """Reserve room for up to `max_positions` positions of a sequence starting with `tokens`. With
+        `reuse`, borrow the cached pages of its longest known prefix under the prefix key `root` (the
+        adapter's), always leaving the last token to compute. Returns the number of positions found cached,
+        or None when there is no room now."""
+        lookup: list[bytes] = []
+        if self.prefix_cache and reuse:
+            pages = (len(tokens) - 1) // self.block_size
+            lookup = extend_hashes(table.hashes, tokens, pages, self.block_size, root)[:pages]
+        hits = self.pool.admit(table, max_positions, lookup)
+        return None if hits is None else hits * self.block_size
 
     def ensure(self, table: BlockTable, num_positions: int) -> None:
         """Take blocks so that positions [0, num_positions) have slots."""
-        need = self.blocks_for(num_positions)
-        if need > table.reserved_blocks:
-            raise RuntimeError(f"sequence grew past its reservation ({need} > {table.reserved_blocks} blocks)")
-        while len(table.blocks) < need:
-            table.blocks.append(self._free.pop())
+        self.pool.take(table, num_positions)
+
+    def offer(self, table: BlockTable, tokens: list[int], computed: int, root: str) -> None:
+        """Positions [0, computed) of `tokens` are in the cache: index the full pages among them."""
+        if self.prefix_cache:
+            self.pool.offer(table, extend_hashes(table.hashes, tokens, computed // self.block_size,
+                                                 self.block_size, root))
+
+    def release(self, table: BlockTable) -> None:
+        self.pool.release(table)
+
+    def blocks_for(self, num_positions: int) -> int:
+        return self.pool.blocks_for(num_positions)
 
     def slots(self, table: BlockTable, start: int, end: int) -> torch.Tensor:
         """Flat slot indices of positions [start, end), on the CPU."""
+        return self._slots(table.blocks, start, end)
+
+    def _slots(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
         positions = torch.arange(start, end)
-        blocks = torch.tensor(table.blocks, dtype=torch.long)[positions // self.block_size]
-        return blocks * self.block_size + positions % self.block_size
+        paged = torch.tensor(blocks, dtype=torch.long)[positions // self.block_size]
+        return paged * self.block_size + positions % self.block_size
+
+    def context_slots(self, pages: list[list[int]], lengths: list[int], rows: int, width: int, pad_slot: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[rows, width] slots of each sequence's positions [0, length) held in `pages`, padded with
+        `pad_slot`, and the mask of the real ones. Rows past the sequences attend to `pad_slot` alone (a
+        row with nothing to attend to would make a NaN softmax)."""
+        read = torch.full((rows, width), pad_slot, dtype=torch.long)
+        mask = torch.zeros(rows, width, dtype=torch.bool)
+        mask[len(pages):, 0] = True
+        for i, (blocks, length) in enumerate(zip(pages, lengths)):
+            read[i, :length] = self._slots(blocks, 0, length)
+            mask[i, :length] = True
+        return read, mask
 
     # --------------------------------------------------------------------------- data
     def write(self, layer: int, slots: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor) -> None:
@@ -79,3 +97,8 @@ class LatentKVCache:
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.layers[layer][slots]
         return rows[:, :self.latent_dim], rows[:, self.latent_dim:]
+
+    def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's cache as [num_blocks, block_size, latent] and [.., rope] views (no copy)."""
+        paged = self.layers[layer].view(self.num_blocks, self.block_size, self.latent_dim + self.rope_dim)
+        return paged[..., :self.latent_dim], paged[..., self.latent_dim:]

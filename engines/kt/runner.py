@@ -3,6 +3,10 @@ belongs to. Linears, norms and the experts see one flat [tokens, hidden] batch (
 per layer per step for the whole batch); only attention looks at sequence boundaries, through the spans."""
 from __future__ import annotations
 
+import contextlib
+import logging
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -15,11 +19,14 @@ from engines.lora.modules import AdapterRows
 from engines.runtime.model_runner import ModelRunner, ScheduledChunk
 from engines.runtime.sequence import Sequence
 
+log = logging.getLogger("ktserve.engine.kt")
+
 
 class KTModelRunner(ModelRunner):
     def __init__(self, model: nn.Module, layer_devices: list[torch.device], cache: LatentKVCache,
-                 max_model_len: int):
+                 max_model_len: int, flash: Any = None):
         self.model = model
+        self.flash = flash  # engines.kt.flashinfer_mla.FlashInferMLA when FlashInfer attends; None: torch
         self.inner = model.model
         self.layers = list(self.inner.layers)
         self.layer_devices = layer_devices
@@ -31,30 +38,43 @@ class KTModelRunner(ModelRunner):
                                  f"engines.kt.operators.MLAAttention (found {type(layer.self_attn).__name__})")
         self._experts = [m for m in model.modules() if isinstance(m, RoutedExpertsCPU)]
         self.embed_device = self.inner.embed_tokens.weight.device
+        self.norm_device = self.inner.norm.weight.device
         self.head_device = model.lm_head.weight.device
+        # Split over several devices (a multi-GPU rule file), each layer runs with its GPU as the current
+        # device, so whatever is launched on "the current device" (kt-kernel's stream callbacks included)
+        # goes to the layer's own GPU.
+        self.devices = set(layer_devices) | {self.embed_device, self.norm_device, self.head_device}
+        self._scope = _device_scope if len(self.devices) > 1 else (lambda device: contextlib.nullcontext())
         self.lora = LoraModules(model, model.config.hidden_size)
         # one cache slot no sequence owns: padded rows of a fixed-shape decode step write there
         self._scratch = BlockTable()
-        cache.reserve(self._scratch, 1)
+        cache.admit(self._scratch, [], 1, "", reuse=False)
         cache.ensure(self._scratch, 1)
         self.scratch_slot = int(cache.slots(self._scratch, 0, 1)[0])
         self.graphs = None  # DecodeGraphs, once captured
         self._replayed = False  # the last decode step was a graph replay
-        devices = set(layer_devices) | {self.embed_device, self.head_device}
-        self.timer = StepTimer(self._experts, next(iter(devices)) if len(devices) == 1 else torch.device("cpu"))
+        self.timer = StepTimer(self._experts, next(iter(self.devices)) if len(self.devices) == 1
+                               else torch.device("cpu"))
 
     def capture_decode_graphs(self, max_batch: int) -> None:
-        """Capture the decode step in CUDA graphs (one GPU, no hot experts on it); see cuda_graphs.py."""
+        """Capture the decode step in CUDA graphs (one GPU, no hot experts on it); see cuda_graphs.py.
+
+        A placement over several devices decodes without graphs (logged once): the step's hops between
+        GPUs would have to be captured across devices, which is not done here."""
         from engines.kt.cuda_graphs import DecodeGraphs
 
-        devices = set(self.layer_devices) | {self.embed_device, self.head_device}
-        if len(devices) != 1 or next(iter(devices)).type != "cuda":
-            raise ValueError("kt_use_cuda_graph needs the whole non-expert model on one GPU")
+        if len(self.devices) != 1 or next(iter(self.devices)).type != "cuda":
+            where = ", ".join(sorted(str(d) for d in self.devices))
+            log.warning("kt_use_cuda_graph: decode runs without CUDA graphs, because the non-expert model is "
+                        "not on one GPU (it runs on %s); graphs are captured for a single-GPU placement only",
+                        where)
+            return
         if any(e.gpu_experts for e in self._experts):
             raise ValueError("kt_use_cuda_graph cannot be combined with hot experts on the GPU (gpu_experts)")
         self.graphs = DecodeGraphs(self._decode_forward, device=self.embed_device, max_batch=max_batch,
-                                   max_len=self.max_model_len, scratch_slot=self.scratch_slot)
-        with torch.inference_mode():
+                                   max_len=self.max_model_len, scratch_slot=self.scratch_slot, cache=self.cache,
+                                   attention=self.flash)
+        with torch.inference_mode(), torch.cuda.device(self.embed_device):  # the model's GPU need not be cuda:0
             try:
                 self.graphs.capture()
             except RuntimeError as exc:
@@ -71,8 +91,15 @@ class KTModelRunner(ModelRunner):
             seq.runner_state = BlockTable()
         return seq.runner_state  # type: ignore[return-value]
 
-    def admit(self, seq: Sequence, max_positions: int) -> bool:
-        return self.cache.reserve(self._table(seq), min(max_positions, self.max_model_len))
+    def _prefix_key(self, adapter: str | None) -> str:
+        """What besides the tokens decides a page's latents: the adapter, as installed (a LoRA anywhere
+        changes the residual stream, hence every later layer's latents)."""
+        return "" if adapter is None else f"{adapter}\0{self.lora.installs.get(adapter, 0)}"
+
+    def admit(self, seq: Sequence, max_positions: int) -> int | None:
+        # prompt logprobs need logits at every prompt position, so those prompts are computed whole
+        return self.cache.admit(self._table(seq), seq.token_ids, min(max_positions, self.max_model_len),
+                                self._prefix_key(seq.request.adapter), reuse=seq.prompt_logprobs is None)
 
     def release(self, seq: Sequence) -> None:
         if seq.runner_state is not None:
@@ -98,97 +125,133 @@ class KTModelRunner(ModelRunner):
     def _execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
         if all(c.num_tokens == 1 and c.samples and not c.all_logits and c.seq.request.adapter is None
                for c in chunks):
-            return self._decode(chunks)
-        pieces = []
-        for chunk in chunks:
-            table = self._table(chunk.seq)
-            self.cache.ensure(table, chunk.end)
-            pieces.append((table, chunk.seq.token_ids, chunk.start, chunk.end, chunk.seq.request.adapter))
-        spans, hidden = self._forward(pieces)
-        return self._logits(chunks, spans, hidden)
+            logits = self._decode(chunks)
+        else:
+            pieces = []
+            for chunk in chunks:
+                table = self._table(chunk.seq)
+                self.cache.ensure(table, chunk.end)
+                pieces.append((table, chunk.seq.token_ids, chunk.start, chunk.end, chunk.seq.request.adapter))
+            spans, hidden = self._forward(pieces)
+            logits = self._logits(chunks, spans, hidden)
+        for chunk in chunks:  # their pages now hold the fed positions: full ones can serve later requests
+            self.cache.offer(self._table(chunk.seq), chunk.seq.token_ids, chunk.end,
+                             self._prefix_key(chunk.seq.request.adapter))
+        return logits
+
+    def step_batch(self, pieces: list[tuple]) -> StepBatch:
+        """The attention metadata of a step over (block table, start, end, adapter) pieces, in row order."""
+        spans, positions = [], []
+        row = 0
+        for table, start, end, adapter in pieces:
+            spans.append(Span(row=row, n=end - start, start=start, write_slots=self.cache.slots(table, start, end),
+                              read_slots=self.cache.slots(table, 0, end), adapter=adapter,
+                              blocks=table.blocks[:self.cache.blocks_for(end)]))
+            positions.append(torch.arange(start, end))
+            row += end - start
+        return StepBatch(spans=spans, positions=torch.cat(positions), cache=self.cache,
+                         rotary=self.inner.rotary_emb, flash=self.flash)
 
     def _forward(self, pieces: list[tuple]) -> tuple[list[Span], torch.Tensor]:
         """One forward over (block table, token ids, start, end, adapter) pieces; the last hidden states."""
-        spans, ids, positions = [], [], []
-        row = 0
-        for table, tokens, start, end, adapter in pieces:
-            spans.append(Span(row=row, n=end - start, start=start, write_slots=self.cache.slots(table, start, end),
-                              read_slots=self.cache.slots(table, 0, end), adapter=adapter))
-            ids.extend(tokens[start:end])
-            positions.append(torch.arange(start, end))
-            row += end - start
-        batch = StepBatch(spans=spans, positions=torch.cat(positions), cache=self.cache,
-                          rotary=self.inner.rotary_emb)
+        batch = self.step_batch([(table, start, end, adapter) for table, _, start, end, adapter in pieces])
+        ids = [t for _, tokens, start, end, _ in pieces for t in tokens[start:end]]
+        spans = batch.spans
         rows = AdapterRows([(s.adapter, s.row, s.n) for s in spans])
         with self.lora.context.step(rows):
             hidden = self.inner.embed_tokens(torch.tensor(ids, device=self.embed_device))
             for layer, device in zip(self.layers, self.layer_devices):
                 hidden = hidden.to(device)
-                residual = hidden
-                hidden = residual + layer.self_attn(layer.input_layernorm(hidden), batch)
-                residual = hidden
-                hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+                with self._scope(device):
+                    residual = hidden
+                    hidden = residual + layer.self_attn(layer.input_layernorm(hidden), batch)
+                    residual = hidden
+                    hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
         return spans, hidden
 
     def _decode(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
         """Every sequence decodes one token: one fixed-shape step, replayed from a CUDA graph when one fits."""
-        ids, positions, write, read = [], [], [], []
+        ids, positions, write, lengths, pages = [], [], [], [], []
         for chunk in chunks:
             table = self._table(chunk.seq)
             self.cache.ensure(table, chunk.end)
             ids.append(chunk.seq.token_ids[chunk.start])
             positions.append(chunk.start)
             write.append(int(self.cache.slots(table, chunk.start, chunk.end)[0]))
-            read.append(self.cache.slots(table, 0, chunk.end))
-        longest = max(len(r) for r in read)
-        if self.graphs is not None and self.graphs.fits(len(ids), longest):
-            logits = self.graphs.run(ids, positions, write, read)
+            lengths.append(chunk.end)
+            pages.append(table.blocks[:self.cache.blocks_for(chunk.end)])
+        if self.graphs is not None and self.graphs.fits(len(ids), max(lengths)):
+            logits = self.graphs.run(ids, positions, write, lengths, pages)
             self._replayed = True
         else:
-            read_rows = torch.full((len(ids), longest), self.scratch_slot, dtype=torch.long)
-            mask = torch.zeros(len(ids), longest, dtype=torch.bool)
-            for i, slots in enumerate(read):
-                read_rows[i, :len(slots)] = slots
-                mask[i, :len(slots)] = True
-            device = self.embed_device
-            with self.lora.context.step(AdapterRows([(None, i, 1) for i in range(len(ids))])):
-                logits = self._decode_forward(torch.tensor(ids, device=device), torch.tensor(positions, device=device),
-                                              torch.tensor(write, device=device), read_rows.to(device),
-                                              mask.to(device)).float().cpu()
+            logits = self._decode_eager(ids, positions, write, lengths, pages)
         return [logits[i:i + 1] for i in range(len(chunks))]
 
+    def _decode_eager(self, ids: list[int], positions: list[int], write: list[int], lengths: list[int],
+                      pages: list[list[int]]) -> torch.Tensor:
+        n, device = len(ids), self.embed_device
+        paged = None
+        if self.flash is not None:  # FlashInfer reads the pages itself: no context to gather
+            paged = {d: self.flash.eager(d).plan([1] * n, lengths, pages, causal=False)
+                     for d in set(self.layer_devices)}
+            read, mask = torch.full((n, 1), self.scratch_slot), torch.ones(n, 1, dtype=torch.bool)
+        else:
+            read, mask = self.cache.context_slots(pages, lengths, n, max(lengths), self.scratch_slot)
+        with self.lora.context.step(AdapterRows([(None, i, 1) for i in range(n)])):
+            return self._decode_forward(torch.tensor(ids, device=device), torch.tensor(positions, device=device),
+                                        torch.tensor(write, device=device), read.to(device), mask.to(device),
+                                        paged).float().cpu()
+
     def _decode_forward(self, ids: torch.Tensor, positions: torch.Tensor, write: torch.Tensor,
-                        read: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The decode step on fixed-shape tensors (capturable): logits [B, vocab] in the model's dtype."""
-        batch = DecodeBatch(positions=positions, write_slots=write, read_slots=read, mask=mask, cache=self.cache,
-                            rotary=self.inner.rotary_emb)
+                        read: torch.Tensor, mask: torch.Tensor, paged: dict | None = None) -> torch.Tensor:
+        """The decode step on fixed-shape tensors (capturable): logits [B, vocab] in the model's dtype.
+        `paged`: each device's planned FlashInfer wrapper, when FlashInfer attends (read and mask unused)."""
+        def step_batch(device: torch.device) -> DecodeBatch:
+            return DecodeBatch(positions=positions.to(device), write_slots=write.to(device),
+                               read_slots=read.to(device), mask=mask.to(device), cache=self.cache,
+                               rotary=self.inner.rotary_emb, paged=paged.get(device) if paged else None)
+
         hidden = self.inner.embed_tokens(ids)
+        batch = step_batch(hidden.device)
         for layer, device in zip(self.layers, self.layer_devices):
             if hidden.device != device:
                 hidden = hidden.to(device)
-                batch = DecodeBatch(positions=positions.to(device), write_slots=write.to(device),
-                                    read_slots=read.to(device), mask=mask.to(device), cache=self.cache,
-                                    rotary=self.inner.rotary_emb)
-            hidden = hidden + layer.self_attn.decode(layer.input_layernorm(hidden), batch)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.model.lm_head(self.inner.norm(hidden.to(self.head_device)))
+                batch = step_batch(device)
+            with self._scope(device):
+                hidden = hidden + layer.self_attn.decode(layer.input_layernorm(hidden), batch)
+                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.model.lm_head(self._final_norm(hidden).to(self.head_device))
 
-    def last_hidden_states(self, prompts: list[list[int]], adapter: str | None) -> torch.Tensor:
-        """Each prompt in its own forward over borrowed cache blocks, freed at once."""
+
+    def _final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's final norm, on its own device (a rule may put it apart from the last layer)."""
+        with self._scope(self.norm_device):
+            return self.inner.norm(hidden.to(self.norm_device))
+
+    def final_hidden_states(self, prompts: list[list[int]], adapter: str | None) -> list[torch.Tensor]:
+        """The prompts in as few forwards as the free cache allows (borrowed blocks, freed at once)."""
         from engines.base import EngineUnavailableError
 
-        rows = []
-        for prompt in prompts:
-            table = BlockTable()
-            if not self.cache.reserve(table, len(prompt)):
-                raise EngineUnavailableError("no KV cache room to score this prompt now; retry later")
+        states: list[torch.Tensor] = []
+        while len(states) < len(prompts):
+            tables: list[BlockTable] = []
             try:
-                self.cache.ensure(table, len(prompt))
-                _, hidden = self._forward([(table, prompt, 0, len(prompt), adapter)])
-                rows.append(self.inner.norm(hidden[-1:].to(self.head_device))[0].float().cpu())
+                for prompt in prompts[len(states):]:
+                    table = BlockTable()
+                    if self.cache.admit(table, prompt, len(prompt), "", reuse=False) is None:
+                        break
+                    tables.append(table)
+                    self.cache.ensure(table, len(prompt))
+                if not tables:
+                    raise EngineUnavailableError("no KV cache room for this prompt now; retry later")
+                batch = prompts[len(states):len(states) + len(tables)]
+                spans, hidden = self._forward([(t, p, 0, len(p), adapter) for t, p in zip(tables, batch)])
+                normed = self._final_norm(hidden).float().cpu()
+                states += [normed[s.row:s.row + s.n] for s in spans]
             finally:
-                self.cache.release(table)
-        return torch.stack(rows)
+                for table in tables:
+                    self.cache.release(table)
+        return states
 
     def _logits(self, chunks: list[ScheduledChunk], spans: list[Span], hidden: torch.Tensor):
         wanted: list[torch.Tensor] = []
@@ -206,7 +269,7 @@ class KTModelRunner(ModelRunner):
         if not wanted:
             return out
         rows = torch.cat(wanted).to(hidden.device)
-        normed = self.inner.norm(hidden.index_select(0, rows).to(self.head_device))
+        normed = self._final_norm(hidden.index_select(0, rows)).to(self.head_device)
         logits = self.model.lm_head(normed).float().cpu()
         start = 0
         for i, n in enumerate(shape):
@@ -218,6 +281,10 @@ class KTModelRunner(ModelRunner):
     def close(self) -> None:
         self.model = None  # type: ignore[assignment]
         self.layers = []
+
+
+def _device_scope(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def layer_devices(model: nn.Module) -> list[torch.device]:

@@ -42,6 +42,9 @@ def _tensor(t) -> torch.Tensor:
 
 
 def read(path: Path) -> LoraAdapter:
+    from engines.lora.formats import regular_file
+
+    regular_file(path)  # a FIFO named x.gguf would block the reader for ever
     try:
         from gguf import GGUFReader
         reader = GGUFReader(str(path))

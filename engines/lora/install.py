@@ -5,6 +5,7 @@ adapter needs them and stay (a wrapper with no update for the step's adapters co
 `install` / `remove` (the engine thread, between steps) only swap dictionary entries."""
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,9 @@ class LoraModules:
         self.hidden_size = hidden_size
         self.context = LoraContext()
         self._wrapped: dict[str, nn.Module] = {}
+        # name -> which install it is: a name unloaded and loaded again is a different adapter (prefix caching)
+        self.installs: dict[str, int] = {}
+        self._install_count = itertools.count(1)
 
     def targets(self) -> ModelTargets:
         return describe(self.model, self.hidden_size)
@@ -62,6 +66,7 @@ class LoraModules:
 
     # --------------------------------------------------------------------------- engine thread
     def install(self, name: str, prepared: PreparedAdapter) -> None:
+        self.installs[name] = next(self._install_count)
         for module_name, update in prepared.linears.items():
             self._wrapper(module_name).updates[name] = update
         for layer, update in prepared.experts.items():

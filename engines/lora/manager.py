@@ -55,7 +55,7 @@ class AdapterManager:
             adapter = read_adapter(path)
             prepared = self.modules.prepare(adapter)
             self._run_on_engine(lambda: self.modules.install(name, prepared))
-            info = AdapterInfo(name=name, path=str(path), created=int(time.time()))
+            info = AdapterInfo(name=name, path=str(path), created=int(time.time()), size_bytes=prepared.nbytes)
             with self._lock:
                 self._visible[name] = _Entry(info, adapter, prepared.nbytes)
             return info

@@ -17,14 +17,17 @@ from typing import Any
 import torch
 
 from engines.base import (
-    AdapterInfo, Engine, EngineConfig, EngineStats, EngineUnavailableError, GenerationOutput, GenerationRequest,
+    AdapterInfo, Engine, EngineConfig, EngineStats, EngineUnavailableError, GenerationOutput, GenerationRequest, Grammar,
     InvalidRequestError, ModelInfo, NotFoundError, RequestHandle, UnsupportedError,
 )
+from engines.model_files import weights_size
 from engines.runtime.detokenizer import IncrementalDetokenizer
+from engines.runtime.embeddings import EmbeddingQueue
 from engines.runtime.model_runner import ModelRunner, ScheduledChunk
 from engines.runtime.sampler import Sampler
 from engines.runtime.scheduler import Scheduler
 from engines.runtime.sequence import Sequence
+from engines.runtime.structured import compiler_for
 
 log = logging.getLogger("ktserve.engine")
 
@@ -52,6 +55,7 @@ class LLMEngine(Engine):
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._adapters: Any = None  # engines.lora.manager.AdapterManager, when the runner supports LoRA
         self._value_head: Any = None  # the model directory's reward head, if it has one
+        self._embeddings: EmbeddingQueue | None = None
 
     # ------------------------------------------------------------------------------ subclass hook
     @abstractmethod
@@ -61,10 +65,13 @@ class LLMEngine(Engine):
     # ------------------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self._runner, self._tokenizer, self._info = self._load()
+        self._info.size_bytes = weights_size(self.config.model_path)
+        self._info.gpu_bytes = self._runner.gpu_bytes()
         self._sampler = Sampler(self._tokenizer, self._info.eos_token_ids)
         self._scheduler = Scheduler(self._runner, max_running=self.config.max_concurrent,
                                     max_queue=self.config.max_queue, chunk_size=self.config.chunk_size)
         self._start_adapters()
+        self._embeddings = EmbeddingQueue(self._runner, self._command, token_budget=self.config.chunk_size)
         self._thread = threading.Thread(target=self._loop, name=f"{self.name}-generation", daemon=True)
         self._thread.start()
 
@@ -99,6 +106,8 @@ class LLMEngine(Engine):
         s = self._stats
         if self._scheduler is not None:
             s.running, s.waiting = self._scheduler.counts()
+            s.prompt_tokens = self._scheduler.prompt_tokens
+            s.cached_prompt_tokens = self._scheduler.cached_prompt_tokens
         if self._runner is not None:
             s.kv_used_tokens, s.kv_total_tokens = self._runner.kv_usage()
             times = self._runner.step_times()
@@ -125,7 +134,8 @@ class LLMEngine(Engine):
         p = request.sampling
         detok = IncrementalDetokenizer(self._tokenizer, skip_special_tokens=p.skip_special_tokens, stop=p.stop,
                                        include_stop_str_in_output=p.include_stop_str_in_output)
-        seq = Sequence.create(request, handle, detok)
+        processor = compiler_for(self._tokenizer).processor(p.grammar) if p.grammar is not None else None
+        seq = Sequence.create(request, handle, detok, processor)
         self._sequences[seq.id] = seq  # before the scheduler can hand it to the thread
         try:
             self._scheduler.add(seq)
@@ -134,6 +144,9 @@ class LLMEngine(Engine):
             raise
         self._wakeup.set()
         return handle
+
+    def check_grammar(self, grammar: Grammar) -> None:
+        compiler_for(self._tokenizer).compile(grammar)
 
     def _validate(self, request: GenerationRequest) -> None:
         n_prompt = len(request.prompt_token_ids)
@@ -201,6 +214,24 @@ class LLMEngine(Engine):
             runner = self._runner
             hidden = await asyncio.wrap_future(self._command(lambda: runner.last_hidden_states(prompts, adapter)))
             return [float(v) for v in head(hidden).nan_to_num()]
+        finally:
+            self._release_adapter(adapter)
+
+    async def embed(self, prompts: list[list[int]], adapter: str | None = None) -> list[list[float]]:
+        """Mean-pooled, unit-length final hidden states (engines/runtime/embeddings.py), batched with the
+        other embedding requests waiting for the engine thread."""
+        if not self.ready or self._embeddings is None:
+            raise EngineUnavailableError("the engine is not serving (loading or shutting down)")
+        limit = self.info.max_model_len
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise InvalidRequestError(f"input {i} is empty", param="input")
+            if len(prompt) > limit:
+                raise InvalidRequestError(f"input {i} has {len(prompt)} tokens; this model's maximum context "
+                                          f"length is {limit}", param="input")
+        self._validate_adapter(adapter)
+        try:
+            return await asyncio.wrap_future(self._embeddings.submit(prompts, adapter))
         finally:
             self._release_adapter(adapter)
 
@@ -339,7 +370,7 @@ class LLMEngine(Engine):
         seq.handle.deliver(GenerationOutput(
             request_id=seq.id, text=text, token_ids=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             finish_reason=finish_reason, stop_reason=stop_reason, prompt_tokens=seq.num_prompt_tokens,
-            completion_tokens=seq.num_output_tokens, error=error))
+            completion_tokens=seq.num_output_tokens, error=error, cached_tokens=seq.num_cached_tokens))
 
     def _finish(self, seq: Sequence, reason: str, *, stop_reason=None, error=None, new_tokens=(),
                 logprobs=None) -> None:

@@ -48,15 +48,30 @@ class ModelRunner(ABC):
     def release(self, seq: Sequence) -> None:
         """Free whatever the sequence holds (KV cache). Idempotent."""
 
-    def last_hidden_states(self, prompts: list[list[int]], adapter: str | None) -> torch.Tensor:
-        """[len(prompts), hidden] float32: the final (normed) hidden state at each prompt's last token, with
-        `adapter` applied (reward scores). Called on the engine thread."""
+    def final_hidden_states(self, prompts: list[list[int]], adapter: str | None) -> list[torch.Tensor]:
+        """Per prompt, [len(prompt), hidden] float32 on the CPU: the final (normed) hidden state at every
+        position, with `adapter` applied, computed together in one forward where the runner can (reward
+        scores, embeddings). Called on the engine thread, between steps."""
         raise NotImplementedError(f"{type(self).__name__} cannot return hidden states")
 
-    def admit(self, seq: Sequence, max_positions: int) -> bool:
-        """Reserve KV room for up to `max_positions` positions of `seq`, or return False if there is none
-        now (the request then waits). Reserving up front means a running request never runs out mid-way."""
-        return True
+    def last_hidden_states(self, prompts: list[list[int]], adapter: str | None) -> torch.Tensor:
+        """[len(prompts), hidden] float32: the final hidden state at each prompt's last token."""
+        return torch.stack([states[-1] for states in self.final_hidden_states(prompts, adapter)])
+
+    def gpu_bytes(self) -> int:
+        """Bytes of the model's parameters and buffers in GPU memory."""
+        model = getattr(self, "model", None)
+        if model is None:
+            return 0
+        tensors = list(model.parameters()) + list(model.buffers())
+        return sum(t.numel() * t.element_size() for t in tensors if t.device.type == "cuda")
+
+    def admit(self, seq: Sequence, max_positions: int) -> int | None:
+        """Reserve KV room for up to `max_positions` positions of `seq`, or return None if there is none
+        now (the request then waits). Reserving up front means a running request never runs out mid-way.
+        Returns how many leading positions of `seq` are already in the cache (prefix caching), so need
+        no computing; always fewer than the prompt's length."""
+        return 0
 
     def kv_usage(self) -> tuple[int, int]:
         """(used, total) KV cache positions; total 0 when unbounded."""

@@ -86,7 +86,7 @@ def _plain(seq: Sequence) -> str | None:
     p = seq.sampling
     if (p.logprobs is not None or p.logit_bias or seq.num_output_tokens < p.min_tokens
             or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-            or seq.request.logits_processor is not None):
+            or seq.logits_processor is not None):
         return None
     if p.greedy or p.temperature < MIN_TEMPERATURE:
         return "greedy"
@@ -143,8 +143,8 @@ class Sampler:
             banned = [t for t in (*self._eos, *p.stop_token_ids) if t < logits.numel()]
             logits[banned] = float("-inf")
         _apply_penalties(logits, seq, p)
-        if seq.request.logits_processor is not None:
-            seq.request.logits_processor(seq.output_ids, logits)
+        if seq.logits_processor is not None:
+            seq.logits_processor(seq.output_ids, logits)
         token = int(torch.argmax(logits))
         if not p.greedy and p.temperature >= MIN_TEMPERATURE:
             probs = _filter(logits / p.temperature, p)
@@ -152,8 +152,8 @@ class Sampler:
             # sampled; its most likely token is the one sampling would almost surely pick
             if bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0:
                 token = int(torch.multinomial(probs, 1, generator=seq.generator))
-        if seq.request.logits_processor is not None:
-            seq.request.logits_processor.accept(token)
+        if seq.logits_processor is not None:
+            seq.logits_processor.accept(token)
         entry = self.logprob_entry(logprobs, token, p.logprobs) if logprobs is not None else None
         return token, entry
 

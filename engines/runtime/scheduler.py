@@ -22,6 +22,9 @@ class Scheduler:
         self.chunk_size = chunk_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # prompt tokens of admitted sequences, and how many of them were found in the prefix cache
+        self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
         self._lock = threading.Lock()  # add() runs on the event loop's thread, the rest on the engine's
 
     def add(self, seq: Sequence) -> None:
@@ -54,8 +57,12 @@ class Scheduler:
             while self.waiting and len(self.running) < self.max_running and budget > 0:
                 seq = self.waiting[0]
                 reserve = len(seq) + seq.sampling.max_tokens
-                if not self._runner.admit(seq, reserve):
+                cached = self._runner.admit(seq, reserve)
+                if cached is None:
                     break  # no KV room now; it stays first in line
+                seq.num_computed = seq.num_cached_tokens = cached
+                self.prompt_tokens += seq.num_prompt_tokens
+                self.cached_prompt_tokens += cached
                 self.waiting.popleft()
                 seq.status = Status.RUNNING
                 self.running.append(seq)

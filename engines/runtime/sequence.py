@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,6 +26,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt, then generated tokens
     num_prompt_tokens: int = 0
     num_computed: int = 0  # positions whose KV is in the cache
+    num_cached_tokens: int = 0  # leading prompt positions found in the prefix cache at admission
     status: Status = Status.WAITING
     generator: torch.Generator | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -33,11 +35,14 @@ class Sequence:
     first_token_at: float | None = None
     # runner-private state (KV block table, HF cache object, ...), keyed by the runner
     runner_state: object | None = None
+    logits_processor: Any = None  # the compiled SamplingParams.grammar (engines/runtime/structured.py)
 
     @classmethod
-    def create(cls, request: GenerationRequest, handle: RequestHandle, detokenizer: IncrementalDetokenizer):
+    def create(cls, request: GenerationRequest, handle: RequestHandle, detokenizer: IncrementalDetokenizer,
+               logits_processor: Any = None):
         seq = cls(request=request, handle=handle, detokenizer=detokenizer,
-                  token_ids=list(request.prompt_token_ids), num_prompt_tokens=len(request.prompt_token_ids))
+                  token_ids=list(request.prompt_token_ids), num_prompt_tokens=len(request.prompt_token_ids),
+                  logits_processor=logits_processor)
         if request.sampling.seed is not None:
             seq.generator = torch.Generator().manual_seed(request.sampling.seed)
         if request.sampling.prompt_logprobs is not None:

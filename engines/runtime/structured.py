@@ -15,42 +15,17 @@ Lark grammars name tokens by id as `<[123]>`: llguidance treats the tokenizer's 
 tool-call markers among them) as special, matched only that way, never by their text."""
 from __future__ import annotations
 
-import json
 import logging
 import threading
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 
-from engines.base import InvalidRequestError
+from engines.base import Grammar, InvalidRequestError
 
 log = logging.getLogger("ktserve.structured")
-
-# Compact JSON with the separators DeepSeek models write: no runs of whitespace a model could loop in.
-JSON_WHITESPACE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-@dataclass(frozen=True, slots=True)
-class Grammar:
-    """What the output must match. `param` names the request field it came from, for error messages."""
-
-    kind: Literal["json_schema", "lark"]
-    source: str  # the JSON schema as JSON text, or Lark grammar text
-    param: str = "response_format"
-
-
-def json_schema_grammar(schema: dict[str, Any], param: str = "response_format") -> Grammar:
-    """A grammar for JSON matching `schema`, written compactly."""
-    return Grammar("json_schema", json.dumps({**schema, "x-guidance": JSON_WHITESPACE}), param)
-
-
-def lark_json(schema: dict[str, Any]) -> str:
-    """A JSON schema embedded in a Lark grammar rule (`args: %json {...}`), written compactly."""
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_WHITESPACE})
-
 
 class GrammarCompiler:
     """Compiles grammars against one tokenizer; thread-safe, compiled grammars cached by source."""
@@ -79,13 +54,12 @@ class GrammarCompiler:
             raise InvalidRequestError(f"invalid {grammar.param}: {error}", param=grammar.param)
         return compiled
 
-    def processor(self, grammar: Grammar, start_after: int | None = None) -> "GrammarProcessor":
-        """A fresh per-request processor. With `start_after` (a token id, e.g. `</think>`), the output is
-        free until that token is generated and constrained from the next one on."""
+    def processor(self, grammar: Grammar) -> "GrammarProcessor":
+        """A fresh per-request processor (free until `grammar.start_after`, when that is set)."""
         import llguidance
 
         matcher = llguidance.LLMatcher(self._tokenizer, self.compile(grammar))
-        return GrammarProcessor(matcher, self.vocab_size, self.eos_token_id, start_after)
+        return GrammarProcessor(matcher, self.vocab_size, self.eos_token_id, grammar.start_after)
 
 
 _compilers: dict[int, tuple[Any, GrammarCompiler]] = {}

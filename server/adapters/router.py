@@ -6,8 +6,9 @@ from fastapi.responses import PlainTextResponse
 
 from server.adapters.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from server.adapters.serving import AdapterServing
+from server.json_body import CheckedJSONRoute
 
-router = APIRouter()
+router = APIRouter(route_class=CheckedJSONRoute)
 
 
 def _serving(request: Request) -> AdapterServing:

@@ -10,8 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engines.base import InvalidRequestError
-from engines.runtime.structured import Grammar, json_schema_grammar, lark_json
+from engines.base import Grammar, InvalidRequestError, json_schema_grammar, lark_json
 from server.chat.protocol import ChatCompletionRequest, NamedToolChoice, Tool
 from server.chat.tool_calls import ARGS_CLOSE, ARGS_OPEN, CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
 

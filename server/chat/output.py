@@ -45,13 +45,13 @@ class ChatOutputParser:
         split = self._reasoning.feed(text) if self._reasoning else ReasoningDelta(content=text)
         return self._split_tools(split)
 
-    def finish(self) -> ChatDelta:
+    def finish(self, engine_reason: str | None = None) -> ChatDelta:
         """The end of the text: release what the parsers held back."""
         tail = self.feed("") if self._prefix else ChatDelta()
         split = self._reasoning.finish() if self._reasoning else ReasoningDelta()
         last = self._split_tools(split)
         if self._tools is not None:
-            held = self._tools.finish()
+            held = self._tools.finish(cut=engine_reason == "length")
             last.content += held.content
             last.tool_calls += held.calls
         return join_deltas([tail, last])
@@ -71,11 +71,16 @@ class ChatOutputParser:
         return engine_reason
 
     def reply(self, text: str, engine_reason: str | None) -> ChatReply:
-        """Parse a whole generation. Tool calls that are not well formed leave the text as plain content."""
-        whole = join_deltas([self.feed(text), self.finish()])
+        """Parse a whole generation. Tool calls that are not well formed leave the text as plain content —
+        except when max_tokens cut the output inside the calls: then the reply holds the calls as far as they
+        got (the last one's arguments unfinished) with finish_reason "length", exactly what the stream sent."""
+        whole = join_deltas([self.feed(text), self.finish(engine_reason)])
         reasoning = whole.reasoning or None
         if self._tools is None or not self._tools.calls:
             return ChatReply(whole.content, reasoning, None, engine_reason)
+        if engine_reason == "length" and not self._tools.well_formed:
+            calls = [c.openai() for c in self._tools.calls]
+            return ChatReply(whole.content or None, reasoning, calls, engine_reason)
         if not self._tools.well_formed:
             return ChatReply("".join(self._content_text), reasoning, None, engine_reason)
         calls = [c.openai() for c in self._tools.calls]

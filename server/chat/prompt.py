@@ -2,12 +2,16 @@
 directory's own, or the built-in one the `template` setting names)."""
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
 from engines.base import Engine, InvalidRequestError
 from server.chat.protocol import ChatCompletionRequest
 from server.reasoning import THINK_START, prompt_opens_reasoning
+from server.serving import OFF_LOOP_CHARACTERS
+
+OFF_LOOP_MESSAGES = 256  # conversations this long are rendered on a worker thread whatever their size
 
 
 @dataclass(slots=True)
@@ -28,7 +32,16 @@ def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def render_prompt(engine: Engine, req: ChatCompletionRequest, force_think: bool = False) -> Prompt:
+async def render_prompt(engine: Engine, req: ChatCompletionRequest, force_think: bool = False) -> Prompt:
+    """`render_prompt_now`, on a worker thread when the conversation is large: rendering thousands of
+    messages or tokenizing megabytes of text takes seconds that would stall every other request."""
+    size = sum(len(m.text()) for m in req.messages)
+    if size < OFF_LOOP_CHARACTERS and len(req.messages) < OFF_LOOP_MESSAGES:
+        return render_prompt_now(engine, req, force_think)
+    return await asyncio.to_thread(render_prompt_now, engine, req, force_think)
+
+
+def render_prompt_now(engine: Engine, req: ChatCompletionRequest, force_think: bool = False) -> Prompt:
     """Apply the chat template; with `force_think` the prompt ends with `<think>\\n` (KTransformers'
     kt_force_think), added when the template did not open the thinking itself. Template errors (e.g.
     roles out of order) are the client's to fix: 400."""

@@ -3,8 +3,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from server.chat.protocol import ChatCompletionRequest
+from server.json_body import CheckedJSONRoute
 
-router = APIRouter()
+router = APIRouter(route_class=CheckedJSONRoute)
 
 
 @router.post("/v1/chat/completions")

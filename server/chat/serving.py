@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
 from fastapi import Request
 
 from engines.base import Engine, GenerationOutput, RequestHandle, SamplingParams, TokenLogprob
-from engines.runtime.structured import Grammar, compiler_for
 from server.chat.constraints import request_grammar
 from server.chat.output import ChatDelta, ChatOutputParser, ChatReply, join_deltas
 from server.chat.prompt import Prompt, render_prompt
@@ -23,7 +22,8 @@ from server.errors import APIError
 from server.protocol import check_max_tokens, usage
 from server.reasoning import THINK_END, THINK_START, check_reasoning_parser, reasoning_parser
 from server.serving import (
-    Deadline, collect, error_chunk, merged, new_id, resolve_adapter, sse_response, submit_choices, with_deadline,
+    Deadline, check_capacity, collect, error_chunk, merged, new_id, resolve_adapter, sse_response, submit_choices,
+    with_deadline,
 )
 
 
@@ -62,8 +62,6 @@ class ChatPlan:
     options: ChatOptions
     starts_in_reasoning: bool
     parse_tools: bool
-    grammar: Grammar | None = None
-    grammar_after: int | None = None  # constrain only after this token (</think>) when reasoning comes first
 
     def output_parser(self) -> ChatOutputParser:
         reasoning = reasoning_parser(self.options.reasoning_parser, self.starts_in_reasoning)
@@ -91,7 +89,8 @@ class ChatServing:
         """Decide everything about `req`; `prompt` replaces the rendered messages (a raw completion)."""
         engine = self.engine
         adapter = resolve_adapter(engine, req.model)
-        prompt = prompt or render_prompt(engine, req, options.force_think)
+        check_capacity(engine, req.n)
+        prompt = prompt or await render_prompt(engine, req, options.force_think)
         limit = engine.info.max_model_len
         max_tokens = check_max_tokens(req.requested_max_tokens, limit, len(prompt.token_ids), limit, "messages")
         top = (req.top_logprobs or 0) if req.logprobs else None
@@ -101,24 +100,16 @@ class ChatServing:
         plan = ChatPlan(new_id("chatcmpl"), req.model or engine.info.id, adapter, prompt.token_ids, params, options,
                         starts_in_reasoning=prompt.opens_reasoning,
                         parse_tools=req.effective_tool_choice != "none")
-        plan.grammar = request_grammar(req, engine.tokenizer)
-        if plan.grammar is not None:
-            await self._compile(plan.grammar)
-            if options.reasoning_parser and prompt.opens_reasoning:
-                plan.grammar_after = _single_token(engine.tokenizer, THINK_END)
+        grammar = request_grammar(req, engine.tokenizer)
+        if grammar is not None:
+            if options.reasoning_parser and prompt.opens_reasoning:  # constrain only after </think>
+                grammar = replace(grammar, start_after=_single_token(engine.tokenizer, THINK_END))
+            await asyncio.to_thread(engine.check_grammar, grammar)  # compiled (and cached) by the engine
+            plan.params = [replace(p, grammar=grammar) for p in plan.params]
         return plan
 
-    async def _compile(self, grammar: Grammar) -> None:
-        """Build the tokenizer's grammar compiler (once) and check the grammar, off the event loop."""
-        tokenizer = self.engine.tokenizer
-        await asyncio.to_thread(lambda: compiler_for(tokenizer).compile(grammar))
-
     def submit(self, plan: ChatPlan) -> list[RequestHandle]:
-        processors = None
-        if plan.grammar is not None:
-            compiler, grammar = compiler_for(self.engine.tokenizer), plan.grammar
-            processors = lambda i: compiler.processor(grammar, start_after=plan.grammar_after)  # noqa: E731
-        return submit_choices(self.engine, plan.prompt, plan.params, plan.adapter, plan.request_id, processors)
+        return submit_choices(self.engine, plan.prompt, plan.params, plan.adapter, plan.request_id)
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
         plan = await self.plan(req, ChatOptions.of(raw))
@@ -149,7 +140,8 @@ class ChatServing:
                             "finish_reason": reply.finish_reason, "stop_reason": out.stop_reason})
         completion = sum(out.completion_tokens for out, _ in replies)
         return {"id": plan.request_id, "object": "chat.completion", "created": int(time.time()),
-                "model": plan.model, "choices": choices, "usage": usage(len(plan.prompt), completion)}
+                "model": plan.model, "choices": choices,
+                "usage": usage(len(plan.prompt), completion, replies[0][0].cached_tokens)}
 
     # ---------------------------------------------------------------------------------- streaming
     async def events(self, plan: ChatPlan, handles: list[RequestHandle]) -> AsyncIterator[ChoiceEvent]:
@@ -162,7 +154,7 @@ class ChatServing:
                 return
             delta = parsers[i].feed(out.text)
             if out.finished:
-                delta = join_deltas([delta, parsers[i].finish()])
+                delta = join_deltas([delta, parsers[i].finish(out.finish_reason)])
             yield ChoiceEvent(i, delta, out, parsers[i].finish_reason(out.finish_reason) if out.finished else None)
 
     async def _stream(self, req: ChatCompletionRequest, plan: ChatPlan, handles: list[RequestHandle]
@@ -181,10 +173,12 @@ class ChatServing:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
         completion_tokens = [0] * len(handles)
+        cached_tokens = 0
         try:
             async for event in self.events(plan, handles):
                 i, out = event.index, event.output
                 completion_tokens[i] = out.completion_tokens
+                cached_tokens = out.cached_tokens if i == 0 else cached_tokens
                 if event.finish_reason == "error":
                     yield error_chunk(out.error or "generation failed")
                     return
@@ -199,7 +193,7 @@ class ChatServing:
                               "timeout_error", "request_timeout")
             return
         if include_usage:
-            yield chunk([], usage(len(plan.prompt), sum(completion_tokens)))
+            yield chunk([], usage(len(plan.prompt), sum(completion_tokens), cached_tokens))
 
 
 def delta_json(delta: ChatDelta) -> dict[str, Any]:

@@ -87,14 +87,16 @@ class DeepSeekV3ToolParser:
             pass
         return out
 
-    def finish(self) -> ToolDelta:
-        """The end of the output: what is still held back is argument text inside a call, else content."""
+    def finish(self, cut: bool = False) -> ToolDelta:
+        """The end of the output: what is still held back is argument text inside a call, else content.
+        When the output was `cut` (max_tokens) inside the call block, the half-written markup of a call not
+        yet announced is dropped rather than passed on as content: the reply is the calls so far."""
         out = ToolDelta()
         if self._state == "args":
             if self._buf:
                 self.calls[-1].arguments += self._buf
                 out.calls.append(ToolCallDelta(len(self.calls) - 1, arguments=self._buf))
-        else:
+        elif not (cut and self._state in ("between", "header")):
             out.content = self._uncommitted + self._buf
         self._buf = self._uncommitted = ""
         return out

@@ -6,6 +6,7 @@ from pydantic import Field, field_validator
 from server.protocol import SamplingRequest
 
 MAX_PROMPTS = 128
+MAX_BEST_OF = 20  # OpenAI's bound: each candidate is a whole generation
 
 
 class CompletionRequest(SamplingRequest):
@@ -14,6 +15,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_BEST_OF)
 
     @field_validator("prompt")
     @classmethod

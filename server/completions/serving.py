@@ -15,7 +15,7 @@ from server.completions.protocol import CompletionRequest
 from server.errors import APIError
 from server.protocol import check_max_tokens, usage
 from server.serving import (
-    Deadline, cancel_all, collect, encode, error_chunk, merged, new_id, resolve_adapter, sse_response,
+    Deadline, cancel_all, check_capacity, collect, encode, error_chunk, merged, new_id, resolve_adapter, sse_response,
     submit_choices, with_deadline,
 )
 
@@ -36,6 +36,33 @@ def legacy_logprobs(entries: list[TokenLogprob | None], special: set[int], start
         top_logprobs.append({t.token: t.logprob for t in e.top} if e.top or e.logprob is not None else None)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}
+
+
+def check_best_of(req: CompletionRequest) -> int:
+    """How many candidates to generate per prompt: `best_of` (vLLM's semantics), else `n`."""
+    if req.best_of is None:
+        return req.n
+    if req.best_of < req.n:
+        raise InvalidRequestError(f"best_of ({req.best_of}) must be at least n ({req.n})", param="best_of")
+    if req.stream and req.best_of > req.n:
+        raise InvalidRequestError("best_of cannot be used with stream: the best candidates are known only at "
+                                  "the end", param="best_of")
+    return req.best_of
+
+
+def cumulative_logprob(out: GenerationOutput) -> float:
+    return sum(e.logprob for e in out.logprobs or [])
+
+
+def best_candidates(outputs: list[GenerationOutput], plans: list, candidates: int, n: int
+                    ) -> tuple[list[GenerationOutput], list]:
+    """Per prompt, the `n` of its `candidates` outputs with the highest cumulative logprob, best first."""
+    kept_outputs, kept_plans = [], []
+    for start in range(0, len(outputs), candidates):
+        group = sorted(range(start, start + candidates), key=lambda i: cumulative_logprob(outputs[i]), reverse=True)
+        kept_outputs += [outputs[i] for i in group[:n]]
+        kept_plans += [plans[i] for i in group[:n]]
+    return kept_outputs, kept_plans
 
 
 class CompletionServing:
@@ -63,20 +90,24 @@ class CompletionServing:
                                       param="max_tokens")
         if req.suffix:
             raise InvalidRequestError("'suffix' is not supported by this server", param="suffix")
+        candidates = check_best_of(req)
         prompts = [await self._tokenize(p, i) for i, p in enumerate(req.prompts())]
+        check_capacity(engine, candidates * len(prompts), "best_of" if req.best_of else "n")
         limit = engine.info.max_model_len
         vocab = len(engine.tokenizer)
         request_id = new_id("cmpl")
+        # ranking best_of candidates needs each sampled token's logprob, shown only when asked for
+        logprobs = 0 if candidates != req.n and req.logprobs is None else req.logprobs
         handles, plans = [], []
         try:
             for p_index, ids in enumerate(prompts):
                 max_tokens = check_max_tokens(req.max_tokens, 16, len(ids), limit, "prompt")
                 prompt_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
-                params = [req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs,
+                params = [req.sampling_params(max_tokens=max_tokens, logprobs=logprobs,
                                               prompt_logprobs=prompt_lp, vocab_size=vocab, choice=c)
-                          for c in range(req.n)]
+                          for c in range(candidates)]
                 handles += submit_choices(engine, ids, params, adapter, f"{request_id}-{p_index}")
-                plans += [ids] * req.n
+                plans += [ids] * candidates
         except Exception:
             cancel_all(handles)
             raise
@@ -84,7 +115,10 @@ class CompletionServing:
         if req.stream:
             return sse_response(self._stream(req, request_id, model, handles, plans), handles)
         outputs = await collect(raw, handles, self.request_timeout)
-        return self._response(req, request_id, model, outputs, plans)
+        generated = sum(o.completion_tokens for o in outputs)
+        if candidates != req.n:
+            outputs, plans = best_candidates(outputs, plans, candidates, req.n)
+        return self._response(req, request_id, model, outputs, plans, generated)
 
     def _echo_text(self, ids: list[int]) -> str:
         return self.engine.tokenizer.decode(ids, skip_special_tokens=True)
@@ -116,14 +150,15 @@ class CompletionServing:
         return self.engine.tokenizer.convert_ids_to_tokens(token_id) if token_id in self._special() else \
             self.engine.tokenizer.decode([token_id])
 
-    def _response(self, req, request_id, model, outputs: list[GenerationOutput], plans) -> dict:
+    def _response(self, req, request_id, model, outputs: list[GenerationOutput], plans, generated: int) -> dict:
         for out in outputs:
             if out.finish_reason == "error":
                 raise APIError(500, out.error or "generation failed", type="internal_error")
         choices = [self._choice(req, i, out, plans[i]) for i, out in enumerate(outputs)]
         n_prompt = sum(len(p) for p in plans[::req.n])
+        cached = sum(o.cached_tokens for o in outputs[::req.n])
         return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-                "choices": choices, "usage": usage(n_prompt, sum(o.completion_tokens for o in outputs))}
+                "choices": choices, "usage": usage(n_prompt, generated, cached)}
 
     async def _stream(self, req, request_id, model, handles, plans) -> AsyncIterator[dict[str, Any]]:
         base = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
@@ -131,6 +166,7 @@ class CompletionServing:
         offsets = [0] * len(handles)  # characters of text sent so far, per choice
         echoed = [False] * len(handles)
         completion_tokens = [0] * len(handles)
+        cached_tokens = [0] * len(handles)
 
         def chunk(choices, usage_value=None):
             body = {**base, "choices": choices}
@@ -141,6 +177,7 @@ class CompletionServing:
         try:
             async for i, out in with_deadline(merged(handles), Deadline(self.request_timeout)):
                 completion_tokens[i] = out.completion_tokens
+                cached_tokens[i] = out.cached_tokens
                 if out.finish_reason == "error":
                     yield error_chunk(out.error or "generation failed")
                     return
@@ -160,4 +197,4 @@ class CompletionServing:
             return
         if include_usage:
             n_prompt = sum(len(p) for p in plans[::req.n])
-            yield chunk([], usage(n_prompt, sum(completion_tokens)))
+            yield chunk([], usage(n_prompt, sum(completion_tokens), sum(cached_tokens[::req.n])))

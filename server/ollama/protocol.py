@@ -4,28 +4,15 @@ from __future__ import annotations
 
 import json
 from datetime import datetime, timezone
-from typing import Any, Callable, Literal, TypeVar
+from typing import Any, Literal
 
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from engines.base import InvalidRequestError
+from pydantic import BaseModel, ConfigDict, Field
 
 from server.chat.protocol import ChatCompletionRequest
-from server.errors import _validation_message
+from server.errors import checked
 
 # The Ollama API level these routes follow; clients compare it against the features they need.
 OLLAMA_API_VERSION = "0.6.2"
-T = TypeVar("T")
-
-
-def checked(build: Callable[[], T]) -> T:
-    """Run a pydantic validation; a failure is a 400 naming the field, as on the OpenAI routes."""
-    try:
-        return build()
-    except ValidationError as exc:
-        message, param = _validation_message(RequestValidationError(exc.errors()))
-        raise InvalidRequestError(message, param=param) from None
 
 
 class OllamaModel(BaseModel):
@@ -118,6 +105,23 @@ class GenerateRequest(GenerationFields):
         messages = ([{"role": "system", "content": self.system}] if self.system else []) + [
             {"role": "user", "content": self.prompt}]
         return checked(lambda: ChatCompletionRequest.model_validate({**self.openai_fields(), "messages": messages}))
+
+
+class EmbedRequest(OllamaModel):
+    model: str
+    input: str | list[str]
+    truncate: bool = True  # cut inputs longer than the context to it (Ollama's default), else refuse them
+    dimensions: int | None = None
+
+    def inputs(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else list(self.input)
+
+
+class EmbeddingsRequest(OllamaModel):
+    """The older /api/embeddings: one prompt, one vector."""
+
+    model: str
+    prompt: str = ""
 
 
 class ShowRequest(OllamaModel):

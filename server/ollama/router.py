@@ -3,26 +3,34 @@ included, answers in Ollama's error shape, `{"error": "..."}`."""
 from __future__ import annotations
 
 import functools
-import json
+import time
 from datetime import datetime
 from typing import Any, Awaitable, Callable, TypeVar
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
-from engines.base import InvalidRequestError, NotFoundError
-from server.ollama.protocol import OLLAMA_API_VERSION, ChatRequest, GenerateRequest, ShowRequest, checked, tagged
+from engines.base import NotFoundError
+from server.errors import unparsable_body
+from server.json_body import decode
+from server.embeddings.serving import EmbeddingServing
+from server.errors import APIError
+from server.ollama.protocol import (
+    OLLAMA_API_VERSION, ChatRequest, EmbeddingsRequest, EmbedRequest, GenerateRequest, ShowRequest, checked,
+    model_name, tagged,
+)
 from server.ollama.serving import OllamaServing, ollama_error
 
 router = APIRouter(prefix="/api", tags=["ollama"])
 Body = TypeVar("Body", bound=BaseModel)
+NEVER_EXPIRES = "2318-11-23T00:00:00Z"  # models are never unloaded while the server runs: a date far ahead
 
 
 async def parse(request: Request, model: type[Body]) -> Body:
     try:
-        data = json.loads(await request.body() or b"{}")
-    except ValueError:
-        raise InvalidRequestError("the request body is not valid JSON") from None
+        data = decode(await request.body() or b"{}")
+    except (ValueError, RecursionError) as exc:  # not JSON, nested too deeply, not UTF-8
+        raise unparsable_body(exc) from None
     return checked(lambda: model.model_validate(data))
 
 
@@ -52,6 +60,22 @@ async def tags(request: Request):
     return {"models": [model_entry(request, name) for name in served_names(request)]}
 
 
+@router.get("/ps")
+@ollama_route
+async def ps(request: Request):
+    """The models in memory: the base model, and each adapter (its parent the base model). They stay loaded
+    for as long as the server runs."""
+    engine = request.app.state.engine
+    info = engine.info
+    base = {**model_entry(request, info.id), "size": info.size_bytes, "size_vram": info.gpu_bytes,
+            "expires_at": NEVER_EXPIRES, "context_length": info.max_model_len}
+    adapters = [{**model_entry(request, a.name), "size": a.size_bytes, "size_vram": 0, "expires_at": NEVER_EXPIRES,
+                 "context_length": info.max_model_len,
+                 "details": {**details(info.architecture), "parent_model": tagged(info.id), "format": "lora"}}
+                for a in engine.list_adapters()]
+    return {"models": [base, *adapters]}
+
+
 @router.post("/show")
 @ollama_route
 async def show(request: Request):
@@ -76,6 +100,33 @@ async def chat(request: Request):
 @ollama_route
 async def generate(request: Request):
     return await serving(request).generate(await parse(request, GenerateRequest), request)
+
+
+@router.post("/embed")
+@ollama_route
+async def embed(request: Request):
+    body = await parse(request, EmbedRequest)
+    if body.dimensions is not None:
+        raise APIError(400, "'dimensions' is not supported: this server returns the model's full-size embeddings",
+                       param="dimensions")
+    if not body.inputs():
+        raise APIError(400, "'input' is an empty list", param="input")
+    started = time.perf_counter_ns()
+    vectors, tokens = await EmbeddingServing(request.app.state.engine).embed(
+        model_name(body.model), list(body.inputs()), truncate=body.truncate)
+    return {"model": tagged(body.model), "embeddings": vectors, "total_duration": time.perf_counter_ns() - started,
+            "load_duration": 0, "prompt_eval_count": tokens}
+
+
+@router.post("/embeddings")
+@ollama_route
+async def embeddings(request: Request):
+    body = await parse(request, EmbeddingsRequest)
+    if not body.prompt:
+        return {"embedding": []}  # as Ollama answers an empty prompt
+    vectors, _ = await EmbeddingServing(request.app.state.engine).embed(model_name(body.model), [body.prompt],
+                                                                        truncate=True)
+    return {"embedding": vectors[0]}
 
 
 def served_names(request: Request) -> list[str]:

@@ -18,7 +18,7 @@ from server.chat.serving import ChatOptions, ChatPlan, ChatServing
 from server.errors import APIError, to_api_error
 from server.ollama.protocol import ChatRequest, GenerateRequest, tagged, timestamp
 from server.reasoning import prompt_opens_reasoning
-from server.serving import cancel_all
+from server.serving import cancel_all, encode
 
 
 def ollama_error(exc: Exception) -> JSONResponse:
@@ -46,9 +46,16 @@ class Timing:
 
 
 def tool_calls_json(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """OpenAI tool calls -> Ollama's, whose arguments are an object rather than a JSON string."""
-    return [{"function": {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
-            for c in calls]
+    """OpenAI tool calls -> Ollama's, whose arguments are an object rather than a JSON string. Complete calls
+    only: Ollama sends a call once, with its arguments parsed (a call cut off by the token limit is dropped)."""
+    out = []
+    for c in calls:
+        try:
+            args = json.loads(c["function"]["arguments"])
+        except ValueError:
+            continue
+        out.append({"function": {"name": c["function"]["name"], "arguments": args}})
+    return out
 
 
 def done_reason(finish_reason: str | None) -> str:
@@ -72,19 +79,19 @@ class OllamaServing:
         options = ChatOptions.of(raw)
         prompt = None
         if body.raw or body.context:
-            prompt = self._raw_prompt(body, req, options)
+            prompt = await self._raw_prompt(body, req, options)
         plan = await self.chat.plan(req, options, prompt)
         return await self._run(plan, body.stream, chat=False)
 
-    def _raw_prompt(self, body: GenerateRequest, req: ChatCompletionRequest, options: ChatOptions) -> Prompt:
+    async def _raw_prompt(self, body: GenerateRequest, req: ChatCompletionRequest, options: ChatOptions) -> Prompt:
         """`raw` sends the prompt as it is; `context` (the ids a previous reply returned) goes before it."""
         tokenizer = self.engine.tokenizer
-        text = body.prompt if body.raw else render_prompt(self.engine, req, options.force_think).text
+        text = body.prompt if body.raw else (await render_prompt(self.engine, req, options.force_think)).text
         if body.context:
-            ids = tokenizer.encode(text, add_special_tokens=False)
+            ids = await encode(tokenizer, text, add_special_tokens=False)
             ids = list(body.context) + (ids[1:] if ids[:1] == [tokenizer.bos_token_id] else ids)
         else:
-            ids = tokenizer.encode(text)  # as /v1/completions encodes a prompt
+            ids = await encode(tokenizer, text)  # as /v1/completions encodes a prompt
         return Prompt(ids, text, prompt_opens_reasoning(text))
 
     async def _run(self, plan: ChatPlan, stream: bool, chat: bool):
@@ -154,8 +161,9 @@ class OllamaServing:
                 if event.finish_reason is not None:
                     final = {**self._head(plan), **_piece(ChatDelta(), chat)}
                     if calls and chat:
+                        complete = tool_calls_json([calls[i] for i in sorted(calls)])
                         yield _line({**self._head(plan), "message": {
-                            "role": "assistant", "content": "", "tool_calls": _ollama_calls(calls)}, "done": False})
+                            "role": "assistant", "content": "", "tool_calls": complete}, "done": False})
                     if not chat:
                         final["context"] = plan.prompt + output_ids
                     yield _line({**final, **self._done(plan, event.finish_reason, out.completion_tokens, timing)})
@@ -183,18 +191,6 @@ def _collect_calls(calls: dict[int, dict[str, Any]], delta: ChatDelta) -> None:
             calls[d.index] = {"function": {"name": d.name, "arguments": d.arguments}}
         else:
             calls[d.index]["function"]["arguments"] += d.arguments
-
-
-def _ollama_calls(calls: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Complete calls only: Ollama sends a call once, with its arguments parsed."""
-    out = []
-    for i in sorted(calls):
-        try:
-            args = json.loads(calls[i]["function"]["arguments"])
-        except ValueError:
-            continue
-        out.append({"function": {"name": calls[i]["function"]["name"], "arguments": args}})
-    return out
 
 
 def _line(obj: dict[str, Any]) -> str:

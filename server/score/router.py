@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from server.json_body import CheckedJSONRoute
 from server.score.protocol import ScoreEvaluationRequest
 from server.score.serving import ScoreServing
 
-router = APIRouter()
+router = APIRouter(route_class=CheckedJSONRoute)
 
 
 @router.post("/v1/score/evaluation")

@@ -1,0 +1,122 @@
+"""python -m bench.attention: FlashInfer against torch MLA attention, and prefix caching, on the GPU machine.
+
+    python -m bench.attention --out results/ [--shape v2-lite] [--contexts 512,4096,16384] [--clients 32]
+
+For each attention backend (flashinfer, torch) one KT engine (AMXINT8 experts, CUDA graphs when there is a
+GPU) serves, through uvicorn and streaming openai clients in a separate process:
+
+    contexts   `--clients` concurrent requests at each context length, every prompt the same but for its
+               last 64 tokens: the shared part is prefilled once (prefix caching), so the round measures
+               decode at that context (each request still attends over its whole context) instead of
+               32 CPU-expert prefills; output throughput and TPOT per context
+    cached     time to first token of a 2,048-token prompt whose first 1,920 tokens (30 pages) were sent
+               just before, next to the same prompt cold (another first page)
+
+Results go to <out>/attention.json and are printed as they come. The checkpoint is bench.run's (built when
+missing)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TAIL = 64  # tokens of each prompt that differ between the clients
+CACHED_PROMPT, CACHED_PREFIX = 2048, 1920
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.attention", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--shape", default="v2-lite")
+    p.add_argument("--contexts", default="512,4096,16384")
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=64, help="output tokens per request (ignore_eos)")
+    p.add_argument("--backends", default="flashinfer,torch")
+    p.add_argument("--method", default="AMXINT8", help="the experts' kt-kernel method")
+    p.add_argument("--round-timeout", type=float, default=240.0)
+    return p.parse_args(argv)
+
+
+def engine_config(bench, backend: str, args: argparse.Namespace, contexts: list[int]):
+    longest = max(contexts + [CACHED_PROMPT]) + args.tokens + 64
+    return dataclasses.replace(bench.kt_config(args.method), attention_backend=backend, max_concurrent=args.clients,
+                               max_model_len=longest, kv_cache_tokens=args.clients * longest + 4096,
+                               prefix_cache=True)
+
+
+def contexts_round(url: str, model: str, vocab: int, context: int, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, "-m", "bench.http_client", "--base-url", url, "--model", model,
+           "--levels", str(args.clients), "--prompt-tokens", str(context), "--shared-prefix", str(context - TAIL),
+           "--max-tokens", str(args.tokens), "--vocab", str(vocab), "--round-timeout", str(args.round_timeout),
+           "--time-left", str(args.round_timeout + 10)]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.round_timeout + 60, check=False,
+                          cwd=REPO)
+    if done.returncode != 0:
+        raise RuntimeError(f"the HTTP client exited with {done.returncode}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["rounds"][0]
+
+
+def cached_ttft(run, vocab: int) -> dict:
+    from bench.engine_runs import generate
+    from bench.report import fig
+    from bench.shapes import prompt_ids
+
+    prefix = prompt_ids(CACHED_PREFIX, vocab, seed=11)
+    tail = CACHED_PROMPT - CACHED_PREFIX
+    run.run(generate(run.engine, prefix + prompt_ids(tail, vocab, seed=12), 2, float("inf")))
+    before = run.engine.stats().cached_prompt_tokens
+    warm = run.run(generate(run.engine, prefix + prompt_ids(tail, vocab, seed=13), 2, float("inf")))
+    reused = run.engine.stats().cached_prompt_tokens - before
+    cold = run.run(generate(run.engine, prompt_ids(CACHED_PROMPT, vocab, seed=14), 2, float("inf")))
+    return {"prompt_tokens": CACHED_PROMPT, "cached_tokens": reused, "ttft_cached": fig(warm.ttft, "s"),
+            "ttft_cold": fig(cold.ttft, "s", note="same length, nothing cached")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.engine_runs import EngineRun
+    from bench.http_load import serving
+    from bench.run import Bench, parse_args as bench_args
+    from bench.checkpoint import existing_model
+
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    bench = Bench(bench_args(["--out", str(args.out), "--shape", args.shape, "--only", "decode"]), time.perf_counter())
+    bench.prepare_model(existing_model(bench.model_dir, bench.shape.config) is None)
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+    results: dict = {"clients": args.clients, "output_tokens": args.tokens, "shared_tail_tokens": TAIL,
+                     "backends": {}}
+    path = args.out / "attention.json"
+    for backend in [b for b in args.backends.split(",") if b]:
+        entry = results["backends"][backend] = {}
+        try:
+            run = EngineRun("ktransformers", engine_config(bench, backend, args, contexts), bench.log_path,
+                            label=backend)
+        except Exception as exc:  # e.g. flashinfer missing: say so, measure the rest
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+            print(json.dumps({backend: entry}), flush=True)
+            continue
+        try:
+            run.warm_up(bench.vocab)
+            entry["cuda_graphs"] = run.engine.config.kt_use_cuda_graph
+            entry["cached_prefix"] = cached_ttft(run, bench.vocab)
+            print(json.dumps({backend: entry}), flush=True)
+            with serving(run.engine, str(bench.model_dir)) as url:
+                for context in contexts:
+                    entry[f"context_{context}"] = contexts_round(url, run.engine.info.id, bench.vocab, context, args)
+                    print(json.dumps({backend: {f"context_{context}": entry[f"context_{context}"]}}), flush=True)
+                    path.write_text(json.dumps(results, indent=2))
+        finally:
+            run.close()
+        path.write_text(json.dumps(results, indent=2))
+    print(json.dumps(results), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
