@@ -14,7 +14,7 @@ import torch
 from bench.report import fig, median, percentile
 from bench.shapes import prompt_ids
 from bench.sysinfo import memory_snapshot, reset_peaks, stdout_to
-from engines.base import Engine, EngineConfig, GenerationRequest, SamplingParams
+from engines.base import Engine, EngineConfig, EngineStats, GenerationRequest, SamplingParams
 
 
 @dataclass
@@ -23,6 +23,7 @@ class Generation:
     submitted: float
     token_times: list[float] = field(default_factory=list)
     stopped_early: bool = False
+    stats_at_first_token: EngineStats | None = None  # engine counters when the first token arrived
 
     @property
     def ttft(self) -> float | None:
@@ -57,6 +58,8 @@ async def generate(engine: Engine, prompt: list[int], max_tokens: int, deadline:
         prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
     async for out in handle:
         now = time.perf_counter()
+        if not run.token_times and out.token_ids:
+            run.stats_at_first_token = engine.stats()
         run.token_times.extend([now] * len(out.token_ids))
         if out.finish_reason == "error":
             raise RuntimeError(f"engine error: {out.error}")
@@ -90,14 +93,10 @@ class EngineRun:
         self.run(generate(self.engine, prompt_ids(16, vocab, seed=99), 4, float("inf")))
 
     def decode(self, prompt_len: int, tokens: int, vocab: int, deadline: float, ceiling: float | None) -> dict:
-        before = self.engine.stats()
         gen = self.run(generate(self.engine, prompt_ids(prompt_len, vocab, seed=1), tokens, deadline))
-        after = self.engine.stats()
         out = gen.figures(ceiling)
-        step = after.step_seconds - before.step_seconds
-        if step > 0 and after.expert_wait_seconds:
-            out["expert_wait_share"] = fig((after.expert_wait_seconds - before.expert_wait_seconds) / step,
-                                           "fraction", note="time steps spent waiting on CPU experts")
+        if gen.stats_at_first_token is not None:
+            out.update(step_breakdown(gen.stats_at_first_token, self.engine.stats()))
         return out
 
     def close(self) -> dict:
@@ -107,6 +106,37 @@ class EngineRun:
         self.loop.close()
         release_memory()
         return memory_snapshot()["host_rss"]
+
+
+def step_breakdown(before: EngineStats, after: EngineStats) -> dict:
+    """Where the decode steps' time went, per step (engines/kt/step_timing.py says how each is measured).
+    `before` is read when the first token arrived, so the prompt's steps stay out of it."""
+    steps = after.steps - before.steps
+    step = after.step_seconds - before.step_seconds
+    if steps <= 0 or step <= 0:
+        return {}
+    wait = after.expert_wait_seconds - before.expert_wait_seconds
+    gpu = after.gpu_seconds - before.gpu_seconds
+    expert = after.expert_seconds - before.expert_seconds
+    forward = after.forward_seconds - before.forward_seconds
+
+    def per_step(seconds: float, note: str) -> dict:
+        return fig(seconds / steps * 1e3, "ms", note=note)
+    return {
+        "expert_wait_share": fig(wait / step, "fraction", note="share of step time stalled on the CPU experts: "
+                                 "on a GPU the stream's wait inside kt-kernel (CUDA events), else Python's sync()"),
+        "step_breakdown": {
+            "steps": steps,
+            "step": per_step(step, "wall time of a generation-thread step: input, forward, sampling, delivery"),
+            "gpu": per_step(gpu, "GPU stream span of the step less the expert stalls (0 without a GPU)"),
+            "expert_wait": per_step(wait, "stalled on CPU experts, summed over layers"),
+            "expert": per_step(expert, "CPU experts submitted -> results ready, summed over layers; overlaps the "
+                               "GPU work"),
+            "other": per_step(max(0.0, step - gpu - wait), "step - gpu - expert_wait: Python (inputs, graph "
+                              "launch, sampling, detokenizing, delivery); without a GPU also the non-expert compute"),
+            "after_forward": per_step(max(0.0, step - forward), "the part of `other` after the model's forward: "
+                                      "sampling, detokenizing, delivery"),
+        }}
 
 
 def release_memory() -> None:

@@ -26,7 +26,7 @@ def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.expert_methods")
     for name, default in (("experts", 64), ("hidden", 2048), ("inter", 1408), ("top-k", 6)):
         p.add_argument(f"--{name}", type=int, default=default)
-    p.add_argument("--threads", type=int, default=None, help="kt-kernel threads (default: physical cores - 1)")
+    p.add_argument("--threads", type=int, default=None, help="kt-kernel threads (default: physical cores - max(2, cores / 8))")
     p.add_argument("--methods", help="comma-separated (default: every method this build runs, LLAMAFILE where "
                                      "the sizes allow)")
     p.add_argument("--tokens", default="1,4,16,64")

@@ -75,7 +75,7 @@ class Results:
 
 # phase -> the top-level key its figures live under
 _SECTION = {"baseline": "cpu_bandwidth", "decode": "kt", "ttft": "ttft", "http": "http", "load": "load",
-            "hf": "hf_gpu", "offload": "hf_offload", "model": "model"}
+            "hf": "hf_gpu", "offload": "hf_offload", "model": "model", "threads": "thread_sweep", "avx2": "avx2"}
 
 
 def _select(section: Any, phase: str) -> Any:
@@ -116,6 +116,27 @@ def summary_lines(data: dict) -> list[str]:
                      f"{_fmt(None if frac is None else 100 * frac):>11}{_fmt(_v(r, 'decode', 'ttft'), '.3f'):>9}"
                      f"{_fmt(_v(r, 'memory', 'gpu_peak_allocated'), '.2f'):>13}"
                      f"{_fmt(_v(r, 'memory', 'host_rss_peak'), '.2f'):>13}")
+    for label, r in rows[:3]:
+        b = (r or {}).get("decode", {}).get("step_breakdown")
+        if b:
+            lines.append(f"{label} per step (ms): step {_fmt(_v(b, 'step'), '.2f')} = gpu {_fmt(_v(b, 'gpu'), '.2f')} + "
+                         f"expert wait {_fmt(_v(b, 'expert_wait'), '.2f')} + other {_fmt(_v(b, 'other'), '.2f')} (after the "
+                         f"forward {_fmt(_v(b, 'after_forward'), '.2f')}); "
+                         f"CPU experts {_fmt(_v(b, 'expert'), '.2f')}; wait share "
+                         f"{_fmt(_v(r, 'decode', 'expert_wait_share'), '.3f')}")
+    sweep = data.get("thread_sweep") or {}
+    for threads, r in sorted(((k, v) for k, v in sweep.items() if k.isdigit()), key=lambda kv: int(kv[0])):
+        d = r.get("decode") or {}
+        lines.append(f"kt {sweep.get('method')} {threads:>3} threads: {_fmt(_v(d, 'decode_throughput'), '.2f')} tok/s, "
+                     f"TPOT median {_fmt(_v(d, 'tpot_median'))} ms p99 {_fmt(_v(d, 'tpot_p99'))} ms"
+                     + (" (default)" if int(threads) == sweep.get("default_threads") else "")
+                     + (f" failed: {r['failed']}" if "failed" in r else ""))
+    avx2 = data.get("avx2") or {}
+    if avx2.get("decode"):
+        d, details = avx2["decode"], avx2.get("engine_details") or {}
+        lines.append(f"avx2 build ({details.get('cpu_variant')}, experts {details.get('experts_method')}): "
+                     f"{_fmt(_v(d, 'decode_throughput'), '.2f')} tok/s, TPOT median {_fmt(_v(d, 'tpot_median'))} ms "
+                     f"p99 {_fmt(_v(d, 'tpot_p99'))} ms")
     for p in (data.get("ttft") or {}).get("points", []):
         lines.append(f"TTFT {p['prompt_tokens']:>6} tokens: {_fmt(_v(p, 'ttft'), '.3f')} s, "
                      f"TPOT median {_fmt(_v(p, 'tpot_median'), '.1f')} ms")

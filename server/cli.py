@@ -47,7 +47,7 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--adapter-root", action="append", metavar="DIR",
                    help="directory runtime adapter loads may come from (repeatable)")
     p.add_argument("--kt-optimize-rule", help="placement rule file (ktransformers engine)")
-    p.add_argument("--cpu-infer", type=int, help="CPU expert threads (default: physical cores - 1)")
+    p.add_argument("--cpu-infer", type=int, help="CPU expert threads (default: physical cores - max(2, cores / 8))")
     p.add_argument("--chunk-size", type=int, help="prefill chunk size in tokens")
     p.add_argument("--kt-method", help="experts method for every layer: AMXINT8 | AMXINT4 | BF16 | FP8 | RAWINT4 | "
                                        "LLAMAFILE (default: the rules' choice, or the closest this CPU runs)")

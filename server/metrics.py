@@ -4,8 +4,10 @@ Request-side numbers come from each request's tracker when it ends; engine-side 
 KV cache, step time) are read from `engine.stats()` at scrape time, so they are never stale.
 
 The share of step time the KT engine spends waiting on its CPU experts is
-`rate(ktserve_engine_expert_wait_seconds_total[5m]) / rate(ktserve_engine_step_seconds_total[5m])`, and the
-prefix cache's hit rate
+`rate(ktserve_engine_expert_wait_seconds_total[5m]) / rate(ktserve_engine_step_seconds_total[5m])`; the GPU's
+share likewise from `ktserve_engine_gpu_seconds_total`, and the rest of the step (Python, sampling, delivery)
+is step - gpu - expert_wait (of which step - forward is after the forward: sampling, detokenizing, delivery).
+The prefix cache's hit rate is
 `rate(ktserve_prefix_cache_hit_tokens_total[5m]) / rate(ktserve_prefix_cache_queried_tokens_total[5m])`."""
 from __future__ import annotations
 
@@ -104,8 +106,15 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("ktserve_engine_step_seconds", "Seconds the engine spent in model steps",
                                   value=s.step_seconds)
         yield CounterMetricFamily("ktserve_engine_expert_wait_seconds",
-                                  "Seconds of model steps spent waiting on CPU experts (ktransformers engine)",
+                                  "Seconds model steps stalled waiting on CPU experts (ktransformers engine)",
                                   value=s.expert_wait_seconds)
+        yield CounterMetricFamily("ktserve_engine_forward_seconds", "Seconds of model steps in the model's forward "
+                                  "(the rest: sampling, detokenizing, delivery)", value=s.forward_seconds)
+        yield CounterMetricFamily("ktserve_engine_expert_seconds", "Seconds from submitting CPU experts to "
+                                  "their results being ready, summed over layers (ktransformers engine)",
+                                  value=s.expert_seconds)
+        yield CounterMetricFamily("ktserve_engine_gpu_seconds", "GPU stream seconds of model steps, less the "
+                                  "stalls on CPU experts (ktransformers engine on a GPU)", value=s.gpu_seconds)
         yield CounterMetricFamily("ktserve_prefix_cache_queried_tokens",
                                   "Prompt tokens of engine requests (one per choice) that started",
                                   value=s.prompt_tokens)

@@ -114,6 +114,18 @@ def test_kv_cache_is_all_free_after_requests(kt_bf16):
     assert kt_bf16.engine.stats().kv_used_tokens == 0
 
 
+def test_step_times_split_the_wait_on_cpu_experts_from_the_rest(kt_bf16):
+    before = kt_bf16.engine.stats()
+    kt_bf16.openai().completions.create(model=kt_bf16.engine.info.id, prompt="Hello", max_tokens=6)
+    kt_bf16.wait_idle()
+    after = kt_bf16.engine.stats()
+    step, wait, expert = (getattr(after, k) - getattr(before, k)
+                          for k in ("step_seconds", "expert_wait_seconds", "expert_seconds"))
+    # without a GPU the experts block Python: the wait is part of the experts' time, both part of the steps
+    assert 0 < wait <= expert < step
+    assert after.gpu_seconds == 0
+
+
 def test_weight_cache_skips_quantization_and_serves_the_same(demo_model_dir, tmp_path):
     def scores():
         running = start_server(demo_model_dir, engine="ktransformers", kt_method=INT8,

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 require_kt_kernel()
 
 from engines.kt.cpuinfer import (  # noqa: E402
-    default_cpu_threads, physical_cores, pool_threads, resolve_thread_count, shared_cpu_infer)
+    default_cpu_threads, default_thread_choice, physical_cores, pool_threads, resolve_thread_count, shared_cpu_infer)
 from engines.kt.expert_methods import METHODS, ExpertsUnsupportedError, available_methods, cpu_variant  # noqa: E402
 from engines.kt.experts_cpu import RoutedExpertsCPU  # noqa: E402
 
@@ -133,8 +133,17 @@ def test_avx2_build_runs_bf16_fp8_rawint4_and_llamafile_but_no_amx_methods():
     assert lines[1].startswith("ExpertsUnsupportedError") and "'AMXINT8'" in lines[1] and "FP8" in lines[1]
 
 
-def test_default_cpu_threads_leaves_one_physical_core_free():
-    assert default_cpu_threads() == max(1, physical_cores() - 1)
+@pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 1), (4, 2), (16, 14), (32, 28), (64, 56)])
+def test_default_cpu_threads_leave_two_cores_or_an_eighth_free(cores, threads):
+    assert default_thread_choice(cores)[0] == threads
+    assert default_cpu_threads() == default_thread_choice(physical_cores())[0]
+
+
+def test_the_pool_logs_its_thread_count_and_why():
+    code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
+            "from engines.kt.cpuinfer import shared_cpu_infer; shared_cpu_infer()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert f"started with {default_cpu_threads()} threads: {physical_cores()} physical cores less" in out.stderr
 
 
 def test_more_threads_than_physical_cores_are_cut_to_the_core_count(caplog):

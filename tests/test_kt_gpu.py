@@ -114,3 +114,21 @@ def test_cuda_graph_decode_equals_eager_decode(demo_model_dir):
             running.stop()
 
     assert greedy(kt_use_cuda_graph=True) == greedy()
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["cuda-graphs", "eager"])
+def test_step_times_measure_the_gpu_stream_waiting_on_cpu_experts(demo_model_dir, graphs):
+    running = start_server(demo_model_dir, engine="ktransformers", kt_method="BF16", kt_use_cuda_graph=graphs)
+    try:
+        before = running.engine.stats()
+        running.openai().completions.create(model=running.engine.info.id, prompt="Hello", max_tokens=16,
+                                            temperature=0)
+        running.wait_idle()
+        after = running.engine.stats()
+    finally:
+        running.stop()
+    step, wait, expert, gpu = (getattr(after, k) - getattr(before, k)
+                               for k in ("step_seconds", "expert_wait_seconds", "expert_seconds", "gpu_seconds"))
+    print(json.dumps({"graphs": graphs, "step_s": step, "gpu_s": gpu, "expert_wait_s": wait, "expert_s": expert}))
+    assert gpu > 0 and 0 < wait <= expert
+    assert gpu + wait <= step

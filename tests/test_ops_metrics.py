@@ -84,6 +84,20 @@ def test_step_time_and_cpu_expert_wait_are_exported_as_counters(server):
         assert wait > 0
 
 
+def test_where_step_time_goes_is_exported_as_counters(server):
+    with server.http() as http:
+        assert http.post("/v1/chat/completions", json=CHAT).status_code == 200
+    samples = scrape(server)
+    steps = sample(samples, "ktserve_engine_step_seconds_total")
+    wait = sample(samples, "ktserve_engine_expert_wait_seconds_total")
+    expert = sample(samples, "ktserve_engine_expert_seconds_total")
+    gpu = sample(samples, "ktserve_engine_gpu_seconds_total")
+    forward = sample(samples, "ktserve_engine_forward_seconds_total")
+    assert 0 <= wait <= expert <= forward <= steps and 0 <= gpu + wait <= forward
+    if server.engine.name == "ktransformers":  # CPU experts: their time and the wait on them are measured
+        assert expert > 0
+
+
 @pytest.fixture(scope="module")
 def keyed_fake():
     """A server (no model) with an API key: /metrics needs it."""

@@ -100,3 +100,44 @@ def test_a_distribution_with_nothing_left_falls_back_to_the_best_token(sampler, 
     logits[3] = 0.0
     seq = seq_for(tokenizer, temperature=1.0, logit_bias={3: -100.0}, repetition_penalty=10.0)
     assert sampler.sample(logits, seq)[0] == 3
+
+
+def _mixed_step(tokenizer, vocab: int) -> tuple[list[torch.Tensor], list]:
+    """A step of 12 rows at a real vocabulary size: plain greedy, plain temperature (seeded and not), and
+    rows that need the one-at-a-time path (penalties, logprobs, top_p, min_tokens)."""
+    gen = torch.Generator().manual_seed(7)
+    rows = [torch.randn(vocab, generator=gen) * 3 for _ in range(12)]
+    params = [dict(temperature=0), dict(temperature=0.7, seed=1), dict(temperature=1.3), dict(temperature=0),
+              dict(temperature=0.7, seed=2), dict(temperature=0, frequency_penalty=0.5), dict(temperature=1.0),
+              dict(temperature=0.9, logprobs=2), dict(temperature=0.8, top_p=0.9, seed=3),
+              dict(temperature=0, min_tokens=5), dict(temperature=2.0, seed=4), dict(temperature=0, top_k=1)]
+    return rows, [seq_for(tokenizer, output=[5, 6], **p) for p in params]
+
+
+def test_batched_sampling_picks_what_row_by_row_sampling_picks(sampler, tokenizer):
+    for trial in range(3):
+        rows, seqs = _mixed_step(tokenizer, 102400)
+        torch.manual_seed(trial)  # rows without a seed draw from the global generator, in row order
+        one_by_one = [sampler.sample(row.clone(), seq) for row, seq in zip(rows, seqs)]
+        rows, seqs = _mixed_step(tokenizer, 102400)
+        torch.manual_seed(trial)
+        batched = sampler.sample_batch(rows, seqs)
+        assert [t for t, _ in batched] == [t for t, _ in one_by_one]
+        assert [e.logprob if e else None for _, e in batched] == [e.logprob if e else None for _, e in one_by_one]
+
+
+def test_batched_sampling_leaves_the_logits_rows_unchanged(sampler, tokenizer):
+    rows, seqs = _mixed_step(tokenizer, VOCAB)
+    before = [row.clone() for row in rows]
+    sampler.sample_batch(rows, seqs)
+    assert all(torch.equal(a, b) for a, b in zip(rows, before))
+
+
+def test_a_step_of_one_row_samples_as_the_row_alone(sampler, tokenizer):
+    rows, seqs = _mixed_step(tokenizer, VOCAB)
+    for row, seq in zip(rows, seqs):
+        torch.manual_seed(3)
+        alone = sampler.sample(row.clone(), seq)[0]
+        torch.manual_seed(3)
+        seq.generator = None if seq.sampling.seed is None else torch.Generator().manual_seed(seq.sampling.seed)
+        assert sampler.sample_batch([row], [seq])[0][0] == alone

@@ -3,8 +3,7 @@
 kt-kernel runs each submitted task on one pool of pinned worker threads; a second pool would fight the
 first for the same cores, so there is exactly one per process. It is created on first use with the thread
 count of that first caller; later callers that ask for another count keep the existing pool and get a
-warning. The thread count follows BASELINES.md: never every physical core (16 of 16 cost 8 ms per layer
-against 0.4 ms with 15), so the default is physical cores minus one.
+warning. The default thread count is `default_thread_choice()`: physical cores minus max(2, cores / 8).
 """
 from __future__ import annotations
 
@@ -61,9 +60,27 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
+def default_thread_choice(cores: int | None = None) -> tuple[int, str]:
+    """The default worker count for `cores` physical cores (this process's by default), and why.
+
+    Cores left free: max(2, cores // 8), at least one worker. Two threads besides the workers are busy during
+    a decode step: the generation thread (Python, launching GPU work, sampling) and the CUDA callback thread
+    that starts kt-kernel's work and spins in its stream wait. Measured on 16 cores (V2-Lite INT8 decode,
+    BASELINES.md): 16 workers cost 8 ms per layer; 15 gave bimodal decode (8-29 tok/s, TPOT p99 228 ms);
+    14 gave 33.5 tok/s (p99 49 ms); 10-12 about 29-30 tok/s with p99 within 1.2x of the median. The
+    eighth of larger machines leaves room for the OS and the server's own threads.
+    """
+    cores = physical_cores() if cores is None else cores
+    spare = max(2, cores // 8)
+    threads = max(1, cores - spare)
+    why = (f"{cores} physical cores less {spare} for the generation thread and the CUDA callback thread "
+           f"(15 of 16 cores stalled decode: p99 228 ms; 14 ran 33.5 tok/s)")
+    return threads, why
+
+
 def default_cpu_threads() -> int:
-    """Physical cores minus one (at least 1): one core stays free for the Python / GPU thread."""
-    return max(1, physical_cores() - 1)
+    """The default worker count (see default_thread_choice)."""
+    return default_thread_choice()[0]
 
 
 def check_thread_count(threads: object) -> None:
@@ -99,6 +116,7 @@ def shared_cpu_infer(threads: int | None = None) -> Any:
         if _pool is None:
             ext = load_ext()
             count = resolve_thread_count(threads)
+            why = default_thread_choice()[1] if threads is None else "as configured (cpu_infer)"
             config = ext.WorkerPoolConfig()
             # One subpool on NUMA node 0: the machines we target have one node (BASELINES.md).
             config.subpool_count = 1
@@ -106,7 +124,7 @@ def shared_cpu_infer(threads: int | None = None) -> Any:
             config.subpool_thread_count = [count]
             _pool = ext.CPUInfer(config)
             _pool_threads = count
-            log.info("kt-kernel worker pool started with %d threads", count)
+            log.info("kt-kernel worker pool started with %d threads: %s", count, why)
         elif threads is not None:
             check_thread_count(threads)
             if min(threads, physical_cores()) != _pool_threads:

@@ -98,13 +98,17 @@ def _expert_methods(placement: Any, explicit: str | None, rule_file: Path, confi
     return choices
 
 
-def _cores_left_by_experts(cpu_infer: int | None) -> int:
+def _torch_threads(cpu_infer: int | None, gpu: bool) -> int:
     """torch's own CPU thread pool spins (OpenMP keeps idle threads busy ~200 ms) on the cores kt-kernel's
-    workers are pinned to: small torch ops took 10 ms instead of 0.15 ms on the CPU box, and decode steps on
-    the H200 box took a flat 216 ms instead of 34 ms. torch gets the cores kt-kernel leaves."""
+    workers run on: small torch ops took 10 ms instead of 0.15 ms on the CPU box, and decode steps on the
+    H200 box took a flat 216 ms instead of 34 ms. Without a GPU, torch gets the cores kt-kernel leaves.
+    With every decoder layer on a GPU, the generation thread's CPU work is only sampling, and the cores
+    kt-kernel leaves are taken by that thread and the CUDA thread that runs kt-kernel's stream callbacks;
+    a second torch thread, spinning after every sampling op, would make one busy thread more than there are
+    cores: torch gets 1."""
     from engines.kt.cpuinfer import physical_cores, resolve_thread_count
 
-    return max(1, physical_cores() - resolve_thread_count(cpu_infer))
+    return 1 if gpu else max(1, physical_cores() - resolve_thread_count(cpu_infer))
 
 
 class KTEngine(LLMEngine):
@@ -153,7 +157,7 @@ class KTEngine(LLMEngine):
         flash = attention_for(cfg.attention_backend, model.model.layers[0].self_attn, devices, cache)
         runner = KTModelRunner(model, devices, cache, max_len, flash=flash)
         if uses_cpu_experts(model):
-            self.torch_threads = _cores_left_by_experts(cfg.cpu_infer)
+            self.torch_threads = _torch_threads(cfg.cpu_infer, all(d.type == "cuda" for d in devices))
             torch.set_num_threads(self.torch_threads)
         if cfg.kt_use_cuda_graph:
             if gpu:

@@ -31,6 +31,7 @@ from engines.kt.cpuinfer import check_thread_count, load_ext, shared_cpu_infer
 from engines.kt.expert_methods import (METHODS, ExpertsUnsupportedError, check_llamafile_type, kernel_class,
                                        quantize_fp8_blocks, quantize_int4_groups, sft_kernel_class,
                                        unavailable_reason)
+from engines.kt.step_timing import ExpertEvents, HostTimes
 
 if TYPE_CHECKING:
     from engines.kt.operators import OperatorOptions
@@ -181,7 +182,10 @@ class RoutedExpertsCPU(nn.Module):
         self.out_device = torch.device(out_device) if out_device is not None else None
         self.checkpoint = checkpoint  # where expert LoRA re-reads this layer's base experts from
         self.lora: CPUExpertsLora | None = None  # set while an adapter with expert LoRA on this layer is in
-        self.wait_seconds = 0.0  # time callers spent blocked in wait()
+        # where a step's time goes (engines/kt/step_timing.py): blocking calls are timed on the host, and
+        # stream-ordered ones with CUDA events once the runner sets `events`
+        self.host_times = HostTimes()
+        self.events: ExpertEvents | None = None
         # kt-kernel reads this mask (1 byte per expert) on every forward to skip the hot experts.
         self._gpu_mask = torch.zeros(num_experts, dtype=torch.bool, device="cpu")
         self._gpu_mask[self.gpu_experts] = True
@@ -431,15 +435,18 @@ class RoutedExpertsCPU(nn.Module):
         return out if step is None else self.lora.finish(out, step)
 
     def wait(self) -> torch.Tensor:
-        """sync(), timed into `wait_seconds`, with the output on `out_device`."""
+        """sync() with the output on `out_device`; a blocking wait is timed into `host_times`."""
         started = time.perf_counter()
+        streamed = isinstance(self._pending, _StreamPending)
         out = self.sync()
-        self.wait_seconds += time.perf_counter() - started
+        if not streamed:
+            self.host_times.synced(started)
         return out if self.out_device is None else out.to(self.out_device)
 
     @torch.no_grad()
     def _submit_kernel(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         tokens = self._check_inputs(hidden, topk_ids, topk_weights)
+        self.host_times.submitted_at = time.perf_counter()
         if self._can_use_stream(hidden, tokens):
             return self._submit_on_stream(hidden, topk_ids, topk_weights, tokens)
         with self._lock:
@@ -529,6 +536,8 @@ class RoutedExpertsCPU(nn.Module):
             size = b.sizes.get(tokens)
             if size is None:
                 size = b.sizes[tokens] = torch.full((1,), tokens, dtype=torch.int32, pin_memory=True)
+            if self.events is not None:
+                self.events.record("submitted", stream)
             self._pool.submit_with_cuda_stream(stream.cuda_stream, self._kernel.forward_task(
                 size.data_ptr(), self.top_k, b.ids.data_ptr(), b.weights.data_ptr(), b.x.data_ptr(),
                 b.out.data_ptr(), False))
@@ -543,7 +552,11 @@ class RoutedExpertsCPU(nn.Module):
 
     def _sync_on_stream(self, pending: "_StreamPending") -> torch.Tensor:
         b = self._stream_staging
+        if self.events is not None:
+            self.events.record("waiting", pending.stream)
         self._pool.sync_with_cuda_stream(pending.stream.cuda_stream, 0)
+        if self.events is not None:
+            self.events.record("done", pending.stream)
         out = b.out_device[:pending.tokens]
         out.copy_(b.out[:pending.tokens], non_blocking=True)
         if pending.gpu_part is not None:

@@ -13,6 +13,7 @@ from torch import nn
 from engines.kt.kv_cache import BlockTable, LatentKVCache
 from engines.kt.attention import DecodeBatch, MLAAttention, Span, StepBatch
 from engines.kt.operators import MoEWithCPUExperts, RoutedExpertsCPU
+from engines.kt.step_timing import StepTimer
 from engines.lora.install import LoraModules
 from engines.lora.modules import AdapterRows
 from engines.runtime.model_runner import ModelRunner, ScheduledChunk
@@ -51,6 +52,9 @@ class KTModelRunner(ModelRunner):
         cache.ensure(self._scratch, 1)
         self.scratch_slot = int(cache.slots(self._scratch, 0, 1)[0])
         self.graphs = None  # DecodeGraphs, once captured
+        self._replayed = False  # the last decode step was a graph replay
+        self.timer = StepTimer(self._experts, next(iter(self.devices)) if len(self.devices) == 1
+                               else torch.device("cpu"))
 
     def capture_decode_graphs(self, max_batch: int) -> None:
         """Capture the decode step in CUDA graphs (one GPU, no hot experts on it); see cuda_graphs.py.
@@ -71,7 +75,14 @@ class KTModelRunner(ModelRunner):
                                    max_len=self.max_model_len, scratch_slot=self.scratch_slot, cache=self.cache,
                                    attention=self.flash)
         with torch.inference_mode(), torch.cuda.device(self.embed_device):  # the model's GPU need not be cuda:0
-            self.graphs.capture()
+            try:
+                self.graphs.capture()
+            except RuntimeError as exc:
+                if not self.timer.cuda:
+                    raise
+                self.timer.stop_gpu_timing(f"capturing the decode graphs with timing events failed ({exc})")
+                self.graphs.graphs.clear()
+                self.graphs.capture()
 
     # ------------------------------------------------------------------------ cache bookkeeping
     @staticmethod
@@ -99,11 +110,19 @@ class KTModelRunner(ModelRunner):
         scratch = self.cache.block_size  # the scratch block is the runner's own, never a request's
         return self.cache.used_tokens - scratch, self.cache.capacity_tokens - scratch
 
-    def expert_wait_seconds(self) -> float:
-        return sum(e.wait_seconds for e in self._experts)
+    def step_times(self) -> dict[str, float]:
+        t = self.timer.totals
+        return {"expert_wait": t.expert_wait, "expert": t.expert, "gpu": t.gpu}
 
     # ------------------------------------------------------------------------ the step
     def execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
+        self.timer.begin()
+        self._replayed = False
+        out = self._execute(chunks)
+        self.timer.end(self._replayed)
+        return out
+
+    def _execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
         if all(c.num_tokens == 1 and c.samples and not c.all_logits and c.seq.request.adapter is None
                for c in chunks):
             logits = self._decode(chunks)
@@ -163,6 +182,7 @@ class KTModelRunner(ModelRunner):
             pages.append(table.blocks[:self.cache.blocks_for(chunk.end)])
         if self.graphs is not None and self.graphs.fits(len(ids), max(lengths)):
             logits = self.graphs.run(ids, positions, write, lengths, pages)
+            self._replayed = True
         else:
             logits = self._decode_eager(ids, positions, write, lengths, pages)
         return [logits[i:i + 1] for i in range(len(chunks))]

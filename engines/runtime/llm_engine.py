@@ -121,7 +121,10 @@ class LLMEngine(Engine):
             s.cached_prompt_tokens = self._scheduler.cached_prompt_tokens
         if self._runner is not None:
             s.kv_used_tokens, s.kv_total_tokens = self._runner.kv_usage()
-            s.expert_wait_seconds = self._runner.expert_wait_seconds()
+            times = self._runner.step_times()
+            s.expert_wait_seconds = times.get("expert_wait", 0.0)
+            s.expert_seconds = times.get("expert", 0.0)
+            s.gpu_seconds = times.get("gpu", 0.0)
         return EngineStats(**{k: getattr(s, k) for k in s.__slots__})
 
     # ------------------------------------------------------------------------------ requests
@@ -285,8 +288,12 @@ class LLMEngine(Engine):
             try:
                 with torch.inference_mode():
                     logits = self._runner.execute(chunks)
-                for chunk, rows in zip(chunks, logits):
-                    self._advance(chunk, rows)
+                self._stats.forward_seconds += time.perf_counter() - started
+                sampling = [(chunk, rows) for chunk, rows in zip(chunks, logits) if self._advance(chunk, rows)]
+                tokens = self._sampler.sample_batch([rows[-1] for _, rows in sampling],
+                                                    [chunk.seq for chunk, _ in sampling])
+                for (chunk, _), (token, logprob) in zip(sampling, tokens):
+                    self._emit(chunk.seq, token, logprob)
             except Exception as exc:  # one bad step must not take the server down
                 log.exception("model step failed; failing the %d requests in it", len(chunks))
                 for chunk in chunks:
@@ -303,20 +310,24 @@ class LLMEngine(Engine):
             if seq is not None:
                 self._finish(seq, "abort")
 
-    def _advance(self, chunk: ScheduledChunk, rows: torch.Tensor | None) -> None:
+    def _advance(self, chunk: ScheduledChunk, rows: torch.Tensor | None) -> bool:
+        """Account for the computed chunk; True when its sequence now takes a sampled token."""
         seq = chunk.seq
         if seq.id not in self._sequences:
-            return
+            return False
         if chunk.all_logits and rows is not None:
             self._record_prompt_logprobs(chunk, rows)
         seq.num_computed = chunk.end
         if not chunk.samples:
-            return
+            return False
         if seq.sampling.max_tokens == 0:  # scoring only: the prompt's logprobs were the point
             self._finish(seq, "length")
-            return
+            return False
         assert self._sampler is not None and rows is not None
-        token, logprob = self._sampler.sample(rows[-1].clone(), seq)
+        return True
+
+    def _emit(self, seq: Sequence, token: int, logprob) -> None:
+        """Append the sampled token, detokenize, and finish the sequence or deliver the new text."""
         seq.token_ids.append(token)
         if seq.first_token_at is None:
             seq.first_token_at = time.monotonic()

@@ -77,9 +77,11 @@ class ModelRunner(ABC):
         """(used, total) KV cache positions; total 0 when unbounded."""
         return 0, 0
 
-    def expert_wait_seconds(self) -> float:
-        """Cumulative time spent waiting on CPU experts (KT engine); 0 elsewhere."""
-        return 0.0
+    def step_times(self) -> dict[str, float]:
+        """Cumulative seconds of model steps by where they went, for runners that measure it (KT engine):
+        `expert_wait` (the step stalled on CPU experts), `expert` (CPU experts submitted -> results ready),
+        `gpu` (GPU stream time of steps, less the expert waits). Absent keys read as 0."""
+        return {}
 
     def close(self) -> None:
         """Release the model."""

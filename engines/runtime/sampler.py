@@ -1,4 +1,9 @@
-"""Next-token choice for one sequence: penalties, bias, constraints, then greedy or sampled.
+"""Next-token choice: penalties, bias, constraints, then greedy or sampled.
+
+`sample_batch` picks the tokens of a whole step: rows that are plain greedy or plain temperature sampling
+(nothing else that changes logits or asks for logprobs) share one tensor op (argmax, or softmax of the
+scaled logits); the others go through `sample` one at a time. Random draws stay per row, in row order, each
+with its request's seeded generator, so tokens are exactly those of sampling the rows one by one.
 
 Reported logprobs are those of the model's own distribution (before penalties and temperature), which is
 what OpenAI-style clients and evaluation harnesses compare against."""
@@ -76,10 +81,56 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def _plain(seq: Sequence) -> str | None:
+    """"greedy" or "temperature" when the row needs nothing but that (see the module docstring), else None."""
+    p = seq.sampling
+    if (p.logprobs is not None or p.logit_bias or seq.num_output_tokens < p.min_tokens
+            or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+            or seq.logits_processor is not None):
+        return None
+    if p.greedy or p.temperature < MIN_TEMPERATURE:
+        return "greedy"
+    if p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0:
+        return "temperature"
+    return None
+
+
 class Sampler:
     def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...]):
         self.token_text = TokenText(tokenizer)
         self._eos = eos_token_ids
+
+    def sample_batch(self, rows: list[torch.Tensor], seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
+        """The next token of each sequence from its float32 logits row (rows are not modified)."""
+        kinds = [_plain(seq) for seq in seqs]
+        greedy = [i for i, k in enumerate(kinds) if k == "greedy"]
+        scaled = [i for i, k in enumerate(kinds) if k == "temperature"]
+        picked: dict[int, int] = {}
+        if greedy:
+            best = rows[greedy[0]].argmax().view(1) if len(greedy) == 1 else \
+                torch.stack([rows[i] for i in greedy]).argmax(dim=-1)
+            picked = dict(zip(greedy, best.tolist()))
+        probs: dict[int, torch.Tensor] = {}
+        if len(scaled) > 1:
+            temps = torch.tensor([seqs[i].sampling.temperature for i in scaled], dtype=torch.float32)
+            stacked = torch.stack([rows[i] for i in scaled])
+            fallback = stacked.argmax(dim=-1).tolist()
+            for i, row, top in zip(scaled, torch.softmax(stacked / temps.unsqueeze(1), dim=-1), fallback):
+                probs[i] = row
+                picked[i] = top
+        out = []
+        for i, (row, seq) in enumerate(zip(rows, seqs)):
+            if i in probs:
+                p = probs[i]
+                # as in `sample`: a distribution that under- or overflowed keeps the most likely token
+                if bool(torch.isfinite(p).all()) and float(p.sum()) > 0:
+                    picked[i] = int(torch.multinomial(p, 1, generator=seq.generator))
+                out.append((picked[i], None))
+            elif i in picked:
+                out.append((picked[i], None))
+            else:
+                out.append(self.sample(row.clone(), seq))
+        return out
 
     def sample(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, TokenLogprob | None]:
         """Pick the next token from a float32 logits row (modified in place)."""
