@@ -320,13 +320,18 @@ class Engine(ABC):
     @abstractmethod
     def ready(self) -> bool: ...
 
-    @property
-    @abstractmethod
-    def info(self) -> ModelInfo: ...
+    _info: ModelInfo | None = None  # set by the engine once its model is loaded
+    _tokenizer: Any = None
 
     @property
-    @abstractmethod
-    def tokenizer(self) -> Any: ...
+    def info(self) -> ModelInfo:
+        if self._info is None:
+            raise EngineUnavailableError("the model is still loading")
+        return self._info
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
 
     @abstractmethod
     def submit(self, request: GenerationRequest) -> RequestHandle:

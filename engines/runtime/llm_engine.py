@@ -103,16 +103,6 @@ class LLMEngine(Engine):
     def ready(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
 
-    @property
-    def info(self) -> ModelInfo:
-        if self._info is None:
-            raise EngineUnavailableError("the model is still loading")
-        return self._info
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
-
     def stats(self) -> EngineStats:
         s = self._stats
         if self._scheduler is not None:

@@ -127,16 +127,6 @@ class VLLMEngine(Engine):
     def ready(self) -> bool:
         return self._serving and not self._stopping and not self._llm.errored
 
-    @property
-    def info(self) -> ModelInfo:
-        if self._info is None:
-            raise EngineUnavailableError("the model is still loading")
-        return self._info
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
-
     def stats(self) -> EngineStats:
         return EngineStats(running=len(self._tasks))
 
