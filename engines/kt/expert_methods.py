@@ -181,7 +181,7 @@ class MethodChoice:
                 "cpu_variant": cpu_variant(), **({"experts_method_reason": self.reason} if self.reason else {})}
 
 
-def choose_method(requested: str | None, *, explicit: str | None = None, source: str = "rules",
+def choose_method(requested: str | None, *, explicit: str | None = None, source: str = "the rule file",
                   shape: ExpertShape | None = None) -> MethodChoice:
     """The method experts run with.
 
@@ -204,13 +204,13 @@ def choose_method(requested: str | None, *, explicit: str | None = None, source:
     runnable = [m for m in FALLBACKS.get(wanted, ()) if unavailable_reason(m) is None
                 and (shape is None or shape.fits(m))]
     if not runnable:
-        raise ExpertsUnsupportedError(f"{source} ask for experts method {wanted}: {reason}, and no replacement runs "
+        raise ExpertsUnsupportedError(f"experts method {wanted} (from {source}): {reason}, and no replacement runs "
                                       f"here (available: {', '.join(available_methods()) or 'none'})")
     budget = memory_available()
     fitting = [m for m in runnable if shape is None or budget is None or shape.nbytes(m) <= budget * MEMORY_HEADROOM]
     method = fitting[0] if fitting else min(runnable, key=lambda m: METHODS[m].bits)
     why = "the fastest replacement" if fitting else "the most compact replacement (none fits in memory)"
-    return MethodChoice(method, wanted, f"{source} ask for {wanted}, but {reason}; {method} is {why} it runs")
+    return MethodChoice(method, wanted, f"{source} asks for {wanted}, but {reason}; {method} is {why} it runs")
 
 
 _SPELLINGS = {"AMXINT8": "AMXINT8", "AMXINT4": "AMXINT4", "AMXBF16": "BF16", "BF16": "BF16", "FP8": "FP8",
