@@ -355,11 +355,21 @@ class Engine(ABC):
         scaled to unit length, with `adapter` applied. Concurrent calls may be computed together."""
         raise UnsupportedError(f"engine {self.name!r} cannot compute embeddings")
 
+    # Adapters: an engine that serves LoRA sets `_adapters` (engines/lora/manager.py: AdapterManager).
+    _adapters: Any = None
+
     def list_adapters(self) -> list[AdapterInfo]:
-        return []
+        return [] if self._adapters is None else self._adapters.list()
 
     def load_adapter(self, name: str, path: str) -> AdapterInfo:
-        raise UnsupportedError(f"engine {self.name!r} does not serve LoRA adapters")
+        if self._adapters is None:
+            raise UnsupportedError(self._no_adapters_reason())
+        return self._adapters.load(name, path)
 
     def unload_adapter(self, name: str) -> None:
-        raise NotFoundError(f"adapter {name!r} is not loaded", param="lora_name")
+        if self._adapters is None:
+            raise NotFoundError(f"adapter {name!r} is not loaded", param="lora_name")
+        self._adapters.unload(name)
+
+    def _no_adapters_reason(self) -> str:
+        return f"engine {self.name!r} does not serve LoRA adapters"

@@ -189,6 +189,7 @@ class RoutedExpertsCPU(nn.Module):
         # kt-kernel reads this mask (1 byte per expert) on every forward to skip the hot experts.
         self._gpu_mask = torch.zeros(num_experts, dtype=torch.bool, device="cpu")
         self._gpu_mask[self.gpu_experts] = True
+        self._masks: dict[torch.device, torch.Tensor] = {}  # _gpu_mask per device topk_ids arrive on
         self._gpu_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._kernel_weights: tuple[torch.Tensor, ...] = ()  # tensors kt-kernel reads in place: keep them alive
         self._kernel = None
@@ -547,7 +548,9 @@ class RoutedExpertsCPU(nn.Module):
     def _without_hot_experts(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """topk_ids with the hot experts as -1, on topk_ids' device: the torch part computes those, and
         whether a kt-kernel build skips them by the mask alone differs between builds (the amx build did not)."""
-        mask = self._gpu_mask.to(topk_ids.device, non_blocking=True)
+        mask = self._masks.get(topk_ids.device)
+        if mask is None:  # once per device: the hot set never changes after construction
+            mask = self._masks[topk_ids.device] = self._gpu_mask.to(topk_ids.device)
         return topk_ids.masked_fill(mask[topk_ids.clamp_min(0)] & (topk_ids >= 0), -1)
 
     def _sync_on_stream(self, pending: "_StreamPending") -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from engines.base import (
-    AdapterInfo, Engine, EngineConfig, EngineStats, EngineUnavailableError, GenerationOutput, GenerationRequest, Grammar,
+    Engine, EngineConfig, EngineStats, EngineUnavailableError, GenerationOutput, GenerationRequest, Grammar,
     InvalidRequestError, ModelInfo, NotFoundError, RequestHandle, UnsupportedError,
 )
 from engines.model_files import weights_size
@@ -179,19 +179,6 @@ class LLMEngine(Engine):
         for name, path in self.config.adapters.items():  # before the thread starts: installed inline
             info = self.load_adapter(name, path)
             log.info("adapter %s loaded from %s", info.name, info.path)
-
-    def list_adapters(self) -> list[AdapterInfo]:
-        return [] if self._adapters is None else self._adapters.list()
-
-    def load_adapter(self, name: str, path: str) -> AdapterInfo:
-        if self._adapters is None:
-            raise UnsupportedError(f"engine {self.name!r} does not serve LoRA adapters")
-        return self._adapters.load(name, path)
-
-    def unload_adapter(self, name: str) -> None:
-        if self._adapters is None:
-            raise NotFoundError(f"adapter {name!r} is not loaded", param="lora_name")
-        self._adapters.unload(name)
 
     async def score(self, prompts: list[list[int]], adapter: str | None = None) -> list[float]:
         """The value head (the adapter's, else the model directory's) on each prompt's last final hidden state."""

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.base import (
-    AdapterInfo, Engine, EngineConfig, EngineStats, EngineUnavailableError, GenerationOutput, GenerationRequest,
+    Engine, EngineConfig, EngineStats, EngineUnavailableError, GenerationOutput, GenerationRequest,
     Grammar, ModelInfo, NotFoundError, QueueFullError, RequestHandle, UnsupportedError,
 )
 from engines.model_files import eos_token_ids, load_tokenizer, model_id
@@ -242,20 +242,9 @@ class VLLMEngine(Engine):
         self._adapters.acquire(name)
         return self._adapters.modules.request_for(name)
 
-    def list_adapters(self) -> list[AdapterInfo]:
-        return [] if self._adapters is None else self._adapters.list()
-
-    def load_adapter(self, name: str, path: str) -> AdapterInfo:
-        if self._adapters is None:
-            raise UnsupportedError(cpu_lora_refusal(self.config.model_path) or
-                                   "this server's vLLM engine was started without LoRA support; start it with an "
-                                   "adapter or with vllm_config: {enable_lora: true}")
-        return self._adapters.load(name, path)
-
-    def unload_adapter(self, name: str) -> None:
-        if self._adapters is None:
-            raise NotFoundError(f"adapter {name!r} is not loaded", param="lora_name")
-        self._adapters.unload(name)
+    def _no_adapters_reason(self) -> str:
+        return (cpu_lora_refusal(self.config.model_path) or "this server's vLLM engine was started without LoRA "
+                "support; start it with an adapter or with vllm_config: {enable_lora: true}")
 
     async def score(self, prompts: list[list[int]], adapter: str | None = None) -> list[float]:
         raise UnsupportedError("the vllm engine cannot compute reward scores (a value head on the last hidden "
