@@ -368,3 +368,12 @@ def test_a_request_still_running_when_the_drain_ends_gets_an_openai_503(caplog):
     assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutdown"
     assert r.headers["connection"] == "close" and r.headers["x-request-id"]
     assert not [rec for rec in caplog.records if rec.exc_info is not None]
+
+
+def test_after_every_probe_above_the_server_still_answers_an_ordinary_request(probe):
+    # runs last in this module (pytest keeps file order), on the server every probe above hit
+    with probe.http(headers=AUTH) as http:
+        assert http.get("/health").json()["status"] == "ok"
+        reply = http.post(CHAT, json={"model": probe.engine.info.id, "max_tokens": 4,
+                                      "messages": [{"role": "user", "content": "Hello"}]})
+    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] is not None
