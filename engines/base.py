@@ -238,7 +238,7 @@ class EngineConfig:
     max_concurrent: int = 16  # requests generating at once; the rest wait
     max_queue: int = 1024  # waiting requests beyond which submit() raises QueueFullError
     max_model_len: int | None = None  # default: the model's own
-    chunk_size: int = 512  # prefill tokens per step (chunked prefill)
+    chunk_size: int = 2048  # prefill tokens per step (chunked prefill); see docs/performance.md
     kv_cache_tokens: int | None = None  # KV capacity in tokens; default from max_model_len x max_concurrent
     trust_remote_code: bool = False
     template: str | None = None  # built-in chat template name, overriding the model's

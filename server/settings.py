@@ -63,7 +63,7 @@ class Settings(BaseModel):
     # KTransformers engine
     kt_optimize_rule: str | None = None
     cpu_infer: int | None = Field(None, gt=0)
-    chunk_size: int = Field(512, gt=0)
+    chunk_size: int = Field(2048, gt=0)
     kt_use_cuda_graph: bool = False
     kt_force_think: bool = False
     kt_method: str | None = None

@@ -55,6 +55,29 @@ def test_attention_runs_on_the_gpu_and_experts_on_the_cpu(kt_gpu):
     assert runner._experts, "no routed experts were placed in kt-kernel"
 
 
+def test_rms_norms_on_the_gpu_run_fused(kt_gpu):
+    from engines.kt.operators import FusedRMSNorm
+
+    norms = [m for m in kt_gpu.engine._runner.model.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert norms and all(isinstance(m, FusedRMSNorm) and m.weight.is_cuda for m in norms)
+
+
+def test_a_fused_rms_norm_is_one_kernel_on_the_gpu():
+    from torch.profiler import ProfilerActivity, profile
+
+    from engines.kt.operators import FusedRMSNorm
+
+    norm = FusedRMSNorm(torch.nn.Parameter(torch.rand(2048, dtype=torch.bfloat16, device="cuda")), 1e-6)
+    x = torch.randn(4, 2048, dtype=torch.bfloat16, device="cuda")
+    norm(x)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        norm(x)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, [e.name for e in kernels]
+
+
 def test_gpu_prompt_logprobs_agree_with_transformers(kt_gpu, tokenizer, reference_model):
     ids = tokenizer.encode(tokenizer.decode(tokenizer.encode(TEXT)[:300], skip_special_tokens=True))
     reply = kt_gpu.openai().completions.create(model=kt_gpu.engine.info.id, prompt=tokenizer.decode(

@@ -517,3 +517,25 @@ def test_missing_relative_rule_path_is_found_by_file_name_among_ours():
 
     found = resolve_rule_file("examples/kt_optimize_rules/" + GUIDE_FILE, None)
     assert found == SHIPPED_DIR / GUIDE_FILE
+
+
+def test_fused_rms_norm_equals_transformers_within_one_rounding():
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+
+    from engines.kt.operators import FusedRMSNorm
+
+    torch.manual_seed(0)
+    reference = DeepseekV3RMSNorm(512, eps=1e-6).to(torch.bfloat16)
+    reference.weight.data = torch.rand(512, dtype=torch.bfloat16) + 0.5
+    x = torch.randn(7, 512, dtype=torch.bfloat16) * 3
+    fused = FusedRMSNorm(reference.weight, reference.variance_epsilon)(x)
+    assert fused.dtype == torch.bfloat16
+    torch.testing.assert_close(fused.float(), reference(x).float(), rtol=2 ** -7, atol=1e-3)
+
+
+def test_only_norms_on_a_gpu_are_fused():
+    from engines.kt.operators import FusedRMSNorm, fuse_rms_norms
+
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**TINY, num_hidden_layers=2, first_k_dense_replace=1))
+    assert fuse_rms_norms(model) == 0
+    assert not any(isinstance(m, FusedRMSNorm) for m in model.modules())

@@ -20,7 +20,7 @@ from engines.base import ModelInfo
 from engines.kt.flashinfer_mla import attention_for
 from engines.kt.kv_cache import LatentKVCache
 from engines.kt.loader import load_checkpoint, missing_tensors
-from engines.kt.operators import OperatorOptions
+from engines.kt.operators import OperatorOptions, fuse_rms_norms
 from engines.kt.runner import KTModelRunner, layer_devices, uses_cpu_experts
 from engines.model_files import context_length, eos_token_ids, load_tokenizer, model_id, resolve_dtype
 from engines.runtime.llm_engine import LLMEngine
@@ -149,6 +149,9 @@ class KTEngine(LLMEngine):
                         getattr(config, "n_routed_experts", None) or config.num_experts,
                         weight_cache=self._weight_cache_dir(model_path))
         self._finish_model(model, config, placement)
+        fused = fuse_rms_norms(model)
+        if fused:
+            log.info("%d RMSNorms on the GPU run as one fused kernel each", fused)
         model.eval()
         devices = layer_devices(model)
         cache = LatentKVCache(layer_devices=devices, num_tokens=self._kv_tokens(max_len),

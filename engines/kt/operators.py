@@ -10,6 +10,8 @@ loader). Engine-wide settings reach operators only through `OperatorOptions`, pa
                        the CPU work runs while the shared experts run on the GPU.
 * `RoutedExpertsCPU`   only the routed experts (the transformers MoE block around it stays);
                        engines/kt/experts_cpu.py.
+
+`fuse_rms_norms` is not a rule's operator: the engine applies it to every RMSNorm that lands on a GPU.
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ from engines.kt.attention import DecodeBatch, MLAAttention, Span, StepBatch, lay
 from engines.kt.expert_methods import DEFAULT_METHOD, normalize_method
 from engines.kt.experts_cpu import RoutedExpertsCPU
 
-__all__ = ["DecodeBatch", "MLAAttention", "MoEWithCPUExperts", "OperatorOptions", "RoutedExpertsCPU", "Span",
-           "StepBatch", "layer_index"]
+__all__ = ["DecodeBatch", "FusedRMSNorm", "MLAAttention", "MoEWithCPUExperts", "OperatorOptions",
+           "RoutedExpertsCPU", "Span", "StepBatch", "fuse_rms_norms", "layer_index"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,3 +69,34 @@ class MoEWithCPUExperts(nn.Module):
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         routed = self.experts.wait().to(x.dtype)
         return routed if shared is None else routed + shared
+
+
+class FusedRMSNorm(nn.Module):
+    """RMSNorm as one fused kernel (torch's `rms_norm`) where transformers' version launches eight element-wise
+    ones. A decode step runs three norms per layer, and at small batch their launches, not their arithmetic,
+    are the cost: on the GPU machine they were 24 of the ~72 kernels of a V2-Lite layer. The sum of squares
+    accumulates in float32 as in transformers; the result is rounded to the input's dtype once, after the
+    scale, where transformers rounds before it as well (a difference within one unit of the last place)."""
+
+    def __init__(self, weight: nn.Parameter, eps: float):
+        super().__init__()
+        self.weight = weight
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(x, self.weight.shape, self.weight.to(x.dtype), self.eps)
+
+
+def fuse_rms_norms(model: nn.Module) -> int:
+    """Swap every transformers RMSNorm whose weight is on a GPU for `FusedRMSNorm`; how many were swapped.
+    Norms on the CPU keep transformers' code (there a fused kernel saves nothing worth a rounding change)."""
+    swapped = 0
+    for name, module in list(model.named_modules()):
+        if (type(module).__name__.endswith("RMSNorm") and not isinstance(module, FusedRMSNorm)
+                and getattr(module, "weight", None) is not None and module.weight.is_cuda):
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+            setattr(parent, child, FusedRMSNorm(module.weight, eps))
+            swapped += 1
+    return swapped

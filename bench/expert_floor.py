@@ -1,0 +1,110 @@
+"""The floor of the CPU experts at batch 1: one V2-Lite MoE layer (6 of 64 experts, 2048 x 1408) timed cold —
+several layers in rotation and fresh random experts on every call, as in a real decode where one token
+reads 1.35 GB (INT8) that no cache holds — for several kt-kernel thread counts, driven two ways:
+`python`: submit + sync from Python (what the CPU-only engine does);
+`stream`: submit_with_cuda_stream + sync_with_cuda_stream from a CUDA stream (what the GPU decode does),
+with the copies into and out of pinned buffers on the stream, timed with CUDA events.
+
+    python -m bench.expert_floor [--methods AMXINT8,AMXINT4] [--threads 10,12,14,15] [--layers 6]
+
+Each thread count runs in its own process (the worker pool is process-wide). Prints one JSON line per
+measurement and a summary line last."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+HIDDEN, INTER, EXPERTS, TOP_K = 2048, 1408, 64, 6
+BYTES_PER_WEIGHT = {"AMXINT8": 1.0, "AMXINT4": 0.5, "BF16": 2.0}
+
+
+def _layers(method: str, count: int, threads: int):
+    from engines.kt.experts_cpu import RoutedExpertsCPU
+
+    layers = []
+    for i in range(count):
+        layer = RoutedExpertsCPU(layer_idx=900 + i, num_experts=EXPERTS, top_k=TOP_K, hidden_size=HIDDEN,
+                                 intermediate_size=INTER, method=method, threads=threads, max_tokens=64)
+        g = torch.Generator().manual_seed(i)
+        layer.load_weights(*(torch.randn(EXPERTS, *shape, generator=g, dtype=torch.bfloat16) * 0.02
+                             for shape in ((INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER))))
+        layers.append(layer)
+    return layers
+
+
+def _inputs(calls: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(1, HIDDEN, generator=g, dtype=torch.bfloat16),
+             torch.randperm(EXPERTS, generator=g)[:TOP_K].view(1, TOP_K),
+             torch.rand(1, TOP_K, generator=g)) for _ in range(calls)]
+
+
+def child(method: str, threads: int, layers: int, calls: int) -> None:
+    stack = _layers(method, layers, threads)
+    bytes_per_call = 3 * HIDDEN * INTER * TOP_K * BYTES_PER_WEIGHT[method]
+    inputs = _inputs(calls, seed=threads)
+    for x, ids, w in inputs[:8]:  # warm-up
+        stack[0].forward(x, ids, w)
+    started = time.perf_counter()
+    for i, (x, ids, w) in enumerate(inputs):
+        stack[i % layers].forward(x, ids, w)
+    per_layer = (time.perf_counter() - started) / calls
+    print(json.dumps({"method": method, "threads": threads, "driver": "python", "layers": layers,
+                      "ms_per_layer": round(per_layer * 1e3, 4),
+                      "GB_s": round(bytes_per_call / per_layer / 1e9, 1)}), flush=True)
+    if not torch.cuda.is_available():
+        return
+    dev = torch.device("cuda")
+    gpu_inputs = [(x.to(dev), ids.to(dev), w.to(dev)) for x, ids, w in inputs]
+    for x, ids, w in gpu_inputs[:8]:
+        stack[0].submit(x, ids, w)
+        stack[0].sync()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i, (x, ids, w) in enumerate(gpu_inputs):
+        layer = stack[i % layers]
+        layer.submit(x, ids, w)
+        layer.sync()
+    end.record()
+    end.synchronize()
+    per_layer = start.elapsed_time(end) / 1e3 / calls
+    print(json.dumps({"method": method, "threads": threads, "driver": "stream", "layers": layers,
+                      "ms_per_layer": round(per_layer * 1e3, 4),
+                      "GB_s": round(bytes_per_call / per_layer / 1e9, 1)}), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--methods", default="AMXINT8,AMXINT4")
+    p.add_argument("--threads", default="10,12,14,15")
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--calls", type=int, default=400)
+    p.add_argument("--child", nargs=2, metavar=("METHOD", "THREADS"))
+    args = p.parse_args()
+    if args.child:
+        child(args.child[0], int(args.child[1]), args.layers, args.calls)
+        return
+    rows = []
+    for method in args.methods.split(","):
+        for threads in (int(t) for t in args.threads.split(",")):
+            run = subprocess.run([sys.executable, "-m", "bench.expert_floor", "--child", method, str(threads),
+                                  "--layers", str(args.layers), "--calls", str(args.calls)],
+                                 capture_output=True, text=True, env=os.environ.copy(), timeout=600)
+            lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+            for line in lines:
+                print(json.dumps(line), flush=True)
+            rows += lines
+            if run.returncode:
+                print(json.dumps({"method": method, "threads": threads, "failed": run.stderr[-2000:]}), flush=True)
+    print(json.dumps({"summary": [(r["method"], r["threads"], r["driver"], r["ms_per_layer"]) for r in rows]}))
+
+
+if __name__ == "__main__":
+    main()
