@@ -8,7 +8,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, AsyncIterator, Callable, Protocol, Sequence
 
 from fastapi import Request
 from sse_starlette.sse import EventSourceResponse
@@ -88,7 +88,7 @@ def submit_choices(engine: Engine, tracker: RequestTracker, prompt: list[int], p
     return tracker.track(handles, len(prompt))
 
 
-async def merged(handles: list[ChoiceHandle]) -> AsyncIterator[tuple[int, GenerationOutput]]:
+async def merged(handles: Sequence[ChoiceHandle]) -> AsyncIterator[tuple[int, GenerationOutput]]:
     """Deltas of several handles as they arrive, tagged with the handle's index."""
     if len(handles) == 1:
         async for out in handles[0]:
@@ -112,13 +112,13 @@ async def merged(handles: list[ChoiceHandle]) -> AsyncIterator[tuple[int, Genera
             t.cancel()
 
 
-def cancel_all(handles: list[ChoiceHandle]) -> None:
+def cancel_all(handles: Sequence[ChoiceHandle]) -> None:
     for h in handles:
         h.cancel()
 
 
-async def collect(request: Request, tracker: RequestTracker, handles: list[ChoiceHandle], timeout: float | None
-                  ) -> list[GenerationOutput]:
+async def collect(request: Request, tracker: RequestTracker, handles: Sequence[ChoiceHandle],
+                  timeout: float | None) -> list[GenerationOutput]:
     """Wait for every choice, cancelling the engine work if the client disconnects or time runs out."""
     from server.errors import APIError
 
@@ -211,7 +211,7 @@ def typed_sse(error: Callable[[StreamError], dict[str, Any]]) -> Framing:
                    respond=_event_source)
 
 
-def stream_response(tracker: RequestTracker, events: AsyncIterator[Event], handles: list[ChoiceHandle],
+def stream_response(tracker: RequestTracker, events: AsyncIterator[Event], handles: Sequence[ChoiceHandle],
                     framing: Framing, headers: dict[str, str] | None = None) -> Response:
     """Stream an endpoint's events in its framing. The tracker notes a `StreamError`, or a stream cut short
     (the client went away: the response cancels the body); either way the engine work is cancelled at the

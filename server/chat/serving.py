@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from fastapi import Request
 
@@ -109,7 +109,7 @@ class ChatServing:
             plan.params = [replace(p, grammar=grammar) for p in plan.params]
         return plan
 
-    def submit(self, plan: ChatPlan, tracker: RequestTracker) -> list[ChoiceHandle]:
+    def submit(self, plan: ChatPlan, tracker: RequestTracker) -> Sequence[ChoiceHandle]:
         return submit_choices(self.engine, tracker, plan.prompt, plan.params, plan.adapter, plan.request_id)
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
@@ -122,8 +122,8 @@ class ChatServing:
         return self._response(plan, replies)
 
     # ---------------------------------------------------------------------------------- whole replies
-    async def replies(self, raw: Request, tracker: RequestTracker, plan: ChatPlan, handles: list[ChoiceHandle]
-                      ) -> list[tuple[GenerationOutput, ChatReply]]:
+    async def replies(self, raw: Request, tracker: RequestTracker, plan: ChatPlan,
+                      handles: Sequence[ChoiceHandle]) -> list[tuple[GenerationOutput, ChatReply]]:
         outputs = await collect(raw, tracker, handles, self.request_timeout)
         for out in outputs:
             if out.finish_reason == "error":
@@ -146,7 +146,7 @@ class ChatServing:
                 "usage": usage(len(plan.prompt), completion, replies[0][0].cached_tokens)}
 
     # ---------------------------------------------------------------------------------- streaming
-    async def events(self, plan: ChatPlan, handles: list[ChoiceHandle]) -> AsyncIterator[ChoiceEvent]:
+    async def events(self, plan: ChatPlan, handles: Sequence[ChoiceHandle]) -> AsyncIterator[ChoiceEvent]:
         """Per-choice reply deltas as the engine produces them. Raises TimeoutError past the request timeout;
         an engine error arrives as an event whose output has finish_reason "error"."""
         parsers = [plan.output_parser() for _ in handles]
@@ -159,7 +159,7 @@ class ChatServing:
                 delta = join_deltas([delta, parsers[i].finish(out.finish_reason)])
             yield ChoiceEvent(i, delta, out, parsers[i].finish_reason(out.finish_reason) if out.finished else None)
 
-    async def _stream(self, req: ChatCompletionRequest, plan: ChatPlan, handles: list[ChoiceHandle]
+    async def _stream(self, req: ChatCompletionRequest, plan: ChatPlan, handles: Sequence[ChoiceHandle]
                       ) -> AsyncIterator[Event]:
         base = {"id": plan.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": plan.model}

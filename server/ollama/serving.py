@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -126,7 +126,8 @@ class OllamaServing:
             body["context"] = plan.prompt + output_ids
         return {**body, **self._done(plan, reply.finish_reason, eval_count, timing)}
 
-    async def _whole(self, plan: ChatPlan, handles: list[ChoiceHandle], timing: Timing) -> tuple[ChatReply, list[int], int]:
+    async def _whole(self, plan: ChatPlan, handles: Sequence[ChoiceHandle], timing: Timing
+                     ) -> tuple[ChatReply, list[int], int]:
         """Run the request to its end, timing its first delta: (reply, output ids, output token count)."""
         text: list[str] = []
         ids: list[int] = []
@@ -155,7 +156,7 @@ class OllamaServing:
         return {"done": True, "done_reason": done_reason(finish_reason), "prompt_eval_count": len(plan.prompt),
                 "eval_count": eval_count, **timing.durations()}
 
-    async def _stream(self, plan: ChatPlan, handles: list[ChoiceHandle], timing: Timing, chat: bool
+    async def _stream(self, plan: ChatPlan, handles: Sequence[ChoiceHandle], timing: Timing, chat: bool
                       ) -> AsyncIterator[Event]:
         calls: dict[int, dict[str, Any]] = {}
         output_ids: list[int] = []

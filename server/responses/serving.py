@@ -3,7 +3,7 @@ one, and its reply — whole, or delta by delta — becomes the response's outpu
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from fastapi import Request
 
@@ -44,7 +44,7 @@ class ResponsesServing:
         response.builder.add(ChatDelta(reply.reasoning or "", reply.content or "", calls))
         return response.finish(out.finish_reason, out.completion_tokens)
 
-    async def _stream(self, response: "Response", handles: list[ChoiceHandle]) -> AsyncIterator[Event]:
+    async def _stream(self, response: "Response", handles: Sequence[ChoiceHandle]) -> AsyncIterator[Event]:
         builder = response.builder
         yield builder.event("response.created", response=response.body("in_progress"))
         yield builder.event("response.in_progress", response=response.body("in_progress"))
