@@ -20,7 +20,7 @@ import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 import json
-from typing import Any, AsyncIterator, Callable, Literal
+from typing import Any, AsyncIterable, AsyncIterator, Callable, Literal
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -159,6 +159,9 @@ class GenerationOutput:
     completion_tokens: int = 0  # cumulative
     error: str | None = None  # set with finish_reason "error"
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache rather than computed
+    # Ended because the server is shutting down (with finish_reason "abort" or "error"): readers test this,
+    # never the error's text, to answer as a shutdown rather than a failure.
+    server_shutdown: bool = False
 
     @property
     def finished(self) -> bool:
@@ -207,23 +210,28 @@ class RequestHandle:
 
     async def result(self) -> GenerationOutput:
         """Collect the whole generation into one output (non-streaming)."""
-        text, ids, logprobs, prompt_lp = [], [], None, None
-        last: GenerationOutput | None = None
-        async for out in self:
-            text.append(out.text)
-            ids.extend(out.token_ids)
-            if out.logprobs is not None:
-                logprobs = (logprobs or []) + out.logprobs
-            if out.prompt_logprobs is not None:
-                prompt_lp = out.prompt_logprobs
-            last = out
-        assert last is not None
-        return GenerationOutput(
-            request_id=self.request_id, text="".join(text), token_ids=ids, logprobs=logprobs,
-            prompt_logprobs=prompt_lp, finish_reason=last.finish_reason, stop_reason=last.stop_reason,
-            prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens, error=last.error,
-            cached_tokens=last.cached_tokens,
-        )
+        return await whole_output(self.request_id, self)
+
+
+async def whole_output(request_id: str, deltas: AsyncIterable[GenerationOutput]) -> GenerationOutput:
+    """One request's deltas joined into one output: all text, tokens and logprobs, the last delta's ending."""
+    text, ids, logprobs, prompt_lp = [], [], None, None
+    last: GenerationOutput | None = None
+    async for out in deltas:
+        text.append(out.text)
+        ids.extend(out.token_ids)
+        if out.logprobs is not None:
+            logprobs = (logprobs or []) + out.logprobs
+        if out.prompt_logprobs is not None:
+            prompt_lp = out.prompt_logprobs
+        last = out
+    assert last is not None
+    return GenerationOutput(
+        request_id=request_id, text="".join(text), token_ids=ids, logprobs=logprobs,
+        prompt_logprobs=prompt_lp, finish_reason=last.finish_reason, stop_reason=last.stop_reason,
+        prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens, error=last.error,
+        cached_tokens=last.cached_tokens, server_shutdown=last.server_shutdown,
+    )
 
 
 # ------------------------------------------------------------------------------------ config and info

@@ -1,7 +1,8 @@
-"""The outermost middleware: every HTTP request gets an id and a tracker, and on its way out is recorded
-once — in the metrics and in one log line. It also keeps the set of requests in flight that a drain waits
-for, and is where an exception nothing else handled (a bug) ends: logged once with its traceback and
-answered with one OpenAI-shaped 500 that carries the request id and closes the connection cleanly.
+"""The outermost middleware: every HTTP request gets an id and a tracker (on `request.state`, where
+`server.tracking.tracker_of` finds it), and on its way out is recorded once — in the metrics and in one log
+line. It also keeps the set of requests in flight that a drain waits for, and is where an exception nothing
+else handled (a bug) ends: logged once with its traceback and answered with one OpenAI-shaped 500 that
+carries the request id and closes the connection cleanly.
 
 The log line carries no headers and no query string, so an API key never reaches the log."""
 from __future__ import annotations
@@ -16,7 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.metrics import Metrics
 from server.shutdown import Drain
-from server.tracking import UNMATCHED, RequestTracker, begin, end, request_id_from
+from server.tracking import UNMATCHED, RequestTracker, request_id_from
 
 log = logging.getLogger("ktserve.requests")
 errors_log = logging.getLogger("ktserve.server")
@@ -41,7 +42,8 @@ class RequestTracking:
                 MutableHeaders(scope=message).append("X-Request-Id", tracker.request_id)
             await send(message)
 
-        token = begin(tracker)
+        # a new dict for this request, never a change to one the server may share between requests
+        scope["state"] = {**scope.get("state", {}), "tracker": tracker}
         self.drain.in_flight.add(tracker)
         try:
             await self.app(scope, receive, send_with_id)
@@ -64,7 +66,6 @@ class RequestTracking:
             await send_with_id(json_response_start(500, INTERNAL_ERROR_BODY))
             await send_with_id({"type": "http.response.body", "body": INTERNAL_ERROR_BODY})
         finally:
-            end(token)
             self.drain.in_flight.discard(tracker)
             tracker.end = time.monotonic()
             tracker.route = route_template(scope)

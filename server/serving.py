@@ -1,6 +1,6 @@
-"""What every OpenAI endpoint does the same way: resolve the model name, submit one engine request per
-choice, and either stream the deltas as SSE or collect them, cancelling the engine work when the client
-goes away."""
+"""What every generating endpoint does the same way: resolve the model name, submit one engine request per
+choice, and either stream the deltas (SSE or NDJSON, one helper) or collect them, cancelling the engine work
+when the client goes away. The request's tracker is handed to each helper that feeds it."""
 from __future__ import annotations
 
 import asyncio
@@ -8,17 +8,19 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, Protocol, Sequence
 
 from fastapi import Request
 from sse_starlette.sse import EventSourceResponse
+from starlette.responses import Response
 
 from engines.base import (
     Engine, GenerationOutput, GenerationRequest, InvalidRequestError, NotFoundError, RequestHandle, SamplingParams,
 )
-from server.tracking import current_tracker
+from server.tracking import RequestTracker, TrackedHandle
 
 DISCONNECT_POLL_SECONDS = 0.25
+SHUTTING_DOWN = "the server is shutting down"  # said when a shutdown output carries no message of its own
 # Prompts at least this long are tokenized on a worker thread: the tokenizers library releases the GIL, so a
 # megabyte-sized prompt (seconds of tokenizing) does not stall every other request on the event loop.
 OFF_LOOP_CHARACTERS = 16_384
@@ -58,11 +60,21 @@ def check_capacity(engine: Engine, choices: int, param: str = "n") -> None:
             f"(max_concurrent {config.max_concurrent} + max_queue {config.max_queue})", param=param)
 
 
-def submit_choices(engine: Engine, prompt: list[int], params: list[SamplingParams], adapter: str | None,
-                   request_id: str) -> list[RequestHandle]:
+class ChoiceHandle(Protocol):
+    """One submitted choice as the serving code uses it: its deltas, its whole output, and a way to abandon
+    it. `submit_choices` hands out `TrackedHandle`s; an engine's `RequestHandle` is one too."""
+
+    def __aiter__(self) -> AsyncIterator[GenerationOutput]: ...
+
+    async def result(self) -> GenerationOutput: ...
+
+    def cancel(self) -> None: ...
+
+
+def submit_choices(engine: Engine, tracker: RequestTracker, prompt: list[int], params: list[SamplingParams],
+                   adapter: str | None, request_id: str) -> list[TrackedHandle]:
     """Submit one engine request per choice; if one is refused, cancel the ones already queued. The handles
     come back wrapped so the request's tracker sees their deltas."""
-    tracker = current_tracker()
     tracker.model = adapter or engine.info.id
     handles: list[RequestHandle] = []
     try:
@@ -73,10 +85,10 @@ def submit_choices(engine: Engine, prompt: list[int], params: list[SamplingParam
         for h in handles:
             h.cancel()
         raise
-    return tracker.track(handles, len(prompt))  # type: ignore[return-value]  # a RequestHandle in all but name
+    return tracker.track(handles, len(prompt))
 
 
-async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, GenerationOutput]]:
+async def merged(handles: Sequence[ChoiceHandle]) -> AsyncIterator[tuple[int, GenerationOutput]]:
     """Deltas of several handles as they arrive, tagged with the handle's index."""
     if len(handles) == 1:
         async for out in handles[0]:
@@ -84,7 +96,7 @@ async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Gener
         return
     queue: asyncio.Queue[tuple[int, GenerationOutput]] = asyncio.Queue()
 
-    async def pump(index: int, handle: RequestHandle) -> None:
+    async def pump(index: int, handle: ChoiceHandle) -> None:
         async for out in handle:
             queue.put_nowait((index, out))
 
@@ -100,16 +112,16 @@ async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Gener
             t.cancel()
 
 
-def cancel_all(handles: list[RequestHandle]) -> None:
+def cancel_all(handles: Sequence[ChoiceHandle]) -> None:
     for h in handles:
         h.cancel()
 
 
-async def collect(request: Request, handles: list[RequestHandle], timeout: float | None) -> list[GenerationOutput]:
+async def collect(request: Request, tracker: RequestTracker, handles: Sequence[ChoiceHandle],
+                  timeout: float | None) -> list[GenerationOutput]:
     """Wait for every choice, cancelling the engine work if the client disconnects or time runs out."""
     from server.errors import APIError
 
-    tracker = current_tracker()
     results = asyncio.gather(*(h.result() for h in handles))
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
@@ -117,8 +129,9 @@ async def collect(request: Request, handles: list[RequestHandle], timeout: float
             done, _ = await asyncio.wait({results}, timeout=DISCONNECT_POLL_SECONDS)
             if done:
                 outputs = results.result()
-                if any(o.error is not None and o.error == tracker.shutdown_message for o in outputs):
-                    raise APIError(503, tracker.shutdown_message, type="service_unavailable",
+                shutdown = next((o for o in outputs if o.server_shutdown), None)
+                if shutdown is not None:
+                    raise APIError(503, shutdown.error or SHUTTING_DOWN, type="service_unavailable",
                                    code="server_shutdown", headers={"Retry-After": "5"})
                 return outputs
             if await request.is_disconnected():
@@ -143,36 +156,84 @@ def _retrieve(future: asyncio.Future) -> None:
         future.exception()
 
 
-def sse_response(events: AsyncIterator[dict[str, Any]], handles: list[RequestHandle],
-                 headers: dict[str, str] | None = None, *, typed_events: bool = False) -> EventSourceResponse:
-    """Stream JSON chunks as `data:` lines and end with `data: [DONE]` — or, with `typed_events` (the
-    Responses API), give each an `event:` line naming its `type` and end without a marker. sse-starlette
-    cancels the generator when the client disconnects; cancelling the handles then frees the engine's work."""
-    tracker = current_tracker()
+@dataclass(frozen=True, slots=True)
+class StreamError:
+    """The error that ends a stream: noted by the request's tracker, sent in the endpoint's own shape."""
 
-    async def body() -> AsyncIterator[dict[str, str]]:
+    message: str
+    type: str = "internal_error"
+    code: str | None = None
+
+    @classmethod
+    def of(cls, out: GenerationOutput) -> StreamError:
+        """What a choice that ended in error ends its stream with; a shutdown is labelled as one."""
+        if out.server_shutdown:
+            return cls(out.error or SHUTTING_DOWN, "service_unavailable", "server_shutdown")
+        return cls(out.error or "generation failed")
+
+    def openai(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": None, "code": self.code}}
+
+
+Event = dict[str, Any] | StreamError  # what an endpoint's event generator yields
+
+
+@dataclass(frozen=True, slots=True)
+class Framing:
+    """How a streaming endpoint puts its JSON events on the wire: `frame` turns one into what the response
+    body yields, `error` turns a `StreamError` into the endpoint's error event, `end` follows the last event
+    of a stream that ran to its end, and `respond` wraps the body in the response."""
+
+    frame: Callable[[dict[str, Any]], Any]
+    error: Callable[[StreamError], dict[str, Any]]
+    respond: Callable[[AsyncIterator[Any], dict[str, str] | None], Response]
+    end: tuple[Any, ...] = ()
+
+
+def _json(event: dict[str, Any]) -> str:
+    return json.dumps(event, ensure_ascii=False)
+
+
+def _event_source(body: AsyncIterator[Any], headers: dict[str, str] | None) -> Response:
+    # sse-starlette cancels the body when the client disconnects
+    return EventSourceResponse(body, sep="\n", ping=15, headers=headers)
+
+
+# OpenAI's chat and completion streams: `data: {...}` lines, OpenAI error objects, `data: [DONE]` at the end.
+SSE = Framing(frame=lambda event: {"data": _json(event)}, error=StreamError.openai, respond=_event_source,
+              end=({"data": "[DONE]"},))
+
+
+def typed_sse(error: Callable[[StreamError], dict[str, Any]]) -> Framing:
+    """The Responses API's stream: an `event:` line naming each event's `type`, errors as the endpoint's own
+    events, and no end marker."""
+    return Framing(frame=lambda event: {"event": event["type"], "data": _json(event)}, error=error,
+                   respond=_event_source)
+
+
+def stream_response(tracker: RequestTracker, events: AsyncIterator[Event], handles: Sequence[ChoiceHandle],
+                    framing: Framing, headers: dict[str, str] | None = None) -> Response:
+    """Stream an endpoint's events in its framing. The tracker notes a `StreamError`, or a stream cut short
+    (the client went away: the response cancels the body); either way the engine work is cancelled at the
+    end."""
+
+    async def body() -> AsyncIterator[Any]:
         complete = False
         try:
-            async for chunk in events:
-                if "error" in chunk:
-                    chunk = tracker.stream_error(chunk)
-                message = {"data": json.dumps(chunk, ensure_ascii=False)}
-                if typed_events:
-                    message["event"] = chunk["type"]
-                yield message
-            if not typed_events:
-                yield {"data": "[DONE]"}
+            async for event in events:
+                if isinstance(event, StreamError):
+                    tracker.note_error(event.code or event.type)
+                    event = framing.error(event)
+                yield framing.frame(event)
+            for marker in framing.end:
+                yield marker
             complete = True
         finally:
             if not complete:
-                tracker.error = tracker.error or "client_disconnected"
+                tracker.note_error("client_disconnected")
             cancel_all(handles)
 
-    return EventSourceResponse(body(), sep="\n", ping=15, headers=headers)
-
-
-def error_chunk(message: str, type: str = "internal_error", code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": None, "code": code}}
+    return framing.respond(body(), headers)
 
 
 @dataclass

@@ -1,25 +1,24 @@
 """Per-request accounting, done once: what the metrics and the request log line both read.
 
-The middleware opens a `RequestTracker` for every HTTP request and makes it current for the request's
-task; the shared serving helpers (`submit_choices`, `collect`, `sse_response`) feed it. Engine handles are
-wrapped in `TrackedHandle`s, so every delta the endpoints read is seen here on its way past and the
-endpoints themselves need no accounting code."""
+The middleware opens a `RequestTracker` for every HTTP request and puts it on the request (`tracker_of`
+reads it back); endpoints hand it to the shared serving helpers (`submit_choices`, `collect`,
+`stream_response`), which feed it. Engine handles are wrapped in `TrackedHandle`s, so every delta the
+endpoints read is seen here on its way past and the endpoints themselves need no accounting code."""
 from __future__ import annotations
 
-import contextvars
 import re
 import time
 import uuid
 from typing import Any, AsyncIterator
 
-from engines.base import GenerationOutput, RequestHandle
+from starlette.requests import Request
+
+from engines.base import GenerationOutput, RequestHandle, whole_output
 
 MAX_REQUEST_ID_LENGTH = 128
 UNMATCHED = "unmatched"  # the route of requests no route served: one label value whatever the path
 # A client's X-Request-Id goes into a response header and the log, so only plain token characters survive.
 _UNSAFE_ID_CHARACTERS = re.compile(r"[^A-Za-z0-9._:/+=-]")
-
-_current: contextvars.ContextVar[RequestTracker | None] = contextvars.ContextVar("ktserve_request", default=None)
 
 
 def request_id_from(sent: str | None) -> str:
@@ -39,7 +38,7 @@ class TrackedHandle:
         self.last_token_at: float | None = None
         self.completion_tokens = 0
         self.finish_reason: str | None = None
-        self.aborted: str | None = None  # the message, when the server's shutdown ended this choice
+        self.server_shutdown = False  # the server's shutdown ended this choice
 
     def __aiter__(self) -> AsyncIterator[GenerationOutput]:
         return self._iterate()
@@ -49,21 +48,19 @@ class TrackedHandle:
             self._note(out)
             yield out
 
-    # The engine handle's own collection logic, reading through this wrapper so every delta is noted.
-    result = RequestHandle.result
-
-    @property
-    def done(self) -> bool:
-        return self._handle.done
+    async def result(self) -> GenerationOutput:
+        """The whole generation, read through this wrapper so every delta is noted."""
+        return await whole_output(self.request_id, self)
 
     def cancel(self) -> None:
         self._handle.cancel()
 
     def abort(self, message: str) -> None:
-        """End this choice now with an error delta its reader will see, and drop the engine's work on it."""
-        self.aborted = message
+        """The server is shutting down: end this choice now with an error delta its reader will see, and drop
+        the engine's work on it."""
+        self.server_shutdown = True
         self._handle.deliver(GenerationOutput(request_id=self.request_id, finish_reason="error", error=message,
-                                              completion_tokens=self.completion_tokens))
+                                              completion_tokens=self.completion_tokens, server_shutdown=True))
         self._handle.cancel()
 
     def _note(self, out: GenerationOutput) -> None:
@@ -75,6 +72,7 @@ class TrackedHandle:
         self.completion_tokens = max(self.completion_tokens, out.completion_tokens)
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
+        self.server_shutdown = self.server_shutdown or out.server_shutdown
 
     def time_per_output_token(self) -> float | None:
         """Mean seconds between this choice's tokens after the first; None with fewer than two."""
@@ -115,14 +113,9 @@ class RequestTracker:
             if h.finish_reason is None:
                 h.abort(message)
 
-    def stream_error(self, chunk: dict[str, Any]) -> dict[str, Any]:
-        """Note the error event that ends a stream; return it as sent (labelled as a shutdown when it was
-        one, whatever the endpoint called it)."""
-        error = chunk["error"]
-        if self.shutdown_message is not None and error.get("message") == self.shutdown_message:
-            error.update(type="service_unavailable", code="server_shutdown")
-        self.error = self.error or error.get("code") or error.get("type")
-        return chunk
+    def note_error(self, reason: str) -> None:
+        """Note what ended the request early (an error code, "client_disconnected", ...); the first stands."""
+        self.error = self.error or reason
 
     @property
     def output_tokens(self) -> int:
@@ -140,7 +133,8 @@ class RequestTracker:
 
     def finish_reasons(self) -> list[str]:
         """Per choice: the engine's finish reason, or what cut it short."""
-        return ["server_shutdown" if h.aborted else h.finish_reason or self.error or "abort" for h in self.handles]
+        return ["server_shutdown" if h.server_shutdown else h.finish_reason or self.error or "abort"
+                for h in self.handles]
 
     def summary(self) -> dict[str, Any]:
         ttft = self.ttft
@@ -154,15 +148,11 @@ class RequestTracker:
         return fields
 
 
-def begin(tracker: RequestTracker) -> contextvars.Token:
-    return _current.set(tracker)
-
-
-def end(token: contextvars.Token) -> None:
-    _current.reset(token)
-
-
-def current_tracker() -> RequestTracker:
-    """The tracker of the HTTP request being served; a throwaway one outside any (direct calls in code)."""
-    tracker = _current.get()
-    return tracker if tracker is not None else RequestTracker(uuid.uuid4().hex, "-", "-")
+def tracker_of(request: Request) -> RequestTracker:
+    """The tracker `RequestTracking` put on this request. A request without one was served by an app built
+    without that middleware: a bug, never a request to serve untracked."""
+    tracker = getattr(request.state, "tracker", None)
+    if not isinstance(tracker, RequestTracker):
+        raise RuntimeError(f"{request.method} {request.url.path} has no request tracker: "
+                           "the app is missing its RequestTracking middleware")
+    return tracker

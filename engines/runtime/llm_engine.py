@@ -95,7 +95,7 @@ class LLMEngine(Engine):
             _, future = self._commands.get_nowait()
             future.set_exception(EngineUnavailableError("the engine is shutting down"))
         for seq in list(self._sequences.values()):
-            self._finish(seq, "abort", error="the server is shutting down")
+            self._finish(seq, "abort", error="the server is shutting down", server_shutdown=True)
         if self._runner is not None:
             self._runner.close()
 
@@ -342,7 +342,7 @@ class LLMEngine(Engine):
 
     # ------------------------------------------------------------------------------ delivery
     def _deliver(self, seq: Sequence, text: str, tokens: list[int], logprobs, finish_reason=None,
-                 stop_reason=None, error=None) -> None:
+                 stop_reason=None, error=None, server_shutdown=False) -> None:
         prompt_logprobs = None
         if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
             prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
@@ -351,10 +351,11 @@ class LLMEngine(Engine):
         seq.handle.deliver(GenerationOutput(
             request_id=seq.id, text=text, token_ids=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             finish_reason=finish_reason, stop_reason=stop_reason, prompt_tokens=seq.num_prompt_tokens,
-            completion_tokens=seq.num_output_tokens, error=error, cached_tokens=seq.num_cached_tokens))
+            completion_tokens=seq.num_output_tokens, error=error, cached_tokens=seq.num_cached_tokens,
+            server_shutdown=server_shutdown))
 
     def _finish(self, seq: Sequence, reason: str, *, stop_reason=None, error=None, new_tokens=(),
-                logprobs=None) -> None:
+                logprobs=None, server_shutdown=False) -> None:
         if self._sequences.pop(seq.id, None) is not None:
             self._release_adapter(seq.request.adapter)
         assert self._scheduler is not None and self._runner is not None
@@ -362,4 +363,4 @@ class LLMEngine(Engine):
         self._runner.release(seq)
         seq.detokenizer.flush()
         self._deliver(seq, seq.detokenizer.take_delta(final=True), list(new_tokens), logprobs,
-                      finish_reason=reason, stop_reason=stop_reason, error=error)
+                      finish_reason=reason, stop_reason=stop_reason, error=error, server_shutdown=server_shutdown)

@@ -52,7 +52,7 @@ class VLLMEngine(Engine):
         self._info: ModelInfo | None = None
         self._adapters: Any = None
         self._tasks: dict[str, asyncio.Task] = {}  # request id -> its task on the engine loop
-        self._cancel_errors: dict[str, str] = {}  # request id -> why the server ended it
+        self._ended_by_shutdown: set[str] = set()  # request ids stop() cancelled
         self._serving = False  # set once start() has finished
         self._stopping = False
         self._max_logprobs = 20
@@ -96,7 +96,7 @@ class VLLMEngine(Engine):
         if self._loop is None:
             return
         for request_id in list(self._tasks):
-            self._cancel(request_id, error="the server is shutting down")
+            self._cancel(request_id, shutdown=True)
         if self._llm is not None:
             try:
                 self._call(self._shutdown(), timeout=60)
@@ -190,10 +190,13 @@ class VLLMEngine(Engine):
         """Runs however the task ended, even when it was cancelled before it started: the one place that
         delivers the last delta and releases what the request held."""
         self._tasks.pop(request.request_id, None)
-        error = self._cancel_errors.pop(request.request_id, None)
+        shutdown = request.request_id in self._ended_by_shutdown
+        self._ended_by_shutdown.discard(request.request_id)
         self._release_adapter(request.adapter)
-        if task.cancelled():
-            final = stream.aborted(error)
+        if task.cancelled() and shutdown:
+            final = stream.aborted("the server is shutting down", server_shutdown=True)
+        elif task.cancelled():
+            final = stream.aborted()
         elif task.exception() is not None:
             log.error("vLLM failed request %s", request.request_id, exc_info=task.exception())
             final = stream.aborted(f"internal error in vLLM: {task.exception()}")
@@ -201,16 +204,16 @@ class VLLMEngine(Engine):
             final = task.result() or stream.aborted("vLLM ended the request without a result")
         handle.deliver(final)
 
-    def _cancel(self, request_id: str, error: str | None = None) -> None:
-        """Thread-safe: abandon a request (a client disconnect, or `error` when the server stops)."""
+    def _cancel(self, request_id: str, shutdown: bool = False) -> None:
+        """Thread-safe: abandon a request (a client disconnect, or the server stopping)."""
         if self._loop is None:
             return
 
         def cancel() -> None:
             task = self._tasks.get(request_id)
             if task is not None:
-                if error:
-                    self._cancel_errors[request_id] = error
+                if shutdown:
+                    self._ended_by_shutdown.add(request_id)
                 task.cancel()
 
         try:

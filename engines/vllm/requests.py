@@ -87,11 +87,12 @@ class OutputStream:
             result.finish_reason, result.stop_reason = self._finish(choice)
         return result
 
-    def aborted(self, error: str | None = None) -> GenerationOutput:
-        """The last delta of a request that ended before vLLM finished it: cancelled, or the engine failed."""
+    def aborted(self, error: str | None = None, *, server_shutdown: bool = False) -> GenerationOutput:
+        """The last delta of a request that ended before vLLM finished it: cancelled, the engine failed, or the
+        server is shutting down."""
         return GenerationOutput(request_id=self.request.request_id, finish_reason="error" if error else "abort",
                                 error=error, prompt_tokens=len(self.request.prompt_token_ids),
-                                completion_tokens=self._completion_tokens)
+                                completion_tokens=self._completion_tokens, server_shutdown=server_shutdown)
 
     def _finish(self, choice: Any) -> tuple[str, str | int | None]:
         if self._scoring_only:

@@ -8,11 +8,11 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from fastapi import Request
 
-from engines.base import Engine, GenerationOutput, RequestHandle, SamplingParams, TokenLogprob
+from engines.base import Engine, GenerationOutput, SamplingParams, TokenLogprob
 from server.chat.constraints import request_grammar
 from server.chat.output import ChatDelta, ChatOutputParser, ChatReply, join_deltas
 from server.chat.prompt import Prompt, render_prompt
@@ -22,9 +22,10 @@ from server.errors import APIError
 from server.protocol import check_max_tokens, usage
 from server.reasoning import THINK_END, THINK_START, check_reasoning_parser, reasoning_parser
 from server.serving import (
-    Deadline, check_capacity, collect, error_chunk, merged, new_id, resolve_adapter, sse_response, submit_choices,
-    with_deadline,
+    SSE, ChoiceHandle, Deadline, Event, StreamError, check_capacity, collect, merged, new_id, resolve_adapter,
+    stream_response, submit_choices, with_deadline,
 )
+from server.tracking import RequestTracker, tracker_of
 
 
 def chat_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
@@ -108,21 +109,22 @@ class ChatServing:
             plan.params = [replace(p, grammar=grammar) for p in plan.params]
         return plan
 
-    def submit(self, plan: ChatPlan) -> list[RequestHandle]:
-        return submit_choices(self.engine, plan.prompt, plan.params, plan.adapter, plan.request_id)
+    def submit(self, plan: ChatPlan, tracker: RequestTracker) -> Sequence[ChoiceHandle]:
+        return submit_choices(self.engine, tracker, plan.prompt, plan.params, plan.adapter, plan.request_id)
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
+        tracker = tracker_of(raw)
         plan = await self.plan(req, ChatOptions.of(raw))
-        handles = self.submit(plan)
+        handles = self.submit(plan, tracker)
         if req.stream:
-            return sse_response(self._stream(req, plan, handles), handles)
-        replies = await self.replies(raw, plan, handles)
+            return stream_response(tracker, self._stream(req, plan, handles), handles, SSE)
+        replies = await self.replies(raw, tracker, plan, handles)
         return self._response(plan, replies)
 
     # ---------------------------------------------------------------------------------- whole replies
-    async def replies(self, raw: Request, plan: ChatPlan, handles: list[RequestHandle]
-                      ) -> list[tuple[GenerationOutput, ChatReply]]:
-        outputs = await collect(raw, handles, self.request_timeout)
+    async def replies(self, raw: Request, tracker: RequestTracker, plan: ChatPlan,
+                      handles: Sequence[ChoiceHandle]) -> list[tuple[GenerationOutput, ChatReply]]:
+        outputs = await collect(raw, tracker, handles, self.request_timeout)
         for out in outputs:
             if out.finish_reason == "error":
                 raise APIError(500, out.error or "generation failed", type="internal_error")
@@ -144,7 +146,7 @@ class ChatServing:
                 "usage": usage(len(plan.prompt), completion, replies[0][0].cached_tokens)}
 
     # ---------------------------------------------------------------------------------- streaming
-    async def events(self, plan: ChatPlan, handles: list[RequestHandle]) -> AsyncIterator[ChoiceEvent]:
+    async def events(self, plan: ChatPlan, handles: Sequence[ChoiceHandle]) -> AsyncIterator[ChoiceEvent]:
         """Per-choice reply deltas as the engine produces them. Raises TimeoutError past the request timeout;
         an engine error arrives as an event whose output has finish_reason "error"."""
         parsers = [plan.output_parser() for _ in handles]
@@ -157,8 +159,8 @@ class ChatServing:
                 delta = join_deltas([delta, parsers[i].finish(out.finish_reason)])
             yield ChoiceEvent(i, delta, out, parsers[i].finish_reason(out.finish_reason) if out.finished else None)
 
-    async def _stream(self, req: ChatCompletionRequest, plan: ChatPlan, handles: list[RequestHandle]
-                      ) -> AsyncIterator[dict[str, Any]]:
+    async def _stream(self, req: ChatCompletionRequest, plan: ChatPlan, handles: Sequence[ChoiceHandle]
+                      ) -> AsyncIterator[Event]:
         base = {"id": plan.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": plan.model}
         include_usage = req.include_usage
@@ -180,7 +182,7 @@ class ChatServing:
                 completion_tokens[i] = out.completion_tokens
                 cached_tokens = out.cached_tokens if i == 0 else cached_tokens
                 if event.finish_reason == "error":
-                    yield error_chunk(out.error or "generation failed")
+                    yield StreamError.of(out)
                     return
                 if event.delta or out.logprobs:
                     yield chunk([{"index": i, "delta": delta_json(event.delta),
@@ -189,7 +191,7 @@ class ChatServing:
                     yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": event.finish_reason,
                                   "stop_reason": out.stop_reason}])
         except TimeoutError:
-            yield error_chunk(f"the request did not finish within {self.request_timeout:g} seconds",
+            yield StreamError(f"the request did not finish within {self.request_timeout:g} seconds",
                               "timeout_error", "request_timeout")
             return
         if include_usage:

@@ -15,9 +15,10 @@ from server.completions.protocol import CompletionRequest
 from server.errors import APIError
 from server.protocol import check_max_tokens, usage
 from server.serving import (
-    Deadline, cancel_all, check_capacity, collect, encode, error_chunk, merged, new_id, resolve_adapter, sse_response,
-    submit_choices, with_deadline,
+    SSE, ChoiceHandle, Deadline, Event, StreamError, cancel_all, check_capacity, collect, encode, merged, new_id,
+    resolve_adapter, stream_response, submit_choices, with_deadline,
 )
+from server.tracking import tracker_of
 
 
 def legacy_logprobs(entries: list[TokenLogprob | None], special: set[int], start_offset: int = 0) -> dict:
@@ -84,6 +85,7 @@ class CompletionServing:
 
     async def create(self, req: CompletionRequest, raw: Request):
         engine = self.engine
+        tracker = tracker_of(raw)
         adapter = resolve_adapter(engine, req.model)
         if req.max_tokens == 0 and not req.echo:
             raise InvalidRequestError("max_tokens 0 is only meaningful with echo (to score the prompt)",
@@ -98,7 +100,8 @@ class CompletionServing:
         request_id = new_id("cmpl")
         # ranking best_of candidates needs each sampled token's logprob, shown only when asked for
         logprobs = 0 if candidates != req.n and req.logprobs is None else req.logprobs
-        handles, plans = [], []
+        handles: list[ChoiceHandle] = []
+        plans: list[list[int]] = []
         try:
             for p_index, ids in enumerate(prompts):
                 max_tokens = check_max_tokens(req.max_tokens, 16, len(ids), limit, "prompt")
@@ -106,15 +109,15 @@ class CompletionServing:
                 params = [req.sampling_params(max_tokens=max_tokens, logprobs=logprobs,
                                               prompt_logprobs=prompt_lp, vocab_size=vocab, choice=c)
                           for c in range(candidates)]
-                handles += submit_choices(engine, ids, params, adapter, f"{request_id}-{p_index}")
+                handles += submit_choices(engine, tracker, ids, params, adapter, f"{request_id}-{p_index}")
                 plans += [ids] * candidates
         except Exception:
             cancel_all(handles)
             raise
         model = req.model or engine.info.id
         if req.stream:
-            return sse_response(self._stream(req, request_id, model, handles, plans), handles)
-        outputs = await collect(raw, handles, self.request_timeout)
+            return stream_response(tracker, self._stream(req, request_id, model, handles, plans), handles, SSE)
+        outputs = await collect(raw, tracker, handles, self.request_timeout)
         generated = sum(o.completion_tokens for o in outputs)
         if candidates != req.n:
             outputs, plans = best_candidates(outputs, plans, candidates, req.n)
@@ -160,7 +163,7 @@ class CompletionServing:
         return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
                 "choices": choices, "usage": usage(n_prompt, generated, cached)}
 
-    async def _stream(self, req, request_id, model, handles, plans) -> AsyncIterator[dict[str, Any]]:
+    async def _stream(self, req, request_id, model, handles, plans) -> AsyncIterator[Event]:
         base = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
         include_usage = req.include_usage
         offsets = [0] * len(handles)  # characters of text sent so far, per choice
@@ -179,7 +182,7 @@ class CompletionServing:
                 completion_tokens[i] = out.completion_tokens
                 cached_tokens[i] = out.cached_tokens
                 if out.finish_reason == "error":
-                    yield error_chunk(out.error or "generation failed")
+                    yield StreamError.of(out)
                     return
                 text, entries = out.text, list(out.logprobs or [])
                 if req.echo and not echoed[i]:
@@ -192,7 +195,7 @@ class CompletionServing:
                 yield chunk([{"index": i, "text": text, "logprobs": logprobs,
                               "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}])
         except TimeoutError:
-            yield error_chunk(f"the request did not finish within {self.request_timeout:g} seconds",
+            yield StreamError(f"the request did not finish within {self.request_timeout:g} seconds",
                               "timeout_error", "request_timeout")
             return
         if include_usage:

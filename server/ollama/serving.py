@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -18,7 +18,8 @@ from server.chat.serving import ChatOptions, ChatPlan, ChatServing
 from server.errors import APIError, to_api_error
 from server.ollama.protocol import ChatRequest, GenerateRequest, tagged, timestamp
 from server.reasoning import prompt_opens_reasoning
-from server.serving import cancel_all, encode
+from server.serving import ChoiceHandle, Event, Framing, StreamError, cancel_all, encode, stream_response
+from server.tracking import RequestTracker, tracker_of
 
 
 def ollama_error(exc: Exception) -> JSONResponse:
@@ -62,6 +63,16 @@ def done_reason(finish_reason: str | None) -> str:
     return "length" if finish_reason == "length" else "stop"
 
 
+def _ndjson_response(body: AsyncIterator[str], headers: dict[str, str] | None) -> StreamingResponse:
+    return StreamingResponse(body, media_type="application/x-ndjson", headers=headers)
+
+
+# Ollama's streams: one JSON object a line, errors as `{"error": "..."}`, no end marker (the last object says
+# `done: true`).
+NDJSON = Framing(frame=lambda event: json.dumps(event, ensure_ascii=False) + "\n",
+                 error=lambda error: {"error": error.message}, respond=_ndjson_response)
+
+
 class OllamaServing:
     def __init__(self, chat: ChatServing):
         self.chat = chat
@@ -72,7 +83,7 @@ class OllamaServing:
 
     async def chat_reply(self, body: ChatRequest, raw: Request):
         plan = await self.chat.plan(body.openai(), ChatOptions.of(raw))
-        return await self._run(plan, body.stream, chat=True)
+        return await self._run(plan, tracker_of(raw), body.stream, chat=True)
 
     async def generate(self, body: GenerateRequest, raw: Request):
         req = body.openai()
@@ -81,7 +92,7 @@ class OllamaServing:
         if body.raw or body.context:
             prompt = await self._raw_prompt(body, req, options)
         plan = await self.chat.plan(req, options, prompt)
-        return await self._run(plan, body.stream, chat=False)
+        return await self._run(plan, tracker_of(raw), body.stream, chat=False)
 
     async def _raw_prompt(self, body: GenerateRequest, req: ChatCompletionRequest, options: ChatOptions) -> Prompt:
         """`raw` sends the prompt as it is; `context` (the ids a previous reply returned) goes before it."""
@@ -94,11 +105,11 @@ class OllamaServing:
             ids = await encode(tokenizer, text)  # as /v1/completions encodes a prompt
         return Prompt(ids, text, prompt_opens_reasoning(text))
 
-    async def _run(self, plan: ChatPlan, stream: bool, chat: bool):
+    async def _run(self, plan: ChatPlan, tracker: RequestTracker, stream: bool, chat: bool):
         timing = Timing()
-        handles = self.chat.submit(plan)
+        handles = self.chat.submit(plan, tracker)
         if stream:
-            return StreamingResponse(self._stream(plan, handles, timing, chat), media_type="application/x-ndjson")
+            return stream_response(tracker, self._stream(plan, handles, timing, chat), handles, NDJSON)
         reply, output_ids, eval_count = await self._whole(plan, handles, timing)
         body = self._head(plan)
         if chat:
@@ -115,7 +126,8 @@ class OllamaServing:
             body["context"] = plan.prompt + output_ids
         return {**body, **self._done(plan, reply.finish_reason, eval_count, timing)}
 
-    async def _whole(self, plan: ChatPlan, handles, timing: Timing) -> tuple[ChatReply, list[int], int]:
+    async def _whole(self, plan: ChatPlan, handles: Sequence[ChoiceHandle], timing: Timing
+                     ) -> tuple[ChatReply, list[int], int]:
         """Run the request to its end, timing its first delta: (reply, output ids, output token count)."""
         text: list[str] = []
         ids: list[int] = []
@@ -144,7 +156,8 @@ class OllamaServing:
         return {"done": True, "done_reason": done_reason(finish_reason), "prompt_eval_count": len(plan.prompt),
                 "eval_count": eval_count, **timing.durations()}
 
-    async def _stream(self, plan: ChatPlan, handles, timing: Timing, chat: bool) -> AsyncIterator[str]:
+    async def _stream(self, plan: ChatPlan, handles: Sequence[ChoiceHandle], timing: Timing, chat: bool
+                      ) -> AsyncIterator[Event]:
         calls: dict[int, dict[str, Any]] = {}
         output_ids: list[int] = []
         try:
@@ -153,24 +166,23 @@ class OllamaServing:
                 out = event.output
                 output_ids += out.token_ids
                 if event.finish_reason == "error":
-                    yield _line({"error": out.error or "generation failed"})
+                    yield StreamError.of(out)
                     return
                 _collect_calls(calls, event.delta)
                 if event.delta.content or event.delta.reasoning:
-                    yield _line({**self._head(plan), **_piece(event.delta, chat), "done": False})
+                    yield {**self._head(plan), **_piece(event.delta, chat), "done": False}
                 if event.finish_reason is not None:
                     final = {**self._head(plan), **_piece(ChatDelta(), chat)}
                     if calls and chat:
                         complete = tool_calls_json([calls[i] for i in sorted(calls)])
-                        yield _line({**self._head(plan), "message": {
-                            "role": "assistant", "content": "", "tool_calls": complete}, "done": False})
+                        yield {**self._head(plan), "message": {
+                            "role": "assistant", "content": "", "tool_calls": complete}, "done": False}
                     if not chat:
                         final["context"] = plan.prompt + output_ids
-                    yield _line({**final, **self._done(plan, event.finish_reason, out.completion_tokens, timing)})
+                    yield {**final, **self._done(plan, event.finish_reason, out.completion_tokens, timing)}
         except TimeoutError:
-            yield _line({"error": f"the request did not finish within {self.chat.request_timeout:g} seconds"})
-        finally:
-            cancel_all(handles)
+            yield StreamError(f"the request did not finish within {self.chat.request_timeout:g} seconds",
+                              "timeout_error", "request_timeout")
 
 
 def _piece(delta: ChatDelta, chat: bool) -> dict[str, Any]:
@@ -191,7 +203,3 @@ def _collect_calls(calls: dict[int, dict[str, Any]], delta: ChatDelta) -> None:
             calls[d.index] = {"function": {"name": d.name, "arguments": d.arguments}}
         else:
             calls[d.index]["function"]["arguments"] += d.arguments
-
-
-def _line(obj: dict[str, Any]) -> str:
-    return json.dumps(obj, ensure_ascii=False) + "\n"

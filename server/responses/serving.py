@@ -3,7 +3,7 @@ one, and its reply — whole, or delta by delta — becomes the response's outpu
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from fastapi import Request
 
@@ -13,8 +13,8 @@ from server.chat.serving import ChatOptions, ChatPlan, ChatServing
 from server.chat.tool_calls import ToolCallDelta
 from server.responses.output import OutputBuilder, item_id
 from server.responses.protocol import ResponsesRequest
-from server.serving import sse_response
-from server.tracking import current_tracker
+from server.serving import ChoiceHandle, Event, StreamError, stream_response, typed_sse
+from server.tracking import tracker_of
 
 
 def refuse_unsupported(req: ResponsesRequest) -> None:
@@ -32,18 +32,19 @@ class ResponsesServing:
 
     async def create(self, req: ResponsesRequest, raw: Request):
         refuse_unsupported(req)
+        tracker = tracker_of(raw)
         plan = await self.chat.plan(req.chat(), ChatOptions.of(raw))
-        handles = self.chat.submit(plan)
+        handles = self.chat.submit(plan, tracker)
         response = Response(plan, req)
         if req.stream:
-            return sse_response(self._stream(response, handles), handles, typed_events=True)
-        [(out, reply)] = await self.chat.replies(raw, plan, handles)
+            return stream_response(tracker, self._stream(response, handles), handles, typed_sse(response.failed))
+        [(out, reply)] = await self.chat.replies(raw, tracker, plan, handles)
         calls = [ToolCallDelta(i, c["id"], c["function"]["name"], c["function"]["arguments"])
                  for i, c in enumerate(reply.tool_calls or [])]
         response.builder.add(ChatDelta(reply.reasoning or "", reply.content or "", calls))
         return response.finish(out.finish_reason, out.completion_tokens)
 
-    async def _stream(self, response: "Response", handles) -> AsyncIterator[dict[str, Any]]:
+    async def _stream(self, response: "Response", handles: Sequence[ChoiceHandle]) -> AsyncIterator[Event]:
         builder = response.builder
         yield builder.event("response.created", response=response.body("in_progress"))
         yield builder.event("response.in_progress", response=response.body("in_progress"))
@@ -51,7 +52,7 @@ class ResponsesServing:
             async for event in self.chat.events(response.plan, handles):
                 out = event.output
                 if event.finish_reason == "error":
-                    yield response.failed(out.error or "generation failed", "server_error")
+                    yield StreamError(out.error or "generation failed", code="server_error")
                     return
                 for item_event in builder.add(event.delta):
                     yield item_event
@@ -62,8 +63,8 @@ class ResponsesServing:
                     kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
                     yield builder.event(kind, response=final)
         except TimeoutError:
-            yield response.failed(f"the request did not finish within {self.chat.request_timeout:g} seconds",
-                                  "request_timeout")
+            yield StreamError(f"the request did not finish within {self.chat.request_timeout:g} seconds",
+                              code="request_timeout")
 
 
 class Response:
@@ -92,7 +93,7 @@ class Response:
         details = {"reason": "max_output_tokens"} if cut else None
         return self.body("incomplete" if cut else "completed", incomplete_details=details, usage=usage)
 
-    def failed(self, message: str, code: str) -> dict[str, Any]:
-        current_tracker().error = code
+    def failed(self, error: StreamError) -> dict[str, Any]:
+        """The event that ends a stream that failed: the response, "failed", with the error's code."""
         return self.builder.event("response.failed", response=self.body(
-            "failed", error={"code": code, "message": message}))
+            "failed", error={"code": error.code, "message": error.message}))
