@@ -23,13 +23,13 @@ from typing import Any
 
 from engines.base import (
     Engine, EngineConfig, EngineStats, EngineUnavailableError, GenerationOutput, GenerationRequest,
-    Grammar, ModelInfo, NotFoundError, QueueFullError, RequestHandle, UnsupportedError,
+    Grammar, ModelInfo, NotFoundError, QueueFullError, RequestHandle, UnsupportedError, engine_options,
 )
 from engines.model_files import eos_token_ids, load_tokenizer, model_id
 from engines.runtime.llm_engine import check_length
 from engines.runtime.sampler import TokenText
 from engines.vllm.requests import OutputStream, check_grammar_supported, sampling_params
-from engines.vllm.settings import check_model, cpu_lora_refusal, engine_args
+from engines.vllm.settings import VLLMOptions, check_model, cpu_lora_refusal, engine_args
 
 log = logging.getLogger("ktserve.engine.vllm")
 
@@ -44,6 +44,7 @@ class VLLMEngine(Engine):
         if importlib.util.find_spec("vllm") is None:
             raise ValueError(f"engine: 'vllm' needs vLLM, which is not installed; {INSTALL_HINT}")
         super().__init__(config)
+        self.options = engine_options(VLLMOptions, config.settings)
         self._llm: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -63,7 +64,7 @@ class VLLMEngine(Engine):
         started = time.perf_counter()
         self._tokenizer = load_tokenizer(cfg.model_path, cfg.template)
         self._token_text = TokenText(self._tokenizer)
-        args = engine_args(cfg)
+        args = engine_args(cfg, self.options)
         check_model(cfg.model_path, lora=args.enable_lora)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True)
@@ -224,7 +225,7 @@ class VLLMEngine(Engine):
         from engines.vllm.adapters import VLLMAdapters
 
         assert self._info is not None
-        modules = VLLMAdapters(self._llm, self._call, self.config.extra.get("vllm_max_lora_rank", 32))
+        modules = VLLMAdapters(self._llm, self._call, self.options.vllm_max_lora_rank)
         self._adapters = AdapterManager(modules, lambda fn: fn(), self._info.id)
         for name, path in self.config.adapters.items():
             info = self.load_adapter(name, path)
