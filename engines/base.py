@@ -18,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 import json
-from typing import Any, AsyncIterator, Callable, Literal, Mapping, TypeVar
+from typing import Any, AsyncIterator, Callable, Iterator, Literal, Mapping, TypeVar
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -374,3 +375,25 @@ class Engine(ABC):
 
     def _no_adapters_reason(self) -> str:
         return f"engine {self.name!r} does not serve LoRA adapters"
+
+    def _acquire_adapter(self, name: str | None) -> None:
+        """Count a request that uses adapter `name` (NotFoundError when it is not loaded) until
+        `_release_adapter`: an adapter unloaded meanwhile goes only when its last request has ended."""
+        if name is None:
+            return
+        if self._adapters is None:
+            raise NotFoundError(f"adapter {name!r} is not loaded", param="model")
+        self._adapters.acquire(name)
+
+    def _release_adapter(self, name: str | None) -> None:
+        if name is not None and self._adapters is not None:
+            self._adapters.release(name)
+
+    @contextmanager
+    def _adapter_in_use(self, name: str | None) -> Iterator[None]:
+        """`_acquire_adapter` for the length of a block."""
+        self._acquire_adapter(name)
+        try:
+            yield
+        finally:
+            self._release_adapter(name)

@@ -23,7 +23,7 @@ from typing import Any
 
 from engines.base import (
     Engine, EngineConfig, EngineStats, EngineUnavailableError, GenerationOutput, GenerationRequest,
-    Grammar, ModelInfo, NotFoundError, QueueFullError, RequestHandle, UnsupportedError, engine_options,
+    Grammar, ModelInfo, QueueFullError, RequestHandle, UnsupportedError, engine_options,
 )
 from engines.model_files import eos_token_ids, load_tokenizer, model_id
 from engines.runtime.llm_engine import check_length
@@ -152,11 +152,12 @@ class VLLMEngine(Engine):
         if len(self._tasks) >= self.config.max_concurrent + self.config.max_queue:
             raise QueueFullError(f"the server is at its limit of {len(self._tasks)} requests; retry later")
         params = sampling_params(request, self._max_logprobs)
-        lora = self._acquire_adapter(request.adapter)
         assert self._token_text is not None
         stream = OutputStream(request, self._token_text)
         handle = RequestHandle(request.request_id, asyncio.get_running_loop(), self._cancel)
+        self._acquire_adapter(request.adapter)  # released when the request's task ends (_finished)
         try:
+            lora = self._adapters.modules.request_for(request.adapter) if request.adapter is not None else None
             # registered on the engine loop before the caller can cancel it
             asyncio.run_coroutine_threadsafe(self._start(request, params, lora, stream, handle), self._loop).result()
         except BaseException:
@@ -230,18 +231,6 @@ class VLLMEngine(Engine):
         for name, path in self.config.adapters.items():
             info = self.load_adapter(name, path)
             log.info("adapter %s loaded from %s", info.name, info.path)
-
-    def _release_adapter(self, name: str | None) -> None:
-        if name is not None and self._adapters is not None:
-            self._adapters.release(name)
-
-    def _acquire_adapter(self, name: str | None) -> Any:
-        if name is None:
-            return None
-        if self._adapters is None:
-            raise NotFoundError(f"adapter {name!r} is not loaded", param="model")
-        self._adapters.acquire(name)
-        return self._adapters.modules.request_for(name)
 
     def _no_adapters_reason(self) -> str:
         return (cpu_lora_refusal(self.config.model_path) or "this server's vLLM engine was started without LoRA "
