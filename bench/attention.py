@@ -45,9 +45,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def engine_config(bench, backend: str, args: argparse.Namespace, contexts: list[int]):
     longest = max(contexts + [CACHED_PROMPT]) + args.tokens + 64
-    return dataclasses.replace(bench.kt_config(args.method), attention_backend=backend, max_concurrent=args.clients,
-                               max_model_len=longest, kv_cache_tokens=args.clients * longest + 4096,
-                               prefix_cache=True)
+    return dataclasses.replace(bench.kt_config(args.method, attention_backend=backend,
+                                               kv_cache_tokens=args.clients * longest + 4096, prefix_cache=True),
+                               max_concurrent=args.clients, max_model_len=longest)
 
 
 def contexts_round(url: str, model: str, vocab: int, context: int, args: argparse.Namespace) -> dict:
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             run.warm_up(bench.vocab)
-            entry["cuda_graphs"] = run.engine.config.kt_use_cuda_graph
+            entry["cuda_graphs"] = run.engine.options.kt_use_cuda_graph
             entry["cached_prefix"] = cached_ttft(run, bench.vocab)
             print(json.dumps({backend: entry}), flush=True)
             with serving(run.engine, str(bench.model_dir)) as url:

@@ -35,8 +35,8 @@ def profile_engine(model_dir: str, method: str, graphs: bool) -> None:
     from engines.base import EngineConfig
     from engines.kt.engine import KTEngine
 
-    engine = KTEngine(EngineConfig(model_path=model_dir, kt_method=method, max_concurrent=16, max_model_len=8448,
-                                   kv_cache_tokens=40000, kt_use_cuda_graph=graphs))
+    engine = KTEngine(EngineConfig(model_path=model_dir, max_concurrent=16, max_model_len=8448, settings={
+        "kt_method": method, "kv_cache_tokens": 40000, "kt_use_cuda_graph": graphs}))
     engine.start()
     try:
         for batch, context in ((1, 512), (1, 2048), (1, 8000), (4, 512), (16, 512)):

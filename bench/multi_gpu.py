@@ -205,10 +205,11 @@ class MultiGpuBench:
     def engine_config(self, rule_file: str, cuda_graph: bool):
         from engines.base import EngineConfig
 
-        return EngineConfig(model_path=str(self.model_dir), model_name="bench-v3-multi-gpu", kt_method=self.args.method,
-                            kt_optimize_rule=rule_file, cpu_infer=self.threads, max_concurrent=1,
-                            max_model_len=4096, kv_cache_tokens=8192, kt_use_cuda_graph=cuda_graph,
-                            kt_weight_cache=str(self.model_dir.parent / "kt-weight-cache"))
+        return EngineConfig(model_path=str(self.model_dir), model_name="bench-v3-multi-gpu", max_concurrent=1,
+                            max_model_len=4096, settings={
+                                "kt_method": self.args.method, "kt_optimize_rule": rule_file, "cpu_infer": self.threads,
+                                "kv_cache_tokens": 8192, "kt_use_cuda_graph": cuda_graph,
+                                "kt_weight_cache": str(self.model_dir.parent / "kt-weight-cache")})
 
     def run_engine(self, label: str, rule_file: str, gpus: int, deadline: float) -> None:
         from bench.engine_runs import EngineRun, release_memory, ttft_points
@@ -217,7 +218,7 @@ class MultiGpuBench:
         for i in range(self.gpus):
             torch.cuda.reset_peak_memory_stats(i)
         config = self.engine_config(rule_file, cuda_graph=True)
-        cache = Path(config.kt_weight_cache)
+        cache = Path(config.settings["kt_weight_cache"])
         cached = cache.is_dir() and any(cache.rglob("*.*"))
         run = EngineRun("ktransformers", config, self.out / "engines.log")
         try:

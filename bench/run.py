@@ -107,7 +107,7 @@ def default_model_dir(shape: Shape) -> Path:
 
 
 def weight_cache_wired() -> bool:
-    """Whether the KT engine reads EngineConfig.kt_weight_cache (experts_cpu.py can save and load the
+    """Whether the KT engine reads its kt_weight_cache setting (experts_cpu.py can save and load the
     quantized form; the engine has to pass the folder on)."""
     import engines.kt.engine
     import engines.kt.loader
@@ -209,14 +209,15 @@ class Bench:
 
         return ceiling_for(self.results.get("cpu_bandwidth"), method)
 
-    def kt_config(self, method: str, **extra):
+    def kt_config(self, method: str, **settings):
+        """The KT engine's config; `settings` add to or replace its ktransformers settings (engines/kt/options.py)."""
         from engines.base import EngineConfig
 
         return EngineConfig(model_path=str(self.model_dir), model_name=f"bench-{self.shape.name}",
-                            kt_method=None if method == RULES else method,
-                            cpu_infer=self.threads, max_concurrent=max(self.plan.http_levels),
-                            kv_cache_tokens=self.plan.kv_cache_tokens(), max_model_len=self.plan.max_model_len(),
-                            kt_use_cuda_graph=self.cuda_graph, **extra)
+                            max_concurrent=max(self.plan.http_levels), max_model_len=self.plan.max_model_len(),
+                            settings={"kt_method": None if method == RULES else method, "cpu_infer": self.threads,
+                                      "kv_cache_tokens": self.plan.kv_cache_tokens(),
+                                      "kt_use_cuda_graph": self.cuda_graph, **settings})
 
     def kt_engine(self, method: str):
         """The KT engine with `method` experts, loaded (and warmed up) unless it already is."""
@@ -359,7 +360,7 @@ class Bench:
         self.results["load"] = section
         if not weight_cache_wired():
             section.update(status="not supported", reason="engines/kt/engine.py and loader.py do not read "
-                           "EngineConfig.kt_weight_cache; RoutedExpertsCPU can save/load quantized experts "
+                           "the kt_weight_cache setting; RoutedExpertsCPU can save/load quantized experts "
                            "(engines/kt/experts_cpu.py) but nothing passes it a folder")
             return
         self.close_engines()

@@ -18,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
 import json
-from typing import Any, AsyncIterable, AsyncIterator, Callable, Literal
+from typing import Any, AsyncIterable, AsyncIterator, Callable, Iterator, Literal, Mapping, TypeVar
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -237,7 +238,10 @@ async def whole_output(request_id: str, deltas: AsyncIterable[GenerationOutput])
 # ------------------------------------------------------------------------------------ config and info
 @dataclass(slots=True)
 class EngineConfig:
-    """What an engine is built from. Filled by the server's settings; engines ignore keys they don't use."""
+    """What an engine is built from: the settings every engine understands, and in `settings` the user's
+    engine-specific ones (`kt_*`, `vllm_*`, ...) by key, passed through untouched. Each engine reads the keys it
+    owns into its own options (`engine_options` below; engines/kt/options.py, engines/vllm/settings.py) and
+    ignores the rest."""
 
     model_path: str
     model_name: str | None = None  # the id clients use; default: the directory name
@@ -247,21 +251,19 @@ class EngineConfig:
     max_queue: int = 1024  # waiting requests beyond which submit() raises QueueFullError
     max_model_len: int | None = None  # default: the model's own
     chunk_size: int = 2048  # prefill tokens per step (chunked prefill); see docs/performance.md
-    kv_cache_tokens: int | None = None  # KV capacity in tokens; default from max_model_len x max_concurrent
     trust_remote_code: bool = False
     template: str | None = None  # built-in chat template name, overriding the model's
     adapters: dict[str, str] = field(default_factory=dict)  # name -> path, loaded at start
-    # KTransformers engine
-    kt_optimize_rule: str | None = None
-    cpu_infer: int | None = None
-    kt_method: str | None = None  # override of the rules' experts method (engines/kt/expert_methods.py)
-    kt_strict_placement: bool = False  # a rule device this machine lacks is an error, not folded
-    kt_weight_cache: str | None = None
-    kt_use_cuda_graph: bool = False
-    kt_force_think: bool = False
-    prefix_cache: bool = True  # share full KV pages between requests with the same token prefix
-    attention_backend: str = "auto"  # "auto" | "flashinfer" | "torch" (MLA attention on CUDA)
-    extra: dict[str, Any] = field(default_factory=dict)
+    settings: Mapping[str, Any] = field(default_factory=dict)  # engine-specific settings, by key
+
+
+Options = TypeVar("Options")
+
+
+def engine_options(cls: type[Options], settings: Mapping[str, Any]) -> Options:
+    """An engine's options dataclass filled from the settings named as its fields; the others keep their
+    defaults."""
+    return cls(**{f.name: settings[f.name] for f in fields(cls) if f.name in settings})
 
 
 @dataclass(slots=True)
@@ -381,3 +383,25 @@ class Engine(ABC):
 
     def _no_adapters_reason(self) -> str:
         return f"engine {self.name!r} does not serve LoRA adapters"
+
+    def _acquire_adapter(self, name: str | None) -> None:
+        """Count a request that uses adapter `name` (NotFoundError when it is not loaded) until
+        `_release_adapter`: an adapter unloaded meanwhile goes only when its last request has ended."""
+        if name is None:
+            return
+        if self._adapters is None:
+            raise NotFoundError(f"adapter {name!r} is not loaded", param="model")
+        self._adapters.acquire(name)
+
+    def _release_adapter(self, name: str | None) -> None:
+        if name is not None and self._adapters is not None:
+            self._adapters.release(name)
+
+    @contextmanager
+    def _adapter_in_use(self, name: str | None) -> Iterator[None]:
+        """`_acquire_adapter` for the length of a block."""
+        self._acquire_adapter(name)
+        try:
+            yield
+        finally:
+            self._release_adapter(name)

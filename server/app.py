@@ -15,12 +15,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engines.base import Engine
 from server.adapters.router import router as adapters_router
+from server.adapters.serving import AdapterServing
 from server.auth import require_api_key
 from server.chat.router import router as chat_router
 from server.chat.serving import ChatServing
 from server.completions.router import router as completions_router
 from server.completions.serving import CompletionServing
 from server.embeddings.router import router as embeddings_router
+from server.embeddings.serving import EmbeddingServing
 from server.errors import RequestTooLarge, error_body, install_error_handlers
 from server.health import router as health_router
 from server.metrics import Metrics
@@ -29,7 +31,11 @@ from server.middleware import RequestTracking
 from server.models.router import router as models_router
 from server.native_output import stdout_to_log
 from server.ollama.router import router as ollama_router
+from server.ollama.serving import OllamaServing
 from server.responses.router import router as responses_router
+from server.responses.serving import ResponsesServing
+from server.score.router import router as score_router
+from server.score.serving import ScoreServing
 from server.settings import Settings
 from server.shutdown import Drain, refuse_while_draining
 from server.tokenize.router import router as tokenize_router
@@ -104,8 +110,7 @@ def create_app(settings: Settings, engine: Engine, *, load_engine: bool = True) 
     app.state.load_error = None
     app.state.drain = Drain(settings.graceful_timeout)
     app.state.metrics = Metrics(engine)
-    app.state.chat = ChatServing(engine, settings.request_timeout)
-    app.state.completions = CompletionServing(engine, settings.request_timeout)
+    _add_serving(app, settings, engine)
     install_error_handlers(app)
     key_required = [Depends(require_api_key)]
     if settings.api_key:
@@ -114,9 +119,8 @@ def create_app(settings: Settings, engine: Engine, *, load_engine: bool = True) 
     app.include_router(health_router)
     app.include_router(metrics_router, dependencies=[] if settings.metrics_public else key_required)
     for router in (models_router, chat_router, completions_router, responses_router, embeddings_router,
-                   tokenize_router, ollama_router):
+                   tokenize_router, ollama_router, adapters_router, score_router):
         app.include_router(router, dependencies=protected)
-    app.include_router(adapters_router, dependencies=protected)  # LoRA load/unload, reward scores
     app.include_router(worker_router, dependencies=key_required)  # what a router in front asks (server/worker)
     # The last middleware added runs first: request tracking sees every answer, CORS and 413s included.
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
@@ -125,6 +129,19 @@ def create_app(settings: Settings, engine: Engine, *, load_engine: bool = True) 
                            allow_headers=["*"], expose_headers=["X-Request-Id", "Retry-After"])
     app.add_middleware(RequestTracking, metrics=app.state.metrics, drain=app.state.drain)
     return app
+
+
+def _add_serving(app: FastAPI, settings: Settings, engine: Engine) -> None:
+    """Each endpoint's serving object, built once: its router (server/<endpoint>/router.py) finds it on
+    app.state under the endpoint's name."""
+    state = app.state
+    state.chat = ChatServing(engine, settings.request_timeout)
+    state.completions = CompletionServing(engine, settings.request_timeout)
+    state.responses = ResponsesServing(state.chat)
+    state.ollama = OllamaServing(state.chat)
+    state.embeddings = EmbeddingServing(engine)
+    state.score = ScoreServing(engine)
+    state.adapters = AdapterServing(engine, settings.adapter_roots)
 
 
 async def _load(app: FastAPI, engine: Engine) -> None:

@@ -4,79 +4,71 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import types
+import typing
 from typing import Any
+
+from pydantic.fields import FieldInfo
+
+from server.settings import ENV_VARS, KEY_ALIASES, Settings
 
 log = logging.getLogger("ktserve")
 
 DEMO_MODEL_NAME = "ktserve-demo"
 
 
-def _adapter_pair(value: str) -> tuple[str, str]:
-    name, sep, path = value.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"--adapter expects NAME=PATH, got {value!r}")
-    return name, path
+class _Pairs(argparse.Action):
+    """NAME=PATH, repeatable, collected into a mapping."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, value: Any,
+                 option_string: str | None = None) -> None:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise argparse.ArgumentError(self, f"{option_string} expects {self.metavar}, got {value!r}")
+        setattr(namespace, self.dest, {**(getattr(namespace, self.dest) or {}), name: path})
 
 
 def _serve_parser(sub: Any) -> None:
+    """Every setting is a flag: `--` and its name with dashes, or the field's own (`--adapter`)."""
     p = sub.add_parser("serve", help="start the OpenAI-compatible server",
                        description="Start the server. With no model it serves the built-in demo model.")
     p.add_argument("config", nargs="?", help="YAML config file (LLaMA-Factory key names accepted)")
-    p.add_argument("--model", help="model directory (default: the built-in demo model)")
-    p.add_argument("--served-model-name", help="the model id clients use (env API_MODEL_NAME)")
-    p.add_argument("--engine", help="huggingface | ktransformers | vllm (LLaMA-Factory: infer_backend)")
-    p.add_argument("--host", help="address to bind (env API_HOST; default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port (env API_PORT; default 8000)")
-    p.add_argument("--api-key", help="require this key on /v1 routes (env API_KEY)")
-    p.add_argument("--max-concurrent", type=int, help="requests generating at once (env MAX_CONCURRENT)")
-    p.add_argument("--max-queue", type=int, help="waiting requests beyond which new ones get 429")
-    p.add_argument("--max-model-len", type=int, help="context length limit (LLaMA-Factory: kt_maxlen)")
-    p.add_argument("--request-timeout", type=float, help="seconds before a request is ended with an error")
-    p.add_argument("--graceful-timeout", type=float,
-                   help="on SIGTERM, seconds in-flight requests get to finish before they are ended (default 30)")
-    p.add_argument("--metrics-public", action="store_const", const=True,
-                   help="serve /metrics without the API key")
-    p.add_argument("--max-body-bytes", type=int, help="largest accepted request body")
-    p.add_argument("--read-timeout", type=float,
-                   help="seconds a client gets to send a whole request before it is disconnected (default 30)")
-    p.add_argument("--device", help="auto | cpu | cuda | cuda:N (huggingface engine)")
-    p.add_argument("--dtype", help="auto | bfloat16 | float16 | float32")
-    p.add_argument("--template", help="built-in chat template: deepseek | deepseek3 | deepseekr1")
-    p.add_argument("--adapter", action="append", type=_adapter_pair, metavar="NAME=PATH",
-                   help="LoRA adapter to load at start (repeatable)")
-    p.add_argument("--adapter-root", action="append", metavar="DIR",
-                   help="directory runtime adapter loads may come from (repeatable)")
-    p.add_argument("--kt-optimize-rule", help="placement rule file (ktransformers engine)")
-    p.add_argument("--cpu-infer", type=int, help="CPU expert threads (default: physical cores - max(2, cores / 8))")
-    p.add_argument("--chunk-size", type=int, help="prefill chunk size in tokens")
-    p.add_argument("--kt-method", help="experts method for every layer: AMXINT8 | AMXINT4 | BF16 | FP8 | RAWINT4 | "
-                                       "LLAMAFILE (default: the rules' choice, or the closest this CPU runs)")
-    p.add_argument("--kt-strict-placement", action="store_true", default=None,
-                   help="refuse rule files naming GPUs this machine lacks instead of folding them")
-    p.add_argument("--kt-weight-cache", help="directory for pre-quantized expert weights")
-    p.add_argument("--kv-cache-tokens", type=int, help="KV cache capacity in tokens (ktransformers engine)")
-    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False,
-                   help="compute every prompt whole instead of reusing cached KV pages of a shared prefix")
-    p.add_argument("--attention-backend", choices=["auto", "flashinfer", "torch"],
-                   help="MLA attention on CUDA: flashinfer, torch, or auto (flashinfer where it runs; default)")
-    p.add_argument("--reasoning-parser", help="deepseek_r1: split <think> text into reasoning_content")
-    p.add_argument("--cors-origin", action="append", dest="cors_origins", help="allowed CORS origin (repeatable)")
-    p.add_argument("--log-format", choices=["text", "json"])
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    for name, field in Settings.model_fields.items():
+        flag = (field.json_schema_extra or {}).get("flag") or "--" + name.replace("_", "-")
+        p.add_argument(flag, dest=name, default=None, help=_help(name, field), **_kind(field))
+
+
+def _kind(field: FieldInfo) -> dict[str, Any]:
+    """How argparse reads a setting of this type: bools as --x/--no-x, Literals as choices, lists and mappings
+    one flag at a time; anything else as one value (a mapping: JSON text)."""
+    extra = field.json_schema_extra or {}
+    kind = field.annotation
+    if isinstance(kind, types.UnionType):  # `T | None`
+        kind = next(t for t in typing.get_args(kind) if t is not type(None))
+    if kind is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if typing.get_origin(kind) is typing.Literal:
+        return {"choices": typing.get_args(kind)}
+    if "flag" in extra:
+        return {"action": _Pairs if typing.get_origin(kind) is dict else "append", "metavar": extra["metavar"]}
+    return {"type": kind} if kind in (int, float) else {}
+
+
+def _help(name: str, field: FieldInfo) -> str:
+    """The field's description, with its default and the other names it goes by."""
+    notes = [f"env {var}" for var, key in ENV_VARS.items() if key == name]
+    aliases = [alias for alias, key in KEY_ALIASES.items() if key == name]
+    notes += [f"LLaMA-Factory: {', '.join(aliases)}"] if aliases else []
+    default = field.get_default(call_default_factory=True)
+    if isinstance(default, bool):
+        notes.append(f"default {'on' if default else 'off'}")
+    elif default not in (None, [], {}):
+        notes.append(f"default {default}")
+    return (field.description or "") + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def _cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ["model", "served_model_name", "engine", "host", "port", "api_key", "max_concurrent", "max_queue",
-            "max_model_len", "request_timeout", "graceful_timeout", "metrics_public", "max_body_bytes", "device",
-            "dtype", "template", "kt_optimize_rule", "cpu_infer", "chunk_size", "kt_method", "kt_strict_placement",
-            "kt_weight_cache", "kv_cache_tokens", "reasoning_parser", "cors_origins", "log_format", "log_level",
-            "read_timeout", "prefix_cache", "attention_backend"]
-    out = {k: getattr(args, k) for k in keys}
-    if args.adapter:
-        out["adapters"] = dict(args.adapter)
-    if args.adapter_root:
-        out["adapter_roots"] = args.adapter_root
-    return out
+    return {name: getattr(args, name) for name in Settings.model_fields}
 
 
 def serve(args: argparse.Namespace) -> int:

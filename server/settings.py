@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -36,62 +37,89 @@ IGNORED_KEYS = frozenset({
     "finetuning_type", "stage", "do_train", "do_predict", "output_dir", "quantization_bit", "flash_attn",
     "export_dir", "dataset", "dataset_dir", "kt_mode",
 })
-VLLM_KEYS = ("vllm_gpu_util", "vllm_enforce_eager", "vllm_max_lora_rank", "vllm_config")
 ENV_VARS: dict[str, str] = {
     "API_HOST": "host", "API_PORT": "port", "API_KEY": "api_key", "API_MODEL_NAME": "served_model_name",
     "MAX_CONCURRENT": "max_concurrent",
 }
 
 
+def engine_setting(default: Any, description: str, **constraints: Any) -> Any:
+    """A setting only some engine reads: the server passes it through untouched (`EngineConfig.settings`) and
+    the engine reads it into its own options (engines/<name>/)."""
+    return Field(default, description=description, json_schema_extra={"engine_setting": True}, **constraints)
+
+
+def repeated(default_factory: Callable[[], Any], description: str, flag: str, metavar: str) -> Any:
+    """A list or mapping that the command line gives one `flag` at a time."""
+    return Field(default_factory=default_factory, description=description,
+                 json_schema_extra={"flag": flag, "metavar": metavar})
+
+
 class Settings(BaseModel):
+    """Every setting, once: the command-line flags (server/cli.py), the config file's keys and the
+    `KTSERVE_<NAME>` environment variables are all derived from these fields."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     # model
     model: str | None = Field(None, description="model directory; default: the built-in demo model")
-    served_model_name: str | None = None
-    engine: str = "ktransformers"
-    use_kt: bool | None = None
-    template: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    trust_remote_code: bool = False
-    max_model_len: int | None = Field(None, gt=0)
+    served_model_name: str | None = Field(None, description="the model id clients use; default: the model "
+                                                            "directory's name")
+    engine: str = Field("ktransformers", description="huggingface | ktransformers | vllm")
+    use_kt: bool | None = Field(None, description="LLaMA-Factory's switch between the ktransformers (true) and "
+                                                  "huggingface (false) engines, when no engine is named")
+    template: str | None = Field(None, description="built-in chat template: deepseek | deepseek3 | deepseekr1")
+    device: str = Field("auto", description="where the huggingface engine runs: auto | cpu | cuda | cuda:N")
+    dtype: str = Field("auto", description="auto | bfloat16 | float16 | float32")
+    trust_remote_code: bool = Field(False, description="let transformers run Python code from the model directory")
+    max_model_len: int | None = Field(None, gt=0, description="context length limit")
     # adapters
-    adapter_name_or_path: str | None = None  # LLaMA-Factory: comma-separated directories
-    adapters: dict[str, str] = Field(default_factory=dict)
-    adapter_roots: list[str] = Field(default_factory=list)
-    # KTransformers engine
-    kt_optimize_rule: str | None = None
-    cpu_infer: int | None = Field(None, gt=0)
-    chunk_size: int = Field(2048, gt=0)
-    kt_use_cuda_graph: bool = False
-    kt_force_think: bool = False
-    kt_method: str | None = None
-    kt_strict_placement: bool = False
-    kt_weight_cache: str | None = None
-    kv_cache_tokens: int | None = Field(None, gt=0)
-    prefix_cache: bool = True
-    attention_backend: Literal["auto", "flashinfer", "torch"] = "auto"
+    adapter_name_or_path: str | None = Field(None, description="LLaMA-Factory's adapters: comma-separated "
+                                                               "directories, each served under its directory name")
+    adapters: dict[str, str] = repeated(dict, "LoRA adapter to load at start (repeatable)", "--adapter", "NAME=PATH")
+    adapter_roots: list[str] = repeated(list, "directory runtime adapter loads may come from (repeatable)",
+                                        "--adapter-root", "DIR")
+    # KTransformers (the engine_setting ones: engines/kt/options.py)
+    kt_optimize_rule: str | None = engine_setting(None, "placement rule file (ktransformers engine)")
+    cpu_infer: int | None = engine_setting(None, "CPU expert threads; default: physical cores - max(2, cores / 8)",
+                                           gt=0)
+    chunk_size: int = Field(2048, gt=0, description="prefill chunk size in tokens")
+    kt_use_cuda_graph: bool = engine_setting(False, "run decode steps as CUDA graphs when the model sits on "
+                                                    "one GPU")
+    kt_force_think: bool = Field(False, description="open every chat reply's thinking: prompts end with <think>")
+    kt_method: str | None = engine_setting(None, "experts method for every layer: AMXINT8 | AMXINT4 | BF16 | FP8 | "
+                                                 "RAWINT4 | LLAMAFILE; default: the rules' choice, or the closest "
+                                                 "this CPU runs")
+    kt_strict_placement: bool = engine_setting(False, "refuse rule files naming GPUs this machine lacks instead of "
+                                                      "folding them")
+    kt_weight_cache: str | None = engine_setting(None, "directory for pre-quantized expert weights")
+    kv_cache_tokens: int | None = engine_setting(None, "KV cache capacity in tokens (ktransformers engine)", gt=0)
+    prefix_cache: bool = engine_setting(True, "reuse the cached KV pages of a prompt prefix seen before; off: "
+                                              "compute every prompt whole")
+    attention_backend: Literal["auto", "flashinfer", "torch"] = engine_setting(
+        "auto", "MLA attention on CUDA: flashinfer, torch, or auto, which picks flashinfer where it runs")
     # vLLM engine (LLaMA-Factory's keys; engines/vllm/settings.py)
-    vllm_gpu_util: float = Field(0.9, gt=0, le=1)
-    vllm_enforce_eager: bool | None = None
-    vllm_max_lora_rank: int = Field(32, gt=0)
-    vllm_config: dict[str, Any] = Field(default_factory=dict)
+    vllm_gpu_util: float = engine_setting(0.9, "share of GPU memory the vllm engine may take", gt=0, le=1)
+    vllm_enforce_eager: bool | None = engine_setting(None, "run vLLM without CUDA graphs; default: on the CPU only")
+    vllm_max_lora_rank: int = engine_setting(32, "largest LoRA rank the vllm engine serves", gt=0)
+    vllm_config: dict[str, Any] = engine_setting({}, "further vLLM engine arguments, as a JSON object")
     # serving
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    api_key: str | None = None
-    max_concurrent: int = Field(16, gt=0)
-    max_queue: int = Field(256, ge=0)
-    request_timeout: float | None = Field(None, gt=0)
-    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
-    read_timeout: float = Field(30.0, gt=0)  # seconds a client gets to send a whole request (server/http_protocol.py)
-    graceful_timeout: float = Field(30.0, ge=0)
-    reasoning_parser: str | None = None
-    metrics_public: bool = False
-    cors_origins: list[str] = Field(default_factory=list)
-    log_format: Literal["text", "json"] = "text"
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    host: str = Field("127.0.0.1", description="address to bind")
+    port: int = Field(8000, ge=0, le=65535, description="port")
+    api_key: str | None = Field(None, description="require this key on /v1 routes")
+    max_concurrent: int = Field(16, gt=0, description="requests generating at once")
+    max_queue: int = Field(256, ge=0, description="waiting requests beyond which new ones get 429")
+    request_timeout: float | None = Field(None, gt=0, description="seconds before a request is ended with an error")
+    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="largest accepted request body")
+    read_timeout: float = Field(30.0, gt=0, description="seconds a client gets to send a whole request before it is "
+                                                        "disconnected")  # server/http_protocol.py
+    graceful_timeout: float = Field(30.0, ge=0, description="on SIGTERM, seconds in-flight requests get to finish "
+                                                            "before they are ended")
+    reasoning_parser: str | None = Field(None, description="deepseek_r1: split <think> text into reasoning_content")
+    metrics_public: bool = Field(False, description="serve /metrics without the API key")
+    cors_origins: list[str] = repeated(list, "allowed CORS origin (repeatable)", "--cors-origin", "ORIGIN")
+    log_format: Literal["text", "json"] = Field("text", description="log line format")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="least severe level logged")
 
     @field_validator("api_key")
     @classmethod
@@ -140,16 +168,17 @@ class Settings(BaseModel):
         return found
 
     def engine_config(self, model_path: str) -> EngineConfig:
-        return EngineConfig(
-            model_path=model_path, model_name=self.served_model_name, device=self.device, dtype=self.dtype,
-            max_concurrent=self.max_concurrent, max_queue=self.max_queue, max_model_len=self.max_model_len,
-            chunk_size=self.chunk_size, trust_remote_code=self.trust_remote_code, template=self.template,
-            adapters=self.all_adapters(), kt_optimize_rule=self.kt_optimize_rule, cpu_infer=self.cpu_infer,
-            kt_method=self.kt_method, kt_strict_placement=self.kt_strict_placement,
-            kt_weight_cache=self.kt_weight_cache, kv_cache_tokens=self.kv_cache_tokens,
-            kt_use_cuda_graph=self.kt_use_cuda_graph, kt_force_think=self.kt_force_think,
-            prefix_cache=self.prefix_cache, attention_backend=self.attention_backend,
-            extra={k: getattr(self, k) for k in VLLM_KEYS if getattr(self, k) is not None})
+        """The settings every engine understands by their EngineConfig names, and the engine-specific ones
+        passed through whole."""
+        common = {f.name for f in fields(EngineConfig)} & Settings.model_fields.keys() - {"adapters"}
+        return EngineConfig(model_path=model_path, model_name=self.served_model_name, adapters=self.all_adapters(),
+                            settings={k: getattr(self, k) for k in ENGINE_SETTINGS},
+                            **{k: getattr(self, k) for k in common})
+
+
+# The settings only some engine reads (`engine_setting`): EngineConfig.settings carries them to the engine.
+ENGINE_SETTINGS = tuple(name for name, f in Settings.model_fields.items()
+                        if (f.json_schema_extra or {}).get("engine_setting"))
 
 
 def _canonical(raw: dict[str, Any], source: str) -> dict[str, Any]:

@@ -102,6 +102,12 @@ def test_completion_token_ids_outside_the_vocabulary_are_400(server):
     assert_error(post(server, COMPLETIONS, json={"prompt": [5, 10**9], "max_tokens": 1}), 400, "prompt")
 
 
+def test_negative_token_ids_are_400_in_a_batch_of_prompts_too(server):
+    assert_error(post(server, COMPLETIONS, json={"prompt": [-1, 5], "max_tokens": 1}), 400, "prompt")
+    assert_error(post(server, COMPLETIONS, json={"prompt": [[5], [-1, 5]], "max_tokens": 1}), 400, "prompt")
+    assert_still_serving(server)
+
+
 def test_zero_max_tokens_without_echo_is_400(server):
     assert_error(post(server, COMPLETIONS, json={"prompt": "hi", "max_tokens": 0}), 400, "max_tokens")
 

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from conftest import start_server
+from engines.base import engine_options
+from engines.kt.options import KTOptions
 from helpers import require_kt_kernel
 from server.cli import _cli_overrides, _serve_parser, main
 from server.settings import SettingsError, load_settings
@@ -21,10 +23,15 @@ def parse(*flags: str):
     return load_settings(None, _cli_overrides(parser.parse_args(["serve", *flags])), env={})
 
 
+def kt_options(settings) -> KTOptions:
+    """What the ktransformers engine reads from these settings."""
+    return engine_options(KTOptions, settings.engine_config("/m").settings)
+
+
 def test_prefix_caching_is_on_by_default_and_the_flag_turns_it_off():
     assert parse().prefix_cache is True
     assert parse("--no-prefix-cache").prefix_cache is False
-    assert parse("--no-prefix-cache").engine_config("/m").prefix_cache is False
+    assert kt_options(parse("--no-prefix-cache")).prefix_cache is False
 
 
 def test_prefix_caching_can_be_turned_off_from_the_environment():
@@ -33,7 +40,7 @@ def test_prefix_caching_can_be_turned_off_from_the_environment():
 
 def test_the_attention_backend_flag_reaches_the_engine_config():
     assert parse().attention_backend == "auto"
-    assert parse("--attention-backend", "torch").engine_config("/m").attention_backend == "torch"
+    assert kt_options(parse("--attention-backend", "torch")).attention_backend == "torch"
 
 
 def test_an_unknown_attention_backend_names_the_key():

@@ -68,3 +68,78 @@ def test_use_kt_false_selects_the_huggingface_engine(tmp_path):
 def test_an_unknown_reasoning_parser_stops_start_up():
     with pytest.raises(SettingsError, match="reasoning_parser"):
         load_settings(None, cli={"reasoning_parser": "qwen3"}, env={})
+
+
+def serve_flags(*flags: str) -> dict:
+    """What `ktserve serve FLAGS` hands to load_settings."""
+    import argparse
+
+    from server.cli import _cli_overrides, _serve_parser
+
+    parser = argparse.ArgumentParser()
+    _serve_parser(parser.add_subparsers(dest="command"))
+    return {k: v for k, v in _cli_overrides(parser.parse_args(["serve", *flags])).items() if v is not None}
+
+
+def test_every_setting_is_a_flag_named_after_it():
+    import argparse
+
+    from server.cli import _serve_parser
+    from server.settings import Settings
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    _serve_parser(sub)
+    flags = {action.dest: action.option_strings for action in sub.choices["serve"]._actions}
+    singular = {"adapters": "--adapter", "adapter_roots": "--adapter-root", "cors_origins": "--cors-origin"}
+    for name in Settings.model_fields:
+        assert singular.get(name, "--" + name.replace("_", "-")) in flags[name]
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--model", "/m", "--served-model-name", "x", "--engine", "huggingface"],
+     {"model": "/m", "served_model_name": "x", "engine": "huggingface"}),
+    (["--host", "0.0.0.0", "--port", "9000", "--api-key", "k"], {"host": "0.0.0.0", "port": 9000, "api_key": "k"}),
+    (["--max-concurrent", "3", "--max-queue", "4", "--max-model-len", "2048", "--max-body-bytes", "10"],
+     {"max_concurrent": 3, "max_queue": 4, "max_model_len": 2048, "max_body_bytes": 10}),
+    (["--request-timeout", "1.5", "--graceful-timeout", "60", "--read-timeout", "5"],
+     {"request_timeout": 1.5, "graceful_timeout": 60.0, "read_timeout": 5.0}),
+    (["--metrics-public", "--kt-strict-placement", "--no-prefix-cache", "--kt-use-cuda-graph"],
+     {"metrics_public": True, "kt_strict_placement": True, "prefix_cache": False, "kt_use_cuda_graph": True}),
+    (["--device", "cpu", "--dtype", "float32", "--template", "deepseek3"],
+     {"device": "cpu", "dtype": "float32", "template": "deepseek3"}),
+    (["--adapter", "a=/x", "--adapter", "b=/y", "--adapter-root", "/r", "--adapter-root", "/s"],
+     {"adapters": {"a": "/x", "b": "/y"}, "adapter_roots": ["/r", "/s"]}),
+    (["--kt-optimize-rule", "r.yaml", "--cpu-infer", "4", "--chunk-size", "64", "--kt-method", "BF16",
+      "--kt-weight-cache", "/c", "--kv-cache-tokens", "4096", "--attention-backend", "torch"],
+     {"kt_optimize_rule": "r.yaml", "cpu_infer": 4, "chunk_size": 64, "kt_method": "BF16", "kt_weight_cache": "/c",
+      "kv_cache_tokens": 4096, "attention_backend": "torch"}),
+    (["--reasoning-parser", "deepseek_r1", "--cors-origin", "http://a", "--cors-origin", "http://b",
+      "--log-format", "json", "--log-level", "debug"],
+     {"reasoning_parser": "deepseek_r1", "cors_origins": ["http://a", "http://b"], "log_format": "json",
+      "log_level": "debug"}),
+])
+def test_the_documented_flags_set_their_settings(flags, expected):
+    assert serve_flags(*flags) == expected
+    settings = load_settings(None, serve_flags(*flags), env={})
+    assert {k: getattr(settings, k) for k in expected} == expected
+
+
+def test_flags_left_out_leave_the_config_file_and_environment_alone(tmp_path):
+    s = load_settings(write(tmp_path, "prefix_cache: false\nmetrics_public: true\n"), serve_flags(),
+                      env={"API_PORT": "8001"})
+    assert (s.prefix_cache, s.metrics_public, s.port) == (False, True, 8001)
+
+
+def test_an_adapter_flag_without_a_path_is_refused(capsys):
+    from server.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--adapter", "lonely"])
+    assert "--adapter expects NAME=PATH" in capsys.readouterr().err
+
+
+def test_engine_specific_settings_reach_the_engine_untouched_and_server_ones_stay_behind():
+    config = load_settings(None, {"kt_method": "BF16", "vllm_gpu_util": 0.5, "api_key": "k", "chunk_size": 64},
+                           env={}).engine_config("/m")
+    assert (config.settings["kt_method"], config.settings["vllm_gpu_util"], config.chunk_size) == ("BF16", 0.5, 64)
+    assert "api_key" not in config.settings and "host" not in config.settings

@@ -6,8 +6,9 @@ import sys
 
 import pytest
 
-from engines.base import EngineConfig
+from engines.base import EngineConfig, engine_options
 from engines.registry import create_engine
+from engines.vllm.settings import VLLMOptions
 from server.settings import SettingsError, load_settings
 
 
@@ -17,9 +18,9 @@ def test_llamafactory_vllm_keys_reach_the_engine_config(tmp_path):
                    "vllm_max_lora_rank: 16\nvllm_config:\n  max_num_batched_tokens: 4096\n")
     s = load_settings(str(cfg), env={})
     assert (s.engine, s.max_model_len) == ("vllm", 2048)
-    assert s.engine_config("/models/ds").extra == {
-        "vllm_gpu_util": 0.5, "vllm_enforce_eager": True, "vllm_max_lora_rank": 16,
-        "vllm_config": {"max_num_batched_tokens": 4096}}
+    assert engine_options(VLLMOptions, s.engine_config("/models/ds").settings) == VLLMOptions(
+        vllm_gpu_util=0.5, vllm_enforce_eager=True, vllm_max_lora_rank=16,
+        vllm_config={"max_num_batched_tokens": 4096})
 
 
 def test_vllm_config_may_be_a_json_string():

@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
-from engines.base import ModelInfo
+from engines.base import EngineConfig, ModelInfo, engine_options
 from engines.kt.flashinfer_mla import attention_for
 from engines.kt.kv_cache import LatentKVCache
 from engines.kt.loader import load_checkpoint, missing_tensors
 from engines.kt.operators import OperatorOptions, fuse_rms_norms
+from engines.kt.options import KTOptions
 from engines.kt.runner import KTModelRunner, layer_devices, uses_cpu_experts
 from engines.model_files import context_length, eos_token_ids, load_tokenizer, model_id, resolve_dtype
 from engines.runtime.llm_engine import LLMEngine
@@ -114,12 +115,16 @@ def _torch_threads(cpu_infer: int | None, gpu: bool) -> int:
 class KTEngine(LLMEngine):
     name = "ktransformers"
 
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        self.options = engine_options(KTOptions, config.settings)
+
     def _load(self) -> tuple[ModelRunner, Any, ModelInfo]:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from engines.kt.rules import apply_placement, load_rules, plan_placement
 
-        cfg = self.config
+        cfg, kt = self.config, self.options
         started = time.perf_counter()
         model_path = Path(cfg.model_path)
         config = AutoConfig.from_pretrained(model_path)
@@ -133,14 +138,14 @@ class KTEngine(LLMEngine):
             log.info("serving a context of %d tokens (the model allows %d; raise it with kt_maxlen)",
                      DEFAULT_MAX_MODEL_LEN, max_len)
             max_len = DEFAULT_MAX_MODEL_LEN
-        rule_file = resolve_rule_file(cfg.kt_optimize_rule, config)
+        rule_file = resolve_rule_file(kt.kt_optimize_rule, config)
         rules = load_rules(rule_file)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         placement = plan_placement(model, rules, default_device="cpu",
-                                   fold=_fold_devices(rules, rule_file, cfg.kt_strict_placement))
-        choices = _expert_methods(placement, cfg.kt_method, rule_file, config)
-        options = OperatorOptions(max_tokens=cfg.chunk_size + cfg.max_concurrent, cpu_threads=cfg.cpu_infer,
+                                   fold=_fold_devices(rules, rule_file, kt.kt_strict_placement))
+        choices = _expert_methods(placement, kt.kt_method, rule_file, config)
+        options = OperatorOptions(max_tokens=cfg.chunk_size + cfg.max_concurrent, cpu_threads=kt.cpu_infer,
                                   methods={m: c.method for m, c in choices.items()}, checkpoint=str(model_path))
         apply_placement(model, placement, config, options)
         gpu = any(d.startswith("cuda") for d in placement.devices.values())
@@ -156,13 +161,13 @@ class KTEngine(LLMEngine):
         devices = layer_devices(model)
         cache = LatentKVCache(layer_devices=devices, num_tokens=self._kv_tokens(max_len),
                               latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim, dtype=dtype,
-                              prefix_cache=cfg.prefix_cache)
-        flash = attention_for(cfg.attention_backend, model.model.layers[0].self_attn, devices, cache)
+                              prefix_cache=kt.prefix_cache)
+        flash = attention_for(kt.attention_backend, model.model.layers[0].self_attn, devices, cache)
         runner = KTModelRunner(model, devices, cache, max_len, flash=flash)
         if uses_cpu_experts(model):
-            self.torch_threads = _torch_threads(cfg.cpu_infer, all(d.type == "cuda" for d in devices))
+            self.torch_threads = _torch_threads(kt.cpu_infer, all(d.type == "cuda" for d in devices))
             torch.set_num_threads(self.torch_threads)
-        if cfg.kt_use_cuda_graph:
+        if kt.kt_use_cuda_graph:
             if gpu:
                 runner.capture_decode_graphs(cfg.max_concurrent)
             else:
@@ -180,16 +185,16 @@ class KTEngine(LLMEngine):
     def _kv_tokens(self, max_len: int) -> int:
         """KV capacity: as configured, else room for a few full-length requests within a fixed budget
         (64k positions: 2 GB for V2-Lite's 27 layers x 576 bf16 values), never less than one request."""
-        if self.config.kv_cache_tokens:
-            return self.config.kv_cache_tokens
+        if self.options.kv_cache_tokens:
+            return self.options.kv_cache_tokens
         return max(max_len, min(max_len * min(self.config.max_concurrent, 4), DEFAULT_KV_BUDGET_TOKENS))
 
     def _weight_cache_dir(self, model_path: Path) -> Path | None:
         """Pre-quantized experts live under the cache root, one folder per model and expert method."""
-        if not self.config.kt_weight_cache:
+        if not self.options.kt_weight_cache:
             return None
-        method = (self.config.kt_method or "rules").upper()
-        return Path(self.config.kt_weight_cache) / f"{model_path.resolve().name}-{method}"
+        method = (self.options.kt_method or "rules").upper()
+        return Path(self.options.kt_weight_cache) / f"{model_path.resolve().name}-{method}"
 
     @staticmethod
     def _finish_model(model: Any, config: Any, placement: Any) -> None:

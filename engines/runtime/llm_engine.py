@@ -18,7 +18,7 @@ import torch
 
 from engines.base import (
     Engine, EngineConfig, EngineStats, EngineUnavailableError, GenerationOutput, GenerationRequest, Grammar,
-    InvalidRequestError, ModelInfo, NotFoundError, RequestHandle, UnsupportedError,
+    InvalidRequestError, ModelInfo, RequestHandle, UnsupportedError,
 )
 from engines.model_files import weights_size
 from engines.runtime.detokenizer import IncrementalDetokenizer
@@ -121,7 +121,8 @@ class LLMEngine(Engine):
     def submit(self, request: GenerationRequest) -> RequestHandle:
         if not self.ready or self._scheduler is None:
             raise EngineUnavailableError("the engine is not serving (loading or shutting down)")
-        self._validate(request)
+        check_length(request, self.info.max_model_len)
+        self._acquire_adapter(request.adapter)  # released when the sequence finishes (_finish)
         try:
             return self._enqueue(request)
         except Exception:
@@ -149,22 +150,6 @@ class LLMEngine(Engine):
     def check_grammar(self, grammar: Grammar) -> None:
         compiler_for(self._tokenizer).compile(grammar)
 
-    def _validate(self, request: GenerationRequest) -> None:
-        check_length(request, self.info.max_model_len)
-        self._validate_adapter(request.adapter)
-
-    def _validate_adapter(self, adapter: str | None) -> None:
-        """NotFoundError for names that are not loaded; a loaded one is counted until the request ends."""
-        if adapter is None:
-            return
-        if self._adapters is None:
-            raise NotFoundError(f"adapter {adapter!r} is not loaded", param="model")
-        self._adapters.acquire(adapter)
-
-    def _release_adapter(self, adapter: str | None) -> None:
-        if adapter is not None and self._adapters is not None:
-            self._adapters.release(adapter)
-
     # ------------------------------------------------------------------------------ adapters and scores
     def _start_adapters(self) -> None:
         from engines.lora import value_head
@@ -185,8 +170,7 @@ class LLMEngine(Engine):
         if not self.ready:
             raise EngineUnavailableError("the engine is not serving (loading or shutting down)")
         head = self._value_head
-        self._validate_adapter(adapter)
-        try:
+        with self._adapter_in_use(adapter):
             if adapter is not None:
                 head = self._adapters.value_head(adapter) or head
             if head is None:
@@ -195,8 +179,6 @@ class LLMEngine(Engine):
             runner = self._runner
             hidden = await asyncio.wrap_future(self._command(lambda: runner.last_hidden_states(prompts, adapter)))
             return [float(v) for v in head(hidden).nan_to_num()]
-        finally:
-            self._release_adapter(adapter)
 
     async def embed(self, prompts: list[list[int]], adapter: str | None = None) -> list[list[float]]:
         """Mean-pooled, unit-length final hidden states (engines/runtime/embeddings.py), batched with the
@@ -210,11 +192,8 @@ class LLMEngine(Engine):
             if len(prompt) > limit:
                 raise InvalidRequestError(f"input {i} has {len(prompt)} tokens; this model's maximum context "
                                           f"length is {limit}", param="input")
-        self._validate_adapter(adapter)
-        try:
+        with self._adapter_in_use(adapter):
             return await asyncio.wrap_future(self._embeddings.submit(prompts, adapter))
-        finally:
-            self._release_adapter(adapter)
 
     def run_on_engine_thread(self, fn):
         """Run `fn` on the generation thread between two steps and return its result (blocking). Before

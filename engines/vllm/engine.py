@@ -23,13 +23,13 @@ from typing import Any
 
 from engines.base import (
     Engine, EngineConfig, EngineStats, EngineUnavailableError, GenerationOutput, GenerationRequest,
-    Grammar, ModelInfo, NotFoundError, QueueFullError, RequestHandle, UnsupportedError,
+    Grammar, ModelInfo, QueueFullError, RequestHandle, UnsupportedError, engine_options,
 )
 from engines.model_files import eos_token_ids, load_tokenizer, model_id
 from engines.runtime.llm_engine import check_length
 from engines.runtime.sampler import TokenText
 from engines.vllm.requests import OutputStream, check_grammar_supported, sampling_params
-from engines.vllm.settings import check_model, cpu_lora_refusal, engine_args
+from engines.vllm.settings import VLLMOptions, check_model, cpu_lora_refusal, engine_args
 
 log = logging.getLogger("ktserve.engine.vllm")
 
@@ -44,6 +44,7 @@ class VLLMEngine(Engine):
         if importlib.util.find_spec("vllm") is None:
             raise ValueError(f"engine: 'vllm' needs vLLM, which is not installed; {INSTALL_HINT}")
         super().__init__(config)
+        self.options = engine_options(VLLMOptions, config.settings)
         self._llm: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -63,7 +64,7 @@ class VLLMEngine(Engine):
         started = time.perf_counter()
         self._tokenizer = load_tokenizer(cfg.model_path, cfg.template)
         self._token_text = TokenText(self._tokenizer)
-        args = engine_args(cfg)
+        args = engine_args(cfg, self.options)
         check_model(cfg.model_path, lora=args.enable_lora)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True)
@@ -151,11 +152,12 @@ class VLLMEngine(Engine):
         if len(self._tasks) >= self.config.max_concurrent + self.config.max_queue:
             raise QueueFullError(f"the server is at its limit of {len(self._tasks)} requests; retry later")
         params = sampling_params(request, self._max_logprobs)
-        lora = self._acquire_adapter(request.adapter)
         assert self._token_text is not None
         stream = OutputStream(request, self._token_text)
         handle = RequestHandle(request.request_id, asyncio.get_running_loop(), self._cancel)
+        self._acquire_adapter(request.adapter)  # released when the request's task ends (_finished)
         try:
+            lora = self._adapters.modules.request_for(request.adapter) if request.adapter is not None else None
             # registered on the engine loop before the caller can cancel it
             asyncio.run_coroutine_threadsafe(self._start(request, params, lora, stream, handle), self._loop).result()
         except BaseException:
@@ -227,23 +229,11 @@ class VLLMEngine(Engine):
         from engines.vllm.adapters import VLLMAdapters
 
         assert self._info is not None
-        modules = VLLMAdapters(self._llm, self._call, self.config.extra.get("vllm_max_lora_rank", 32))
+        modules = VLLMAdapters(self._llm, self._call, self.options.vllm_max_lora_rank)
         self._adapters = AdapterManager(modules, lambda fn: fn(), self._info.id)
         for name, path in self.config.adapters.items():
             info = self.load_adapter(name, path)
             log.info("adapter %s loaded from %s", info.name, info.path)
-
-    def _release_adapter(self, name: str | None) -> None:
-        if name is not None and self._adapters is not None:
-            self._adapters.release(name)
-
-    def _acquire_adapter(self, name: str | None) -> Any:
-        if name is None:
-            return None
-        if self._adapters is None:
-            raise NotFoundError(f"adapter {name!r} is not loaded", param="model")
-        self._adapters.acquire(name)
-        return self._adapters.modules.request_for(name)
 
     def _no_adapters_reason(self) -> str:
         return (cpu_lora_refusal(self.config.model_path) or "this server's vLLM engine was started without LoRA "

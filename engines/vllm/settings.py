@@ -3,13 +3,14 @@ into a message naming the setting or the model property at fault.
 
 LLaMA-Factory's vLLM keys are honoured: `vllm_maxlen` (our `max_model_len`), `vllm_gpu_util`,
 `vllm_enforce_eager`, `vllm_max_lora_rank` and `vllm_config` (a mapping of any further `AsyncEngineArgs`
-field, e.g. `{kv_cache_memory_bytes: 2000000000}`), all carried in `EngineConfig.extra`."""
+field, e.g. `{kv_cache_memory_bytes: 2000000000}`): `VLLMOptions`, read from `EngineConfig.settings`."""
 from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from engines.base import EngineConfig
 
@@ -22,6 +23,14 @@ MAX_LOGPROBS = 20
 CPU_MOE_LORA = ("vLLM's CPU build cannot serve LoRA adapters on a mixture-of-experts model (with LoRA on, it runs "
                 "the MoE layers through Triton kernels, which have no CPU backend); serve adapters on this model "
                 "with the huggingface or ktransformers engine, or with vLLM on a CUDA machine")
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMOptions:
+    vllm_gpu_util: float = 0.9  # share of GPU memory vLLM may take (CUDA only)
+    vllm_enforce_eager: bool | None = None  # None: eager on the CPU, CUDA graphs on a GPU
+    vllm_max_lora_rank: int = 32
+    vllm_config: Mapping[str, Any] = field(default_factory=dict)  # further AsyncEngineArgs fields
 
 
 def on_cuda() -> bool:
@@ -64,30 +73,30 @@ def check_model(model_path: str, lora: bool) -> None:
             f"or on a CUDA machine")
 
 
-def engine_args(cfg: EngineConfig) -> Any:
+def engine_args(cfg: EngineConfig, options: VLLMOptions) -> Any:
     """The `AsyncEngineArgs` for `cfg`; ValueError naming the key for a `vllm_config` entry vLLM lacks."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    extra = cfg.extra
     cuda = on_cuda()
+    eager = not cuda if options.vllm_enforce_eager is None else options.vllm_enforce_eager
     args: dict[str, Any] = dict(
         model=cfg.model_path, tokenizer=cfg.model_path, served_model_name=[cfg.model_name or cfg.model_path],
         trust_remote_code=cfg.trust_remote_code, dtype=_dtype(cfg.dtype, cuda), max_model_len=cfg.max_model_len,
         max_num_seqs=cfg.max_concurrent, max_logprobs=MAX_LOGPROBS, seed=0,
-        enforce_eager=bool(extra.get("vllm_enforce_eager", not cuda)), disable_log_stats=True,
+        enforce_eager=eager, disable_log_stats=True,
         structured_outputs_config={"backend": "guidance"},
     )
     if cuda:
-        args["gpu_memory_utilization"] = float(extra.get("vllm_gpu_util", 0.9))
+        args["gpu_memory_utilization"] = options.vllm_gpu_util
     else:  # vLLM's CPU default takes a large share of RAM; 1 GiB holds ~16k tokens of DeepSeek-V2-Lite's cache
         args["kv_cache_memory_bytes"] = 1 << 30
-    overrides = dict(extra.get("vllm_config") or {})
+    overrides = dict(options.vllm_config)
     known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     for key in overrides:
         if key not in known:
             raise ValueError(f"vllm_config.{key}: not a vLLM engine argument (see vLLM's AsyncEngineArgs)")
     if cfg.adapters or overrides.get("enable_lora"):
-        args.update(enable_lora=True, max_lora_rank=int(extra.get("vllm_max_lora_rank", 32)),
+        args.update(enable_lora=True, max_lora_rank=options.vllm_max_lora_rank,
                     max_loras=max(len(cfg.adapters), 4))
     args.update(overrides)
     return AsyncEngineArgs(**args)

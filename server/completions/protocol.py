@@ -27,7 +27,8 @@ class CompletionRequest(SamplingRequest):
                 raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
             if isinstance(v[0], list) and any(not p for p in v):
                 raise ValueError("a token-id prompt is empty")
-            if isinstance(v[0], int) and any(t < 0 for t in v):
+            token_prompts = [v] if isinstance(v[0], int) else [p for p in v if isinstance(p, list)]
+            if any(t < 0 for p in token_prompts for t in p):
                 raise ValueError("token ids must be non-negative")
         return v
 

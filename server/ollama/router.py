@@ -13,13 +13,12 @@ from pydantic import BaseModel
 from engines.base import NotFoundError
 from server.errors import unparsable_body
 from server.json_body import decode
-from server.embeddings.serving import EmbeddingServing
 from server.errors import APIError
 from server.ollama.protocol import (
     OLLAMA_API_VERSION, ChatRequest, EmbeddingsRequest, EmbedRequest, GenerateRequest, ShowRequest, checked,
     model_name, tagged,
 )
-from server.ollama.serving import OllamaServing, ollama_error
+from server.ollama.serving import ollama_error
 
 router = APIRouter(prefix="/api", tags=["ollama"])
 Body = TypeVar("Body", bound=BaseModel)
@@ -43,10 +42,6 @@ def ollama_route(handler: Callable[[Request], Awaitable[Any]]) -> Callable[[Requ
         except Exception as exc:
             return ollama_error(exc)
     return route
-
-
-def serving(request: Request) -> OllamaServing:
-    return OllamaServing(request.app.state.chat)
 
 
 @router.get("/version")
@@ -93,13 +88,13 @@ async def show(request: Request):
 @router.post("/chat")
 @ollama_route
 async def chat(request: Request):
-    return await serving(request).chat_reply(await parse(request, ChatRequest), request)
+    return await request.app.state.ollama.chat_reply(await parse(request, ChatRequest), request)
 
 
 @router.post("/generate")
 @ollama_route
 async def generate(request: Request):
-    return await serving(request).generate(await parse(request, GenerateRequest), request)
+    return await request.app.state.ollama.generate(await parse(request, GenerateRequest), request)
 
 
 @router.post("/embed")
@@ -112,7 +107,7 @@ async def embed(request: Request):
     if not body.inputs():
         raise APIError(400, "'input' is an empty list", param="input")
     started = time.perf_counter_ns()
-    vectors, tokens = await EmbeddingServing(request.app.state.engine).embed(
+    vectors, tokens = await request.app.state.embeddings.embed(
         model_name(body.model), list(body.inputs()), truncate=body.truncate)
     return {"model": tagged(body.model), "embeddings": vectors, "total_duration": time.perf_counter_ns() - started,
             "load_duration": 0, "prompt_eval_count": tokens}
@@ -124,8 +119,7 @@ async def embeddings(request: Request):
     body = await parse(request, EmbeddingsRequest)
     if not body.prompt:
         return {"embedding": []}  # as Ollama answers an empty prompt
-    vectors, _ = await EmbeddingServing(request.app.state.engine).embed(model_name(body.model), [body.prompt],
-                                                                        truncate=True)
+    vectors, _ = await request.app.state.embeddings.embed(model_name(body.model), [body.prompt], truncate=True)
     return {"embedding": vectors[0]}
 
 

@@ -5,14 +5,10 @@ from fastapi import APIRouter, Request
 
 from server.json_body import CheckedJSONRoute
 from server.score.protocol import ScoreEvaluationRequest
-from server.score.serving import ScoreServing
 
 router = APIRouter(route_class=CheckedJSONRoute)
 
 
 @router.post("/v1/score/evaluation")
 async def create_score_evaluation(body: ScoreEvaluationRequest, request: Request):
-    app = request.app
-    if getattr(app.state, "score", None) is None:
-        app.state.score = ScoreServing(app.state.engine)
-    return await app.state.score.create(body)
+    return await request.app.state.score.create(body)

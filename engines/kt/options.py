@@ -1,0 +1,18 @@
+"""The ktransformers engine's own settings. The server passes them through untouched
+(`EngineConfig.settings`, keyed by their settings names); `KTEngine` reads them with `engine_options`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class KTOptions:
+    kt_optimize_rule: str | None = None  # rule file (engine.py: resolve_rule_file); None: this machine's default
+    cpu_infer: int | None = None  # kt-kernel worker threads; None: engines/kt/cpuinfer.py's default
+    kt_method: str | None = None  # override of the rules' experts method (engines/kt/expert_methods.py)
+    kt_strict_placement: bool = False  # a rule device this machine lacks is an error, not folded
+    kt_weight_cache: str | None = None  # root folder of pre-quantized experts
+    kt_use_cuda_graph: bool = False  # capture decode steps in CUDA graphs (one-GPU placements)
+    kv_cache_tokens: int | None = None  # KV capacity in tokens; default from max_model_len x max_concurrent
+    prefix_cache: bool = True  # share full KV pages between requests with the same token prefix
+    attention_backend: str = "auto"  # "auto" | "flashinfer" | "torch" (MLA attention on CUDA)
