@@ -84,8 +84,8 @@ class Settings(BaseModel):
     cpu_infer: int | None = engine_setting(None, "CPU expert threads; default: physical cores - max(2, cores / 8)",
                                            gt=0)
     chunk_size: int = Field(2048, gt=0, description="prefill chunk size in tokens")
-    kt_use_cuda_graph: bool = engine_setting(False, "run decode steps as CUDA graphs when the model sits on "
-                                                    "one GPU")
+    kt_use_cuda_graph: bool = engine_setting(True, "run decode steps as CUDA graphs (used where the model sits on "
+                                                    "one GPU without hot experts; elsewhere decode runs eager)")
     kt_force_think: bool = Field(False, description="open every chat reply's thinking: prompts end with <think>")
     kt_method: str | None = engine_setting(None, "experts method for every layer: AMXINT8 | AMXINT4 | BF16 | FP8 | "
                                                  "RAWINT4 | LLAMAFILE; default: the rules' choice, or the closest "

@@ -65,12 +65,13 @@ class KTModelRunner(ModelRunner):
 
         if len(self.devices) != 1 or next(iter(self.devices)).type != "cuda":
             where = ", ".join(sorted(str(d) for d in self.devices))
-            log.warning("kt_use_cuda_graph: decode runs without CUDA graphs, because the non-expert model is "
-                        "not on one GPU (it runs on %s); graphs are captured for a single-GPU placement only",
-                        where)
+            log.info("kt_use_cuda_graph: decode runs without CUDA graphs, because the non-expert model is "
+                     "not on one GPU (it runs on %s); graphs are captured for a single-GPU placement only", where)
             return
         if any(e.gpu_experts for e in self._experts):
-            raise ValueError("kt_use_cuda_graph cannot be combined with hot experts on the GPU (gpu_experts)")
+            log.info("kt_use_cuda_graph: decode runs without CUDA graphs, because the rules keep hot experts on "
+                     "the GPU (gpu_experts), whose torch part is not captured")
+            return
         self.graphs = DecodeGraphs(self._decode_forward, device=self.embed_device, max_batch=max_batch,
                                    max_len=self.max_model_len, scratch_slot=self.scratch_slot, cache=self.cache,
                                    attention=self.flash)
