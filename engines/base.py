@@ -235,6 +235,18 @@ async def whole_output(request_id: str, deltas: AsyncIterable[GenerationOutput])
     )
 
 
+def marker_prefix_tail(text: str, markers: "tuple[str, ...] | list[str]") -> int:
+    """Length of the longest tail of `text` that is a proper prefix of one of `markers` (0 if none): the text a
+    stream must hold back, because the next tokens may complete the marker (a stop string, `</think>`, the
+    start of a tool call)."""
+    longest = max((len(m) for m in markers), default=0)
+    for k in range(min(longest - 1, len(text)), 0, -1):
+        tail = text[-k:]
+        if any(m.startswith(tail) for m in markers):
+            return k
+    return 0
+
+
 # ------------------------------------------------------------------------------------ config and info
 @dataclass(slots=True)
 class EngineConfig:

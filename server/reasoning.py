@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engines.base import marker_prefix_tail
+
 THINK_START = "<think>"
 THINK_END = "</think>"
 REASONING_PARSERS = ("deepseek_r1",)
@@ -24,14 +26,6 @@ def check_reasoning_parser(name: str | None) -> None:
 def prompt_opens_reasoning(prompt_text: str) -> bool:
     """Whether the prompt ends by opening a `<think>` block, so the model's output starts in its reasoning."""
     return prompt_text.rstrip().endswith(THINK_START)
-
-
-def partial_tail(text: str, marker: str) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of `marker` (0 if none)."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
 
 
 @dataclass(slots=True)
@@ -68,7 +62,7 @@ class DeepSeekR1ReasoningParser:
                     out.reasoning += buf[:end]
                     buf, self._state, self._strip_newlines = buf[end + len(THINK_END):], "content", True
                 else:
-                    keep = partial_tail(buf, THINK_END)
+                    keep = marker_prefix_tail(buf, (THINK_END,))
                     out.reasoning += buf[:len(buf) - keep]
                     self._pending, buf = buf[len(buf) - keep:], ""
             else:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from engines.base import marker_prefix_tail
+
 REPLACEMENT = "\ufffd"
 
 
@@ -62,12 +64,7 @@ class IncrementalDetokenizer:
 
     def _holdback(self) -> int:
         """Length of the longest tail of the unreleased text that is a proper prefix of a stop string."""
-        pending = self.text[self._emitted:]
-        for k in range(min(self._max_stop - 1, len(pending)), 0, -1):
-            tail = pending[-k:]
-            if any(s.startswith(tail) for s in self._stop):
-                return k
-        return 0
+        return marker_prefix_tail(self.text[self._emitted:], self._stop)
 
     def take_delta(self, final: bool = False) -> str:
         """The text that became final since the last call."""

@@ -18,7 +18,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from server.reasoning import partial_tail
+from engines.base import marker_prefix_tail
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
@@ -123,7 +123,7 @@ class DeepSeekV3ToolParser:
             out.content += buf[:at]
             self._buf = buf[at:]
             return self._consume(len(CALLS_BEGIN), "between")
-        keep = partial_tail(buf, CALLS_BEGIN) if self._state == "content" else 0
+        keep = marker_prefix_tail(buf, (CALLS_BEGIN,)) if self._state == "content" else 0
         out.content += buf[:len(buf) - keep]
         self._buf = buf[len(buf) - keep:]
         return False
@@ -161,7 +161,7 @@ class DeepSeekV3ToolParser:
     def _args(self, out: ToolDelta) -> bool:
         call = self.calls[-1]
         end = self._buf.find(ARGS_CLOSE)
-        piece = self._buf[:end] if end >= 0 else self._buf[:len(self._buf) - partial_tail(self._buf, ARGS_CLOSE)]
+        piece = self._buf[:end] if end >= 0 else self._buf[:len(self._buf) - marker_prefix_tail(self._buf, (ARGS_CLOSE,))]
         if piece:
             call.arguments += piece
             out.calls.append(ToolCallDelta(len(self.calls) - 1, arguments=piece))
