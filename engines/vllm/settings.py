@@ -15,6 +15,9 @@ from engines.base import EngineConfig
 
 # vLLM's CPU MLA kernel is compiled for DeepSeek-V2/V3's latent width only (vllm/v1/attention/backends/mla/cpu_mla.py)
 CPU_MLA_HEAD_SIZE = 576
+# On a CPU with AMX, vLLM picks its AMX MLA backend, which packs the weights for bfloat16 only and fails to load
+# a float32 (or float16) model; its reference CPU MLA backend computes in any dtype.
+AMX_MLA_DTYPE = "bfloat16"
 # What our API can ask for: chat `top_logprobs` goes up to 20.
 MAX_LOGPROBS = 20
 # With LoRA on, vLLM runs every MoE layer through its Triton kernels (vllm/model_executor/layers/fused_moe/
@@ -81,6 +84,8 @@ def engine_args(cfg: EngineConfig) -> Any:
         args["gpu_memory_utilization"] = float(extra.get("vllm_gpu_util", 0.9))
     else:  # vLLM's CPU default takes a large share of RAM; 1 GiB holds ~16k tokens of DeepSeek-V2-Lite's cache
         args["kv_cache_memory_bytes"] = 1 << 30
+        if "kv_lora_rank" in model_config(cfg.model_path) and args["dtype"] != AMX_MLA_DTYPE:
+            args["attention_backend"] = "CPU_MLA"
     overrides = dict(extra.get("vllm_config") or {})
     known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     for key in overrides:
@@ -89,6 +94,8 @@ def engine_args(cfg: EngineConfig) -> Any:
     if cfg.adapters or overrides.get("enable_lora"):
         args.update(enable_lora=True, max_lora_rank=int(extra.get("vllm_max_lora_rank", 32)),
                     max_loras=max(len(cfg.adapters), 4))
+    if "attention_config" in overrides:  # vLLM refuses a backend given both ways
+        args.pop("attention_backend", None)
     args.update(overrides)
     return AsyncEngineArgs(**args)
 
