@@ -45,11 +45,15 @@ if [ "$vllm_only" = 1 ]; then
 fi
 
 "$root/scripts/install.sh" test
+echo "== ${python%/bin/python} ready in $SECONDS s"
 vllm_pass=0
 if [ "$whole_suite" = 1 ] && [ "${KTSERVE_TEST_VLLM:-1}" != 0 ]; then
   vllm_pass=1
   vllm_log="$(mktemp)"
-  (started=$SECONDS; install_vllm && echo "vLLM's environment ready in $((SECONDS - started)) s") >"$vllm_log" 2>&1 &
+  (
+    started=$SECONDS
+    install_vllm && echo "== $vllm_venv ready in $((SECONDS - started)) s (installed while the main suite ran)"
+  ) >"$vllm_log" 2>&1 &
   vllm_install=$!
 fi
 
