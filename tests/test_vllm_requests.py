@@ -1,5 +1,6 @@
 """The vllm engine's request mapping, against the installed vLLM's own classes (no engine running): our
-sampling parameters, grammars and adapters in vLLM's terms, and vLLM's streamed outputs in ours."""
+engine settings, sampling parameters, grammars and adapters in vLLM's terms, and vLLM's streamed outputs in
+ours."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,9 @@ import pytest
 
 from dataclasses import replace
 
-from engines.base import GenerationRequest, InvalidRequestError, SamplingParams, UnsupportedError, json_schema_grammar
+from engines.base import (
+    EngineConfig, GenerationRequest, InvalidRequestError, SamplingParams, UnsupportedError, json_schema_grammar,
+)
 from engines.lora.adapter import LoraAdapter, LoraWeight
 
 pytestmark = pytest.mark.vllm
@@ -19,6 +22,31 @@ def token_text(tokenizer):
     from engines.runtime.sampler import TokenText
 
     return TokenText(tokenizer)
+
+
+def cpu_engine_args(monkeypatch, model_path, engine_settings=None, **config):
+    from engines.base import engine_options
+    from engines.vllm import settings
+
+    monkeypatch.setattr(settings, "on_cuda", lambda: False)
+    cfg = EngineConfig(model_path=str(model_path), settings=engine_settings or {}, **config)
+    return settings.engine_args(cfg, engine_options(settings.VLLMOptions, cfg.settings))
+
+
+def test_a_float32_mla_model_on_the_cpu_runs_on_vllms_reference_mla_backend(monkeypatch, demo_model_dir):
+    # vLLM would pick its AMX MLA backend on an AMX CPU, which loads bfloat16 weights only
+    args = cpu_engine_args(monkeypatch, demo_model_dir)
+    assert (args.dtype, args.attention_backend) == ("float32", "CPU_MLA")
+
+
+def test_a_bfloat16_mla_model_on_the_cpu_leaves_the_attention_backend_to_vllm(monkeypatch, demo_model_dir):
+    assert cpu_engine_args(monkeypatch, demo_model_dir, dtype="bfloat16").attention_backend is None
+
+
+def test_an_attention_config_in_vllm_config_replaces_the_chosen_backend(monkeypatch, demo_model_dir):
+    args = cpu_engine_args(monkeypatch, demo_model_dir,
+                           engine_settings={"vllm_config": {"attention_config": {"backend": "CPU_MLA"}}})
+    assert args.attention_backend is None and args.attention_config.backend is not None
 
 
 def request(prompt=(5, 6, 7), **sampling) -> GenerationRequest:

