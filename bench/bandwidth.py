@@ -43,11 +43,12 @@ def measure_cpu_bandwidth(shape: Shape, threads: int, nbytes: int, repeats: int 
         "threads": threads, "buffer": fig(nbytes / 1e9, "GB"),
         "copy_bandwidth": fig(copy_bw, "GB/s", note="torch float32 copy, bytes read + bytes written, median"),
         "read_bandwidth": fig(nbytes / read_s / 1e9, "GB/s", note="torch float32 sum, bytes read, median"),
-        "expert_bytes_per_token": {}, "ceiling": {},
+        "expert_bytes_per_token": {}, "expert_bytes": {}, "ceiling": {},
     }
     for method, bpw in BYTES_PER_WEIGHT.items():
         per_token = shape.routed_expert_bytes_per_token(bpw)
         result["expert_bytes_per_token"][method] = fig(per_token / 1e9, "GB")
+        result["expert_bytes"][method] = fig(shape.routed_expert_bytes(bpw) / 1e9, "GB", note="all routed experts")
         result["ceiling"][method] = fig(copy_bw * 1e9 / per_token, "tok/s",
                                         note="copy bandwidth / routed-expert bytes per token, batch 1")
     return result

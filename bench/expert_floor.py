@@ -5,13 +5,14 @@ reads 1.35 GB (INT8) that no cache holds — for several kt-kernel thread counts
 `stream`: submit_with_cuda_stream + sync_with_cuda_stream from a CUDA stream (what the GPU decode does),
 with the copies into and out of pinned buffers on the stream, timed with CUDA events.
 
-    python -m bench.expert_floor [--methods AMXINT8,AMXINT4] [--threads 10,12,14,15] [--layers 6]
+    python -m bench.expert_floor [--methods AMXINT8,AMXINT4] [--threads 10,12,14,15] [--pages 4k,2m] [--layers 6]
 
 Each thread count runs in its own process (the worker pool is process-wide). Prints one JSON line per
 measurement and a summary line last."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -45,8 +46,15 @@ def _inputs(calls: int, seed: int):
              torch.rand(1, TOP_K, generator=g)) for _ in range(calls)]
 
 
-def child(method: str, threads: int, layers: int, calls: int) -> None:
+def child(method: str, threads: int, layers: int, calls: int, huge_pages: bool) -> None:
     stack = _layers(method, layers, threads)
+    pages = "4k"
+    if huge_pages:
+        from bench.huge_pages import collapse_anonymous_memory
+
+        report = collapse_anonymous_memory()
+        print(json.dumps({"huge_pages": report.describe() if report else "not Linux"}), flush=True)
+        pages = "2m"
     bytes_per_call = 3 * HIDDEN * INTER * TOP_K * BYTES_PER_WEIGHT[method]
     inputs = _inputs(calls, seed=threads)
     for x, ids, w in inputs[:8]:  # warm-up
@@ -55,7 +63,7 @@ def child(method: str, threads: int, layers: int, calls: int) -> None:
     for i, (x, ids, w) in enumerate(inputs):
         stack[i % layers].forward(x, ids, w)
     per_layer = (time.perf_counter() - started) / calls
-    print(json.dumps({"method": method, "threads": threads, "driver": "python", "layers": layers,
+    print(json.dumps({"method": method, "threads": threads, "driver": "python", "layers": layers, "pages": pages,
                       "ms_per_layer": round(per_layer * 1e3, 4),
                       "GB_s": round(bytes_per_call / per_layer / 1e9, 1)}), flush=True)
     if not torch.cuda.is_available():
@@ -75,7 +83,7 @@ def child(method: str, threads: int, layers: int, calls: int) -> None:
     end.record()
     end.synchronize()
     per_layer = start.elapsed_time(end) / 1e3 / calls
-    print(json.dumps({"method": method, "threads": threads, "driver": "stream", "layers": layers,
+    print(json.dumps({"method": method, "threads": threads, "driver": "stream", "layers": layers, "pages": pages,
                       "ms_per_layer": round(per_layer * 1e3, 4),
                       "GB_s": round(bytes_per_call / per_layer / 1e9, 1)}), flush=True)
 
@@ -86,24 +94,27 @@ def main() -> None:
     p.add_argument("--threads", default="10,12,14,15")
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--calls", type=int, default=400)
+    p.add_argument("--pages", default="4k,2m", help="4k: as allocated; 2m: collapsed into huge pages first")
     p.add_argument("--child", nargs=2, metavar=("METHOD", "THREADS"))
+    p.add_argument("--huge-pages", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args.child[0], int(args.child[1]), args.layers, args.calls)
+        child(args.child[0], int(args.child[1]), args.layers, args.calls, args.huge_pages)
         return
     rows = []
-    for method in args.methods.split(","):
-        for threads in (int(t) for t in args.threads.split(",")):
-            run = subprocess.run([sys.executable, "-m", "bench.expert_floor", "--child", method, str(threads),
-                                  "--layers", str(args.layers), "--calls", str(args.calls)],
-                                 capture_output=True, text=True, env=os.environ.copy(), timeout=600)
-            lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-            for line in lines:
-                print(json.dumps(line), flush=True)
-            rows += lines
-            if run.returncode:
-                print(json.dumps({"method": method, "threads": threads, "failed": run.stderr[-2000:]}), flush=True)
-    print(json.dumps({"summary": [(r["method"], r["threads"], r["driver"], r["ms_per_layer"]) for r in rows]}))
+    for method, threads, pages in itertools.product(args.methods.split(","), (int(t) for t in args.threads.split(",")),
+                                                args.pages.split(",")):
+        run = subprocess.run([sys.executable, "-m", "bench.expert_floor", "--child", method, str(threads),
+                              "--layers", str(args.layers), "--calls", str(args.calls)]
+                             + (["--huge-pages"] if pages == "2m" else []),
+                             capture_output=True, text=True, env=os.environ.copy(), timeout=600)
+        lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+        for line in lines:
+            print(json.dumps(line), flush=True)
+        rows += [line for line in lines if "ms_per_layer" in line]
+        if run.returncode:
+            print(json.dumps({"method": method, "threads": threads, "failed": run.stderr[-2000:]}), flush=True)
+    print(json.dumps({"summary": [(r["method"], r["threads"], r["pages"], r["driver"], r["ms_per_layer"]) for r in rows]}))
 
 
 if __name__ == "__main__":

@@ -131,6 +131,7 @@ def summary_lines(data: dict) -> list[str]:
                      f"TPOT median {_fmt(_v(d, 'tpot_median'))} ms p99 {_fmt(_v(d, 'tpot_p99'))} ms"
                      + (" (default)" if int(threads) == sweep.get("default_threads") else "")
                      + (f" failed: {r['failed']}" if "failed" in r else ""))
+    lines += host_memory_lines(data)
     avx2 = data.get("avx2") or {}
     if avx2.get("decode"):
         d, details = avx2["decode"], avx2.get("engine_details") or {}
@@ -152,6 +153,23 @@ def summary_lines(data: dict) -> list[str]:
     for name, p in data.get("phases", {}).items():
         if p.get("status") != "ok":
             lines.append(f"phase {name}: {p.get('status')} {p.get('reason', '')}")
+    return lines
+
+
+def host_memory_lines(data: dict) -> list[str]:
+    """Host memory of the thread sweep's engines against the bytes of their experts. Those engines ran alone in a
+    fresh process; the main process's RSS (kt.<METHOD>.memory) also holds what earlier phases left (the
+    checkpoint build, the bandwidth buffers, engines that stopped), so it says little about the engine's own."""
+    sweep = data.get("thread_sweep") or {}
+    experts = _v(data, "cpu_bandwidth", "expert_bytes", sweep.get("method") or "")
+    lines = []
+    for threads, r in sorted(((k, v) for k, v in sweep.items() if k.isdigit()), key=lambda kv: int(kv[0])):
+        rss = _v(r, "memory", "host_rss")
+        if rss is None or not experts or int(threads) == sweep.get("default_threads"):
+            continue  # the default's decode ran in the main process
+        lines.append(f"host memory, kt {sweep['method']} alone in a fresh process ({threads} threads): "
+                     f"{rss:.2f} GB after decoding, peak {_fmt(_v(r, 'memory_after_load', 'host_rss_peak'), '.2f')} GB "
+                     f"while loading; the experts are {experts:.2f} GB: {rss / experts:.2f}x")
     return lines
 
 

@@ -112,9 +112,14 @@ class Shape:
 
     def routed_expert_bytes_per_token(self, bytes_per_weight: float) -> float:
         """Routed-expert weight bytes one decoded token reads: MoE layers x top_k x (gate, up, down)."""
+        return self.routed_expert_bytes(bytes_per_weight) * self.config["num_experts_per_tok"] / \
+            self.config["n_routed_experts"]
+
+    def routed_expert_bytes(self, bytes_per_weight: float) -> float:
+        """Bytes of all routed experts: MoE layers x experts x (gate, up, down)."""
         c = self.config
         moe_layers = c["num_hidden_layers"] - c["first_k_dense_replace"]
-        return moe_layers * c["num_experts_per_tok"] * 3 * c["hidden_size"] * c["moe_intermediate_size"] * \
+        return moe_layers * c["n_routed_experts"] * 3 * c["hidden_size"] * c["moe_intermediate_size"] * \
             bytes_per_weight
 
 

@@ -31,6 +31,20 @@ def test_v2_lite_checkpoint_has_the_published_size():
     assert "model.layers.0.self_attn.q_proj.weight" in names and not any("q_a_proj" in n for n in names)
     # BASELINES.md: 1.35 GB of INT8 expert weights per decoded token
     assert round(shape.routed_expert_bytes_per_token(1.0) / 1e9, 2) == 1.35
+    assert round(shape.routed_expert_bytes(1.0) / 1e9, 2) == 14.39  # all 26 x 64 experts in INT8
+
+
+def test_host_memory_is_reported_from_the_fresh_process_runs_against_the_experts_bytes():
+    from bench.report import host_memory_lines
+
+    gb = lambda v: {"value": v, "unit": "GB"}  # noqa: E731
+    data = {"cpu_bandwidth": {"expert_bytes": {"AMXINT8": gb(14.39)}},
+            "thread_sweep": {"method": "AMXINT8", "default_threads": 14,
+                             "14": {"decode": {}, "memory": {"host_rss": gb(40.0)}},  # the shared main process
+                             "12": {"memory": {"host_rss": gb(16.12)},
+                                    "memory_after_load": {"host_rss_peak": gb(22.84)}}}}
+    (line,) = host_memory_lines(data)
+    assert "fresh process (12 threads)" in line and "16.12 GB" in line and "1.12x" in line
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ require_kt_kernel()
 from engines.kt.cpuinfer import (  # noqa: E402
     default_cpu_threads, default_thread_choice, physical_cores, pool_threads, resolve_thread_count, shared_cpu_infer)
 from engines.kt.expert_methods import METHODS, ExpertsUnsupportedError, available_methods, cpu_variant  # noqa: E402
-from engines.kt.experts_cpu import RoutedExpertsCPU  # noqa: E402
+from engines.kt.experts_cpu import RoutedExpertsCPU, SharedStaging  # noqa: E402
 
 E, K, H, I = 16, 4, 256, 256
 MAX_TOKENS = 32
@@ -322,6 +322,28 @@ def test_submit_twice_without_sync_is_refused(experts_for):
     with pytest.raises(RuntimeError, match="before sync"):
         experts.submit(hidden, ids, w)
     experts.sync()
+
+
+def test_layers_of_one_model_take_turns_with_one_set_of_staging_buffers(weights):
+    staging = SharedStaging()
+    layers = [loaded(weights, layer_idx=i, staging=staging) for i in range(2)]
+    hidden, ids, w = routing(9)
+    outputs = [layer(hidden, ids, w) for layer in layers]  # the second overwrites the buffers the first used
+    assert torch.equal(outputs[0], outputs[1])
+    assert rel_err(outputs[0], reference(weights, hidden, ids, w)) < TOLERANCE["BF16"]
+    assert layers[0]._staging_for(9, hidden.device)[0].data_ptr() == layers[1]._staging_for(9, hidden.device)[0].data_ptr()
+    other_model = loaded(weights)
+    other_model(hidden, ids, w)
+    assert other_model._staging_for(9, hidden.device)[0].data_ptr() != layers[0]._staging_for(9, hidden.device)[0].data_ptr()
+
+
+def test_staging_buffers_grow_for_a_longer_call_and_stay_shared(weights):
+    staging = SharedStaging()
+    short, long = (loaded(weights, layer_idx=i, staging=staging) for i in range(2))
+    short(*routing(3))
+    hidden, ids, w = routing(MAX_TOKENS * 2 + 5)  # beyond the chunk the buffers were first sized for
+    assert rel_err(long(hidden, ids, w), reference(weights, hidden, ids, w)) < TOLERANCE["BF16"]
+    assert torch.equal(short(hidden, ids, w), long(hidden, ids, w))
 
 
 def test_forward_works_from_a_thread_other_than_the_creator(experts_for):

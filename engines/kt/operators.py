@@ -23,7 +23,7 @@ from torch import nn
 
 from engines.kt.attention import DecodeBatch, MLAAttention, Span, StepBatch, layer_index
 from engines.kt.expert_methods import DEFAULT_METHOD, normalize_method
-from engines.kt.experts_cpu import RoutedExpertsCPU
+from engines.kt.experts_cpu import RoutedExpertsCPU, SharedStaging
 
 __all__ = ["DecodeBatch", "FusedRMSNorm", "MLAAttention", "MoEWithCPUExperts", "OperatorOptions",
            "RoutedExpertsCPU", "Span", "StepBatch", "fuse_rms_norms", "layer_index"]
@@ -38,6 +38,8 @@ class OperatorOptions:
     # the method a rule asks for -> the method that serves (engines/kt/expert_methods.py: choose_method)
     methods: Mapping[str, str] = field(default_factory=dict)
     checkpoint: str | None = None  # the model directory (expert LoRA re-reads base experts from it)
+    # the host buffers the model's CPU-expert layers take turns with (one model: one instance)
+    staging: SharedStaging = field(default_factory=SharedStaging, compare=False, repr=False)
 
     def method_for(self, requested: str | None) -> str:
         wanted = normalize_method(requested or DEFAULT_METHOD, "method")
