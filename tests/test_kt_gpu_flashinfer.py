@@ -49,6 +49,9 @@ def adapter(mla_model, tmp_path_factory):
 
 
 def serve(mla_model, adapter, backend: str, **settings):
+    """A server on the MLA model; decode runs eager unless `kt_use_cuda_graph=True` is given (the comparisons with
+    torch are of the attention itself, and the graph test compares against this eager path)."""
+    settings.setdefault("kt_use_cuda_graph", False)
     return start_server(mla_model, engine="ktransformers", kt_method="BF16", attention_backend=backend,
                         prefix_cache=False, adapters={"attn": str(adapter)}, **settings)
 
