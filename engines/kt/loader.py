@@ -17,6 +17,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from engines.kt.experts import RoutedExperts
+
 log = logging.getLogger("ktserve.engine.kt")
 
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -73,7 +75,7 @@ class ExpertStager:
 
     def _from_cache(self, prefix: str) -> bool:
         module = self.model.get_submodule(prefix)
-        if self.weight_cache is None or not hasattr(module, "load_quantized"):
+        if self.weight_cache is None or not isinstance(module, RoutedExperts):
             return False
         if module.load_quantized(self.weight_cache):
             self.loaded.add(prefix)
@@ -82,7 +84,7 @@ class ExpertStager:
 
     def _load(self, prefix: str, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         module = self.model.get_submodule(prefix)
-        if hasattr(module, "load_weights"):  # kt-kernel experts (quantized here, saved for next time)
+        if isinstance(module, RoutedExperts):  # kt-kernel experts (quantized here, saved for next time)
             module.load_weights(gate, up, down, cache_dir=self.weight_cache)
         else:  # experts kept as transformers' fused module (a `default` rule)
             device = self.device_of(f"{prefix}.gate_up_proj")
@@ -130,7 +132,7 @@ def load_checkpoint(model: nn.Module, model_path: Path, device_of: Any, dtype: t
             except AttributeError:
                 unexpected.append(name)
                 continue
-            if hasattr(module, "load_weights") and attr in ("gate_up_proj", "down_proj"):
+            if isinstance(module, RoutedExperts) and attr in ("gate_up_proj", "down_proj"):
                 fused_experts.append((module, attr, tensor))  # a checkpoint saved in the fused layout
                 continue
             if attr not in module._parameters and attr not in module._buffers:

@@ -23,6 +23,7 @@ from torch import nn
 
 from engines.kt.attention import DecodeBatch, MLAAttention, Span, StepBatch, layer_index
 from engines.kt.expert_methods import DEFAULT_METHOD, normalize_method
+from engines.kt.experts import RoutedExperts
 from engines.kt.experts_cpu import RoutedExpertsCPU, SharedStaging
 
 __all__ = ["DecodeBatch", "FusedRMSNorm", "MLAAttention", "MoEWithCPUExperts", "OperatorOptions",
@@ -51,7 +52,7 @@ class MoEWithCPUExperts(nn.Module):
 
     KWARGS = frozenset({"device", "method", "gpu_experts", "threads"})
 
-    def __init__(self, gate: nn.Module, shared_experts: nn.Module | None, experts: RoutedExpertsCPU):
+    def __init__(self, gate: nn.Module, shared_experts: nn.Module | None, experts: RoutedExperts):
         super().__init__()
         self.gate = gate
         self.shared_experts = shared_experts

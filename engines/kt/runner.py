@@ -12,7 +12,8 @@ from torch import nn
 
 from engines.kt.kv_cache import BlockTable, LatentKVCache
 from engines.kt.attention import DecodeBatch, MLAAttention, Span, StepBatch
-from engines.kt.operators import MoEWithCPUExperts, RoutedExpertsCPU
+from engines.kt.experts import RoutedExperts
+from engines.kt.operators import MoEWithCPUExperts
 from engines.kt.step_timing import StepTimer
 from engines.lora.install import LoraModules
 from engines.lora.modules import AdapterRows
@@ -36,7 +37,7 @@ class KTModelRunner(ModelRunner):
             if not isinstance(layer.self_attn, MLAAttention):
                 raise ValueError(f"placement rules: model.layers.{i}.self_attn must be replaced by "
                                  f"engines.kt.operators.MLAAttention (found {type(layer.self_attn).__name__})")
-        self._experts = [m for m in model.modules() if isinstance(m, RoutedExpertsCPU)]
+        self._experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
         self.embed_device = self.inner.embed_tokens.weight.device
         self.norm_device = self.inner.norm.weight.device
         self.head_device = model.lm_head.weight.device
@@ -293,4 +294,4 @@ def layer_devices(model: nn.Module) -> list[torch.device]:
 
 
 def uses_cpu_experts(model: nn.Module) -> bool:
-    return any(isinstance(m, (RoutedExpertsCPU, MoEWithCPUExperts)) for m in model.modules())
+    return any(isinstance(m, (RoutedExperts, MoEWithCPUExperts)) for m in model.modules())

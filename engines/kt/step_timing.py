@@ -95,7 +95,7 @@ class StepTimer:
     Timing never fails a step: if reading the events fails, GPU timing is switched off with a warning."""
 
     def __init__(self, experts: list, device: torch.device):
-        self.experts = experts  # RoutedExpertsCPU modules: `.host_times`, `.events`
+        self.experts = experts  # engines.kt.experts.RoutedExperts: `.host_times`, `.events`
         self.totals = StepTimes()
         self.device = device
         self.cuda = device.type == "cuda" and timing_event() is not None

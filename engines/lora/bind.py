@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from engines.lora.adapter import EXPERT_PROJECTIONS, AdapterFormatError, LoraAdapter
+from engines.lora.cpu_experts import CPUExperts
 
 _EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts$")
 _ROUTER = re.compile(r"^model\.layers\.\d+\.mlp\.gate$")
@@ -27,7 +28,7 @@ class ModelTargets:
 
 def expert_sizes(module: nn.Module) -> tuple[int, int, int] | None:
     """(experts, intermediate, hidden) of a routed-experts module: kt-kernel's or transformers' fused one."""
-    if hasattr(module, "num_experts") and hasattr(module, "intermediate_size") and hasattr(module, "hidden_size"):
+    if isinstance(module, CPUExperts):
         return int(module.num_experts), int(module.intermediate_size), int(module.hidden_size)
     gate_up = getattr(module, "gate_up_proj", None)
     if gate_up is not None and gate_up.dim() == 3:

@@ -1,0 +1,38 @@
+"""What the KT engine asks of one MoE layer's routed experts, wherever they run.
+
+`RoutedExpertsCPU` (experts_cpu.py: kt-kernel on the CPU, hot experts in torch on the GPU) implements it;
+which kt-kernel class serves a method is decided in one place, expert_methods.py. The loader fills a layer
+through `load_weights` / `load_quantized`; `MoEWithCPUExperts` (operators.py) drives it with `submit` and then
+`wait`, so the shared experts run on the GPU in between; the runner's step timer reads `host_times` and
+`events` (step_timing.py). Expert LoRA reaches a layer through the narrower `engines.lora.cpu_experts.CPUExperts`,
+so LoRA code never imports this engine."""
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class RoutedExperts(Protocol):
+    layer_idx: int
+    num_experts: int
+    top_k: int
+    gpu_experts: list[int]  # experts computed on the GPU (hot experts); the rest on the CPU
+    host_times: Any  # step_timing.HostTimes: blocking waits, timed on the host
+    events: Any  # step_timing.ExpertEvents once the runner times stream-ordered calls, else None
+
+    def load_weights(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
+                     cache_dir: str | os.PathLike | None = None) -> None:
+        """The layer's experts as the checkpoint has them: gate/up [E, I, H], down [E, H, I]. With `cache_dir`,
+        whatever the layer converted them to is saved there for `load_quantized`."""
+
+    def load_quantized(self, cache_dir: str | os.PathLike) -> bool:
+        """Load what `load_weights(..., cache_dir=...)` saved; False when there is nothing usable."""
+
+    def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """Start sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(hidden) and return (-1 ids contribute 0)."""
+
+    def wait(self) -> torch.Tensor:
+        """The result `submit` started, [T, H] on the layer's output device."""
