@@ -162,7 +162,7 @@ def adapter(format="peft", module="model.layers.0.self_attn.o_proj", rank=4) -> 
 def adapters(max_rank=8):
     from engines.vllm.adapters import VLLMAdapters
 
-    return VLLMAdapters(llm=None, call=lambda coro: None, max_rank=max_rank)
+    return VLLMAdapters(llm=lambda: None, call=lambda coro: None, max_rank=max_rank)
 
 
 @pytest.mark.parametrize("bad", [adapter(format="gguf"), adapter(module="model.layers.0.self_attn.kv_b_proj"),

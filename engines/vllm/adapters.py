@@ -29,9 +29,10 @@ class PreparedAdapter:
 
 
 class VLLMAdapters:
-    """`call(coro)` runs a coroutine on the engine loop and returns its result."""
+    """`llm()` is the engine's running AsyncLLM; `call(coro)` runs a coroutine on the engine loop and returns its
+    result."""
 
-    def __init__(self, llm: Any, call: Callable[[Any], Any], max_rank: int):
+    def __init__(self, llm: Callable[[], Any], call: Callable[[Any], Any], max_rank: int):
         self._llm = llm
         self._call = call
         self._max_rank = max_rank
@@ -58,14 +59,14 @@ class VLLMAdapters:
     def install(self, name: str, prepared: PreparedAdapter) -> None:
         request = lora_request(name, next(self._ids), prepared.path)
         try:
-            self._call(self._llm.add_lora(request))
+            self._call(self._llm().add_lora(request))
         except Exception as exc:
             raise AdapterFormatError(f"vLLM cannot load the adapter at {prepared.path}: {exc}") from None
         self._requests[name] = request
 
     def remove(self, name: str) -> None:
         request = self._requests.pop(name)
-        self._call(self._llm.remove_lora(request.lora_int_id))
+        self._call(self._llm().remove_lora(request.lora_int_id))
 
     def request_for(self, name: str) -> Any:
         return self._requests[name]

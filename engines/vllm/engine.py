@@ -104,6 +104,9 @@ class VLLMEngine(Engine):
                 self._call(self._shutdown(), timeout=60)
             except Exception:  # stopping anyway; the child processes die with ours
                 log.exception("vLLM did not shut down cleanly")
+        # let the AsyncLLM go now: left to interpreter exit, its finalizer runs again on a half-torn-down
+        # interpreter and prints a TypeError traceback
+        self._llm = None
         self._close_loop()
 
     async def _shutdown(self) -> None:
@@ -230,7 +233,7 @@ class VLLMEngine(Engine):
         from engines.vllm.adapters import VLLMAdapters
 
         assert self._info is not None
-        modules = VLLMAdapters(self._llm, self._call, self.options.vllm_max_lora_rank)
+        modules = VLLMAdapters(lambda: self._llm, self._call, self.options.vllm_max_lora_rank)
         self._adapters = AdapterManager(modules, lambda fn: fn(), self._info.id)
         for name, path in self.config.adapters.items():
             info = self.load_adapter(name, path)
