@@ -69,6 +69,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--writers", type=int, default=4, help="threads writing checkpoint shards")
     p.add_argument("--methods", help=f"comma-separated KT methods for the decode phase, of: "
                    f"{','.join(KT_METHODS + (RULES,))} (default: {','.join(KT_METHODS)}; {RULES}: the rules choose)")
+    p.add_argument("--rules", help="the KT engine's kt_optimize_rule (a shipped file name or a path; default: the "
+                   "engine picks by model), e.g. DeepSeek-V2-Lite-defer.yaml for expert deferral")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run the KT engine's decode without CUDA graphs (kt_use_cuda_graph off)")
     args = p.parse_args(argv)
@@ -133,7 +135,7 @@ class Bench:
         self.model_dir: Path = args.model_dir or default_model_dir(self.shape)
         self.log_path = self.out / "engines.log"
         meta = {**environment(self.threads), "shape": self.shape.name, "quick": args.quick,
-                "budget": fig(self.budget, "s"), "phases_selected": list(args.phases)}
+                "budget": fig(self.budget, "s"), "phases_selected": list(args.phases), "rules": args.rules}
         self.results = Results(self.out, meta)
         self.kt = None  # the loaded KT EngineRun; its label is the experts method
         self.vocab = self.shape.config["vocab_size"]
@@ -217,7 +219,8 @@ class Bench:
                             max_concurrent=max(self.plan.http_levels), max_model_len=self.plan.max_model_len(),
                             settings={"kt_method": None if method == RULES else method, "cpu_infer": self.threads,
                                       "kv_cache_tokens": self.plan.kv_cache_tokens(),
-                                      "kt_use_cuda_graph": self.cuda_graph, **settings})
+                                      "kt_use_cuda_graph": self.cuda_graph, "kt_optimize_rule": self.args.rules,
+                                      **settings})
 
     def kt_engine(self, method: str):
         """The KT engine with `method` experts, loaded (and warmed up) unless it already is."""

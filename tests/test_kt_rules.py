@@ -375,6 +375,7 @@ MODELS = {
 # file -> (models it is for, first device, the transfer map its header promises)
 SHIPPED = {
     "DeepSeek-V2-Lite.yaml": (["v2-lite"], "cuda:0", {}),
+    "DeepSeek-V2-Lite-defer.yaml": (["v2-lite"], "cuda:0", {}),
     "DeepSeek-V2.yaml": (["v2"], "cuda:0", {}),
     "DeepSeek-V2-2GPU.yaml": (["v2"], "cuda:0", {30: "cuda:1"}),
     "DeepSeek-V2-4GPU.yaml": (["v2"], "cuda:0", {13: "cuda:1", 30: "cuda:2", 46: "cuda:3"}),
@@ -478,16 +479,22 @@ def test_serve_files_flashinfer_attention_is_our_mla_attention(tmp_path):
     assert {rule.replace for rule, _ in placement.replacements.values()} == {MLA_ATTENTION}
 
 
-def test_expert_deferral_is_accepted_and_logged_as_not_applied(tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="ktserve.kt.rules"):
-        loaded = rules(tmp_path, """
-            - match: {name: 'experts$'}
-              replace:
-                class: ktransformers.operators.experts.KTransformersExpertsV2
-                kwargs: {out_device: cuda, n_deferred_experts: [6, 8]}
-            """)
+def test_the_shipped_deferral_file_defers_two_experts_of_every_moe_layer():
+    model = MODELS["v2-lite"]()
+    placement = plan_placement(model, load_rules(SHIPPED_DIR / "DeepSeek-V2-Lite-defer.yaml"))
+    moe = [rule for rule, _ in placement.replacements.values() if rule.replace.endswith("MoEWithCPUExperts")]
+    assert moe and all(rule.kwargs.get("n_deferred_experts") == 2 for rule in moe)
+
+
+def test_expert_deferral_reaches_the_experts_operator(tmp_path):
+    loaded = rules(tmp_path, """
+        - match: {name: 'experts$'}
+          replace:
+            class: ktransformers.operators.experts.KTransformersExpertsV2
+            kwargs: {out_device: cuda, n_deferred_experts: [6]}
+        """)
     assert loaded[0].replace == ROUTED_EXPERTS_CPU
-    assert "n_deferred_experts=[6, 8] accepted but not applied" in caplog.text
+    assert loaded[0].kwargs == {"device": "cuda:0", "n_deferred_experts": [6]}
 
 
 @pytest.mark.parametrize("device", ["xpu", "npu", "xpu:0"])

@@ -143,7 +143,7 @@ class KwargAlias:
     """One KTransformers kwarg: ``kind`` says how it is translated, ``harmless`` the only value we accept
     for a knob we do not implement (``kind == "ignore"``)."""
 
-    kind: str  # device | op | method | transfer_map | ignore (only `harmless` accepted) | accept | reject
+    kind: str  # device | op | method | transfer_map | ignore (only `harmless` accepted) | reject
     why: str
     harmless: object = None
 
@@ -168,14 +168,12 @@ KWARG_ALIASES: dict[str, KwargAlias] = {
     "absorb_for_prefill": KwargAlias(
         "ignore", "False is KTransformers' default; for absorbed MLA use our MLAAttention `absorb` kwarg",
         harmless=False),
-    "n_deferred_experts": KwargAlias(
-        "accept", "expert deferral (the last experts of a layer overlapping the next layer) is not implemented: every "
-                  "expert of a layer runs before the next layer, which gives the undeferred (exact) output"),
     "chunck_size": KwargAlias("reject", "per-operator prefill chunking is not implemented; set chunk_size in the "
                                         "server config"),
 }
 """``replace.kwargs`` rows for KTransformers' names. Our own kwargs (``device``, ``method``, ``absorb``,
-``gpu_experts``, ``threads``) pass through; the operator's ``KWARGS`` decides whether it accepts them."""
+``gpu_experts``, ``threads``) and the KTransformers names we implement as they are (``n_deferred_experts``:
+engines/kt/expert_deferral.py) pass through; the operator's ``KWARGS`` decides whether it accepts them."""
 
 OPS: dict[str, str] = {
     "KExpertsCPU": "experts",      # kt-kernel on the CPU: exactly our routed experts
@@ -272,8 +270,6 @@ def translate_kwargs(raw: dict, target: str) -> tuple[dict, list[str]]:
             raise KwargError(key, f"unsupported value {value!r} (only {alias.harmless!r} is accepted): {alias.why}")
         elif alias.kind == "reject":
             raise KwargError(key, f"unsupported kwarg: {alias.why}")
-        elif alias.kind == "accept":
-            notes.append(f"{key}={value!r} accepted but not applied: {alias.why}")
     device = _pick_device(devices, notes)
     if device is not None:
         kwargs["device"] = device

@@ -163,7 +163,12 @@ class KTEngine(LLMEngine):
                               latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim, dtype=dtype,
                               prefix_cache=kt.prefix_cache)
         flash = attention_for(kt.attention_backend, model.model.layers[0].self_attn, devices, cache)
-        runner = KTModelRunner(model, devices, cache, max_len, flash=flash)
+        runner = KTModelRunner(model, devices, cache, max_len, flash=flash, deferral=options.deferral)
+        if runner.deferring:
+            counts = sorted({layer.deferred for layer in runner.deferring})
+            log.info("expert deferral: in decode steps %s of each token's %d experts in %d layers run one layer "
+                     "late, overlapping the next layer (n_deferred_experts in %s)", "/".join(map(str, counts)),
+                     runner.deferring[0].top_k, len(runner.deferring), rule_file.name)
         if uses_cpu_experts(model):
             self.torch_threads = _torch_threads(kt.cpu_infer, all(d.type == "cuda" for d in devices))
             torch.set_num_threads(self.torch_threads)
@@ -175,6 +180,8 @@ class KTEngine(LLMEngine):
         log.info("loaded %s with %s (%s, experts on the CPU: %s) in %.1fs", model_path.name, rule_file.name, dtype,
                  uses_cpu_experts(model), time.perf_counter() - started)
         details = {"kt_optimize_rule": rule_file.name}
+        if runner.deferring:
+            details["experts_deferred"] = str(max(layer.deferred for layer in runner.deferring))
         for choice in choices.values():
             details.update(choice.describe())
         info = ModelInfo(id=model_id(cfg), max_model_len=max_len, architecture=arch, engine=self.name,

@@ -6,10 +6,12 @@ computes `sum_k w_k * down(silu(gate(x)) * up(x))` for the experts the router pi
 `gpu_experts` ("hot experts") are kept as torch tensors on `gpu_device` and computed there with torch;
 kt-kernel skips them. Work is submitted to the process-wide worker pool (engines/kt/cpuinfer.py) so that
 `submit()` returns at once and the caller can run GPU work before `sync()`. Rows of adapters with expert
-LoRA are handed to `lora` (engines/lora/cpu_experts.py) and computed there.
+LoRA are handed to `lora` (engines/lora/cpu_experts.py) and computed there. With `n_deferred_experts`, decode
+steps leave each token's lowest-weighted experts running into the next layer (engines/kt/expert_deferral.py).
 
-As an operator of the placement rules it takes `device` (where its output goes), `method`, `gpu_experts`
-and `threads`; engine-wide settings arrive explicitly in `OperatorOptions` (engines/kt/operators.py).
+As an operator of the placement rules it takes `device` (where its output goes), `method`, `gpu_experts`,
+`threads` and `n_deferred_experts`; engine-wide settings arrive explicitly in `OperatorOptions`
+(engines/kt/operators.py).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from torch import nn
 
 from engines.kt.attention import layer_index
 from engines.kt.cpuinfer import check_thread_count, load_ext, shared_cpu_infer
+from engines.kt.expert_deferral import Deferred, ExpertDeferral, check_deferred, split_deferred
 from engines.kt.expert_methods import (METHODS, ExpertsUnsupportedError, check_llamafile_type, kernel_class,
                                        quantize_fp8_blocks, quantize_int4_groups, sft_kernel_class,
                                        unavailable_reason)
@@ -104,6 +107,7 @@ class _Pending:
     dtype: torch.dtype
     staged: tuple[torch.Tensor, ...]  # input, ids, weights, output, chunk sizes
     gpu_part: torch.Tensor | None
+    deferred: Deferred | None = None  # this call's deferred experts, still running after sync()
 
 
 @dataclass(slots=True)
@@ -147,6 +151,7 @@ class _StreamPending:
     dtype: torch.dtype
     stream: "torch.cuda.Stream"
     gpu_part: torch.Tensor | None
+    deferred: Deferred | None = None
 
 
 def _check_config(method: str, *, threads: int | None, activation: str, llamafile_type: str,
@@ -184,13 +189,14 @@ class RoutedExpertsCPU(nn.Module):
     every task in the shared pool (other layers' too) and holds the GIL while it waits.
     """
 
-    KWARGS = frozenset({"device", "method", "gpu_experts", "threads"})
+    KWARGS = frozenset({"device", "method", "gpu_experts", "threads", "n_deferred_experts"})
 
     def __init__(self, *, layer_idx: int, num_experts: int, top_k: int, hidden_size: int,
                  intermediate_size: int, method: str = "BF16", threads: int | None = None,
                  max_tokens: int = 512, gpu_experts: list[int] | None = None, gpu_device: str = "cpu",
                  activation: str = "silu", llamafile_type: str = "Q8_0", out_device: str | None = None,
-                 checkpoint: str | None = None, staging: SharedStaging | None = None):
+                 checkpoint: str | None = None, staging: SharedStaging | None = None, deferred: Any = 0,
+                 deferral: ExpertDeferral | None = None):
         super().__init__()
         method = str(method).upper()
         _check_config(method, layer_idx=layer_idx, num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
@@ -204,6 +210,10 @@ class RoutedExpertsCPU(nn.Module):
         self.gpu_device = torch.device(gpu_device)
         self.out_device = torch.device(out_device) if out_device is not None else None
         self.checkpoint = checkpoint  # where expert LoRA re-reads this layer's base experts from
+        self.deferred = check_deferred(deferred, top_k)  # experts per token a decode step runs one layer late
+        self.defer_into: int | None = None  # the layer that takes them (expert_deferral.link); None: no deferral
+        self.deferral = deferral if deferral is not None else ExpertDeferral()  # shared by the model's layers
+        self._deferred_in: torch.Tensor | None = None  # the predecessor's deferred output, on the stream path
         self.lora: CPUExpertsLora | None = None  # set while an adapter with expert LoRA on this layer is in
         # where a step's time goes (engines/kt/step_timing.py): blocking calls are timed on the host, and
         # stream-ordered ones with CUDA events once the runner sets `events`
@@ -226,7 +236,7 @@ class RoutedExpertsCPU(nn.Module):
     @classmethod
     def from_module(cls, module: nn.Module, name: str, config: Any, options: "OperatorOptions",
                     device: str = "cpu", method: str | None = None, gpu_experts: Any = None,
-                    threads: int | None = None, **_: Any) -> "RoutedExpertsCPU":
+                    threads: int | None = None, n_deferred_experts: Any = 0, **_: Any) -> "RoutedExpertsCPU":
         """The operator for transformers' routed experts at `name`; output goes to `device`."""
         if isinstance(gpu_experts, int):
             gpu_experts = list(range(gpu_experts)) if gpu_experts > 0 else None
@@ -235,7 +245,8 @@ class RoutedExpertsCPU(nn.Module):
                    intermediate_size=config.moe_intermediate_size, method=options.method_for(method),
                    threads=options.cpu_threads or threads, max_tokens=options.max_tokens,
                    gpu_experts=gpu_experts or None, gpu_device=device, out_device=device,
-                   checkpoint=options.checkpoint, staging=options.staging)
+                   checkpoint=options.checkpoint, staging=options.staging, deferred=n_deferred_experts,
+                   deferral=options.deferral)
 
     # ------------------------------------------------------ what expert LoRA needs (engines/lora/cpu_experts.py)
     def sft_kernel(self) -> tuple[type, Any] | None:
@@ -471,53 +482,94 @@ class RoutedExpertsCPU(nn.Module):
     def _submit_kernel(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         tokens = self._check_inputs(hidden, topk_ids, topk_weights)
         self.host_times.submitted_at = time.perf_counter()
+        # the hot experts (torch, gpu_device) always run in their own layer: only kt-kernel's share is deferred
+        immediate_ids, deferred_ids = topk_ids, None
+        if self.deferral.active and self.defer_into is not None and 0 < tokens <= self.chunk_tokens:
+            immediate_ids, deferred_ids = split_deferred(topk_ids, topk_weights, self.deferred)
         if self._can_use_stream(hidden, tokens):
-            return self._submit_on_stream(hidden, topk_ids, topk_weights, tokens)
+            return self._submit_on_stream(hidden, topk_ids, immediate_ids, deferred_ids, topk_weights, tokens)
         with self._lock:
             if self._kernel is None:
                 raise RuntimeError(f"experts of layer {self.layer_idx} have no weights yet; call load_weights")
             if self._pending is not None:
                 raise RuntimeError(f"experts of layer {self.layer_idx}: submit called again before sync")
-            x, ids, weights, out = (t[:tokens] for t in self._staging_for(tokens, hidden.device))
+            # a deferred task outlives this call, so a deferring layer stages in the buffers of its parity:
+            # the next layer (the other parity) cannot overwrite them while it runs
+            role = "main" if deferred_ids is None else f"layer{self.layer_idx % 2}"
+            x, ids, weights, out = (t[:tokens] for t in self._staging_for(tokens, hidden.device, role))
             x.copy_(hidden)
-            ids.copy_(topk_ids)
-            weights.copy_(topk_weights)
-            if tokens and (int(ids.max()) >= self.num_experts or int(ids.min()) < -1):
-                raise ValueError(f"topk_ids of layer {self.layer_idx} must lie in -1..{self.num_experts - 1}, "
-                                 f"got {int(ids.min())}..{int(ids.max())}")
-            if self.gpu_experts:
-                ids.copy_(self._without_hot_experts(ids))
-            if self.method == "LLAMAFILE":
-                _fill_empty_slots(ids, weights, self._gpu_mask)
-            starts = range(0, tokens, self.chunk_tokens)
-            sizes = torch.tensor([min(self.chunk_tokens, tokens - s) for s in starts], dtype=torch.int32,
-                                 device="cpu")
-            for i, start in enumerate(starts):
-                self._pool.submit(self._kernel.forward_task(
-                    sizes[i].data_ptr(), self.top_k, ids[start].data_ptr(), weights[start].data_ptr(),
-                    x[start].data_ptr(), out[start].data_ptr(), False))
+            self._stage_routing(ids, weights, immediate_ids, topk_weights, tokens)
+            if deferred_ids is not None:  # staged (and checked) before anything is submitted
+                _, d_ids, d_weights, d_out = (t[:tokens] for t in self._staging_for(tokens, hidden.device,
+                                                                                     f"deferred{self.layer_idx % 2}"))
+                self._stage_routing(d_ids, d_weights, deferred_ids, topk_weights, tokens)
+            staged: tuple[torch.Tensor, ...] = (x, ids, weights, out, self._submit_chunks(x, ids, weights, out, tokens))
+            deferred = None
+            if deferred_ids is not None:
+                d_sizes = self._submit_chunks(x, d_ids, d_weights, d_out, tokens)
+                deferred = Deferred(self.defer_into, tokens, d_out, keep=(x, d_ids, d_weights, d_sizes))
             try:
                 gpu_part = self._hot_experts(hidden, topk_ids, topk_weights) if self._gpu_weights else None
             except BaseException:
                 self._pool.sync()  # kt-kernel must be done with the staging buffers before anyone reuses them
                 raise
-            self._pending = _Pending(tokens, hidden.device, hidden.dtype, (x, ids, weights, out, sizes), gpu_part)
+            self._pending = _Pending(tokens, hidden.device, hidden.dtype, staged, gpu_part, deferred)
+
+    def _stage_routing(self, ids: torch.Tensor, weights: torch.Tensor, topk_ids: torch.Tensor,
+                       topk_weights: torch.Tensor, tokens: int) -> None:
+        """Copy a call's routing into the host buffers kt-kernel reads, checked and in the kernel's terms."""
+        ids.copy_(topk_ids)
+        weights.copy_(topk_weights)
+        if tokens and (int(ids.max()) >= self.num_experts or int(ids.min()) < -1):
+            raise ValueError(f"topk_ids of layer {self.layer_idx} must lie in -1..{self.num_experts - 1}, "
+                             f"got {int(ids.min())}..{int(ids.max())}")
+        if self.gpu_experts:
+            ids.copy_(self._without_hot_experts(ids))
+        if self.method == "LLAMAFILE":
+            _fill_empty_slots(ids, weights, self._gpu_mask)
+
+    def _submit_chunks(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
+                       tokens: int) -> torch.Tensor:
+        """Submit the kernel over staged buffers in chunks of at most `chunk_tokens`; the chunk sizes, which
+        kt-kernel reads until the work is done."""
+        starts = range(0, tokens, self.chunk_tokens)
+        sizes = torch.tensor([min(self.chunk_tokens, tokens - s) for s in starts], dtype=torch.int32, device="cpu")
+        for i, start in enumerate(starts):
+            self._pool.submit(self._kernel.forward_task(
+                sizes[i].data_ptr(), self.top_k, ids[start].data_ptr(), weights[start].data_ptr(),
+                x[start].data_ptr(), out[start].data_ptr(), False))
+        return sizes
 
     def _sync_kernel(self) -> torch.Tensor:
         with self._lock:
             pending, self._pending = self._pending, None
             if pending is None:
                 raise RuntimeError(f"experts of layer {self.layer_idx}: sync called without submit")
+            prior = self._take_deferred(pending.tokens)
+            if pending.deferred is not None:
+                self.deferral.defer(pending.deferred)
             if isinstance(pending, _StreamPending):
-                return self._sync_on_stream(pending)
+                return self._sync_on_stream(pending, prior)
             if pending.tokens:
-                self._pool.sync()
+                # kt-kernel runs tasks in order: with this call's deferred task allowed to run on, the wait
+                # still covers its immediate task and the previous layer's deferred one
+                self._pool.sync(0 if pending.deferred is None else 1)
             out = pending.staged[3]
+            if prior is not None:
+                out = out.float() + prior.out.float()
             if pending.gpu_part is not None:
                 result = out.to(pending.gpu_part.device, torch.float32) + pending.gpu_part
                 return result.to(pending.device, pending.dtype)
             # copy=True: the staging buffer is reused by the next submit
             return out.to(pending.device, pending.dtype, copy=True)
+
+    def _take_deferred(self, tokens: int) -> Deferred | None:
+        """The previous layer's deferred experts this layer's output takes (decode steps with deferral)."""
+        prior = self.deferral.take(self.layer_idx) if self.deferral.active else None
+        if prior is not None and prior.tokens != tokens:
+            raise RuntimeError(f"experts of layer {self.layer_idx}: the previous layer deferred {prior.tokens} "
+                               f"tokens' experts into a call of {tokens}")
+        return prior
 
     # ------------------------------------------------------------------------ GPU: stream-ordered path
     # With the hidden states on a CUDA device, nothing here blocks the Python thread: the copies into
@@ -529,9 +581,11 @@ class RoutedExpertsCPU(nn.Module):
         return (hidden.is_cuda and self.method != "LLAMAFILE" and 0 < tokens <= self.chunk_tokens
                 and self._kernel is not None)
 
-    def _stream_buffers(self, device: torch.device) -> _StreamBuffers:
-        """The model's pinned buffers for `device` (one set per device: each device's layers run in order on
-        its stream); this layer's own device buffer is made here too."""
+    def _stream_buffers(self, device: torch.device, role: str = "main", with_input: bool = True
+                        ) -> _StreamBuffers:
+        """The model's pinned buffers of `role` for `device` (one set per device and role: each device's layers
+        run in order on its stream; a deferring layer uses its parity's own sets, since its deferred task runs
+        on while the next layer stages); this layer's own device buffer is made here too."""
         rows = self.chunk_tokens
         if self._out_device is None or self._out_device.device != device:
             self._out_device = torch.empty(rows, self.hidden_size, dtype=torch.bfloat16, device=device)
@@ -539,23 +593,21 @@ class RoutedExpertsCPU(nn.Module):
         def build() -> _StreamBuffers:
             def pinned(cols: int, dtype: torch.dtype) -> torch.Tensor:
                 return torch.zeros(rows, cols, dtype=dtype, device="cpu", pin_memory=True)
-            return _StreamBuffers(x=pinned(self.hidden_size, torch.bfloat16), ids=pinned(self.top_k, torch.int64),
-                                  weights=pinned(self.top_k, torch.float32),
+            return _StreamBuffers(x=pinned(self.hidden_size if with_input else 0, torch.bfloat16),
+                                  ids=pinned(self.top_k, torch.int64), weights=pinned(self.top_k, torch.float32),
                                   out=pinned(self.hidden_size, torch.bfloat16), sizes={})
-        return self._staging.get(("stream", device, rows, self.hidden_size, self.top_k),
+        return self._staging.get(("stream", role, device, rows, self.hidden_size, self.top_k),
                                  lambda b: True, build)
 
-    def _submit_on_stream(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                          tokens: int) -> None:
+    def _submit_on_stream(self, hidden: torch.Tensor, topk_ids: torch.Tensor, immediate_ids: torch.Tensor,
+                          deferred_ids: torch.Tensor | None, topk_weights: torch.Tensor, tokens: int) -> None:
         with self._lock:
             if self._pending is not None:
                 raise RuntimeError(f"experts of layer {self.layer_idx}: submit called again before sync")
-            b = self._stream_buffers(hidden.device)
+            parity = self.layer_idx % 2
+            b = self._stream_buffers(hidden.device, "main" if deferred_ids is None else f"layer{parity}")
             stream = torch.cuda.current_stream(hidden.device)
             b.x[:tokens].copy_(hidden, non_blocking=True)
-            b.ids[:tokens].copy_(self._without_hot_experts(topk_ids) if self.gpu_experts else topk_ids,
-                                 non_blocking=True)
-            b.weights[:tokens].copy_(topk_weights, non_blocking=True)
             # kt-kernel reads the token count through a pointer when the stream reaches the task, so each
             # count has its own never-changing pinned cell (captured CUDA graphs replay these pointers).
             size = b.sizes.get(tokens)
@@ -563,11 +615,25 @@ class RoutedExpertsCPU(nn.Module):
                 size = b.sizes[tokens] = torch.full((1,), tokens, dtype=torch.int32, pin_memory=True)
             if self.events is not None:
                 self.events.record("submitted", stream)
-            self._pool.submit_with_cuda_stream(stream.cuda_stream, self._kernel.forward_task(
-                size.data_ptr(), self.top_k, b.ids.data_ptr(), b.weights.data_ptr(), b.x.data_ptr(),
-                b.out.data_ptr(), False))
+            self._stream_task(stream, b, b, size, immediate_ids, topk_weights, tokens)
+            deferred = None
+            if deferred_ids is not None:
+                d = self._stream_buffers(hidden.device, f"deferred{parity}", with_input=False)
+                self._stream_task(stream, b, d, size, deferred_ids, topk_weights, tokens)
+                deferred = Deferred(self.defer_into, tokens, d.out)
             gpu_part = self._hot_experts(hidden, topk_ids, topk_weights) if self._gpu_weights else None
-            self._pending = _StreamPending(tokens, b, hidden.dtype, stream, gpu_part)
+            self._pending = _StreamPending(tokens, b, hidden.dtype, stream, gpu_part, deferred)
+
+    def _stream_task(self, stream: "torch.cuda.Stream", inputs: _StreamBuffers, task: _StreamBuffers,
+                     size: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tokens: int) -> None:
+        """Queue on `stream`: copy the ids and weights into `task`'s buffers, then the kernel over the input
+        staged in `inputs`, writing `task.out`."""
+        task.ids[:tokens].copy_(self._without_hot_experts(topk_ids) if self.gpu_experts else topk_ids,
+                                non_blocking=True)
+        task.weights[:tokens].copy_(topk_weights, non_blocking=True)
+        self._pool.submit_with_cuda_stream(stream.cuda_stream, self._kernel.forward_task(
+            size.data_ptr(), self.top_k, task.ids.data_ptr(), task.weights.data_ptr(), inputs.x.data_ptr(),
+            task.out.data_ptr(), False))
 
     def _without_hot_experts(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """topk_ids with the hot experts as -1, on topk_ids' device: the torch part computes those, and
@@ -577,18 +643,27 @@ class RoutedExpertsCPU(nn.Module):
             mask = self._masks[topk_ids.device] = self._gpu_mask.to(topk_ids.device)
         return topk_ids.masked_fill(mask[topk_ids.clamp_min(0)] & (topk_ids >= 0), -1)
 
-    def _sync_on_stream(self, pending: "_StreamPending") -> torch.Tensor:
+    def _sync_on_stream(self, pending: "_StreamPending", prior: Deferred | None) -> torch.Tensor:
         b = pending.buffers
         if self.events is not None:
             self.events.record("waiting", pending.stream)
-        self._pool.sync_with_cuda_stream(pending.stream.cuda_stream, 0)
+        self._pool.sync_with_cuda_stream(pending.stream.cuda_stream, 0 if pending.deferred is None else 1)
         if self.events is not None:
             self.events.record("done", pending.stream)
         out = self._out_device[:pending.tokens]
         out.copy_(b.out[:pending.tokens], non_blocking=True)
+        if prior is None and pending.gpu_part is None:
+            return out.to(pending.dtype)
+        total = out.float()
+        if prior is not None:
+            if self._deferred_in is None or self._deferred_in.device != out.device:
+                self._deferred_in = torch.empty_like(self._out_device)
+            carried = self._deferred_in[:pending.tokens]
+            carried.copy_(prior.out[:pending.tokens], non_blocking=True)
+            total = total + carried.float()
         if pending.gpu_part is not None:
-            return (out.float() + pending.gpu_part).to(pending.dtype)
-        return out.to(pending.dtype)
+            total = total + pending.gpu_part
+        return total.to(pending.dtype)
 
     def _check_inputs(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> int:
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
@@ -602,9 +677,10 @@ class RoutedExpertsCPU(nn.Module):
             raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
         return hidden.shape[0]
 
-    def _staging_for(self, tokens: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """The model's CPU buffers kt-kernel reads and writes, grown on demand; pinned when a GPU is on the
-        other side."""
+    def _staging_for(self, tokens: int, device: torch.device, role: str = "main") -> tuple[torch.Tensor, ...]:
+        """The model's CPU buffers of `role` kt-kernel reads and writes (input, ids, weights, output), grown on
+        demand; pinned when a GPU is on the other side. A deferred task reads its layer's input: its set has
+        none of its own."""
         pin = device.type == "cuda" or self.gpu_device.type == "cuda"
 
         def build() -> tuple[torch.Tensor, ...]:
@@ -613,10 +689,11 @@ class RoutedExpertsCPU(nn.Module):
             def make(cols: int, dtype: torch.dtype) -> torch.Tensor:
                 return torch.zeros(rows, cols, dtype=dtype, device="cpu", pin_memory=pin)
             # kt-kernel's forward reads bf16 input, int64 ids, float32 weights and writes bf16 output
-            return (make(self.hidden_size, torch.bfloat16), make(self.top_k, torch.int64),
-                    make(self.top_k, torch.float32), make(self.hidden_size, torch.bfloat16))
-        return self._staging.get(("host", pin, self.hidden_size, self.top_k),
-                                 lambda staged: staged[0].shape[0] >= tokens, build)
+            return (make(0 if role.startswith("deferred") else self.hidden_size, torch.bfloat16),
+                    make(self.top_k, torch.int64), make(self.top_k, torch.float32),
+                    make(self.hidden_size, torch.bfloat16))
+        return self._staging.get(("host", role, pin, self.hidden_size, self.top_k),
+                                 lambda staged: staged[1].shape[0] >= tokens, build)
 
     def _hot_experts(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """The hot experts' share of the output, computed with torch on gpu_device (float32)."""

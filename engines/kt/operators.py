@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from engines.kt.attention import DecodeBatch, MLAAttention, Span, StepBatch, layer_index
+from engines.kt.expert_deferral import ExpertDeferral
 from engines.kt.expert_methods import DEFAULT_METHOD, normalize_method
 from engines.kt.experts import RoutedExperts
 from engines.kt.experts_cpu import RoutedExpertsCPU, SharedStaging
@@ -41,6 +42,8 @@ class OperatorOptions:
     checkpoint: str | None = None  # the model directory (expert LoRA re-reads base experts from it)
     # the host buffers the model's CPU-expert layers take turns with (one model: one instance)
     staging: SharedStaging = field(default_factory=SharedStaging, compare=False, repr=False)
+    # the state decode steps pass deferred experts between layers in (engines/kt/expert_deferral.py)
+    deferral: ExpertDeferral = field(default_factory=ExpertDeferral, compare=False, repr=False)
 
     def method_for(self, requested: str | None) -> str:
         wanted = normalize_method(requested or DEFAULT_METHOD, "method")
@@ -50,7 +53,7 @@ class OperatorOptions:
 class MoEWithCPUExperts(nn.Module):
     """Router and shared experts where the rule says, routed experts on the CPU, overlapped."""
 
-    KWARGS = frozenset({"device", "method", "gpu_experts", "threads"})
+    KWARGS = RoutedExpertsCPU.KWARGS
 
     def __init__(self, gate: nn.Module, shared_experts: nn.Module | None, experts: RoutedExperts):
         super().__init__()
@@ -61,9 +64,10 @@ class MoEWithCPUExperts(nn.Module):
     @classmethod
     def from_module(cls, module: nn.Module, name: str, config: Any, options: OperatorOptions, device: str = "cpu",
                     method: str | None = None, gpu_experts: Any = None, threads: int | None = None,
-                    **_: Any) -> "MoEWithCPUExperts":
+                    n_deferred_experts: Any = 0, **_: Any) -> "MoEWithCPUExperts":
         experts = RoutedExpertsCPU.from_module(module.experts, f"{name}.experts", config, options, device=device,
-                                               method=method, gpu_experts=gpu_experts, threads=threads)
+                                               method=method, gpu_experts=gpu_experts, threads=threads,
+                                               n_deferred_experts=n_deferred_experts)
         return cls(module.gate, getattr(module, "shared_experts", None), experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

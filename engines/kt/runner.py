@@ -12,6 +12,8 @@ from torch import nn
 
 from engines.kt.kv_cache import BlockTable, LatentKVCache
 from engines.kt.attention import DecodeBatch, MLAAttention, Span, StepBatch
+from engines.kt import expert_deferral
+from engines.kt.expert_deferral import ExpertDeferral
 from engines.kt.experts import RoutedExperts
 from engines.kt.operators import MoEWithCPUExperts
 from engines.kt.step_timing import StepTimer
@@ -25,7 +27,7 @@ log = logging.getLogger("ktserve.engine.kt")
 
 class KTModelRunner(ModelRunner):
     def __init__(self, model: nn.Module, layer_devices: list[torch.device], cache: LatentKVCache,
-                 max_model_len: int, flash: Any = None):
+                 max_model_len: int, flash: Any = None, deferral: ExpertDeferral | None = None):
         self.model = model
         self.flash = flash  # engines.kt.flashinfer_mla.FlashInferMLA when FlashInfer attends; None: torch
         self.inner = model.model
@@ -38,6 +40,9 @@ class KTModelRunner(ModelRunner):
                 raise ValueError(f"placement rules: model.layers.{i}.self_attn must be replaced by "
                                  f"engines.kt.operators.MLAAttention (found {type(layer.self_attn).__name__})")
         self._experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+        # decode steps run each layer's deferred experts into the next layer's (n_deferred_experts)
+        self.deferral = deferral if deferral is not None else ExpertDeferral()
+        self.deferring = expert_deferral.link(self._experts)
         self.embed_device = self.inner.embed_tokens.weight.device
         self.norm_device = self.inner.norm.weight.device
         self.head_device = model.lm_head.weight.device
@@ -215,13 +220,14 @@ class KTModelRunner(ModelRunner):
 
         hidden = self.inner.embed_tokens(ids)
         batch = step_batch(hidden.device)
-        for layer, device in zip(self.layers, self.layer_devices):
-            if hidden.device != device:
-                hidden = hidden.to(device)
-                batch = step_batch(device)
-            with self._scope(device):
-                hidden = hidden + layer.self_attn.decode(layer.input_layernorm(hidden), batch)
-                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        with self.deferral.decoding():
+            for layer, device in zip(self.layers, self.layer_devices):
+                if hidden.device != device:
+                    hidden = hidden.to(device)
+                    batch = step_batch(device)
+                with self._scope(device):
+                    hidden = hidden + layer.self_attn.decode(layer.input_layernorm(hidden), batch)
+                    hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.model.lm_head(self._final_norm(hidden).to(self.head_device))
 
     def _final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
