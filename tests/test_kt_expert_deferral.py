@@ -15,7 +15,8 @@ from helpers import require_kt_kernel
 
 require_kt_kernel()
 
-from engines.kt.expert_deferral import ExpertDeferral, check_deferred, link, split_deferred  # noqa: E402
+from engines.kt.expert_deferral import (  # noqa: E402
+    ExpertDeferral, check_deferred, link, max_batch, split_deferred)
 from engines.kt.experts_cpu import RoutedExpertsCPU, SharedStaging  # noqa: E402
 from test_kt_experts_cpu import (  # noqa: E402,F401 (weights: the fixture)
     E, H, I, K, MAX_TOKENS, TOLERANCE, reference, rel_err, routing, weights)
@@ -42,6 +43,11 @@ def test_n_deferred_experts_takes_a_number_or_a_list_of_one(value, expected):
 def test_n_deferred_experts_must_leave_each_token_an_expert_of_its_own_layer(value):
     with pytest.raises(ValueError, match="n_deferred_experts"):
         check_deferred(value, top_k=4)
+
+
+@pytest.mark.parametrize("shape, tokens", [((64, 6, 2), 5), ((256, 8, 3), 14), ((64, 6, 1), 8), ((16, 4, 2), 2)])
+def test_decode_steps_defer_while_their_two_halves_read_at_most_a_tenth_more_experts(shape, tokens):
+    assert max_batch(*shape) == tokens
 
 
 def layer(idx: int, deferred: int = DEFERRED, out_device: str | None = None) -> SimpleNamespace:
@@ -94,6 +100,15 @@ def test_outside_decode_steps_every_expert_runs_in_its_own_layer(weights, chain)
     _, layers = chain
     inputs = [routing(5, seed) for seed in (4, 5, 6)]
     for out, (x, ids, w) in zip(step(layers, inputs), inputs):
+        assert rel_err(out, reference(weights, x, ids, w)) < TOLERANCE["BF16"]
+
+
+def test_a_decode_step_too_large_to_defer_runs_every_expert_in_its_own_layer(weights, chain):
+    deferral, layers = chain
+    inputs = [routing(5, seed) for seed in (7, 8, 9)]
+    with deferral.decoding(defer=False):
+        outputs = step(layers, inputs)
+    for out, (x, ids, w) in zip(outputs, inputs):
         assert rel_err(out, reference(weights, x, ids, w)) < TOLERANCE["BF16"]
 
 

@@ -166,9 +166,10 @@ class KTEngine(LLMEngine):
         runner = KTModelRunner(model, devices, cache, max_len, flash=flash, deferral=options.deferral)
         if runner.deferring:
             counts = sorted({layer.deferred for layer in runner.deferring})
-            log.info("expert deferral: in decode steps %s of each token's %d experts in %d layers run one layer "
-                     "late, overlapping the next layer (n_deferred_experts in %s)", "/".join(map(str, counts)),
-                     runner.deferring[0].top_k, len(runner.deferring), rule_file.name)
+            log.info("expert deferral: in decode steps of up to %d sequences, %s of each token's %d experts in %d "
+                     "layers run one layer late, overlapping the next layer (n_deferred_experts in %s)",
+                     runner.defer_max_batch, "/".join(map(str, counts)), runner.deferring[0].top_k,
+                     len(runner.deferring), rule_file.name)
         if uses_cpu_experts(model):
             self.torch_threads = _torch_threads(kt.cpu_infer, all(d.type == "cuda" for d in devices))
             torch.set_num_threads(self.torch_threads)

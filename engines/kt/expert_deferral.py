@@ -5,8 +5,9 @@ attention, and their output joins layer i+1's MoE output instead of layer i's.
 Without it, the GPU idles while a layer's CPU experts run and the CPU idles while the GPU runs the next
 layer's attention. With it, the deferred experts fill that gap. The price is a small change to the model's
 function: a deferred expert's contribution enters the residual stream one layer late. So it is off unless a
-rule asks for it. Prompt steps never defer: there the immediate and the deferred experts of a chunk together
-cover nearly every expert of the layer, and splitting them would read the weights twice. The last layer with
+rule asks for it. Only small decode steps defer (`max_batch`): the more tokens a step has, the more experts its
+immediate and its deferred halves both touch, and those are read twice; prompt chunks would read nearly every
+expert of the layer twice. The last layer with
 CPU experts (or one whose successor runs elsewhere) does not defer; it adds its predecessor's deferred output
 and waits for everything, so nothing is pending between steps.
 
@@ -35,6 +36,26 @@ class Deferred:
     keep: tuple[torch.Tensor, ...] = ()  # what else the task reads (kt-kernel holds raw pointers)
 
 
+# how many more expert weights a deferring step may read than the same step undeferred (an expert both halves
+# of the step use is read twice). At batch 1 there is no overlap and deferral saved 19% of an INT8 step on the
+# GPU machine; larger batches were not measured, so the bound keeps the extra reads well below that saving.
+MAX_EXTRA_READS = 0.10
+
+
+def max_batch(num_experts: int, top_k: int, deferred: int, extra: float = MAX_EXTRA_READS) -> int:
+    """The most tokens a decode step may have and still defer: with experts picked uniformly at random, the
+    expected distinct experts of its immediate and deferred halves together exceed those of the whole step by at
+    most `extra` (DeepSeek-V2-Lite, 2 of 6 of 64 deferred: 5 tokens; V3, 3 of 8 of 256: 14)."""
+    def distinct(k: int, tokens: int) -> float:
+        return num_experts * (1 - (1 - k / num_experts) ** tokens)
+
+    tokens = 1
+    while tokens < 1024 and (distinct(top_k - deferred, tokens + 1) + distinct(deferred, tokens + 1)
+                             <= (1 + extra) * distinct(top_k, tokens + 1)):
+        tokens += 1
+    return tokens
+
+
 class ExpertDeferral:
     def __init__(self) -> None:
         self.active = False  # inside a decode step
@@ -47,8 +68,9 @@ class ExpertDeferral:
         self.pending = self._latest = deferred
 
     @contextlib.contextmanager
-    def decoding(self) -> Iterator[None]:
-        self.active, self.pending = True, None
+    def decoding(self, defer: bool = True) -> Iterator[None]:
+        """A decode step; `defer` False: one too large to defer (max_batch)."""
+        self.active, self.pending = defer, None
         try:
             yield
         finally:

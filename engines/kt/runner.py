@@ -43,6 +43,8 @@ class KTModelRunner(ModelRunner):
         # decode steps run each layer's deferred experts into the next layer's (n_deferred_experts)
         self.deferral = deferral if deferral is not None else ExpertDeferral()
         self.deferring = expert_deferral.link(self._experts)
+        self.defer_max_batch = min((expert_deferral.max_batch(e.num_experts, e.top_k, e.deferred)
+                                    for e in self.deferring), default=0)
         self.embed_device = self.inner.embed_tokens.weight.device
         self.norm_device = self.inner.norm.weight.device
         self.head_device = model.lm_head.weight.device
@@ -220,7 +222,7 @@ class KTModelRunner(ModelRunner):
 
         hidden = self.inner.embed_tokens(ids)
         batch = step_batch(hidden.device)
-        with self.deferral.decoding():
+        with self.deferral.decoding(defer=ids.shape[0] <= self.defer_max_batch):
             for layer, device in zip(self.layers, self.layer_devices):
                 if hidden.device != device:
                     hidden = hidden.to(device)
