@@ -7,9 +7,8 @@ layer's attention. With it, the deferred experts fill that gap. The price is a s
 function: a deferred expert's contribution enters the residual stream one layer late. So it is off unless a
 rule asks for it. Only small decode steps defer (`max_batch`): the more tokens a step has, the more experts its
 immediate and its deferred halves both touch, and those are read twice; prompt chunks would read nearly every
-expert of the layer twice. The last layer with
-CPU experts (or one whose successor runs elsewhere) does not defer; it adds its predecessor's deferred output
-and waits for everything, so nothing is pending between steps.
+expert of the layer twice. The last layer with CPU experts (or one whose successor runs elsewhere) does not
+defer; it adds its predecessor's deferred output and waits for everything, so nothing is pending between steps.
 
 Every CPU-experts layer of a model shares one `ExpertDeferral` (OperatorOptions). The runner links each layer
 to the next (`link`) and opens `decoding()` around decode steps. kt-kernel runs its tasks in the order they
@@ -37,8 +36,8 @@ class Deferred:
 
 
 # how many more expert weights a deferring step may read than the same step undeferred (an expert both halves
-# of the step use is read twice). At batch 1 there is no overlap and deferral saved 19% of an INT8 step on the
-# GPU machine; larger batches were not measured, so the bound keeps the extra reads well below that saving.
+# of the step use is read twice). At batch 1 the halves share no expert, and deferral saved 19% of an INT8 step
+# on the GPU machine; larger batches were not measured, so the bound keeps the extra reads well below that saving.
 MAX_EXTRA_READS = 0.10
 
 
@@ -58,7 +57,7 @@ def max_batch(num_experts: int, top_k: int, deferred: int, extra: float = MAX_EX
 
 class ExpertDeferral:
     def __init__(self) -> None:
-        self.active = False  # inside a decode step
+        self.active = False  # inside a decode step that defers
         self.pending: Deferred | None = None
         # the latest deferred task stays referenced until the next one replaces it (by then it has finished:
         # the layer that submits the next one waited for it), also when a failed step never took it
