@@ -164,12 +164,6 @@ class KTEngine(LLMEngine):
                               prefix_cache=kt.prefix_cache)
         flash = attention_for(kt.attention_backend, model.model.layers[0].self_attn, devices, cache)
         runner = KTModelRunner(model, devices, cache, max_len, flash=flash, deferral=options.deferral)
-        if runner.deferring:
-            counts = sorted({layer.deferred for layer in runner.deferring})
-            log.info("expert deferral: in decode steps of up to %d sequences, %s of each token's %d experts in %d "
-                     "layers run one layer late, overlapping the next layer (n_deferred_experts in %s)",
-                     runner.defer_max_batch, "/".join(map(str, counts)), runner.deferring[0].top_k,
-                     len(runner.deferring), rule_file.name)
         if uses_cpu_experts(model):
             self.torch_threads = _torch_threads(kt.cpu_infer, all(d.type == "cuda" for d in devices))
             torch.set_num_threads(self.torch_threads)
@@ -178,6 +172,12 @@ class KTEngine(LLMEngine):
                 runner.capture_decode_graphs(cfg.max_concurrent)
             else:
                 log.info("kt_use_cuda_graph: no GPU in the placement; decode runs without CUDA graphs")
+        if runner.deferring:
+            counts = sorted({layer.deferred for layer in runner.deferring})
+            log.info("expert deferral: in decode steps of up to %d sequences, %s of each token's %d experts in %d "
+                     "layers run one layer late, overlapping the next layer (n_deferred_experts in %s)",
+                     runner.defer_max_batch, "/".join(map(str, counts)), runner.deferring[0].top_k,
+                     len(runner.deferring), rule_file.name)
         log.info("loaded %s with %s (%s, experts on the CPU: %s) in %.1fs", model_path.name, rule_file.name, dtype,
                  uses_cpu_experts(model), time.perf_counter() - started)
         details = {"kt_optimize_rule": rule_file.name}

@@ -83,6 +83,10 @@ class KTModelRunner(ModelRunner):
         self.graphs = DecodeGraphs(self._decode_forward, device=self.embed_device, max_batch=max_batch,
                                    max_len=self.max_model_len, scratch_slot=self.scratch_slot, cache=self.cache,
                                    attention=self.flash)
+        # a graph defers or not by its padded batch size; eager steps follow the same limit, so a step's
+        # arithmetic does not depend on whether a graph served it
+        if self.deferring:
+            self.defer_max_batch = max(b for b in self.graphs.batch_sizes if b <= self.defer_max_batch)
         with torch.inference_mode(), torch.cuda.device(self.embed_device):  # the model's GPU need not be cuda:0
             try:
                 self.graphs.capture()
