@@ -112,13 +112,13 @@ def step_breakdown(before: EngineStats, after: EngineStats) -> dict:
     """Where the decode steps' time went, per step (engines/kt/step_timing.py says how each is measured).
     `before` is read when the first token arrived, so the prompt's steps stay out of it."""
     steps = after.steps - before.steps
-    step = after.step_seconds - before.step_seconds
+    step = after.times.step - before.times.step
     if steps <= 0 or step <= 0:
         return {}
-    wait = after.expert_wait_seconds - before.expert_wait_seconds
-    gpu = after.gpu_seconds - before.gpu_seconds
-    expert = after.expert_seconds - before.expert_seconds
-    forward = after.forward_seconds - before.forward_seconds
+    wait = after.times.expert_wait - before.times.expert_wait
+    gpu = after.times.gpu - before.times.gpu
+    expert = after.times.expert - before.times.expert
+    forward = after.times.forward - before.times.forward
 
     def per_step(seconds: float, note: str) -> dict:
         return fig(seconds / steps * 1e3, "ms", note=note)

@@ -135,13 +135,9 @@ class TopLogprob:
 
 
 @dataclass(slots=True)
-class TokenLogprob:
+class TokenLogprob(TopLogprob):
     """The logprob of one chosen (or prompt) token, with the most likely alternatives at that position."""
 
-    token_id: int
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
     top: list[TopLogprob] = field(default_factory=list)
 
 
@@ -293,21 +289,24 @@ class ModelInfo:
 
 
 @dataclass(slots=True)
+class StepTimes:
+    """Seconds the engine thread spent in model steps and where they went (engines/kt/step_timing.py says
+    how each is measured)."""
+    step: float = 0.0  # whole steps: forward, sampling, detokenizing, delivery
+    forward: float = 0.0  # the runner's forward
+    expert_wait: float = 0.0  # stalled on the CPU experts
+    expert: float = 0.0  # CPU experts from submit to results ready (overlaps the rest)
+    gpu: float = 0.0  # GPU stream time less those stalls
+
+
+@dataclass(slots=True)
 class EngineStats:
     running: int = 0
     waiting: int = 0
     kv_used_tokens: int = 0
     kv_total_tokens: int = 0
     steps: int = 0
-    # Time the engine thread spent in model steps (forward, sampling, detokenizing, delivery), the part in the
-    # runner's forward, and where the forward's went (engines/kt/step_timing.py says how each is measured):
-    # stalled on the CPU experts, CPU experts from submit to results ready (overlaps the rest), GPU stream
-    # time less those stalls.
-    step_seconds: float = 0.0
-    forward_seconds: float = 0.0
-    expert_wait_seconds: float = 0.0
-    expert_seconds: float = 0.0
-    gpu_seconds: float = 0.0
+    times: StepTimes = field(default_factory=StepTimes)
     # prompt tokens of requests that started, and how many of them the prefix cache already held
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0

@@ -104,17 +104,17 @@ class EngineCollector(Collector):
                                     value=s.kv_used_tokens / s.kv_total_tokens)
         yield CounterMetricFamily("ktserve_engine_steps", "Model steps run", value=s.steps)
         yield CounterMetricFamily("ktserve_engine_step_seconds", "Seconds the engine spent in model steps",
-                                  value=s.step_seconds)
+                                  value=s.times.step)
         yield CounterMetricFamily("ktserve_engine_expert_wait_seconds",
                                   "Seconds model steps stalled waiting on CPU experts (ktransformers engine)",
-                                  value=s.expert_wait_seconds)
+                                  value=s.times.expert_wait)
         yield CounterMetricFamily("ktserve_engine_forward_seconds", "Seconds of model steps in the model's forward "
-                                  "(the rest: sampling, detokenizing, delivery)", value=s.forward_seconds)
+                                  "(the rest: sampling, detokenizing, delivery)", value=s.times.forward)
         yield CounterMetricFamily("ktserve_engine_expert_seconds", "Seconds from submitting CPU experts to "
                                   "their results being ready, summed over layers (ktransformers engine)",
-                                  value=s.expert_seconds)
+                                  value=s.times.expert)
         yield CounterMetricFamily("ktserve_engine_gpu_seconds", "GPU stream seconds of model steps, less the "
-                                  "stalls on CPU experts (ktransformers engine on a GPU)", value=s.gpu_seconds)
+                                  "stalls on CPU experts (ktransformers engine on a GPU)", value=s.times.gpu)
         yield CounterMetricFamily("ktserve_prefix_cache_queried_tokens",
                                   "Prompt tokens of engine requests (one per choice) that started",
                                   value=s.prompt_tokens)

@@ -103,6 +103,34 @@ class SamplingRequest(OpenAIRequest):
             skip_special_tokens=self.skip_special_tokens)
 
 
+PromptBatch = str | list[str] | list[int] | list[list[int]]
+
+
+def check_prompt_batch(value: PromptBatch, what: str, limit: int) -> PromptBatch:
+    """A text, a token-id list, or a list of either (completions' `prompt`, embeddings' `input`): never an
+    empty list or an empty token-id list, at most `limit` items, token ids non-negative."""
+    if isinstance(value, list):
+        if not value:
+            raise ValueError(f"the {what} list is empty")
+        if len(value) > limit and not isinstance(value[0], int):
+            raise ValueError(f"at most {limit} {what}s per request")
+        if isinstance(value[0], list) and any(not p for p in value):
+            raise ValueError(f"a token-id {what} is empty")
+        token_lists = [value] if isinstance(value[0], int) else [p for p in value if isinstance(p, list)]
+        if any(t < 0 for p in token_lists for t in p):
+            raise ValueError("token ids must be non-negative")
+    return value
+
+
+def split_prompt_batch(value: PromptBatch) -> list[str | list[int]]:
+    """Each item of a batch checked by check_prompt_batch: a string or a list of token ids."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value[0], int):
+        return [list(value)]  # type: ignore[arg-type]
+    return list(value)  # type: ignore[arg-type]
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     """OpenAI's usage object; `cached_tokens` are prompt tokens the prefix cache already held (for n > 1,
     those of each prompt's first choice, as prompt tokens are counted once per prompt)."""

@@ -119,11 +119,11 @@ def test_step_times_split_the_wait_on_cpu_experts_from_the_rest(kt_bf16):
     kt_bf16.openai().completions.create(model=kt_bf16.engine.info.id, prompt="Hello", max_tokens=6)
     kt_bf16.wait_idle()
     after = kt_bf16.engine.stats()
-    step, wait, expert = (getattr(after, k) - getattr(before, k)
-                          for k in ("step_seconds", "expert_wait_seconds", "expert_seconds"))
+    step, wait, expert = (getattr(after.times, k) - getattr(before.times, k)
+                          for k in ("step", "expert_wait", "expert"))
     # without a GPU the experts block Python: the wait is part of the experts' time, both part of the steps
     assert 0 < wait <= expert < step
-    assert after.gpu_seconds == 0
+    assert after.times.gpu == 0
 
 
 def test_weight_cache_skips_quantization_and_serves_the_same(demo_model_dir, tmp_path):

@@ -12,6 +12,7 @@ import queue
 import threading
 import time
 from abc import abstractmethod
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -112,10 +113,10 @@ class LLMEngine(Engine):
         if self._runner is not None:
             s.kv_used_tokens, s.kv_total_tokens = self._runner.kv_usage()
             times = self._runner.step_times()
-            s.expert_wait_seconds = times.get("expert_wait", 0.0)
-            s.expert_seconds = times.get("expert", 0.0)
-            s.gpu_seconds = times.get("gpu", 0.0)
-        return EngineStats(**{k: getattr(s, k) for k in s.__slots__})
+            s.times.expert_wait = times.get("expert_wait", 0.0)
+            s.times.expert = times.get("expert", 0.0)
+            s.times.gpu = times.get("gpu", 0.0)
+        return replace(s, times=replace(s.times))
 
     # ------------------------------------------------------------------------------ requests
     def submit(self, request: GenerationRequest) -> RequestHandle:
@@ -244,7 +245,7 @@ class LLMEngine(Engine):
             try:
                 with torch.inference_mode():
                     logits = self._runner.execute(chunks)
-                self._stats.forward_seconds += time.perf_counter() - started
+                self._stats.times.forward += time.perf_counter() - started
                 sampling = [(chunk, rows) for chunk, rows in zip(chunks, logits) if self._advance(chunk, rows)]
                 tokens = self._sampler.sample_batch([rows[-1] for _, rows in sampling],
                                                     [chunk.seq for chunk, _ in sampling])
@@ -256,7 +257,7 @@ class LLMEngine(Engine):
                     if chunk.seq.id in self._sequences:
                         self._finish(chunk.seq, "error", error=f"internal error in the model step: {exc}")
             self._stats.steps += 1
-            self._stats.step_seconds += time.perf_counter() - started
+            self._stats.times.step += time.perf_counter() - started
 
     def _take_cancellations(self) -> None:
         with self._cancel_lock:

@@ -1,14 +1,14 @@
 """Wire models of POST /v1/chat/completions."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from server.protocol import OpenAIRequest, SamplingRequest
+
 # OpenAI's rule for function names; it also keeps them safe to splice into a grammar.
 FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
-
-from server.protocol import OpenAIRequest, SamplingRequest
 
 
 class TextPart(OpenAIRequest):
@@ -64,15 +64,22 @@ class JsonSchemaFormat(OpenAIRequest):
     strict: bool | None = None
 
 
-class ResponseFormat(OpenAIRequest):
+class OutputFormat(OpenAIRequest):
+    """What the output must be: free text, a JSON object, or JSON matching a schema, which a `json_schema`
+    format must then carry (`schema_hint` says where, for the error)."""
+    schema_hint: ClassVar[str] = "a 'json_schema' object with a 'schema'"
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
+    json_schema: Any = None
 
     @model_validator(mode="after")
-    def _schema_given(self) -> "ResponseFormat":
+    def _schema_given(self) -> "OutputFormat":
         if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("type 'json_schema' needs a 'json_schema' object with a 'schema'")
+            raise ValueError(f"type 'json_schema' needs {self.schema_hint}")
         return self
+
+
+class ResponseFormat(OutputFormat):
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -6,11 +6,11 @@ Stateless: nothing is stored, so `previous_response_id` (which needs a stored re
 400 naming it; `store` is accepted and the response says `"store": false`."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
-from server.chat.protocol import FUNCTION_NAME_PATTERN, ChatCompletionRequest
+from server.chat.protocol import FUNCTION_NAME_PATTERN, ChatCompletionRequest, OutputFormat
 from server.errors import checked
 from server.protocol import OpenAIRequest
 
@@ -72,18 +72,12 @@ class FunctionToolChoice(OpenAIRequest):
     name: str
 
 
-class TextFormat(OpenAIRequest):
-    type: Literal["text", "json_object", "json_schema"]
+class TextFormat(OutputFormat):
+    schema_hint: ClassVar[str] = "a 'schema'"
     name: str = "response"
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
     description: str | None = None
     strict: bool | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> "TextFormat":
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("type 'json_schema' needs a 'schema'")
-        return self
 
 
 class TextConfig(OpenAIRequest):
