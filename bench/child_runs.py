@@ -19,10 +19,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def child_decode(*, shape: str, quick: bool, model_dir: Path, log_path: Path, method: str, threads: int | None,
-                 cuda_graph: bool, deadline: float, env: dict[str, str] | None = None) -> dict:
+                 cuda_graph: bool, rules: str | None, deadline: float, env: dict[str, str] | None = None) -> dict:
     """Run the decode phase of `method` ("rules": whatever the placement rules choose on that build) in a child
-    process; its kt section entry, with the child's meta and phase outcome. Raises RuntimeError when the child
-    fails or produces nothing."""
+    process under the parent's rule file (`rules`, None: the default); its kt section entry, with the child's meta
+    and phase outcome. Raises RuntimeError when the child fails or produces nothing."""
     with tempfile.TemporaryDirectory(prefix="ktserve-bench-child-") as tmp:
         budget = deadline - time.perf_counter()
         if budget < 10:
@@ -32,6 +32,7 @@ def child_decode(*, shape: str, quick: bool, model_dir: Path, log_path: Path, me
         cmd += ["--quick"] if quick else []
         cmd += [] if threads is None else ["--threads", str(threads)]
         cmd += [] if cuda_graph else ["--no-cuda-graph"]
+        cmd += [] if rules is None else ["--rules", rules]
         with open(log_path, "a") as log:
             log.write(f"\n$ {' '.join(f'{k}={v}' for k, v in (env or {}).items())} {' '.join(cmd)}\n")
             log.flush()

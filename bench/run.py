@@ -314,7 +314,7 @@ class Bench:
         self.close_engines()  # the child needs the memory
         return child_decode(shape=self.shape.name, quick=self.args.quick, model_dir=self.model_dir,
                             log_path=self.out / "children.log", method=method, threads=threads,
-                            cuda_graph=self.cuda_graph, deadline=deadline, env=env)
+                            cuda_graph=self.cuda_graph, rules=self.args.rules, deadline=deadline, env=env)
 
     def step_threads(self, deadline: float) -> None:
         section = self.results.section("thread_sweep")

@@ -47,6 +47,28 @@ def test_host_memory_is_reported_from_the_fresh_process_runs_against_the_experts
     assert "fresh process (12 threads)" in line and "16.12 GB" in line and "1.12x" in line
 
 
+
+def test_child_runs_decode_under_the_parents_rule_file(tmp_path, monkeypatch):
+    from bench import child_runs
+
+    commands = []
+
+    def child(cmd, **kwargs):  # stands in for the child process: records its command, writes its bench.json
+        commands.append(cmd)
+        result = {"kt": {"AMXINT8": {"decode": {"tok_s": 1.0}}}, "phases": {}, "meta": {}}
+        (Path(cmd[cmd.index("--out") + 1]) / "bench.json").write_text(json.dumps(result))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(child_runs.subprocess, "run", child)
+    common = dict(shape="tiny", quick=True, model_dir=tmp_path, log_path=tmp_path / "children.log", method="AMXINT8",
+                  threads=4, cuda_graph=False, deadline=float("inf"))
+    child_runs.child_decode(rules="DeepSeek-V2-Lite-defer.yaml", **common)
+    child_runs.child_decode(rules=None, **common)
+    deferred, default = commands
+    assert deferred[deferred.index("--rules") + 1] == "DeepSeek-V2-Lite-defer.yaml"
+    assert "--rules" not in default
+
+
 @pytest.mark.slow
 def test_tiny_quick_run_writes_decode_and_http_figures_with_units(tmp_path):
     require_kt_kernel()
