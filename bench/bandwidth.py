@@ -58,3 +58,26 @@ def ceiling_for(cpu_bandwidth: dict | None, method: str) -> float | None:
     if not cpu_bandwidth:
         return None
     return cpu_bandwidth["ceiling"].get(method, {}).get("value")
+
+
+def batch_ceiling(shape: Shape, cpu_bandwidth: dict | None, method: str, batch: int) -> float | None:
+    """tok/s that decode steps of `batch` sequences cannot pass: `batch` tokens per step, each step reading the
+    routed experts its tokens chose (Shape.routed_expert_bytes_per_step) at the measured copy bandwidth."""
+    if not cpu_bandwidth or method not in BYTES_PER_WEIGHT:
+        return None
+    step_bytes = shape.routed_expert_bytes_per_step(BYTES_PER_WEIGHT[method], batch)
+    return batch * cpu_bandwidth["copy_bandwidth"]["value"] * 1e9 / step_bytes
+
+
+def with_decode_ceiling(rounds: list[dict], shape: Shape, cpu_bandwidth: dict | None, method: str) -> list[dict]:
+    """Streaming rounds with each one's decode rate (clients / TPOT median: the rate while every client decodes)
+    beside the bandwidth ceiling of decode steps that large, so a round shows how far the experts' reads allow."""
+    for r in rounds:
+        tpot = (r.get("tpot_median") or {}).get("value")
+        if tpot:
+            r["decode_rate"] = fig(r["concurrency"] / tpot * 1e3, "tok/s", note="clients / TPOT median")
+        ceiling = batch_ceiling(shape, cpu_bandwidth, method, r["concurrency"])
+        if ceiling is not None:
+            r["decode_ceiling"] = fig(ceiling, "tok/s", note="copy bandwidth / routed-expert bytes of a decode step "
+                                      "of this many sequences (uniform routing, as with random weights)")
+    return rounds

@@ -144,7 +144,8 @@ def summary_lines(data: dict) -> list[str]:
     for r in (data.get("http") or {}).get("rounds", []):
         lines.append(f"HTTP {r['concurrency']:>3} clients: {_fmt(_v(r, 'output_throughput'))} tok/s, TPOT median "
                      f"{_fmt(_v(r, 'tpot_median'))} ms p99 {_fmt(_v(r, 'tpot_p99'))} ms, TTFT median "
-                     f"{_fmt(_v(r, 'ttft_median'), '.3f')} s" + (" (timed out)" if r.get("timed_out") else ""))
+                     f"{_fmt(_v(r, 'ttft_median'), '.3f')} s; decoding {_fmt(_v(r, 'decode_rate'))} of at most "
+                     f"{_fmt(_v(r, 'decode_ceiling'))} tok/s" + (" (timed out)" if r.get("timed_out") else ""))
     load = data.get("load") or {}
     if load:
         lines.append(f"weight cache: {load.get('status')}" + (

@@ -345,11 +345,14 @@ class Bench:
                                                 if n not in {p["prompt_tokens"] for p in points}]}
 
     def step_http(self, deadline: float) -> None:
+        from bench.bandwidth import with_decode_ceiling
         from bench.http_load import run_clients, serving
 
         run = self.kt_engine(PRIMARY)
         with serving(run.engine, str(self.model_dir)) as url:
             res = run_clients(url, run.engine.info.id, self.plan, self.vocab, max(5.0, deadline - time.perf_counter()))
+        res["rounds"] = with_decode_ceiling(res.get("rounds", []), self.shape, self.results.get("cpu_bandwidth"),
+                                            PRIMARY)
         self.results["http"] = {"method": PRIMARY, "prompt_tokens": self.plan.http_prompt,
                                 "max_tokens": self.plan.http_tokens, "client": "openai.AsyncOpenAI, streaming "
                                 "completions, separate process", **res}

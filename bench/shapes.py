@@ -112,8 +112,15 @@ class Shape:
 
     def routed_expert_bytes_per_token(self, bytes_per_weight: float) -> float:
         """Routed-expert weight bytes one decoded token reads: MoE layers x top_k x (gate, up, down)."""
-        return self.routed_expert_bytes(bytes_per_weight) * self.config["num_experts_per_tok"] / \
-            self.config["n_routed_experts"]
+        return self.routed_expert_bytes_per_step(bytes_per_weight, 1)
+
+    def routed_expert_bytes_per_step(self, bytes_per_weight: float, batch: int) -> float:
+        """Routed-expert weight bytes a decode step of `batch` sequences reads when routing is uniform (as with
+        random weights): each layer reads every expert that any of the tokens chose, once; an expert escapes one
+        token's top_k with probability 1 - top_k / experts."""
+        experts, top_k = self.config["n_routed_experts"], self.config["num_experts_per_tok"]
+        distinct = experts * (1 - (1 - top_k / experts) ** batch)
+        return self.routed_expert_bytes(bytes_per_weight) * distinct / experts
 
     def routed_expert_bytes(self, bytes_per_weight: float) -> float:
         """Bytes of all routed experts: MoE layers x experts x (gate, up, down)."""

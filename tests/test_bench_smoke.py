@@ -34,6 +34,32 @@ def test_v2_lite_checkpoint_has_the_published_size():
     assert round(shape.routed_expert_bytes(1.0) / 1e9, 2) == 14.39  # all 26 x 64 experts in INT8
 
 
+
+def test_a_decode_step_reads_each_expert_its_tokens_chose_once():
+    from bench.shapes import SHAPES
+
+    shape = SHAPES["v2-lite"]
+    assert shape.routed_expert_bytes_per_step(1.0, 1) == shape.routed_expert_bytes_per_token(1.0)
+    # 16 tokens choosing 6 of 64 uniformly: 64 * (1 - (58/64)^16) = 50.7 distinct experts a layer
+    share = shape.routed_expert_bytes_per_step(1.0, 16) / shape.routed_expert_bytes(1.0)
+    assert share == pytest.approx(50.74 / 64, abs=1e-3)
+    assert shape.routed_expert_bytes_per_step(1.0, 1000) == pytest.approx(shape.routed_expert_bytes(1.0))
+
+
+def test_streaming_rounds_show_their_decode_rate_beside_the_bandwidth_ceiling():
+    from bench.bandwidth import with_decode_ceiling
+    from bench.shapes import SHAPES
+
+    shape = SHAPES["v2-lite"]
+    bandwidth = {"copy_bandwidth": {"value": 55.9, "unit": "GB/s"}}
+    (one, many) = with_decode_ceiling([{"concurrency": 1, "tpot_median": {"value": 30.0, "unit": "ms"}},
+                                       {"concurrency": 32, "tpot_median": {"value": 320.0, "unit": "ms"}}],
+                                      shape, bandwidth, "AMXINT8")
+    assert one["decode_rate"]["value"] == pytest.approx(1000 / 30, rel=1e-4) and many["decode_rate"]["value"] == 100.0
+    assert one["decode_ceiling"]["value"] == pytest.approx(55.9e9 / shape.routed_expert_bytes_per_token(1.0), rel=1e-4)
+    # 32 sequences share experts: more tokens per byte read than one sequence, fewer than 32x
+    assert 3 * one["decode_ceiling"]["value"] < many["decode_ceiling"]["value"] < 32 * one["decode_ceiling"]["value"]
+
 def test_host_memory_is_reported_from_the_fresh_process_runs_against_the_experts_bytes():
     from bench.report import host_memory_lines
 
