@@ -109,3 +109,27 @@ def test_borrowing_a_cached_page_uses_up_room_for_others():
     assert c.admit(BlockTable(), [5], 1, "") is None
     c.release(borrower)
     assert c.admit(BlockTable(), [5], 1, "") == 0
+
+
+def test_a_prompt_waits_for_the_pages_another_sequence_is_still_computing():
+    c = cache(16)
+    leader = BlockTable()
+    prompt = list(range(13))  # three full pages
+    assert c.admit(leader, prompt, 13, "") == 0  # admitted, nothing computed yet
+    follower = list(range(12)) + [99]
+    assert c.in_flight(BlockTable(), follower, "", [(leader, prompt, 0)])
+    c.ensure(leader, 13)
+    c.offer(leader, prompt, 13, "")  # the leader's step ran: its full pages are cached
+    assert not c.in_flight(BlockTable(), follower, "", [(leader, prompt, 13)])
+    assert c.admit(BlockTable(), follower, 13, "") == 3 * PAGE
+
+
+def test_nothing_is_waited_for_that_another_sequence_will_not_offer():
+    c = cache(16)
+    leader = BlockTable()
+    prompt = list(range(13))
+    c.admit(leader, prompt, 13, "")
+    assert not c.in_flight(BlockTable(), [99] + prompt[1:], "", [(leader, prompt, 0)])  # another first page
+    assert not c.in_flight(BlockTable(), prompt, "adapter\0" + "1", [(leader, prompt, 0)])  # another key
+    assert not c.in_flight(BlockTable(), prompt, "", [(leader, prompt, 8)])  # it computed those pages already
+    assert not cache(16, prefix_cache=False).in_flight(BlockTable(), prompt, "", [(leader, prompt, 0)])

@@ -107,6 +107,26 @@ def test_completions_report_cached_tokens(kt):
     assert reply.usage.prompt_tokens_details.cached_tokens == full_pages(reply.usage.prompt_tokens)
 
 
+
+def test_the_choices_of_one_request_compute_their_shared_prompt_once(kt):
+    before = kt.engine.stats().cached_prompt_tokens
+    reply = kt.openai().completions.create(model=kt.engine.info.id, prompt="Three choices. " + TEXT, max_tokens=3, n=3,
+                                           temperature=1.0, seed=5)
+    reused = kt.engine.stats().cached_prompt_tokens - before
+    assert len(reply.choices) == 3
+    assert reused == 2 * full_pages(reply.usage.prompt_tokens)  # the second and third choice borrow them
+
+
+def test_a_batch_of_prompts_sharing_a_preamble_computes_it_once(kt):
+    preamble = "A fresh preamble for one batch. " + TEXT
+    before = kt.engine.stats().cached_prompt_tokens
+    reply = kt.openai().completions.create(model=kt.engine.info.id, max_tokens=2, temperature=0,
+                                           prompt=[preamble + f" Question {i}: why?" for i in range(4)])
+    reused = kt.engine.stats().cached_prompt_tokens - before
+    shared = len(kt.engine.tokenizer.encode(preamble)) // PAGE * PAGE
+    assert len(reply.choices) == 4
+    assert reused >= 3 * (shared - PAGE)  # the page where the prompts part may differ
+
 def test_prompt_logprobs_are_computed_for_every_position_even_when_cached(kt):
     kt.openai().completions.create(model=kt.engine.info.id, prompt=TEXT + " Again.", max_tokens=1)
     scored = kt.openai().completions.create(model=kt.engine.info.id, prompt=TEXT + " Again.", max_tokens=0,

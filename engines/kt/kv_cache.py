@@ -51,6 +51,26 @@ class LatentKVCache:
         hits = self.pool.admit(table, max_positions, lookup)
         return None if hits is None else hits * self.block_size
 
+    def in_flight(self, table: BlockTable, tokens: list[int], root: str,
+                  leaders: list[tuple[BlockTable, list[int], int]]) -> bool:
+        """Whether a leader (the table, prompt and computed positions of a sequence still computing its
+        prompt, under the same prefix key `root`) has yet to compute the next page of `tokens`' prefix that
+        the cache lacks. The hashes chain, so sharing that page means sharing every page before it."""
+        if not self.prefix_cache:
+            return False
+        pages = (len(tokens) - 1) // self.block_size
+        mine = extend_hashes(table.hashes, tokens, pages, self.block_size, root)[:pages]
+        held = len(self.pool.match(mine))
+        if held == len(mine):
+            return False
+        for leader, prompt, computed in leaders:
+            if computed >= (held + 1) * self.block_size:
+                continue  # it computed that page already and the cache does not have it: it kept it private
+            theirs = extend_hashes(leader.hashes, prompt, len(prompt) // self.block_size, self.block_size, root)
+            if len(theirs) > held and theirs[held] == mine[held]:
+                return True
+        return False
+
     def ensure(self, table: BlockTable, num_positions: int) -> None:
         """Take blocks so that positions [0, num_positions) have slots."""
         self.pool.take(table, num_positions)

@@ -114,6 +114,14 @@ class KTModelRunner(ModelRunner):
         return self.cache.admit(self._table(seq), seq.token_ids, min(max_positions, self.max_model_len),
                                 self._prefix_key(seq.request.adapter), reuse=seq.prompt_logprobs is None)
 
+    def prefix_in_flight(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
+        if seq.prompt_logprobs is not None:  # computed whole, whatever is cached
+            return False
+        root = self._prefix_key(seq.request.adapter)
+        leaders = [(self._table(s), s.token_ids, s.num_computed) for s in prefilling  # their tokens: the prompt
+                   if self._prefix_key(s.request.adapter) == root]
+        return self.cache.in_flight(self._table(seq), seq.token_ids, root, leaders)
+
     def release(self, seq: Sequence) -> None:
         if seq.runner_state is not None:
             self.cache.release(seq.runner_state)  # type: ignore[arg-type]

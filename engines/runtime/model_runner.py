@@ -73,6 +73,13 @@ class ModelRunner(ABC):
         no computing; always fewer than the prompt's length."""
         return 0
 
+    def prefix_in_flight(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
+        """Whether one of `prefilling` (admitted, its prompt not all computed) is computing leading pages of
+        `seq`'s prompt that the prefix cache does not hold yet; `seq` then waits for them instead of computing
+        them a second time (n > 1 choices, a batch of prompts sharing a preamble). False without a prefix
+        cache."""
+        return False
+
     def kv_usage(self) -> tuple[int, int]:
         """(used, total) KV cache positions; total 0 when unbounded."""
         return 0, 0

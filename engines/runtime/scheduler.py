@@ -2,7 +2,9 @@
 
 Every step carries one decode token for each running sequence that has finished its prompt, then spends a
 token budget (`chunk_size`) on prompts: continuing chunked prefills first, then admitting waiting requests
-while fewer than `max_running` generate and the runner has KV room for them. The scheduler never touches a
+while fewer than `max_running` generate and the runner has KV room for them. A waiting request whose prompt
+starts with pages a running one is still computing waits for them, keeping its place and its slot, and is
+admitted once they are cached (the other choices of an n > 1 request, a batch sharing a preamble). The scheduler never touches a
 tensor; the runner decides whether a sequence fits."""
 from __future__ import annotations
 
@@ -54,16 +56,21 @@ class Scheduler:
             for seq in self.running:
                 if seq.num_computed < len(seq) - 1 and budget > 0:
                     budget -= self._prefill(seq, budget, chunks)
-            while self.waiting and len(self.running) < self.max_running and budget > 0:
-                seq = self.waiting[0]
+            held = 0  # waiting sequences passed over for a prefix in flight; they keep their place and slot
+            while held < len(self.waiting) and len(self.running) + held < self.max_running and budget > 0:
+                seq = self.waiting[held]
+                prefilling = [s for s in self.running if s.num_computed < s.num_prompt_tokens]
+                if prefilling and self._runner.prefix_in_flight(seq, prefilling):
+                    held += 1
+                    continue
                 reserve = len(seq) + seq.sampling.max_tokens
                 cached = self._runner.admit(seq, reserve)
                 if cached is None:
-                    break  # no KV room now; it stays first in line
+                    break  # no KV room now; it stays in line
                 seq.num_computed = seq.num_cached_tokens = cached
                 self.prompt_tokens += seq.num_prompt_tokens
                 self.cached_prompt_tokens += cached
-                self.waiting.popleft()
+                del self.waiting[held]
                 seq.status = Status.RUNNING
                 self.running.append(seq)
                 budget -= self._prefill(seq, budget, chunks)
