@@ -3,6 +3,7 @@ were computed before reuses them, answers as a cold start would, and says how ma
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -189,3 +190,13 @@ def test_the_huggingface_engine_reports_no_cached_tokens(demo_model_dir):
         assert reply.usage.prompt_tokens_details.cached_tokens == 0
     finally:
         running.stop()
+
+
+def test_the_shared_prefix_benchmark_sees_every_reusable_token_reused(kt, capsys):
+    from bench.shared_prefix import main
+
+    assert main(["--url", kt.url, "--prompts", "4", "--repeats", "10", "--trials", "1"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    result = json.loads(line)
+    assert result["prompts"] == 4 and result["wall_s"] > 0
+    assert result["reused_tokens"] == result["reusable_tokens"] > 0
