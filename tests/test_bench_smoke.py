@@ -125,3 +125,39 @@ def test_tiny_quick_run_writes_decode_and_http_figures_with_units(tmp_path):
         assert r["output_throughput"]["unit"] == "tok/s" and r["output_throughput"]["value"] > 0
         assert r["tpot_median"]["unit"] == "ms" and r["tpot_p99"]["unit"] == "ms"
         assert r["output_tokens"] == r["concurrency"] * data["http"]["max_tokens"]
+
+
+@pytest.mark.slow
+def test_tiny_quick_attention_phase_times_a_cached_prefix_and_a_round_per_backend(tmp_path):
+    require_kt_kernel()
+    pytest.importorskip("openai")
+    out = tmp_path / "results"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--shape", "tiny", "--quick", "--only", "attention",
+         "--out", str(out), "--model-dir", str(tmp_path / "model")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    backends = json.loads((out / "bench.json").read_text())["attention"]["backends"]
+    assert set(backends) == {"flashinfer", "torch"}
+    torch_run = backends["torch"]
+    assert torch_run["cached_prefix"]["cached_tokens"] == 1920
+    assert torch_run["cached_prefix"]["ttft_cached"]["value"] < torch_run["cached_prefix"]["ttft_cold"]["value"]
+    assert torch_run["context_128"]["completed"] == 2
+    assert "error" in backends["flashinfer"] or "cached_prefix" in backends["flashinfer"]
+
+
+def test_the_summary_gives_each_attention_backend_its_cached_ttft_and_rounds():
+    from bench.report import attention_lines
+
+    s = lambda v: {"value": v, "unit": "s"}  # noqa: E731
+    data = {"attention": {"clients": 32, "backends": {
+        "flashinfer": {"error": "ValueError: flashinfer cannot run here"},
+        "torch": {"cached_prefix": {"ttft_cached": s(0.27), "ttft_cold": s(2.73)},
+                  "context_512": {"output_throughput": {"value": 50.1, "unit": "tok/s"},
+                                  "tpot_median": {"value": 566.0, "unit": "ms"}},
+                  "context_16384": {"skipped": "deadline (3s left)"}}}}}
+    failed, measured = attention_lines(data)
+    assert failed == "attention flashinfer: ValueError: flashinfer cannot run here"
+    assert "cached-prefix TTFT 0.270 s (cold 2.730 s)" in measured and "512: 50.1 tok/s, TPOT 566.0 ms" in measured
+    assert "context_16384: deadline (3s left)" in measured
