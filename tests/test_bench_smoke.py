@@ -95,18 +95,23 @@ def test_child_runs_decode_under_the_parents_rule_file(tmp_path, monkeypatch):
     assert "--rules" not in default
 
 
-@pytest.mark.slow
-def test_tiny_quick_run_writes_decode_and_http_figures_with_units(tmp_path):
+def tiny_quick_run(tmp_path: Path, phases: str) -> dict:
+    """bench.run on the tiny shape, quick, in a subprocess; its bench.json."""
     require_kt_kernel()
     pytest.importorskip("openai")
     out = tmp_path / "results"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
-        [sys.executable, "-m", "bench.run", "--shape", "tiny", "--quick", "--only", "decode,http",
+        [sys.executable, "-m", "bench.run", "--shape", "tiny", "--quick", "--only", phases,
          "--out", str(out), "--model-dir", str(tmp_path / "model")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    data = json.loads((out / "bench.json").read_text())
+    return json.loads((out / "bench.json").read_text())
+
+
+@pytest.mark.slow
+def test_tiny_quick_run_writes_decode_and_http_figures_with_units(tmp_path):
+    data = tiny_quick_run(tmp_path, "decode,http")
 
     assert {"date", "torch", "kt_kernel", "kt_cpu_threads", "cpu"} <= set(data["meta"])
     assert {name: p["status"] for name, p in data["phases"].items()} == {
@@ -129,16 +134,7 @@ def test_tiny_quick_run_writes_decode_and_http_figures_with_units(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_quick_attention_phase_times_a_cached_prefix_and_a_round_per_backend(tmp_path):
-    require_kt_kernel()
-    pytest.importorskip("openai")
-    out = tmp_path / "results"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.run", "--shape", "tiny", "--quick", "--only", "attention",
-         "--out", str(out), "--model-dir", str(tmp_path / "model")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    backends = json.loads((out / "bench.json").read_text())["attention"]["backends"]
+    backends = tiny_quick_run(tmp_path, "attention")["attention"]["backends"]
     assert set(backends) == {"flashinfer", "torch"}
     torch_run = backends["torch"]
     assert torch_run["cached_prefix"]["cached_tokens"] == 1920
