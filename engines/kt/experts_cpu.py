@@ -15,7 +15,6 @@ As an operator of the placement rules it takes `device` (where its output goes),
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -30,6 +29,7 @@ from torch import nn
 
 from engines.kt.attention import layer_index
 from engines.kt.cpuinfer import check_thread_count, load_ext, shared_cpu_infer
+from engines.kt.expert_cache import LayerCache
 from engines.kt.expert_deferral import Deferred, ExpertDeferral, check_deferred, split_deferred
 from engines.kt.expert_methods import (METHODS, ExpertsUnsupportedError, check_llamafile_type, kernel_class,
                                        quantize_fp8_blocks, quantize_int4_groups, sft_kernel_class,
@@ -47,17 +47,6 @@ log = logging.getLogger(__name__)
 # kt-kernel sizes its token buffers in blocks of 32 (M_STEP); INT8/INT4 refuse other sizes and BF16
 # segfaults with buffers of 1-2 tokens, so the buffer is always a whole number of blocks.
 _TOKEN_BLOCK = 32
-_CACHE_FORMAT = 2
-# kt-kernel writes the quantized AMX forms itself ("<PREFIX>_<mat>_<expert>_<bytes>Byte_..."); the forms we
-# quantize (FP8, RAWINT4) are saved by us as one safetensors file per layer.
-_KT_FILES = {"AMXINT8": ("INT8", 8), "AMXINT4": ("INT4", 4)}
-
-
-def _build_info() -> dict[str, str]:
-    import kt_kernel
-
-    return {"kt_kernel": str(kt_kernel.__version__), "cpu_variant": str(kt_kernel.__cpu_variant__),
-            "int8_layout": str(getattr(kt_kernel, "__int8_weight_layout__", ""))}
 
 
 def _to_ggml_blocks(weights: torch.Tensor, ggml_type: str) -> torch.Tensor:
@@ -292,16 +281,15 @@ class RoutedExpertsCPU(nn.Module):
         with torch.no_grad():
             self._keep_gpu_weights(gate, up, down)
             gate, up, down = (t.to("cpu", torch.bfloat16).contiguous() for t in (gate, up, down))
-            save = cache_dir is not None and METHODS[self.method].cacheable
-            layer_dir = self._layer_dir(cache_dir) if save else None
-            if layer_dir is not None:
-                self._manifest_path(layer_dir).unlink(missing_ok=True)  # a crash mid-save leaves no manifest
+            cache = self._cache(cache_dir) if cache_dir is not None and METHODS[self.method].cacheable else None
+            if cache is not None:
+                cache.begin_save()
             prepared = self._prepare_weights(gate, up, down)
-            if layer_dir is not None and self.method not in _KT_FILES:
-                self._save_prepared(layer_dir, prepared)
-            self._build_kernel(prepared, save_dir=cache_dir if save and self.method in _KT_FILES else None)
-            if layer_dir is not None:
-                self._write_cache_extras(layer_dir)
+            if cache is not None and not cache.written_by_kt_kernel:
+                cache.save_prepared(prepared)
+            self._build_kernel(prepared, save_dir=cache.root if cache and cache.written_by_kt_kernel else None)
+            if cache is not None:
+                cache.finish_save(self._gpu_weights, self.gpu_experts)
 
     def load_quantized(self, cache_dir: str | os.PathLike) -> bool:
         """Load the form `load_weights(..., cache_dir=...)` wrote; False (nothing loaded) when there is no
@@ -309,29 +297,24 @@ class RoutedExpertsCPU(nn.Module):
         self._check_idle()
         if not METHODS[self.method].cacheable:
             return False
-        layer_dir = self._layer_dir(cache_dir)
-        try:
-            manifest = json.loads(self._manifest_path(layer_dir).read_text())
-        except (OSError, ValueError):
-            return False
-        if manifest != self._manifest() or not all(p.is_file() for p in self._expected_files(layer_dir)):
+        cache = self._cache(cache_dir)
+        if not cache.complete():
             return False
         if self.gpu_experts:
-            try:
-                saved = torch.load(layer_dir / "ktserve-gpu-experts.pt", weights_only=True)
-            except (OSError, RuntimeError):
+            hot = cache.load_hot(self.gpu_experts, self.gpu_device)
+            if hot is None:
                 return False
-            if not all(f"gate.{e}" in saved for e in self.gpu_experts):
-                return False
-            self._gpu_weights = tuple(
-                torch.stack([saved[f"{m}.{e}"] for e in self.gpu_experts]).to(self.gpu_device)
-                for m in ("gate", "up", "down"))
-        if self.method in _KT_FILES:  # kt-kernel only prints (and reads garbage) for a missing file: checked above
-            self._build_kernel({}, load_dir=cache_dir)
+            self._gpu_weights = hot
+        if cache.written_by_kt_kernel:  # kt-kernel only prints (and reads garbage) for a missing file: checked
+            self._build_kernel({}, load_dir=cache.root)
         else:
-            self._build_kernel(self._load_prepared(layer_dir))
-        log.debug("layer %d: %s experts loaded from %s", self.layer_idx, self.method, layer_dir)
+            self._build_kernel(cache.load_prepared())
+        log.debug("layer %d: %s experts loaded from %s", self.layer_idx, self.method, cache.dir)
         return True
+
+    def _cache(self, cache_dir: str | os.PathLike) -> LayerCache:
+        return LayerCache(Path(cache_dir), self.layer_idx, self.method, self.num_experts, self.hidden_size,
+                          self.intermediate_size)
 
     def _check_idle(self) -> None:
         if self._pending is not None:  # kt-kernel may still be reading the old weights
@@ -398,51 +381,6 @@ class RoutedExpertsCPU(nn.Module):
         # kt-kernel copies bf16 weights it quantizes; FP8, RAWINT4 and GGUF blocks it reads in place.
         self._kernel_weights = () if form == "bf16" else tuple(weights.values())
         self._kernel, self._pool = kernel, pool
-
-    # ------------------------------------------------------------------------------------ weight cache
-    def _layer_dir(self, cache_dir: str | os.PathLike) -> Path:
-        return Path(cache_dir) / f"_layer_{self.layer_idx}"  # kt-kernel's own per-layer folder
-
-    def _manifest_path(self, layer_dir: Path) -> Path:
-        return layer_dir / f"ktserve-{self.method}.json"
-
-    def _manifest(self) -> dict:
-        return {"format": _CACHE_FORMAT, "method": self.method, "num_experts": self.num_experts,
-                "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size, **_build_info()}
-
-    def _expected_files(self, layer_dir: Path) -> list[Path]:
-        if self.method not in _KT_FILES:
-            return [layer_dir / f"ktserve-{self.method}.safetensors"]
-        prefix, bits = _KT_FILES[self.method]
-        files = []
-        for mat, rows, cols in (("gate", self.intermediate_size, self.hidden_size),
-                                ("up", self.intermediate_size, self.hidden_size),
-                                ("down", self.hidden_size, self.intermediate_size)):
-            for e in range(self.num_experts):
-                stem = layer_dir / "_numa_0" / f"{prefix}_{mat}_{e}_"
-                files += [stem.with_name(stem.name + f"{rows * cols * bits // 8}Byte_quant_.kt"),
-                          stem.with_name(stem.name + f"{rows * 4}Byte_scale_.kt")]
-        return files
-
-    def _save_prepared(self, layer_dir: Path, prepared: dict[str, Any]) -> None:
-        from safetensors.torch import save_file
-
-        layer_dir.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in prepared.items()}, str(self._expected_files(layer_dir)[0]))
-
-    def _load_prepared(self, layer_dir: Path) -> dict[str, Any]:
-        from safetensors.torch import load_file
-
-        return load_file(str(self._expected_files(layer_dir)[0]))
-
-    def _write_cache_extras(self, layer_dir: Path) -> None:
-        layer_dir.mkdir(parents=True, exist_ok=True)
-        if self._gpu_weights is not None:
-            gate, up, down = self._gpu_weights
-            tensors = {f"{m}.{e}": t[i].detach().to("cpu").contiguous()
-                       for m, t in (("gate", gate), ("up", up), ("down", down)) for i, e in enumerate(self.gpu_experts)}
-            torch.save(tensors, layer_dir / "ktserve-gpu-experts.pt")
-        self._manifest_path(layer_dir).write_text(json.dumps(self._manifest(), indent=1))
 
     # ------------------------------------------------------------------------------------------ compute
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,111 @@
+"""The quantized-weight cache of one layer's CPU experts (`--kt-weight-cache DIR`, engines/kt/loader.py).
+
+Quantizing a layer's experts dominates a cold start; with a cache folder the first load writes the quantized
+form and later loads read it back. kt-kernel writes the AMX forms itself, under its own per-layer folder
+("<PREFIX>_<mat>_<expert>_<bytes>Byte_..."); the forms quantized in torch (FP8, RAWINT4) are saved here as one
+safetensors file per layer; hot experts' weights (kept on the GPU in torch) go beside them. A manifest, written
+last, says what the folder holds: a load reads it back only when the manifest matches this layer's method,
+shape, kt-kernel build and layout, and every file it names is there."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = 2
+KT_FILES = {"AMXINT8": ("INT8", 8), "AMXINT4": ("INT4", 4)}  # method -> kt-kernel's file prefix, bits
+MATRICES = ("gate", "up", "down")
+
+
+def build_info() -> dict[str, str]:
+    import kt_kernel
+
+    return {"kt_kernel": str(kt_kernel.__version__), "cpu_variant": str(kt_kernel.__cpu_variant__),
+            "int8_layout": str(getattr(kt_kernel, "__int8_weight_layout__", ""))}
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """One layer's part of a cache folder, for one method and shape."""
+
+    root: Path
+    layer_idx: int
+    method: str
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+
+    @property
+    def dir(self) -> Path:
+        return self.root / f"_layer_{self.layer_idx}"  # kt-kernel's own per-layer folder
+
+    @property
+    def written_by_kt_kernel(self) -> bool:
+        """kt-kernel saves and loads this method's quantized form itself (given the root folder)."""
+        return self.method in KT_FILES
+
+    def _manifest_path(self) -> Path:
+        return self.dir / f"ktserve-{self.method}.json"
+
+    def _manifest(self) -> dict:
+        return {"format": FORMAT, "method": self.method, "num_experts": self.num_experts,
+                "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size, **build_info()}
+
+    def _files(self) -> list[Path]:
+        if not self.written_by_kt_kernel:
+            return [self.dir / f"ktserve-{self.method}.safetensors"]
+        prefix, bits = KT_FILES[self.method]
+        files = []
+        for mat, rows, cols in (("gate", self.intermediate_size, self.hidden_size),
+                                ("up", self.intermediate_size, self.hidden_size),
+                                ("down", self.hidden_size, self.intermediate_size)):
+            for e in range(self.num_experts):
+                stem = self.dir / "_numa_0" / f"{prefix}_{mat}_{e}_"
+                files += [stem.with_name(stem.name + f"{rows * cols * bits // 8}Byte_quant_.kt"),
+                          stem.with_name(stem.name + f"{rows * 4}Byte_scale_.kt")]
+        return files
+
+    def complete(self) -> bool:
+        """Whether the folder holds this layer's weights for this method, shape and kt-kernel build."""
+        try:
+            manifest = json.loads(self._manifest_path().read_text())
+        except (OSError, ValueError):
+            return False
+        return manifest == self._manifest() and all(p.is_file() for p in self._files())
+
+    def begin_save(self) -> None:
+        """Called before writing: a crash mid-save then leaves no manifest, so nothing half-written is read."""
+        self._manifest_path().unlink(missing_ok=True)
+
+    def save_prepared(self, prepared: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in prepared.items()}, str(self._files()[0]))
+
+    def load_prepared(self) -> dict[str, Any]:
+        from safetensors.torch import load_file
+
+        return load_file(str(self._files()[0]))
+
+    def finish_save(self, hot: tuple[torch.Tensor, ...] | None, hot_experts: list[int]) -> None:
+        """Write the hot experts' weights (gate, up, down stacked over `hot_experts`), then the manifest."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if hot is not None:
+            tensors = {f"{m}.{e}": t[i].detach().to("cpu").contiguous()
+                       for m, t in zip(MATRICES, hot) for i, e in enumerate(hot_experts)}
+            torch.save(tensors, self.dir / "ktserve-gpu-experts.pt")
+        self._manifest_path().write_text(json.dumps(self._manifest(), indent=1))
+
+    def load_hot(self, hot_experts: list[int], device: torch.device | str) -> tuple[torch.Tensor, ...] | None:
+        """The hot experts' (gate, up, down) stacked on `device`, or None when the cache lacks one of them."""
+        try:
+            saved = torch.load(self.dir / "ktserve-gpu-experts.pt", weights_only=True)
+        except (OSError, RuntimeError):
+            return None
+        if not all(f"{m}.{e}" in saved for m in MATRICES for e in hot_experts):
+            return None
+        return tuple(torch.stack([saved[f"{m}.{e}"] for e in hot_experts]).to(device) for m in MATRICES)
