@@ -4,8 +4,8 @@ Every step carries one decode token for each running sequence that has finished 
 token budget (`chunk_size`) on prompts: continuing chunked prefills first, then admitting waiting requests
 while fewer than `max_running` generate and the runner has KV room for them. A waiting request whose prompt
 starts with pages a running one is still computing waits for them, keeping its place and its slot, and is
-admitted once they are cached (the other choices of an n > 1 request, a batch sharing a preamble). The scheduler never touches a
-tensor; the runner decides whether a sequence fits."""
+admitted once they are cached (the other choices of an n > 1 request, a batch sharing a preamble). The
+scheduler never touches a tensor; the runner decides whether a sequence fits."""
 from __future__ import annotations
 
 import threading
