@@ -14,12 +14,12 @@ first, each bounded in work and in time, rewriting bench.json after each one and
               method the rules choose there, in a child process (kt-kernel picks its build at import)
     ttft      time to first token (and TPOT right after) per prompt length, AMXINT8
     http      1..32 concurrent streaming clients through uvicorn + the openai client, AMXINT8
-    attention FlashInfer against torch MLA attention (an AMXINT8 engine each): the TTFT of a 2,048-token prompt
-              whose first 1,920 tokens are cached, and concurrent streaming clients at long contexts
-              (bench/attention.py; `python -m bench.attention` runs it alone)
     load      load time with the pre-quantized weight cache (kt_weight_cache), when the engine supports it
     hf        our huggingface engine, whole model on the GPU
     offload   transformers + accelerate offload (device_map="auto", GPU capped), the usual baseline
+    attention FlashInfer against torch MLA attention (an AMXINT8 engine each): the TTFT of a 2,048-token prompt
+              whose first 1,920 tokens are cached, and concurrent streaming clients at long contexts
+              (bench/attention.py; `python -m bench.attention` runs it alone)
 
 The AMXINT8 engine loaded for `decode` serves `ttft` and `http` too. See bench/README.md."""
 from __future__ import annotations
@@ -46,7 +46,7 @@ import torch  # noqa: E402
 from bench.report import Results, fig, summary_lines, write_plots  # noqa: E402
 from bench.shapes import SHAPES, Plan, Shape  # noqa: E402
 
-PHASES = ("baseline", "decode", "threads", "avx2", "ttft", "http", "attention", "load", "hf", "offload")
+PHASES = ("baseline", "decode", "threads", "avx2", "ttft", "http", "load", "hf", "offload", "attention")
 # Packages a phase needs beyond torch/transformers; the GPU image lacks some (carried as wheels, see README).
 NEEDS = {"http": ("openai", "uvicorn", "fastapi", "sse_starlette"),
          "attention": ("openai", "uvicorn", "fastapi", "sse_starlette"), "offload": ("accelerate",)}
@@ -166,7 +166,8 @@ class Bench:
         steps += [p for p in ("threads", "avx2", "ttft", "http") if p in phases]
         if "decode" in phases:
             steps += [f"decode:{m}" for m in methods if m != PRIMARY]
-        return steps + [p for p in ("attention", "load", "hf", "offload") if p in phases]
+        # attention last: its two engines and long-context rounds take longest, and the baselines come first
+        return steps + [p for p in ("load", "hf", "offload", "attention") if p in phases]
 
     def estimate(self, step: str) -> float:
         e = self.plan.estimates
