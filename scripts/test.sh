@@ -3,9 +3,10 @@
 # Arguments go to pytest (e.g. `scripts/test.sh -k chat`, `scripts/test.sh -m gpu`).
 #
 # A whole-suite run (no test paths or -k/-m selection among the arguments) on a machine where kt-kernel
-# loads a build above avx2 (AMX or AVX-512) then runs the experts, expert-deferral, LoRA and guide-config tests
-# again under the forced avx2 build, the one AMD EPYC Rome/Milan and older Xeons get: both paths are checked wherever CI
-# lands. KTSERVE_TEST_VARIANTS="avx2 avx512_bf16" names other builds to check; "" skips the second pass.
+# loads a build above avx2 (AMX or AVX-512) then runs the experts, expert-deferral, LoRA and guide-config
+# tests again under the forced avx2 build, the one AMD EPYC Rome/Milan and older Xeons get: both paths are
+# checked wherever CI lands. KTSERVE_TEST_VARIANTS="avx2 avx512_bf16" names other builds to check; ""
+# skips the second pass.
 #
 # A whole-suite run also runs the vllm engine's tests (`-m vllm`), in an environment of their own
 # (KTSERVE_VLLM_VENV, default .venv-vllm): vLLM pins older transformers, fastapi, numpy and llguidance than

@@ -4,7 +4,8 @@
 which kt-kernel class serves a method is decided in one place, expert_methods.py. The loader fills a layer
 through `load_weights` / `load_quantized`; `MoEWithCPUExperts` (operators.py) drives it with `submit` and then
 `wait`, so the shared experts run on the GPU in between; the runner's step timer reads `host_times` and
-`events` (step_timing.py). Expert LoRA reaches a layer through the narrower `engines.lora.cpu_experts.CPUExperts`,
+`events` (step_timing.py), and expert deferral links the layers through `deferred` / `defer_into`
+(expert_deferral.py). Expert LoRA reaches a layer through the narrower `engines.lora.cpu_experts.CPUExperts`,
 so LoRA code never imports this engine."""
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ class RoutedExperts(Protocol):
     num_experts: int
     top_k: int
     gpu_experts: list[int]  # experts computed on the GPU (hot experts); the rest on the CPU
+    out_device: torch.device | None  # where results go (None: the input's device)
+    deferred: int  # experts per token a decode step leaves running into the next layer (n_deferred_experts)
+    defer_into: int | None  # the layer that takes them, set by expert_deferral.link; None: this layer does not defer
     host_times: Any  # step_timing.HostTimes: blocking waits, timed on the host
     events: Any  # step_timing.ExpertEvents once the runner times stream-ordered calls, else None
 
