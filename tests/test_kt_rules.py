@@ -25,8 +25,8 @@ TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediat
             qk_nope_head_dim=4, v_head_dim=4)
 
 
-def v3_model(layers: int = 4, dense: int = 1) -> nn.Module:
-    config = DeepseekV3Config(**TINY, num_hidden_layers=layers, first_k_dense_replace=dense, n_shared_experts=1,
+def v3_model(layers: int = 4, dense: int = 1, **sizes: int) -> nn.Module:
+    config = DeepseekV3Config(**{**TINY, **sizes}, num_hidden_layers=layers, first_k_dense_replace=dense, n_shared_experts=1,
                               n_group=2, topk_group=1, q_lora_rank=16)
     with torch.device("meta"):
         return DeepseekV3ForCausalLM(config)
@@ -316,6 +316,27 @@ def test_operator_kwarg_outside_its_KWARGS_is_an_error_and_changes_nothing(tmp_p
         apply_placement(model, placement, model.config, operator_resolver=fake_operators)
     assert not any(isinstance(module, FakeOperator) for module in model.modules())
 
+
+
+def test_an_operator_that_cannot_take_the_matched_module_is_an_error_naming_the_rule(tmp_path):
+    model = v3_model(layers=2, dense=1)
+    placement = plan_placement(model, rules(tmp_path, r"""
+        - match: {name: '\.mlp$'}
+          replace: {class: engines.kt.operators.MoEWithCPUExperts, kwargs: {method: BF16}}
+        """))
+    with pytest.raises(RuleError, match=r"rules\.yaml:2: rule 0: replace: MoEWithCPUExperts cannot replace "
+                                        r"model\.layers\.0\.mlp \(DeepseekV3MLP\)"):
+        apply_placement(model, placement, model.config)
+
+
+def test_a_kwarg_value_the_operator_refuses_is_an_error_naming_the_rule_and_the_kwarg(tmp_path):
+    model = v3_model(layers=2, dense=1, moe_intermediate_size=32)  # sizes kt-kernel's BF16 kernel takes
+    placement = plan_placement(model, rules(tmp_path, r"""
+        - match: {name: '\.mlp$', class: ktransformers.models.modeling_deepseek_v3.DeepseekV3MoE}
+          replace: {class: engines.kt.operators.MoEWithCPUExperts, kwargs: {method: BF16, n_deferred_experts: 99}}
+        """))
+    with pytest.raises(RuleError, match=r"rules\.yaml:2: rule 0: replace: .*n_deferred_experts=99 must be below"):
+        apply_placement(model, placement, model.config)
 
 # --- applying -------------------------------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ from torch import nn
 
 from engines.kt.aliases import (DEFAULT, MATCH_CLASS_ALIASES, MOE_WITH_CPU_EXPERTS, ROUTED_EXPERTS_CPU,
                                 KwargError, normalize_device, resolve_replace_class, translate_kwargs)
+from engines.kt.expert_methods import ExpertsUnsupportedError
 
 log = logging.getLogger("ktserve.kt.rules")
 
@@ -354,8 +355,9 @@ def apply_placement(model: nn.Module, placement: Placement, config, options=None
                     operator_resolver=import_dotted) -> None:
     """Swap in the planned operators, each built with ``from_module(module, path, config, options, **kwargs)``
     (``options``: engines.kt.operators.OperatorOptions; its defaults when None). Every operator is resolved
-    and its kwargs checked against its ``KWARGS`` before the first swap, so a bad rule leaves the model
-    untouched. New modules are built under ``torch.device("meta")``: no weights move here; the loader
+    and its kwargs checked against its ``KWARGS`` before the first swap, so an unknown operator or kwarg leaves
+    the model untouched; an operator that refuses its module or a kwarg's value stops the swaps there, with
+    an error naming the rule. New modules are built under ``torch.device("meta")``: no weights move here; the loader
     streams them in afterwards."""
     if options is None:
         from engines.kt.operators import OperatorOptions
@@ -363,10 +365,23 @@ def apply_placement(model: nn.Module, placement: Placement, config, options=None
         options = OperatorOptions()
     swaps = []
     for path, (rule, kwargs) in placement.replacements.items():
-        swaps.append((path, _operator_class(rule, kwargs, operator_resolver), kwargs))
+        swaps.append((path, rule, _operator_class(rule, kwargs, operator_resolver), kwargs))
     with torch.device("meta"):
-        for path, cls, kwargs in swaps:
-            model.set_submodule(path, cls.from_module(model.get_submodule(path), path, config, options, **kwargs))
+        for path, rule, cls, kwargs in swaps:
+            model.set_submodule(path, _build(rule, cls, model.get_submodule(path), path, config, options, kwargs))
+
+
+def _build(rule: Rule, cls: type, module: nn.Module, path: str, config, options, kwargs: dict) -> nn.Module:
+    """`cls.from_module(...)`; an operator that cannot take the module the rule matched, or refuses a kwarg's
+    value, is an error naming the rule. Errors about this machine (an experts method its kt-kernel build
+    lacks) stay as they are: they are not the rule file's."""
+    try:
+        return cls.from_module(module, path, config, options, **kwargs)
+    except (RuleError, ExpertsUnsupportedError):
+        raise
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise rule.error("replace", f"{cls.__name__} cannot replace {path} ({type(module).__name__}): "
+                                    f"{exc}") from exc
 
 
 def _operator_class(rule: Rule, kwargs: dict, resolver) -> type:
