@@ -163,7 +163,7 @@ class KTEngine(LLMEngine):
                               latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim, dtype=dtype,
                               prefix_cache=kt.prefix_cache)
         flash = attention_for(kt.attention_backend, model.model.layers[0].self_attn, devices, cache)
-        runner = KTModelRunner(model, devices, cache, max_len, flash=flash, deferral=options.deferral)
+        runner = KTModelRunner(model, devices, cache, max_len, flash=flash)
         if uses_cpu_experts(model):
             self.torch_threads = _torch_threads(kt.cpu_infer, all(d.type == "cuda" for d in devices))
             torch.set_num_threads(self.torch_threads)

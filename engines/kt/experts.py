@@ -14,6 +14,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from engines.kt.expert_deferral import ExpertDeferral
+
 
 @runtime_checkable
 class RoutedExperts(Protocol):
@@ -24,6 +26,7 @@ class RoutedExperts(Protocol):
     out_device: torch.device | None  # where results go (None: the input's device)
     deferred: int  # experts per token a decode step leaves running into the next layer (n_deferred_experts)
     defer_into: int | None  # the layer that takes them, set by expert_deferral.link; None: this layer does not defer
+    deferral: ExpertDeferral  # the decode-step state a model's layers share (OperatorOptions.deferral)
     host_times: Any  # step_timing.HostTimes: blocking waits, timed on the host
     events: Any  # step_timing.ExpertEvents once the runner times stream-ordered calls, else None
 

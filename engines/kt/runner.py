@@ -27,7 +27,7 @@ log = logging.getLogger("ktserve.engine.kt")
 
 class KTModelRunner(ModelRunner):
     def __init__(self, model: nn.Module, layer_devices: list[torch.device], cache: LatentKVCache,
-                 max_model_len: int, flash: Any = None, deferral: ExpertDeferral | None = None):
+                 max_model_len: int, flash: Any = None):
         self.model = model
         self.flash = flash  # engines.kt.flashinfer_mla.FlashInferMLA when FlashInfer attends; None: torch
         self.inner = model.model
@@ -40,9 +40,10 @@ class KTModelRunner(ModelRunner):
                 raise ValueError(f"placement rules: model.layers.{i}.self_attn must be replaced by "
                                  f"engines.kt.operators.MLAAttention (found {type(layer.self_attn).__name__})")
         self._experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
-        # decode steps run each layer's deferred experts into the next layer's (n_deferred_experts)
-        self.deferral = deferral if deferral is not None else ExpertDeferral()
+        # decode steps run each layer's deferred experts into the next layer's (n_deferred_experts), through the
+        # state the model's layers share (OperatorOptions.deferral)
         self.deferring = expert_deferral.link(self._experts)
+        self.deferral = self.deferring[0].deferral if self.deferring else ExpertDeferral()
         self.defer_max_batch = min((expert_deferral.max_batch(e.num_experts, e.top_k, e.deferred)
                                     for e in self.deferring), default=0)
         self.embed_device = self.inner.embed_tokens.weight.device
