@@ -77,6 +77,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "engine picks by model), e.g. DeepSeek-V2-Lite-defer.yaml for expert deferral")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run the KT engine's decode without CUDA graphs (kt_use_cuda_graph off)")
+    p.add_argument("--gpu-prefill-tokens", type=int, default=0, metavar="N",
+                   help="the KT engine's kt_gpu_prefill_tokens: prompt chunks of N tokens or more compute part of "
+                        "the experts on the GPU from streamed weights (default 0: off)")
     args = p.parse_args(argv)
     args.phases = PHASES if not args.only else tuple(x.strip() for x in args.only.split(",") if x.strip())
     unknown = sorted(set(args.phases) - set(PHASES))
@@ -139,7 +142,8 @@ class Bench:
         self.model_dir: Path = args.model_dir or default_model_dir(self.shape)
         self.log_path = self.out / "engines.log"
         meta = {**environment(self.threads), "shape": self.shape.name, "quick": args.quick,
-                "budget": fig(self.budget, "s"), "phases_selected": list(args.phases), "rules": args.rules}
+                "budget": fig(self.budget, "s"), "phases_selected": list(args.phases), "rules": args.rules,
+                "gpu_prefill_tokens": getattr(args, "gpu_prefill_tokens", 0)}
         self.results = Results(self.out, meta)
         self.kt = None  # the loaded KT EngineRun; its label is the experts method
         self.vocab = self.shape.config["vocab_size"]
@@ -225,6 +229,7 @@ class Bench:
                             settings={"kt_method": None if method == RULES else method, "cpu_infer": self.threads,
                                       "kv_cache_tokens": self.plan.kv_cache_tokens(),
                                       "kt_use_cuda_graph": self.cuda_graph, "kt_optimize_rule": self.args.rules,
+                                      "kt_gpu_prefill_tokens": getattr(self.args, "gpu_prefill_tokens", 0),
                                       **settings})
 
     def kt_engine(self, method: str):
@@ -319,7 +324,8 @@ class Bench:
         self.close_engines()  # the child needs the memory
         return child_decode(shape=self.shape.name, quick=self.args.quick, model_dir=self.model_dir,
                             log_path=self.out / "children.log", method=method, threads=threads,
-                            cuda_graph=self.cuda_graph, rules=self.args.rules, deadline=deadline, env=env)
+                            cuda_graph=self.cuda_graph, rules=self.args.rules, deadline=deadline, env=env,
+                            gpu_prefill_tokens=getattr(self.args, "gpu_prefill_tokens", 0))
 
     def step_threads(self, deadline: float) -> None:
         section = self.results.section("thread_sweep")

@@ -93,6 +93,10 @@ class Settings(BaseModel):
     kt_strict_placement: bool = engine_setting(False, "refuse rule files naming GPUs this machine lacks instead of "
                                                       "folding them")
     kt_weight_cache: str | None = engine_setting(None, "directory for pre-quantized expert weights")
+    kt_gpu_prefill_tokens: int = engine_setting(
+        0, "prompt chunks of at least this many tokens compute part of each layer's routed experts on the GPU, "
+           "streaming int8 copies of them from pinned host memory (one more byte of host memory per expert "
+           "weight); 0: off", ge=0)
     kv_cache_tokens: int | None = engine_setting(None, "KV cache capacity in tokens (ktransformers engine)", gt=0)
     prefix_cache: bool = engine_setting(True, "reuse the cached KV pages of a prompt prefix seen before; off: "
                                               "compute every prompt whole")

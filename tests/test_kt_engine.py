@@ -139,3 +139,14 @@ def test_weight_cache_skips_quantization_and_serves_the_same(demo_model_dir, tmp
     written = sorted(p.name for p in tmp_path.iterdir())
     assert written and any(p.suffix in (".kt", ".safetensors") for p in (tmp_path / written[0]).rglob("*"))
     assert scores() == first
+
+
+def test_streamed_experts_without_a_gpu_say_so_and_serve_from_the_cpu(demo_model_dir, caplog):
+    with caplog.at_level("WARNING", logger="ktserve.engine.kt"):
+        running = start_server(demo_model_dir, engine="ktransformers", kt_method="BF16", kt_gpu_prefill_tokens=16)
+    try:
+        assert "kt_gpu_prefill_tokens=16: no CPU-expert layer sends its output to a GPU" in caplog.text
+        assert "gpu_prefill_tokens" not in running.engine.info.details
+        assert prompt_logprobs(running, LONG_TEXT[:300]).token_logprobs[1] < 0
+    finally:
+        running.stop()

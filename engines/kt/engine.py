@@ -146,7 +146,8 @@ class KTEngine(LLMEngine):
                                    fold=_fold_devices(rules, rule_file, kt.kt_strict_placement))
         choices = _expert_methods(placement, kt.kt_method, rule_file, config)
         options = OperatorOptions(max_tokens=cfg.chunk_size + cfg.max_concurrent, cpu_threads=kt.cpu_infer,
-                                  methods={m: c.method for m, c in choices.items()}, checkpoint=str(model_path))
+                                  methods={m: c.method for m, c in choices.items()}, checkpoint=str(model_path),
+                                  gpu_prefill_tokens=kt.kt_gpu_prefill_tokens)
         apply_placement(model, placement, config, options)
         gpu = any(d.startswith("cuda") for d in placement.devices.values())
         dtype = resolve_dtype(cfg.dtype, torch.device("cuda" if gpu else "cpu"))
@@ -172,6 +173,7 @@ class KTEngine(LLMEngine):
                 runner.capture_decode_graphs(cfg.max_concurrent)
             else:
                 log.info("kt_use_cuda_graph: no GPU in the placement; decode runs without CUDA graphs")
+        _log_streamed_experts(options, kt.kt_gpu_prefill_tokens)
         if runner.deferring:
             counts = sorted({layer.deferred for layer in runner.deferring})
             log.info("expert deferral: in decode steps of up to %d sequences, %s of each token's %d experts in %d "
@@ -181,6 +183,8 @@ class KTEngine(LLMEngine):
         log.info("loaded %s with %s (%s, experts on the CPU: %s) in %.1fs", model_path.name, rule_file.name, dtype,
                  uses_cpu_experts(model), time.perf_counter() - started)
         details = {"kt_optimize_rule": rule_file.name}
+        if any(s.layers for s in options.streamers.all()):
+            details["gpu_prefill_tokens"] = str(kt.kt_gpu_prefill_tokens)
         if runner.deferring:
             details["experts_deferred"] = str(max(layer.deferred for layer in runner.deferring))
         for choice in choices.values():
@@ -216,3 +220,19 @@ class KTEngine(LLMEngine):
         missing = missing_tensors(model)
         if missing:
             raise ValueError(f"model: the checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
+
+
+def _log_streamed_experts(options: OperatorOptions, tokens: int) -> None:
+    """Say what kt_gpu_prefill_tokens does on this placement (it needs expert layers whose output is on a GPU)."""
+    if not tokens:
+        return
+    streamers = [s for s in options.streamers.all() if s.layers]
+    if not streamers:
+        log.warning("kt_gpu_prefill_tokens=%d: no CPU-expert layer sends its output to a GPU here, so every "
+                    "prompt chunk computes its experts on the CPU", tokens)
+        return
+    for s in streamers:
+        pinned = sum(h.nbytes for h in s.layers.values())
+        log.info("prompt chunks of >= %d tokens compute part of the routed experts of %d layers on %s, streamed "
+                 "at %.1f GB/s from %.1f GB of pinned int8 copies", tokens, len(s.layers), s.device,
+                 s.pcie_bytes_per_s / 1e9, pinned / 1e9)

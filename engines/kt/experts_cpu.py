@@ -31,6 +31,7 @@ from engines.kt.attention import layer_index
 from engines.kt.cpuinfer import check_thread_count, load_ext, shared_cpu_infer
 from engines.kt.expert_cache import LayerCache
 from engines.kt.expert_deferral import Deferred, ExpertDeferral, check_deferred, split_deferred
+from engines.kt.expert_streaming import ExpertStreamer, HostExperts
 from engines.kt.expert_methods import (METHODS, ExpertsUnsupportedError, check_llamafile_type, kernel_class,
                                        quantize_fp8_blocks, quantize_int4_groups, sft_kernel_class,
                                        unavailable_reason)
@@ -185,7 +186,8 @@ class RoutedExpertsCPU(nn.Module):
                  max_tokens: int = 512, gpu_experts: list[int] | None = None, gpu_device: str = "cpu",
                  activation: str = "silu", llamafile_type: str = "Q8_0", out_device: str | None = None,
                  checkpoint: str | None = None, staging: SharedStaging | None = None, deferred: Any = 0,
-                 deferral: ExpertDeferral | None = None):
+                 deferral: ExpertDeferral | None = None, streamer: ExpertStreamer | None = None,
+                 stream_tokens: int = 0):
         super().__init__()
         method = str(method).upper()
         _check_config(method, layer_idx=layer_idx, num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
@@ -203,6 +205,10 @@ class RoutedExpertsCPU(nn.Module):
         self.defer_into: int | None = None  # the layer that takes them (expert_deferral.link); None: no deferral
         self.deferral = deferral if deferral is not None else ExpertDeferral()  # shared by the model's layers
         self._deferred_in: torch.Tensor | None = None  # the predecessor's deferred output, on the stream path
+        # prompt chunks of at least `stream_tokens` tokens hand part of the experts to the GPU
+        # (engines/kt/expert_streaming.py); None: all on the CPU
+        self.streamer = streamer if stream_tokens > 0 else None
+        self.stream_tokens = stream_tokens
         self.lora: CPUExpertsLora | None = None  # set while an adapter with expert LoRA on this layer is in
         # where a step's time goes (engines/kt/step_timing.py): blocking calls are timed on the host, and
         # stream-ordered ones with CUDA events once the runner sets `events`
@@ -235,7 +241,9 @@ class RoutedExpertsCPU(nn.Module):
                    threads=options.cpu_threads or threads, max_tokens=options.max_tokens,
                    gpu_experts=gpu_experts or None, gpu_device=device, out_device=device,
                    checkpoint=options.checkpoint, staging=options.staging, deferred=n_deferred_experts,
-                   deferral=options.deferral)
+                   deferral=options.deferral, stream_tokens=options.gpu_prefill_tokens,
+                   streamer=options.streamers.for_device(torch.device(device))
+                   if options.gpu_prefill_tokens and torch.device(device).type == "cuda" else None)
 
     # ------------------------------------------------------ what expert LoRA needs (engines/lora/cpu_experts.py)
     def sft_kernel(self) -> tuple[type, Any] | None:
@@ -280,6 +288,7 @@ class RoutedExpertsCPU(nn.Module):
                                  f"got {tensor.dtype} on {tensor.device}")
         with torch.no_grad():
             self._keep_gpu_weights(gate, up, down)
+            self._keep_streamed_weights(gate, up, down)
             gate, up, down = (t.to("cpu", torch.bfloat16).contiguous() for t in (gate, up, down))
             cache = self._cache(cache_dir) if cache_dir is not None and METHODS[self.method].cacheable else None
             if cache is not None:
@@ -309,6 +318,8 @@ class RoutedExpertsCPU(nn.Module):
             self._build_kernel({}, load_dir=cache.root)
         else:
             self._build_kernel(cache.load_prepared())
+        if self.streamer is not None:  # the cache holds kt-kernel's form only: the GPU's comes from the checkpoint
+            self._keep_streamed_weights(*self.read_base_weights())
         log.debug("layer %d: %s experts loaded from %s", self.layer_idx, self.method, cache.dir)
         return True
 
@@ -327,6 +338,12 @@ class RoutedExpertsCPU(nn.Module):
         index = torch.tensor(self.gpu_experts, device="cpu")
         self._gpu_weights = tuple(t.index_select(0, index.to(t.device)).to(self.gpu_device)
                                   for t in (gate, up, down))
+
+    def _keep_streamed_weights(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        if self.streamer is not None:
+            device = self.streamer.device
+            self.streamer.register(self.layer_idx, HostExperts.quantize(gate, up, down, work_device=device,
+                                                                        pin=device.type == "cuda"))
 
     def _prepare_weights(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> dict[str, Any]:
         """bf16 [E, ...] weights -> what the method's kernel reads: {"gate": ..., ...} (plus "<m>_scale")."""
@@ -425,7 +442,11 @@ class RoutedExpertsCPU(nn.Module):
         if self.deferral.active and self.defer_into is not None and 0 < tokens <= self.chunk_tokens:
             immediate_ids, deferred_ids = split_deferred(topk_ids, topk_weights, self.deferred)
         if self._can_use_stream(hidden, tokens):
-            return self._submit_on_stream(hidden, topk_ids, immediate_ids, deferred_ids, topk_weights, tokens)
+            streamed = self._streamed_experts(tokens) if deferred_ids is None else 0
+            if streamed:  # experts [0, streamed) run on the GPU: kt-kernel skips them
+                immediate_ids = immediate_ids.masked_fill((immediate_ids >= 0) & (immediate_ids < streamed), -1)
+            return self._submit_on_stream(hidden, topk_ids, immediate_ids, deferred_ids, topk_weights, tokens,
+                                          streamed)
         with self._lock:
             if self._kernel is None:
                 raise RuntimeError(f"experts of layer {self.layer_idx} have no weights yet; call load_weights")
@@ -537,8 +558,16 @@ class RoutedExpertsCPU(nn.Module):
         return self._staging.get(("stream", role, device, rows, self.hidden_size, self.top_k),
                                  lambda b: True, build)
 
+    def _streamed_experts(self, tokens: int) -> int:
+        """How many experts (the first ones) a call of `tokens` computes on the GPU from streamed weights."""
+        if self.streamer is None or tokens < self.stream_tokens or torch.cuda.is_current_stream_capturing():
+            return 0
+        cpu_bytes = self.num_experts * 3 * self.hidden_size * self.intermediate_size * METHODS[self.method].bits // 8
+        return self.streamer.split(self.layer_idx, tokens, self.top_k, cpu_bytes)
+
     def _submit_on_stream(self, hidden: torch.Tensor, topk_ids: torch.Tensor, immediate_ids: torch.Tensor,
-                          deferred_ids: torch.Tensor | None, topk_weights: torch.Tensor, tokens: int) -> None:
+                          deferred_ids: torch.Tensor | None, topk_weights: torch.Tensor, tokens: int,
+                          streamed: int = 0) -> None:
         with self._lock:
             if self._pending is not None:
                 raise RuntimeError(f"experts of layer {self.layer_idx}: submit called again before sync")
@@ -560,6 +589,10 @@ class RoutedExpertsCPU(nn.Module):
                 self._stream_task(stream, b, d, size, deferred_ids, topk_weights, tokens)
                 deferred = Deferred(self.defer_into, tokens, d.out)
             gpu_part = self._hot_experts(hidden, topk_ids, topk_weights) if self._gpu_weights else None
+            if streamed:
+                ids = self._without_hot_experts(topk_ids) if self.gpu_experts else topk_ids
+                part = self.streamer.compute(self.layer_idx, hidden, ids, topk_weights, streamed)
+                gpu_part = part if gpu_part is None else gpu_part + part
             self._pending = _StreamPending(tokens, b, hidden.dtype, stream, gpu_part, deferred)
 
     def _stream_task(self, stream: "torch.cuda.Stream", inputs: _StreamBuffers, task: _StreamBuffers,

@@ -24,6 +24,7 @@ from torch import nn
 from engines.kt.attention import DecodeBatch, MLAAttention, Span, StepBatch, layer_index
 from engines.kt.expert_deferral import ExpertDeferral
 from engines.kt.expert_methods import DEFAULT_METHOD, normalize_method
+from engines.kt.expert_streaming import ExpertStreamers
 from engines.kt.experts import RoutedExperts
 from engines.kt.experts_cpu import RoutedExpertsCPU, SharedStaging
 
@@ -44,6 +45,10 @@ class OperatorOptions:
     staging: SharedStaging = field(default_factory=SharedStaging, compare=False, repr=False)
     # the state decode steps pass deferred experts between layers in (engines/kt/expert_deferral.py)
     deferral: ExpertDeferral = field(default_factory=ExpertDeferral, compare=False, repr=False)
+    # expert calls of at least this many tokens on a GPU compute part of the experts there, their weights
+    # streamed by the model's streamers (engines/kt/expert_streaming.py); 0: off
+    gpu_prefill_tokens: int = 0
+    streamers: ExpertStreamers = field(default_factory=ExpertStreamers, compare=False, repr=False)
 
     def method_for(self, requested: str | None) -> str:
         wanted = normalize_method(requested or DEFAULT_METHOD, "method")

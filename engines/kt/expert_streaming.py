@@ -1,0 +1,314 @@
+"""Routed experts of prompt chunks computed partly on the GPU, their weights streamed from pinned host memory
+(`kt_gpu_prefill_tokens`).
+
+A prompt chunk of T tokens picks nearly every expert of every layer (64 x (1 - (58/64)^T) of V2-Lite's 64 at
+T = 128 is 64.0), so the CPU reads all of a layer's expert bytes once per chunk, and for long chunks it is
+bound by arithmetic as well. The GPU has spare arithmetic and its own path to host memory (PCIe), so a chunk
+of at least `kt_gpu_prefill_tokens` tokens splits each layer's experts: experts [0, n) are copied to the GPU
+and computed there while kt-kernel computes the rest on the CPU, both at once. `ExpertStreamer.split` picks n
+so that both sides take about as long (`split_experts`).
+
+The GPU side reads its own copy of the experts: int8 with a float32 scale per output row (`HostExperts`), in
+host memory pinned in place (cudaHostRegister, so no power-of-two rounding of torch's pinned allocator). That
+costs one byte per expert weight of host memory on top of kt-kernel's own form, the reason this is opt-in. The
+weights travel in groups of `GROUP` experts through a ring of `RING` GPU buffers on a copy stream: while the GPU
+computes one group the next ones are in flight, and the last groups of a layer prefetch the next layer's
+first. One host sync per layer (the per-expert token counts) bounds the Python side.
+
+Everything here also runs on the CPU (no streams, plain copies), which is how the tests check its arithmetic
+and its buffer ring where there is no GPU.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("ktserve.engine.kt")
+
+GROUP = 8  # experts per copy: 69 MB of int8 for a V2-Lite layer's eight
+RING = 3  # GPU buffers of a group each: one computing, two in flight
+
+# What the CPU side does, for the split. Measured on the GPU machine (nvidia-h200, 14 kt-kernel threads): the
+# INT8 MoE forward of one V2-Lite layer reads its experts at 49-52 GB/s (`python -m bench.expert_floor`), and a
+# 2,048-token prompt took 0.87 s with every layer's experts on the CPU (2,048 x 6 x 26 token-experts).
+CPU_EXPERT_BYTES_PER_S = 50e9
+CPU_TOKEN_EXPERTS_PER_S = 2048 * 6 * 26 / 0.87
+
+
+def split_experts(tokens: int, top_k: int, num_experts: int, cpu_bytes: int, gpu_bytes: int,
+                  pcie_bytes_per_s: float) -> int:
+    """How many of a layer's experts the GPU should take for a chunk of `tokens`, so that the CPU (bound by
+    reading its `cpu_bytes` of experts, or by arithmetic: `CPU_TOKEN_EXPERTS_PER_S`) and the GPU (bound by
+    copying `gpu_bytes` over PCIe) finish together. Both sides scale with the share of experts they take."""
+    cpu = max(cpu_bytes / CPU_EXPERT_BYTES_PER_S, tokens * top_k / CPU_TOKEN_EXPERTS_PER_S)
+    gpu = gpu_bytes / pcie_bytes_per_s
+    return min(num_experts, max(0, round(num_experts * cpu / (cpu + gpu))))
+
+
+def _quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., rows, cols] -> (int8 [..., rows, cols], float32 [..., rows]); weight ~= q * scale per row."""
+    w = weight.float()
+    scale = w.abs().amax(dim=-1).clamp_min(1e-12) / 127
+    return torch.round(w / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8), scale
+
+
+PAGE = 4096
+
+
+def _host_tensors(specs: list[tuple[tuple[int, ...], torch.dtype]], pin: bool
+                  ) -> tuple[list[torch.Tensor], Callable[[], None] | None]:
+    """Tensors of these shapes and dtypes laid out in one host allocation, page-locked where it lies when
+    `pin` (cudaHostRegister: exact size, no power-of-two rounding as torch's pinned allocator has), and the
+    call that unpins it (None when not pinned). The registered range is whole pages inside the allocation,
+    so it never shares a page with another registration."""
+    sizes = [torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
+    aligned = [-(-size // 64) * 64 for size in sizes]
+    total = -(-sum(aligned) // PAGE) * PAGE
+    raw = torch.empty(total + PAGE, dtype=torch.uint8)
+    skip = -raw.data_ptr() % PAGE
+    block = raw[skip:skip + total]
+    unpin = None
+    if pin:
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(block.data_ptr(), total, 0)) != 0:
+            raise RuntimeError(f"could not pin {total} bytes of host memory for streamed experts")
+        unpin = partial(cudart.cudaHostUnregister, block.data_ptr())
+    out, offset = [], 0
+    for (shape, dtype), size, step in zip(specs, sizes, aligned):
+        out.append(block[offset:offset + size].view(dtype).view(shape))
+        offset += step
+    return out, unpin
+
+
+@dataclass(slots=True, weakref_slot=True)
+class HostExperts:
+    """One layer's routed experts as the GPU side reads them: int8 with a float32 scale per output row."""
+
+    gate_up: torch.Tensor  # int8 [E, 2I, H]: gate rows, then up rows
+    gate_up_scale: torch.Tensor  # float32 [E, 2I]
+    down: torch.Tensor  # int8 [E, H, I]
+    down_scale: torch.Tensor  # float32 [E, H]
+
+    @classmethod
+    def quantize(cls, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
+                 work_device: torch.device | str = "cpu", pin: bool = False) -> "HostExperts":
+        """From the checkpoint's gate/up [E, I, H] and down [E, H, I]; quantized one expert at a time on
+        `work_device` (a GPU does a V2-Lite layer in well under a second) into host memory."""
+        E, I, H = gate.shape
+        tensors, unpin = _host_tensors([((E, 2 * I, H), torch.int8), ((E, 2 * I), torch.float32),
+                                        ((E, H, I), torch.int8), ((E, H), torch.float32)], pin)
+        host = cls(*tensors)
+        if unpin is not None:  # the memory stays pinned as long as this object holds it
+            weakref.finalize(host, unpin)
+        for e in range(E):
+            gu = torch.cat([gate[e], up[e]]).to(work_device)
+            q, s = _quantize_rows(gu)
+            host.gate_up[e].copy_(q)
+            host.gate_up_scale[e].copy_(s)
+            q, s = _quantize_rows(down[e].to(work_device))
+            host.down[e].copy_(q)
+            host.down_scale[e].copy_(s)
+        return host
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.gate_up, self.gate_up_scale, self.down, self.down_scale
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+@dataclass(slots=True)
+class _Slot:
+    """One GPU buffer of the ring: a group of experts, the events ordering its copy and its use."""
+
+    tensors: tuple[torch.Tensor, ...]  # as HostExperts.tensors(), GROUP experts each
+    ready: torch.cuda.Event | None  # its copy finished (recorded on the copy stream)
+    free: torch.cuda.Event | None  # the computation reading it finished (recorded on the compute stream)
+    tag: tuple[int, int, int] = (-1, -1, -1)  # (layer, first expert, experts) it holds or is receiving
+
+
+@dataclass
+class StreamStats:
+    chunks: int = 0  # layer calls that streamed experts
+    experts: int = 0  # experts computed on the GPU
+    bytes: int = 0  # bytes copied to the GPU
+
+
+@dataclass
+class ExpertStreamer:
+    """The GPU side of one model's prompt chunks on `device`: every layer's `HostExperts`, the ring, the copy
+    stream. A model's layers run one after another on one stream, so they share one streamer (per device)."""
+
+    device: torch.device
+    layers: dict[int, HostExperts] = field(default_factory=dict)
+    stats: StreamStats = field(default_factory=StreamStats)
+    pcie_bytes_per_s: float | None = None  # measured when the first layer registers
+
+    def __post_init__(self) -> None:
+        self._ring: list[_Slot] = []
+        self._next = 0  # the ring slot the next copy fills
+        self._queue: deque[_Slot] = deque()  # filled (or filling) slots not yet computed, oldest first
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    # ------------------------------------------------------------------------------------------ set-up
+    def register(self, layer: int, host: HostExperts) -> None:
+        self.layers[layer] = host
+        if not self._ring:
+            self._build_ring(host)
+        if self.pcie_bytes_per_s is None:
+            self.pcie_bytes_per_s = self._measure_copy(host)
+
+    def _build_ring(self, host: HostExperts) -> None:
+        cuda = self.device.type == "cuda"
+        for _ in range(RING):
+            tensors = tuple(torch.empty((GROUP, *t.shape[1:]), dtype=t.dtype, device=self.device)
+                            for t in host.tensors())
+            self._ring.append(_Slot(tensors, torch.cuda.Event() if cuda else None,
+                                    torch.cuda.Event() if cuda else None))
+        _, two_i, h = host.gate_up.shape
+        # the bf16 form of the group being computed (int8 values are exact in bf16)
+        self._gate_up = torch.empty(GROUP, two_i, h, dtype=torch.bfloat16, device=self.device)
+        self._down = torch.empty(GROUP, h, two_i // 2, dtype=torch.bfloat16, device=self.device)
+
+    def _measure_copy(self, host: HostExperts) -> float:
+        """Host-to-GPU bytes per second of one group's copy (the second of two; the first warms up)."""
+        if self.device.type != "cuda":
+            return float("inf")
+        slot = self._ring[0]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self._copy_stream):
+            for timed in (False, True):
+                if timed:
+                    start.record()
+                for dst, src in zip(slot.tensors, host.tensors()):
+                    dst.copy_(src[:GROUP], non_blocking=True)
+            end.record()
+        end.synchronize()
+        group_bytes = sum(t[:GROUP].numel() * t.element_size() for t in host.tensors())
+        rate = group_bytes / (start.elapsed_time(end) / 1e3)
+        log.info("streamed experts: host-to-GPU copies run at %.1f GB/s on %s", rate / 1e9, self.device)
+        return rate
+
+    def split(self, layer: int, tokens: int, top_k: int, cpu_bytes: int) -> int:
+        """Experts [0, n) of `layer` the GPU takes for a chunk of `tokens` (`split_experts`)."""
+        host = self.layers.get(layer)
+        if host is None:
+            return 0
+        gpu_bytes = host.gate_up.nbytes + host.down.nbytes
+        return split_experts(tokens, top_k, host.gate_up.shape[0], cpu_bytes, gpu_bytes, self.pcie_bytes_per_s)
+
+    # ------------------------------------------------------------------------------------------ compute
+    @torch.no_grad()
+    def compute(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                experts: int) -> torch.Tensor:
+        """sum over the routed experts below `experts` of weight * expert(hidden), float32 [T, H] on the device;
+        queued on the current stream (one host sync: the per-expert token counts)."""
+        tokens, top_k = topk_ids.shape
+        flat = topk_ids.reshape(-1).to(self.device)
+        key = torch.where((flat >= 0) & (flat < experts), flat, experts)  # the CPU's share sorts last
+        order = key.argsort(stable=True)
+        counts = torch.bincount(key, minlength=experts + 1)[:experts].tolist()
+        taken = sum(counts)
+        order = order[:taken]
+        token = order // top_k
+        x = hidden.to(self.device, torch.bfloat16).index_select(0, token)
+        y = torch.empty(taken, hidden.shape[1], dtype=torch.bfloat16, device=self.device)
+        out = torch.zeros(tokens, hidden.shape[1], dtype=torch.float32, device=self.device)
+        if taken == 0:
+            return out
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        starts = range(0, experts, GROUP)
+        plan = [(layer, s, min(GROUP, experts - s)) for s in starts]
+        following = min((k for k in self.layers if k > layer), default=None)
+        if following is not None:  # the next layer most likely takes the same share of the next chunk-layer
+            plan += [(following, s, n) for _, s, n in plan[:RING]]
+        self._keep_prefetched(plan)
+        filled = len(self._queue)
+        offset = 0
+        for start, n in ((s, n) for _, s, n in plan[:len(starts)]):
+            while filled < len(plan) and len(self._queue) < RING:
+                self._fill(plan[filled])
+                filled += 1
+            slot = self._queue.popleft()
+            if stream is not None:
+                stream.wait_event(slot.ready)
+            offset = self._compute_group(slot, counts[start:start + n], x, y, offset)
+            if stream is not None:
+                slot.free.record(stream)
+        while filled < len(plan) and len(self._queue) < RING:  # prefetch the next layer's first groups
+            self._fill(plan[filled])
+            filled += 1
+        weights = topk_weights.reshape(-1).to(self.device, torch.float32)[order]
+        out.index_add_(0, token, y.float() * weights.unsqueeze(1))
+        self.stats.chunks += 1
+        self.stats.experts += experts
+        return out
+
+    def _compute_group(self, slot: _Slot, counts: list[int], x: torch.Tensor, y: torch.Tensor,
+                       offset: int) -> int:
+        gate_up_q, gate_up_s, down_q, down_s = slot.tensors
+        n = len(counts)
+        gate_up, down = self._gate_up[:n], self._down[:n]
+        gate_up.copy_(gate_up_q[:n])
+        down.copy_(down_q[:n])
+        gate_up_s, down_s = gate_up_s[:n].to(torch.bfloat16), down_s[:n].to(torch.bfloat16)
+        inter = down.shape[2]
+        for j, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = slice(offset, offset + count)
+            h = (x[rows] @ gate_up[j].T) * gate_up_s[j]
+            act = F.silu(h[:, :inter]) * h[:, inter:]
+            torch.mul(act @ down[j].T, down_s[j], out=y[rows])
+            offset += count
+        return offset
+
+    # ------------------------------------------------------------------------------------------ the ring
+    def _keep_prefetched(self, plan: list[tuple[int, int, int]]) -> None:
+        """Keep the slots already filled when they are the start of `plan`, else drop them all (their data is
+        simply overwritten later: each slot's next copy waits for its last use)."""
+        if [slot.tag for slot in self._queue] != plan[:len(self._queue)]:
+            self._queue.clear()
+
+    def _fill(self, tag: tuple[int, int, int]) -> None:
+        """Queue the copy of `tag`'s experts into the next ring slot, after that slot's last computation."""
+        layer, start, n = tag
+        slot = self._ring[self._next]
+        self._next = (self._next + 1) % RING
+        host = self.layers[layer]
+        if self._copy_stream is None:
+            for dst, src in zip(slot.tensors, host.tensors()):
+                dst[:n].copy_(src[start:start + n])
+        else:
+            self._copy_stream.wait_event(slot.free)
+            with torch.cuda.stream(self._copy_stream):
+                for dst, src in zip(slot.tensors, host.tensors()):
+                    dst[:n].copy_(src[start:start + n], non_blocking=True)
+            slot.ready.record(self._copy_stream)
+        slot.tag = tag
+        self.stats.bytes += sum(t[start:start + n].numel() * t.element_size() for t in host.tensors())
+        self._queue.append(slot)
+
+
+class ExpertStreamers:
+    """One model's streamers, one per GPU its expert layers send output to (OperatorOptions.streamers)."""
+
+    def __init__(self) -> None:
+        self._by_device: dict[torch.device, ExpertStreamer] = {}
+
+    def for_device(self, device: torch.device) -> ExpertStreamer:
+        found = self._by_device.get(device)
+        if found is None:
+            found = self._by_device[device] = ExpertStreamer(device)
+        return found
+
+    def all(self) -> list[ExpertStreamer]:
+        return list(self._by_device.values())

@@ -1,0 +1,123 @@
+"""Streamed experts (engines/kt/expert_streaming.py, `kt_gpu_prefill_tokens`): the arithmetic of the GPU side,
+the buffer ring and the split, checked on the CPU (the same code with plain copies instead of a copy stream).
+The GPU path itself: tests/test_kt_gpu_streamed_experts.py."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engines.kt.expert_streaming import (CPU_EXPERT_BYTES_PER_S, GROUP, RING, ExpertStreamer, HostExperts,
+                                         split_experts)
+
+E, I, H, TOP_K = 20, 64, 128, 4  # 20 experts: two full groups of 8 and a partial one
+
+
+def layer_weights(seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(E, *shape, generator=g) * 0.1 for shape in ((I, H), (I, H), (H, I)))
+
+
+def routing(tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(tokens)])
+    ids[0, -1] = -1  # an empty slot contributes nothing
+    return hidden, ids, torch.rand(tokens, TOP_K, generator=g)
+
+
+def reference(host: HostExperts, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+              below: int) -> torch.Tensor:
+    """float32 sum over the experts below `below`, from the int8 weights the streamer reads."""
+    gate_up = host.gate_up.float() * host.gate_up_scale.unsqueeze(-1)
+    down = host.down.float() * host.down_scale.unsqueeze(-1)
+    out = torch.zeros(hidden.shape[0], H)
+    for t in range(hidden.shape[0]):
+        for k in range(TOP_K):
+            e = int(ids[t, k])
+            if 0 <= e < below:
+                gate, up = (hidden[t].float() @ gate_up[e].T).split(I)
+                out[t] += weights[t, k] * ((F.silu(gate) * up) @ down[e].T)
+    return out
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    # bf16 operands and products: ~3 significant digits
+    assert (actual - expected).norm() <= 2e-2 * expected.norm(), float((actual - expected).norm() / expected.norm())
+
+
+def streamer_with(*layers: int) -> ExpertStreamer:
+    streamer = ExpertStreamer(torch.device("cpu"))
+    for layer in layers:
+        streamer.register(layer, HostExperts.quantize(*layer_weights(layer)))
+    return streamer
+
+
+def test_int8_rows_reproduce_the_weights_within_half_a_step():
+    gate, up, down = layer_weights(0)
+    host = HostExperts.quantize(gate, up, down)
+    restored = host.down.float() * host.down_scale.unsqueeze(-1)
+    assert host.down.dtype == torch.int8 and host.gate_up.shape == (E, 2 * I, H)
+    assert ((restored - down).abs() <= host.down_scale.unsqueeze(-1) / 2 + 1e-7).all()
+
+
+def test_streamed_experts_compute_the_weighted_sum_of_every_expert():
+    streamer = streamer_with(3)
+    hidden, ids, weights = routing(37)
+    out = streamer.compute(3, hidden, ids, weights, E)
+    assert out.dtype == torch.float32 and out.shape == (37, H)
+    assert_close(out, reference(streamer.layers[3], hidden, ids, weights, E))
+
+
+def test_only_experts_below_the_split_are_computed_on_the_streaming_side():
+    streamer = streamer_with(3)
+    hidden, ids, weights = routing(37)
+    out = streamer.compute(3, hidden, ids, weights, 11)  # one full group and three of the next
+    assert_close(out, reference(streamer.layers[3], hidden, ids, weights, 11))
+    assert streamer.stats.experts == 11
+
+
+def test_a_layer_uses_the_groups_the_previous_layer_prefetched_for_it():
+    streamer = streamer_with(1, 2)
+    hidden, ids, weights = routing(16)
+    host_bytes = {layer: h.gate_up.nbytes + h.gate_up_scale.nbytes + h.down.nbytes + h.down_scale.nbytes
+                  for layer, h in streamer.layers.items()}
+    streamer.compute(1, hidden, ids, weights, E)
+    assert [slot.tag for slot in streamer._queue] == [(2, 0, GROUP), (2, GROUP, GROUP), (2, 2 * GROUP, E - 2 * GROUP)]
+    out = streamer.compute(2, hidden, ids, weights, E)
+    assert streamer.stats.bytes == host_bytes[1] + host_bytes[2]  # nothing copied twice
+    assert_close(out, reference(streamer.layers[2], hidden, ids, weights, E))
+
+
+def test_a_prefetch_for_another_split_is_dropped_and_the_result_stays_right():
+    streamer = streamer_with(1, 2)
+    hidden, ids, weights = routing(16)
+    streamer.compute(1, hidden, ids, weights, E)  # prefetches layer 2's groups of a 20-expert split
+    out = streamer.compute(2, hidden, ids, weights, 9)
+    assert_close(out, reference(streamer.layers[2], hidden, ids, weights, 9))
+    assert len(streamer._queue) <= RING
+
+
+def test_the_last_layer_prefetches_nothing():
+    streamer = streamer_with(1, 2)
+    hidden, ids, weights = routing(8)
+    streamer.compute(2, hidden, ids, weights, E)
+    assert not streamer._queue
+
+
+def test_a_call_whose_tokens_all_go_to_the_cpu_returns_zeros():
+    streamer = streamer_with(1)
+    hidden, ids, weights = routing(8)
+    out = streamer.compute(1, hidden, ids.clamp_min(12), weights, 12)
+    assert torch.equal(out, torch.zeros(8, H))
+
+
+def test_the_split_is_even_when_both_sides_are_bound_by_the_same_bandwidth():
+    layer = 64 * 3 * 2048 * 1408  # V2-Lite, int8 on both sides
+    assert split_experts(128, 6, 64, layer, layer, CPU_EXPERT_BYTES_PER_S) == 32
+
+
+def test_the_gpu_takes_more_experts_as_chunks_grow():
+    layer = 64 * 3 * 2048 * 1408
+    shares = [split_experts(t, 6, 64, layer, layer, 50e9) for t in (128, 1024, 2048, 8192)]
+    assert shares == sorted(shares) and shares[0] < shares[-1] <= 64
+    assert split_experts(128, 6, 64, layer, layer, float("inf")) == 64  # copying costs nothing: all on the GPU

@@ -1,0 +1,93 @@
+"""Streamed experts on a GPU (`kt_gpu_prefill_tokens`, engines/kt/expert_streaming.py): prompt chunks split
+each layer's routed experts between the GPU (int8 weights streamed from pinned host memory) and kt-kernel
+(run on a GPU machine: pytest -m gpu). Asserts agreement, never time."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import start_server
+from helpers import forward_logprobs
+from test_kt_gpu import GPU_MEDIAN_LOGPROB_DIFF, GPU_MIN_TOP1_AGREEMENT, TEXT
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def experts_layer(streamer, layer_idx=90):
+    from engines.kt.experts_cpu import RoutedExpertsCPU
+
+    torch.manual_seed(0)
+    experts = RoutedExpertsCPU(layer_idx=layer_idx, num_experts=24, top_k=4, hidden_size=256,
+                               intermediate_size=256, method="BF16", max_tokens=64, gpu_device="cuda",
+                               streamer=streamer, stream_tokens=8)
+    experts.load_weights(*(torch.randn(24, 256, 256, dtype=torch.bfloat16) * 0.05 for _ in range(3)))
+    return experts
+
+
+def routed(tokens):
+    hidden = torch.randn(tokens, 256, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(24)[:4] for _ in range(tokens)])
+    return hidden, ids, torch.rand(tokens, 4)
+
+
+@pytest.mark.parametrize("pcie_share", [1.0, 0.5], ids=["all-on-the-gpu", "split-with-the-cpu"])
+def test_a_streamed_chunk_equals_the_experts_on_the_cpu(pcie_share):
+    from engines.kt.expert_streaming import ExpertStreamer
+
+    streamer = ExpertStreamer(torch.device("cuda"))
+    experts = experts_layer(streamer)
+    # the split follows the measured copy rate: make copying free, or as slow as the CPU's reading
+    streamer.pcie_bytes_per_s = float("inf") if pcie_share == 1.0 else 1.0
+    hidden, ids, weights = routed(40)
+    on_cpu = experts(hidden, ids, weights).float()
+    split = experts._streamed_experts(40)
+    on_gpu = experts(hidden.cuda(), ids.cuda(), weights.cuda()).float().cpu()
+    assert (split == 24) if pcie_share == 1.0 else (0 < split < 24)
+    assert streamer.stats.experts == split
+    assert (on_gpu - on_cpu).norm() <= 2e-2 * on_cpu.norm()
+
+
+def test_decode_sized_calls_stay_on_the_cpu():
+    from engines.kt.expert_streaming import ExpertStreamer
+
+    streamer = ExpertStreamer(torch.device("cuda"))
+    experts = experts_layer(streamer)
+    hidden, ids, weights = routed(4)  # below stream_tokens
+    experts(hidden.cuda(), ids.cuda(), weights.cuda())
+    torch.cuda.synchronize()
+    assert streamer.stats.chunks == 0
+
+
+@pytest.fixture(scope="module")
+def streamed_server(demo_model_dir):
+    running = start_server(demo_model_dir, engine="ktransformers", kt_method="BF16", kt_gpu_prefill_tokens=16)
+    yield running
+    running.stop()
+
+
+def test_prompt_logprobs_with_streamed_experts_agree_with_transformers(streamed_server, tokenizer,
+                                                                     reference_model):
+    from engines.kt.experts_cpu import RoutedExpertsCPU
+
+    layers = [m for m in streamed_server.engine._runner.model.modules()
+              if isinstance(m, RoutedExpertsCPU) and m.streamer is not None]
+    assert layers, "no expert layer streams to the GPU"
+    streamer = layers[0].streamer
+    before = streamer.stats.chunks
+    ids = tokenizer.encode(tokenizer.decode(tokenizer.encode(TEXT)[:300], skip_special_tokens=True))
+    reply = streamed_server.openai().completions.create(
+        model=streamed_server.engine.info.id, prompt=tokenizer.decode(ids, skip_special_tokens=True),
+        max_tokens=0, echo=True, logprobs=1)
+    lp = reply.choices[0].logprobs
+    reference = forward_logprobs(reference_model, ids)
+    diffs = sorted(abs(lp.token_logprobs[i] - float(reference[i - 1, ids[i]])) for i in range(1, len(ids)))
+    agree = sum(max(lp.top_logprobs[i], key=lp.top_logprobs[i].get) ==
+                tokenizer.decode([int(reference[i - 1].argmax())]) for i in range(1, len(ids))) / (len(ids) - 1)
+    print(json.dumps({"streamed_median_logprob_diff": diffs[len(diffs) // 2], "streamed_top1_agreement": agree,
+                      "streamed_layer_calls": streamer.stats.chunks - before}))
+    assert streamer.stats.chunks - before == len(layers)  # one prompt chunk: every layer streamed once
+    assert diffs[len(diffs) // 2] < GPU_MEDIAN_LOGPROB_DIFF
+    assert agree >= GPU_MIN_TOP1_AGREEMENT
