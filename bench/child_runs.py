@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def child_decode(*, shape: str, quick: bool, model_dir: Path, log_path: Path, method: str, threads: int | None,
                  cuda_graph: bool, rules: str | None, deadline: float, env: dict[str, str] | None = None,
-                 gpu_prefill_tokens: int = 0) -> dict:
+                 gpu_prefill_tokens: int = 0, chunk_size: int = 2048) -> dict:
     """Run the decode phase of `method` ("rules": whatever the placement rules choose on that build) in a child
     process under the parent's rule file (`rules`, None: the default); its kt section entry, with the child's meta
     and phase outcome. Raises RuntimeError when the child fails or produces nothing."""
@@ -35,6 +35,7 @@ def child_decode(*, shape: str, quick: bool, model_dir: Path, log_path: Path, me
         cmd += [] if cuda_graph else ["--no-cuda-graph"]
         cmd += [] if rules is None else ["--rules", rules]
         cmd += ["--gpu-prefill-tokens", str(gpu_prefill_tokens)] if gpu_prefill_tokens else []
+        cmd += ["--chunk-size", str(chunk_size)]
         with open(log_path, "a") as log:
             log.write(f"\n$ {' '.join(f'{k}={v}' for k, v in (env or {}).items())} {' '.join(cmd)}\n")
             log.flush()

@@ -77,6 +77,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "engine picks by model), e.g. DeepSeek-V2-Lite-defer.yaml for expert deferral")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run the KT engine's decode without CUDA graphs (kt_use_cuda_graph off)")
+    p.add_argument("--chunk-size", type=int, default=2048, metavar="N",
+                   help="the engines' prefill chunk size in tokens (default 2048, the server's default)")
     p.add_argument("--gpu-prefill-tokens", type=int, default=0, metavar="N",
                    help="the KT engine's kt_gpu_prefill_tokens: prompt chunks of N tokens or more compute part of "
                         "the experts on the GPU from streamed weights (default 0: off)")
@@ -143,7 +145,7 @@ class Bench:
         self.log_path = self.out / "engines.log"
         meta = {**environment(self.threads), "shape": self.shape.name, "quick": args.quick,
                 "budget": fig(self.budget, "s"), "phases_selected": list(args.phases), "rules": args.rules,
-                "gpu_prefill_tokens": getattr(args, "gpu_prefill_tokens", 0)}
+                "gpu_prefill_tokens": getattr(args, "gpu_prefill_tokens", 0), "chunk_size": getattr(args, "chunk_size", 2048)}
         self.results = Results(self.out, meta)
         self.kt = None  # the loaded KT EngineRun; its label is the experts method
         self.vocab = self.shape.config["vocab_size"]
@@ -226,6 +228,7 @@ class Bench:
 
         return EngineConfig(model_path=str(self.model_dir), model_name=f"bench-{self.shape.name}",
                             max_concurrent=max(self.plan.http_levels), max_model_len=self.plan.max_model_len(),
+                            chunk_size=getattr(self.args, "chunk_size", 2048),
                             settings={"kt_method": None if method == RULES else method, "cpu_infer": self.threads,
                                       "kv_cache_tokens": self.plan.kv_cache_tokens(),
                                       "kt_use_cuda_graph": self.cuda_graph, "kt_optimize_rule": self.args.rules,
@@ -325,7 +328,8 @@ class Bench:
         return child_decode(shape=self.shape.name, quick=self.args.quick, model_dir=self.model_dir,
                             log_path=self.out / "children.log", method=method, threads=threads,
                             cuda_graph=self.cuda_graph, rules=self.args.rules, deadline=deadline, env=env,
-                            gpu_prefill_tokens=getattr(self.args, "gpu_prefill_tokens", 0))
+                            gpu_prefill_tokens=getattr(self.args, "gpu_prefill_tokens", 0),
+                            chunk_size=getattr(self.args, "chunk_size", 2048))
 
     def step_threads(self, deadline: float) -> None:
         section = self.results.section("thread_sweep")

@@ -39,8 +39,8 @@ def test_a_streamed_chunk_equals_the_experts_on_the_cpu(pcie_share):
 
     streamer = ExpertStreamer(torch.device("cuda"))
     experts = experts_layer(streamer)
-    # the split follows the measured copy rate: make copying free, or as slow as the CPU's reading
-    streamer.pcie_bytes_per_s = float("inf") if pcie_share == 1.0 else 1.0
+    # the split follows the copy rate: make copying free, or take about as long as the CPU side (0.4 ms)
+    streamer.pcie_bytes_per_s = float("inf") if pcie_share == 1.0 else 1e10  # ~ the CPU side's time
     hidden, ids, weights = routed(40)
     on_cpu = experts(hidden, ids, weights).float()
     split = experts._streamed_experts(40)

@@ -183,8 +183,10 @@ class KTEngine(LLMEngine):
         log.info("loaded %s with %s (%s, experts on the CPU: %s) in %.1fs", model_path.name, rule_file.name, dtype,
                  uses_cpu_experts(model), time.perf_counter() - started)
         details = {"kt_optimize_rule": rule_file.name}
-        if any(s.layers for s in options.streamers.all()):
+        streaming = [s for s in options.streamers.all() if s.layers]
+        if streaming:
             details["gpu_prefill_tokens"] = str(kt.kt_gpu_prefill_tokens)
+            details["gpu_prefill_copy_gbps"] = f"{min(s.pcie_bytes_per_s for s in streaming) / 1e9:.1f}"
         if runner.deferring:
             details["experts_deferred"] = str(max(layer.deferred for layer in runner.deferring))
         for choice in choices.values():

@@ -40,16 +40,25 @@ RING = 3  # GPU buffers of a group each: one computing, two in flight
 # 2,048-token prompt took 0.87 s with every layer's experts on the CPU (2,048 x 6 x 26 token-experts).
 CPU_EXPERT_BYTES_PER_S = 50e9
 CPU_TOKEN_EXPERTS_PER_S = 2048 * 6 * 26 / 0.87
+# Where the balance gives the GPU at least this share, it takes every expert: the CPU's remainder costs more than
+# it saves (the chunk's copy to the host and back, the stream callbacks, and the CPU and the copy engine reading
+# the same DRAM). `python -m bench.expert_streaming` on the H100 machine (54.5 GB/s copies), ms per V2-Lite
+# layer, all on the CPU / all on the GPU / split: 2,048 tokens 38.8 / 12.0 / 12.5 (49 of 64 on the GPU),
+# 8,192 tokens 110.7 / 13.5 / 15.6 (59); while at 512 tokens 15.8 / 10.2 / 8.4 (33) and at 128 10.5 / 13.5 / 9.4
+# (33) the split is the fastest.
+ALL_ON_GPU_SHARE = 0.75
 
 
 def split_experts(tokens: int, top_k: int, num_experts: int, cpu_bytes: int, gpu_bytes: int,
                   pcie_bytes_per_s: float) -> int:
     """How many of a layer's experts the GPU should take for a chunk of `tokens`, so that the CPU (bound by
     reading its `cpu_bytes` of experts, or by arithmetic: `CPU_TOKEN_EXPERTS_PER_S`) and the GPU (bound by
-    copying `gpu_bytes` over PCIe) finish together. Both sides scale with the share of experts they take."""
+    copying `gpu_bytes` over PCIe) finish together: both sides scale with the share of experts they take.
+    All of them from `ALL_ON_GPU_SHARE` on."""
     cpu = max(cpu_bytes / CPU_EXPERT_BYTES_PER_S, tokens * top_k / CPU_TOKEN_EXPERTS_PER_S)
     gpu = gpu_bytes / pcie_bytes_per_s
-    return min(num_experts, max(0, round(num_experts * cpu / (cpu + gpu))))
+    share = cpu / (cpu + gpu)
+    return num_experts if share >= ALL_ON_GPU_SHARE else max(0, round(num_experts * share))
 
 
 def _quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
