@@ -144,6 +144,16 @@ class _StreamPending:
     deferred: Deferred | None = None
 
 
+@dataclass(slots=True)
+class _GPUPending:
+    """A call the GPU computed whole from streamed experts: kt-kernel had nothing to do."""
+
+    tokens: int
+    out: torch.Tensor
+    dtype: torch.dtype
+    deferred: None = None
+
+
 def _check_config(method: str, *, threads: int | None, activation: str, llamafile_type: str,
                   **sizes: int) -> None:
     """ValueError (ExpertsUnsupportedError for the method) naming whatever the arguments get wrong."""
@@ -427,7 +437,7 @@ class RoutedExpertsCPU(nn.Module):
     def wait(self) -> torch.Tensor:
         """sync() with the output on `out_device`; a blocking wait is timed into `host_times`."""
         started = time.perf_counter()
-        streamed = isinstance(self._pending, _StreamPending)
+        streamed = isinstance(self._pending, (_StreamPending, _GPUPending))
         out = self.sync()
         if not streamed:
             self.host_times.synced(started)
@@ -443,6 +453,8 @@ class RoutedExpertsCPU(nn.Module):
             immediate_ids, deferred_ids = split_deferred(topk_ids, topk_weights, self.deferred)
         if self._can_use_stream(hidden, tokens):
             streamed = self._streamed_experts(tokens) if deferred_ids is None else 0
+            if streamed == self.num_experts and not self.gpu_experts:
+                return self._submit_streamed_only(hidden, topk_ids, topk_weights, tokens)
             if streamed:  # experts [0, streamed) run on the GPU: kt-kernel skips them
                 immediate_ids = immediate_ids.masked_fill((immediate_ids >= 0) & (immediate_ids < streamed), -1)
             return self._submit_on_stream(hidden, topk_ids, immediate_ids, deferred_ids, topk_weights, tokens,
@@ -507,6 +519,8 @@ class RoutedExpertsCPU(nn.Module):
             prior = self._take_deferred(pending.tokens)
             if pending.deferred is not None:
                 self.deferral.defer(pending.deferred)
+            if isinstance(pending, _GPUPending):
+                return pending.out.to(pending.dtype)
             if isinstance(pending, _StreamPending):
                 return self._sync_on_stream(pending, prior)
             if pending.tokens:
@@ -560,10 +574,20 @@ class RoutedExpertsCPU(nn.Module):
 
     def _streamed_experts(self, tokens: int) -> int:
         """How many experts (the first ones) a call of `tokens` computes on the GPU from streamed weights."""
-        if self.streamer is None or tokens < self.stream_tokens or torch.cuda.is_current_stream_capturing():
+        if (self.streamer is None or tokens < self.stream_tokens or self.deferral.active  # decode steps: never
+                or torch.cuda.is_current_stream_capturing()):
             return 0
         cpu_bytes = self.num_experts * 3 * self.hidden_size * self.intermediate_size * METHODS[self.method].bits // 8
         return self.streamer.split(self.layer_idx, tokens, self.top_k, cpu_bytes)
+
+    def _submit_streamed_only(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                              tokens: int) -> None:
+        """Every expert on the GPU: no copies to the host, no kt-kernel task, no wait for one."""
+        with self._lock:
+            if self._pending is not None:
+                raise RuntimeError(f"experts of layer {self.layer_idx}: submit called again before sync")
+            out = self.streamer.compute(self.layer_idx, hidden, topk_ids, topk_weights, self.num_experts)
+            self._pending = _GPUPending(tokens, out, hidden.dtype)
 
     def _submit_on_stream(self, hidden: torch.Tensor, topk_ids: torch.Tensor, immediate_ids: torch.Tensor,
                           deferred_ids: torch.Tensor | None, topk_weights: torch.Tensor, tokens: int,
