@@ -139,8 +139,8 @@ def summary_lines(data: dict) -> list[str]:
                      f"{_fmt(_v(d, 'decode_throughput'), '.2f')} tok/s, TPOT median {_fmt(_v(d, 'tpot_median'))} ms "
                      f"p99 {_fmt(_v(d, 'tpot_p99'))} ms")
     for p in (data.get("ttft") or {}).get("points", []):
-        lines.append(f"TTFT {p['prompt_tokens']:>6} tokens: {_fmt(_v(p, 'ttft'), '.3f')} s, "
-                     f"TPOT median {_fmt(_v(p, 'tpot_median'), '.1f')} ms")
+        lines.append(f"TTFT {p['prompt_tokens']:>6} tokens: {_fmt(_v(p, 'ttft'), '.3f')} s (first of its length "
+                     f"{_fmt(_v(p, 'ttft_first'), '.3f')} s), TPOT median {_fmt(_v(p, 'tpot_median'), '.1f')} ms")
     for r in (data.get("http") or {}).get("rounds", []):
         lines.append(f"HTTP {r['concurrency']:>3} clients: {_fmt(_v(r, 'output_throughput'))} tok/s, TPOT median "
                      f"{_fmt(_v(r, 'tpot_median'))} ms p99 {_fmt(_v(r, 'tpot_p99'))} ms, TTFT median "

@@ -143,7 +143,7 @@ _V2_LITE = Plan(
     ttft_decode_tokens=32, http_levels=(1, 4, 16, 32), http_prompt=256, http_tokens=64, http_round_timeout=60,
     attention_contexts=(512, 4096, 16384), attention_clients=32, attention_tokens=32,
     offload_prompt=512, offload_tokens=8, offload_gpu_memory="6GiB", bandwidth_bytes=2 * GiB, budget=540,
-    estimates={"build": 90, "imports": 10, "baseline": 10, "decode:AMXINT8": 55, "ttft": 35, "http": 45,
+    estimates={"build": 90, "imports": 10, "baseline": 10, "decode:AMXINT8": 55, "ttft": 60, "http": 45,
                "decode:AMXINT4": 50, "decode:BF16": 50, "attention": 260, "load": 90, "hf": 80, "offload": 90})
 _V2_LITE_QUICK = replace(
     _V2_LITE, decode_tokens=32, ttft_prompts=(512, 2048), ttft_decode_tokens=16, http_levels=(1, 4, 16),
