@@ -310,6 +310,10 @@ class EngineStats:
     # prompt tokens of requests that started, and how many of them the prefix cache already held
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
+    # expert calls of prompt chunks that streamed experts to a GPU, and the bytes they copied there
+    # (ktransformers engine with kt_gpu_prefill_tokens)
+    streamed_expert_calls: int = 0
+    streamed_expert_bytes: int = 0
 
 
 @dataclass(slots=True)

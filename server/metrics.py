@@ -121,3 +121,8 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("ktserve_prefix_cache_hit_tokens",
                                   "Of those, prompt tokens the prefix cache already held (not computed again)",
                                   value=s.cached_prompt_tokens)
+        yield CounterMetricFamily("ktserve_streamed_expert_calls", "Layer expert calls of prompt chunks that computed "
+                                  "experts on a GPU from streamed weights (kt_gpu_prefill_tokens)",
+                                  value=s.streamed_expert_calls)
+        yield CounterMetricFamily("ktserve_streamed_expert_bytes", "Bytes of expert weights those calls copied to the "
+                                  "GPU", value=s.streamed_expert_bytes)

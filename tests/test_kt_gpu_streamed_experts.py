@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 import torch
 
@@ -89,5 +90,9 @@ def test_prompt_logprobs_with_streamed_experts_agree_with_transformers(streamed_
     print(json.dumps({"streamed_median_logprob_diff": diffs[len(diffs) // 2], "streamed_top1_agreement": agree,
                       "streamed_layer_calls": streamer.stats.chunks - before}))
     assert streamer.stats.chunks - before == len(layers)  # one prompt chunk: every layer streamed once
+    text = httpx.get(streamed_server.url + "/metrics", timeout=10).text
+    metrics = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("ktserve_streamed_expert"))
+    assert float(metrics["ktserve_streamed_expert_calls_total"]) == streamer.stats.chunks
+    assert float(metrics["ktserve_streamed_expert_bytes_total"]) == streamer.stats.bytes > 0
     assert diffs[len(diffs) // 2] < GPU_MEDIAN_LOGPROB_DIFF
     assert agree >= GPU_MIN_TOP1_AGREEMENT

@@ -136,3 +136,9 @@ def test_unknown_paths_share_one_route_label(keyed_fake):
     samples = metric_samples(text)
     assert sample(samples, "ktserve_requests_total", route="unmatched", status="404") >= 1
     assert "path-1234" not in text
+
+
+def test_streamed_expert_counters_are_exported_and_zero_without_streaming(server):
+    samples = scrape(server)
+    for name in ("ktserve_streamed_expert_calls_total", "ktserve_streamed_expert_bytes_total"):
+        assert samples[(name, ())] == 0

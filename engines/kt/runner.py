@@ -136,6 +136,10 @@ class KTModelRunner(ModelRunner):
         t = self.timer.totals
         return {"expert_wait": t.expert_wait, "expert": t.expert, "gpu": t.gpu}
 
+    def streamed_experts(self) -> tuple[int, int]:
+        streamers = {id(e.streamer): e.streamer for e in self._experts if e.streamer is not None}.values()
+        return sum(s.stats.chunks for s in streamers), sum(s.stats.bytes for s in streamers)
+
     # ------------------------------------------------------------------------ the step
     def execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
         self.timer.begin()

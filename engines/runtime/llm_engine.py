@@ -116,6 +116,7 @@ class LLMEngine(Engine):
             s.times.expert_wait = times.get("expert_wait", 0.0)
             s.times.expert = times.get("expert", 0.0)
             s.times.gpu = times.get("gpu", 0.0)
+            s.streamed_expert_calls, s.streamed_expert_bytes = self._runner.streamed_experts()
         return replace(s, times=replace(s.times))
 
     # ------------------------------------------------------------------------------ requests

@@ -90,5 +90,10 @@ class ModelRunner(ABC):
         `gpu` (GPU stream time of steps, less the expert waits). Absent keys read as 0."""
         return {}
 
+    def streamed_experts(self) -> tuple[int, int]:
+        """(expert calls that streamed experts to a GPU, bytes they copied), for runners that stream (KT engine
+        with kt_gpu_prefill_tokens); cumulative."""
+        return 0, 0
+
     def close(self) -> None:
         """Release the model."""
