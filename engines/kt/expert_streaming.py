@@ -34,6 +34,10 @@ log = logging.getLogger("ktserve.engine.kt")
 
 GROUP = 8  # experts per copy: 69 MB of int8 for a V2-Lite layer's eight
 RING = 3  # GPU buffers of a group each: one computing, two in flight
+# Each expert's rows are multiplied in a multiple of this many (the extra rows are the next expert's, whose own
+# product overwrites them): matrix products of fewer distinct sizes, each of which the GPU libraries pick and
+# compile kernels for once, where a prompt would otherwise bring dozens of new sizes per layer.
+ROW_ALIGN = 32
 
 # What the CPU side does, for the split. Measured on the GPU machine (nvidia-h200, 14 kt-kernel threads): the
 # INT8 MoE forward of one V2-Lite layer reads its experts at 49-52 GB/s (`python -m bench.expert_floor`), and a
@@ -228,8 +232,9 @@ class ExpertStreamer:
         taken = sum(counts)
         order = order[:taken]
         token = order // top_k
-        x = hidden.to(self.device, torch.bfloat16).index_select(0, token)
-        y = torch.empty(taken, hidden.shape[1], dtype=torch.bfloat16, device=self.device)
+        x = torch.zeros(taken + ROW_ALIGN, hidden.shape[1], dtype=torch.bfloat16, device=self.device)
+        torch.index_select(hidden.to(self.device, torch.bfloat16), 0, token, out=x[:taken])
+        y = torch.empty(taken + ROW_ALIGN, hidden.shape[1], dtype=torch.bfloat16, device=self.device)
         out = torch.zeros(tokens, hidden.shape[1], dtype=torch.float32, device=self.device)
         if taken == 0:
             return out
@@ -256,13 +261,15 @@ class ExpertStreamer:
             self._fill(plan[filled])
             filled += 1
         weights = topk_weights.reshape(-1).to(self.device, torch.float32)[order]
-        out.index_add_(0, token, y.float() * weights.unsqueeze(1))
+        out.index_add_(0, token, y[:taken].float() * weights.unsqueeze(1))
         self.stats.chunks += 1
         self.stats.experts += experts
         return out
 
     def _compute_group(self, slot: _Slot, counts: list[int], x: torch.Tensor, y: torch.Tensor,
                        offset: int) -> int:
+        """Experts of `slot` over their rows of the sorted tokens `x`, into `y`, from row `offset` on (the
+        experts in order, each over its rows rounded up to ROW_ALIGN); the offset after them."""
         gate_up_q, gate_up_s, down_q, down_s = slot.tensors
         n = len(counts)
         gate_up, down = self._gate_up[:n], self._down[:n]
@@ -273,7 +280,7 @@ class ExpertStreamer:
         for j, count in enumerate(counts):
             if count == 0:
                 continue
-            rows = slice(offset, offset + count)
+            rows = slice(offset, offset + -(-count // ROW_ALIGN) * ROW_ALIGN)
             h = (x[rows] @ gate_up[j].T) * gate_up_s[j]
             act = F.silu(h[:, :inter]) * h[:, inter:]
             torch.mul(act @ down[j].T, down_s[j], out=y[rows])
