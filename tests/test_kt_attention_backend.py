@@ -64,12 +64,16 @@ def test_flashinfer_asked_for_where_it_cannot_run_is_an_error_naming_the_key():
         choose_backend("flashinfer", [torch.device("cpu")], 512, 64)
 
 
-def test_the_engine_logs_which_attention_runs(demo_model_dir, caplog):
+def test_the_engine_logs_and_reports_which_attention_runs(demo_model_dir, caplog):
     require_kt_kernel()
     with caplog.at_level(logging.INFO, logger="ktserve.engine.kt"):
         running = start_server(demo_model_dir, engine="ktransformers", kt_method="BF16")
-        running.stop()
+        try:
+            details = running.http().get("/version").json()["engine_details"]
+        finally:
+            running.stop()
     assert any("MLA attention: torch (attention runs on the CPU" in r.getMessage() for r in caplog.records)
+    assert details["attention_backend"] == "torch"
 
 
 def test_the_engine_refuses_to_start_with_flashinfer_on_the_cpu(demo_model_dir):

@@ -182,7 +182,7 @@ class KTEngine(LLMEngine):
                      len(runner.deferring), rule_file.name)
         log.info("loaded %s with %s (%s, experts on the CPU: %s) in %.1fs", model_path.name, rule_file.name, dtype,
                  uses_cpu_experts(model), time.perf_counter() - started)
-        details = {"kt_optimize_rule": rule_file.name}
+        details = {"kt_optimize_rule": rule_file.name, "attention_backend": "torch" if flash is None else "flashinfer"}
         streaming = [s for s in options.streamers.all() if s.layers]
         if streaming:
             details["gpu_prefill_tokens"] = str(kt.kt_gpu_prefill_tokens)
