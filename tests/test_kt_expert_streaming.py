@@ -121,3 +121,26 @@ def test_the_gpu_takes_more_experts_as_chunks_grow():
     shares = [split_experts(t, 6, 64, layer, layer, 50e9) for t in (128, 1024, 2048, 8192)]
     assert shares == sorted(shares) and shares[0] < shares[-1] <= 64
     assert split_experts(128, 6, 64, layer, layer, float("inf")) == 64  # copying costs nothing: all on the GPU
+
+
+def test_a_layer_loaded_from_the_weight_cache_streams_the_checkpoint_weights(demo_model_dir, tmp_path):
+    from helpers import require_kt_kernel
+
+    require_kt_kernel()
+    from engines.kt.expert_methods import best_method
+    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.loader import read_layer_experts
+
+    def layer(streamer: ExpertStreamer) -> RoutedExpertsCPU:
+        # the demo model's first MoE layer; a CPU streamer stands in for a GPU's (what registers is the same)
+        return RoutedExpertsCPU(layer_idx=1, num_experts=16, top_k=4, hidden_size=256, intermediate_size=256,
+                                method=best_method(8), max_tokens=64, checkpoint=str(demo_model_dir),
+                                streamer=streamer, stream_tokens=32)
+
+    weights = read_layer_experts(demo_model_dir, "model.layers.1.mlp.experts", 16)
+    first, second = ExpertStreamer(torch.device("cpu")), ExpertStreamer(torch.device("cpu"))
+    layer(first).load_weights(*weights, cache_dir=tmp_path)
+    assert layer(second).load_quantized(tmp_path)
+    expected = HostExperts.quantize(*weights)
+    for streamer in (first, second):
+        assert all(torch.equal(a, b) for a, b in zip(streamer.layers[1].tensors(), expected.tensors()))
