@@ -38,6 +38,7 @@ RING = 3  # GPU buffers of a group each: one computing, two in flight
 # product overwrites them): matrix products of fewer distinct sizes, each of which the GPU libraries pick and
 # compile kernels for once, where a prompt would otherwise bring dozens of new sizes per layer.
 ROW_ALIGN = 32
+PAGE = 4096  # bytes: the unit host memory is pinned in
 
 # What the CPU side does, for the split. Measured on the GPU machine (nvidia-h200, 14 kt-kernel threads): the
 # INT8 MoE forward of one V2-Lite layer reads its experts at 49-52 GB/s (`python -m bench.expert_floor`), and a
@@ -71,8 +72,6 @@ def _quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = w.abs().amax(dim=-1).clamp_min(1e-12) / 127
     return torch.round(w / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8), scale
 
-
-PAGE = 4096
 
 
 def _host_tensors(specs: list[tuple[tuple[int, ...], torch.dtype]], pin: bool
