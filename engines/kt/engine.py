@@ -173,7 +173,7 @@ class KTEngine(LLMEngine):
                 runner.capture_decode_graphs(cfg.max_concurrent)
             else:
                 log.info("kt_use_cuda_graph: no GPU in the placement; decode runs without CUDA graphs")
-        _log_streamed_experts(options, kt.kt_gpu_prefill_tokens)
+        _log_streamed_experts(options, kt.kt_gpu_prefill_tokens, cfg.chunk_size)
         if runner.deferring:
             counts = sorted({layer.deferred for layer in runner.deferring})
             log.info("expert deferral: in decode steps of up to %d sequences, %s of each token's %d experts in %d "
@@ -224,7 +224,7 @@ class KTEngine(LLMEngine):
             raise ValueError(f"model: the checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
 
 
-def _log_streamed_experts(options: OperatorOptions, tokens: int) -> None:
+def _log_streamed_experts(options: OperatorOptions, tokens: int, chunk_size: int) -> None:
     """Say what kt_gpu_prefill_tokens does on this placement (it needs expert layers whose output is on a GPU)."""
     if not tokens:
         return
@@ -236,5 +236,7 @@ def _log_streamed_experts(options: OperatorOptions, tokens: int) -> None:
     for s in streamers:
         pinned = sum(h.nbytes for h in s.layers.values())
         log.info("prompt chunks of >= %d tokens compute part of the routed experts of %d layers on %s, streamed "
-                 "at %.1f GB/s from %.1f GB of pinned int8 copies", tokens, len(s.layers), s.device,
-                 s.pcie_bytes_per_s / 1e9, pinned / 1e9)
+                 "at %.1f GB/s from %.1f GB of pinned int8 copies; a long chunk copies them all, %.2f s, once per "
+                 "chunk of up to chunk_size=%d tokens (larger chunks amortize it: docs/performance.md)", tokens,
+                 len(s.layers), s.device, s.pcie_bytes_per_s / 1e9, pinned / 1e9, pinned / s.pcie_bytes_per_s,
+                 chunk_size)
