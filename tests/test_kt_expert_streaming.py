@@ -144,3 +144,16 @@ def test_a_layer_loaded_from_the_weight_cache_streams_the_checkpoint_weights(dem
     expected = HostExperts.quantize(*weights)
     for streamer in (first, second):
         assert all(torch.equal(a, b) for a, b in zip(streamer.layers[1].tensors(), expected.tensors()))
+
+
+def test_the_start_up_log_says_what_a_chunk_of_streamed_experts_copies(caplog):
+    from engines.kt.engine import _log_streamed_experts
+    from engines.kt.operators import OperatorOptions
+
+    options = OperatorOptions(gpu_prefill_tokens=128)
+    streamer = options.streamers.for_device(torch.device("cpu"))
+    streamer.register(1, HostExperts.quantize(*layer_weights(1)))
+    streamer.pcie_bytes_per_s = streamer.layers[1].nbytes / 0.25  # as if one layer took 0.25 s to copy
+    with caplog.at_level("INFO", logger="ktserve.engine.kt"):
+        _log_streamed_experts(options, 128, 2048)
+    assert "copies them all, 0.25 s, once per chunk of up to chunk_size=2048 tokens" in caplog.text
