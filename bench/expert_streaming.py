@@ -19,7 +19,7 @@ import statistics
 
 import torch
 
-HIDDEN, INTER, EXPERTS, TOP_K = 2048, 1408, 64, 6
+from bench.expert_floor import EXPERTS, HIDDEN, INTER, TOP_K  # one V2-Lite MoE layer
 
 
 def _layers(method: str, count: int, max_tokens: int, streamer, threads: int | None):

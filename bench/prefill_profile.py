@@ -21,7 +21,7 @@ import torch
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.prefill_profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-dir", default="/tmp/ktserve-bench/v2-lite")
+    p.add_argument("--model-dir", help="default: where bench.run keeps its v2-lite checkpoint")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--chunk-size", type=int, default=2048)
     p.add_argument("--gpu-prefill-tokens", type=int, default=0)
@@ -30,11 +30,15 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     from torch.profiler import ProfilerActivity, profile
 
+    from bench.run import default_model_dir
+    from bench.shapes import SHAPES
+
     from bench.engine_runs import generate
     from engines.base import EngineConfig
     from engines.kt.engine import KTEngine
 
-    engine = KTEngine(EngineConfig(model_path=args.model_dir, max_concurrent=4, max_model_len=args.tokens + 64,
+    model_dir = args.model_dir or str(default_model_dir(SHAPES["v2-lite"]))
+    engine = KTEngine(EngineConfig(model_path=model_dir, max_concurrent=4, max_model_len=args.tokens + 64,
                                    chunk_size=args.chunk_size, settings={
                                        "kt_method": "AMXINT8", "kv_cache_tokens": 3 * (args.tokens + 64),
                                        "kt_gpu_prefill_tokens": args.gpu_prefill_tokens}))

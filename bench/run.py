@@ -145,7 +145,7 @@ class Bench:
         self.log_path = self.out / "engines.log"
         meta = {**environment(self.threads), "shape": self.shape.name, "quick": args.quick,
                 "budget": fig(self.budget, "s"), "phases_selected": list(args.phases), "rules": args.rules,
-                "gpu_prefill_tokens": getattr(args, "gpu_prefill_tokens", 0), "chunk_size": getattr(args, "chunk_size", 2048)}
+                "gpu_prefill_tokens": args.gpu_prefill_tokens, "chunk_size": args.chunk_size}
         self.results = Results(self.out, meta)
         self.kt = None  # the loaded KT EngineRun; its label is the experts method
         self.vocab = self.shape.config["vocab_size"]
@@ -228,11 +228,11 @@ class Bench:
 
         return EngineConfig(model_path=str(self.model_dir), model_name=f"bench-{self.shape.name}",
                             max_concurrent=max(self.plan.http_levels), max_model_len=self.plan.max_model_len(),
-                            chunk_size=getattr(self.args, "chunk_size", 2048),
+                            chunk_size=self.args.chunk_size,
                             settings={"kt_method": None if method == RULES else method, "cpu_infer": self.threads,
                                       "kv_cache_tokens": self.plan.kv_cache_tokens(),
                                       "kt_use_cuda_graph": self.cuda_graph, "kt_optimize_rule": self.args.rules,
-                                      "kt_gpu_prefill_tokens": getattr(self.args, "gpu_prefill_tokens", 0),
+                                      "kt_gpu_prefill_tokens": self.args.gpu_prefill_tokens,
                                       **settings})
 
     def kt_engine(self, method: str):
@@ -328,8 +328,8 @@ class Bench:
         return child_decode(shape=self.shape.name, quick=self.args.quick, model_dir=self.model_dir,
                             log_path=self.out / "children.log", method=method, threads=threads,
                             cuda_graph=self.cuda_graph, rules=self.args.rules, deadline=deadline, env=env,
-                            gpu_prefill_tokens=getattr(self.args, "gpu_prefill_tokens", 0),
-                            chunk_size=getattr(self.args, "chunk_size", 2048))
+                            gpu_prefill_tokens=self.args.gpu_prefill_tokens,
+                            chunk_size=self.args.chunk_size)
 
     def step_threads(self, deadline: float) -> None:
         section = self.results.section("thread_sweep")

@@ -183,7 +183,7 @@ class KTEngine(LLMEngine):
         log.info("loaded %s with %s (%s, experts on the CPU: %s) in %.1fs", model_path.name, rule_file.name, dtype,
                  uses_cpu_experts(model), time.perf_counter() - started)
         details = {"kt_optimize_rule": rule_file.name, "attention_backend": "torch" if flash is None else "flashinfer"}
-        streaming = [s for s in options.streamers.all() if s.layers]
+        streaming = options.streamers.active()
         if streaming:
             details["gpu_prefill_tokens"] = str(kt.kt_gpu_prefill_tokens)
             details["gpu_prefill_copy_gbps"] = f"{min(s.pcie_bytes_per_s for s in streaming) / 1e9:.1f}"
@@ -228,7 +228,7 @@ def _log_streamed_experts(options: OperatorOptions, tokens: int, chunk_size: int
     """Say what kt_gpu_prefill_tokens does on this placement (it needs expert layers whose output is on a GPU)."""
     if not tokens:
         return
-    streamers = [s for s in options.streamers.all() if s.layers]
+    streamers = options.streamers.active()
     if not streamers:
         log.warning("kt_gpu_prefill_tokens=%d: no CPU-expert layer sends its output to a GPU here, so every "
                     "prompt chunk computes its experts on the CPU", tokens)

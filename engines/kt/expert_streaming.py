@@ -325,5 +325,6 @@ class ExpertStreamers:
             found = self._by_device[device] = ExpertStreamer(device)
         return found
 
-    def all(self) -> list[ExpertStreamer]:
-        return list(self._by_device.values())
+    def active(self) -> list[ExpertStreamer]:
+        """The streamers some layer registered with (none where no expert layer sends output to a GPU)."""
+        return [s for s in self._by_device.values() if s.layers]

@@ -337,6 +337,10 @@ class RoutedExpertsCPU(nn.Module):
         return LayerCache(Path(cache_dir), self.layer_idx, self.method, self.num_experts, self.hidden_size,
                           self.intermediate_size)
 
+    def _check_no_pending(self) -> None:
+        if self._pending is not None:
+            raise RuntimeError(f"experts of layer {self.layer_idx}: submit called again before sync")
+
     def _check_idle(self) -> None:
         if self._pending is not None:  # kt-kernel may still be reading the old weights
             raise RuntimeError(f"experts of layer {self.layer_idx}: weights reloaded between submit and sync")
@@ -462,8 +466,7 @@ class RoutedExpertsCPU(nn.Module):
         with self._lock:
             if self._kernel is None:
                 raise RuntimeError(f"experts of layer {self.layer_idx} have no weights yet; call load_weights")
-            if self._pending is not None:
-                raise RuntimeError(f"experts of layer {self.layer_idx}: submit called again before sync")
+            self._check_no_pending()
             # a deferred task outlives this call, so a deferring layer stages in the buffers of its parity:
             # the next layer (the other parity) cannot overwrite them while it runs
             role = "main" if deferred_ids is None else f"layer{self.layer_idx % 2}"
@@ -584,8 +587,7 @@ class RoutedExpertsCPU(nn.Module):
                               tokens: int) -> None:
         """Every expert on the GPU: no copies to the host, no kt-kernel task, no wait for one."""
         with self._lock:
-            if self._pending is not None:
-                raise RuntimeError(f"experts of layer {self.layer_idx}: submit called again before sync")
+            self._check_no_pending()
             out = self.streamer.compute(self.layer_idx, hidden, topk_ids, topk_weights, self.num_experts)
             self._pending = _GPUPending(tokens, out, hidden.dtype)
 
@@ -593,8 +595,7 @@ class RoutedExpertsCPU(nn.Module):
                           deferred_ids: torch.Tensor | None, topk_weights: torch.Tensor, tokens: int,
                           streamed: int = 0) -> None:
         with self._lock:
-            if self._pending is not None:
-                raise RuntimeError(f"experts of layer {self.layer_idx}: submit called again before sync")
+            self._check_no_pending()
             parity = self.layer_idx % 2
             b = self._stream_buffers(hidden.device, "main" if deferred_ids is None else f"layer{parity}")
             stream = torch.cuda.current_stream(hidden.device)

@@ -40,6 +40,7 @@ class KTModelRunner(ModelRunner):
                 raise ValueError(f"placement rules: model.layers.{i}.self_attn must be replaced by "
                                  f"engines.kt.operators.MLAAttention (found {type(layer.self_attn).__name__})")
         self._experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+        self._streamers = list({id(e.streamer): e.streamer for e in self._experts if e.streamer is not None}.values())
         # decode steps run each layer's deferred experts into the next layer's (n_deferred_experts), through the
         # state the model's layers share (OperatorOptions.deferral)
         self.deferring = expert_deferral.link(self._experts)
@@ -137,8 +138,7 @@ class KTModelRunner(ModelRunner):
         return {"expert_wait": t.expert_wait, "expert": t.expert, "gpu": t.gpu}
 
     def streamed_experts(self) -> tuple[int, int]:
-        streamers = {id(e.streamer): e.streamer for e in self._experts if e.streamer is not None}.values()
-        return sum(s.stats.chunks for s in streamers), sum(s.stats.bytes for s in streamers)
+        return sum(s.stats.chunks for s in self._streamers), sum(s.stats.bytes for s in self._streamers)
 
     # ------------------------------------------------------------------------ the step
     def execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
