@@ -35,6 +35,11 @@ def test_a_bad_value_names_the_key_and_its_source(tmp_path):
         load_settings(None, env={"MAX_CONCURRENT": "many"})
 
 
+def test_a_negative_gpu_prefill_threshold_is_refused_naming_the_key():
+    with pytest.raises(SettingsError, match=r"kt_gpu_prefill_tokens \(from command line\): .*greater than or equal to 0"):
+        load_settings(None, cli={"kt_gpu_prefill_tokens": -5}, env={})
+
+
 def test_an_unknown_engine_lists_the_known_ones():
     with pytest.raises(SettingsError, match="huggingface"):
         load_settings(None, cli={"engine": "tensorrt"}, env={})
