@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from engines.kt.kv_cache import LatentKVCache
 from engines.lora.modules import LoraLinear
@@ -87,6 +88,24 @@ class DecodeBatch:
 
 
 # ------------------------------------------------------------------------------------------ attention
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of the last n of L positions over all L, each query seeing its own position and those
+    before it: q [h, n, d], k [h, L, d], v [h, L, dv <= d] -> [h, n, dv] in q's dtype.
+
+    It adds up in float32, as torch's unfused math kernel does for bf16 inputs (this path is the reference
+    the other backends are checked against), but shaped for the fused kernels instead of the math, which
+    writes out the whole [h, n, L] score matrix: the inputs get a batch dimension (3-d ones go to the math),
+    the causal rule is a lower-right CausalBias rather than an [n, L] mask, and the values are zero-padded
+    to the key width (MLA's 128 against 192), since the CPU's flash kernel wants one head width."""
+    n, length, dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    if dv < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - dv))
+    mask = causal_lower_right(n, length) if n > 1 else None
+    out = F.scaled_dot_product_attention(q.float().unsqueeze(0), k.float().unsqueeze(0), v.float().unsqueeze(0),
+                                         attn_mask=mask, scale=scale)
+    return out[0, ..., :dv].to(q.dtype)
+
+
 def _rope_function(hf_module: nn.Module, config: Any) -> Callable:
     """transformers' own rotary helper for this architecture, so positions are encoded exactly as there:
     V2 uses complex frequencies, V3 cos/sin (interleaved when the config says so)."""
@@ -171,12 +190,6 @@ class MLAAttention(nn.Module):
             out_latent = torch.bmm(probs, cached_latent)  # [B, H, latent]
         return self.o_proj(self._expand_output(out_latent).reshape(b, self.num_heads * self.v_dim))
 
-    def _causal_mask(self, span: Span, length: int, device: torch.device) -> torch.Tensor | None:
-        if span.n == 1:
-            return None
-        query_pos = torch.arange(span.start, span.start + span.n, device=device).unsqueeze(1)
-        return torch.arange(length, device=device).unsqueeze(0) <= query_pos
-
     def _kv_b_update(self, adapter: str | None):
         """The adapter's LoRA on kv_b_proj, (A, B, scale) with B per head [h, nope + v, r], or None."""
         if adapter is None or not isinstance(self.kv_b_proj, LoraLinear):
@@ -234,10 +247,7 @@ class MLAAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
-        mask = self._causal_mask(span, length, latent.device)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           attn_mask=mask, scale=self.scaling)
-        return o.transpose(0, 1)
+        return causal_sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), self.scaling).transpose(0, 1)
 
     def _absorbed(self, q_nope, q_pe, latent, k_pe, span: Span) -> torch.Tensor:
         """Attend in the latent space: fold kv_b's key half into the query and its value half into the
