@@ -94,9 +94,9 @@ class Settings(BaseModel):
                                                       "folding them")
     kt_weight_cache: str | None = engine_setting(None, "directory for pre-quantized expert weights")
     kt_gpu_prefill_tokens: int = engine_setting(
-        0, "prompt chunks of at least this many tokens compute part of each layer's routed experts on the GPU, "
-           "streaming int8 copies of them from pinned host memory (one more byte of host memory per expert "
-           "weight); 0: off", ge=0)
+        0, "prompt chunks of at least this many tokens, and decode steps of at least this many sequences (run "
+           "without CUDA graphs), compute part of each layer's routed experts on the GPU, streaming int8 copies "
+           "of them from pinned host memory (one more byte of host memory per expert weight); 0: off", ge=0)
     kv_cache_tokens: int | None = engine_setting(None, "KV cache capacity in tokens (ktransformers engine)", gt=0)
     prefix_cache: bool = engine_setting(True, "reuse the cached KV pages of a prompt prefix seen before; off: "
                                               "compute every prompt whole")

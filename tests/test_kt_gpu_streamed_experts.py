@@ -96,3 +96,39 @@ def test_prompt_logprobs_with_streamed_experts_agree_with_transformers(streamed_
     assert float(metrics["ktserve_streamed_expert_bytes_total"]) == streamer.stats.bytes > 0
     assert diffs[len(diffs) // 2] < GPU_MEDIAN_LOGPROB_DIFF
     assert agree >= GPU_MIN_TOP1_AGREEMENT
+
+
+@pytest.fixture(scope="module")
+def decode_streaming_server(demo_model_dir):
+    running = start_server(demo_model_dir, engine="ktransformers", kt_method="BF16", kt_gpu_prefill_tokens=4,
+                           max_concurrent=8)
+    yield running
+    running.stop()
+
+
+def test_decode_steps_of_enough_sequences_stream_their_experts_outside_the_graphs(decode_streaming_server):
+    from engines.kt.experts_cpu import RoutedExpertsCPU
+
+    server = decode_streaming_server
+    assert server.engine._runner.graphs.batch_sizes[-1] == 3  # steps of 4 or more sequences run eagerly
+    layers = [m for m in server.engine._runner.model.modules()
+              if isinstance(m, RoutedExpertsCPU) and m.streamer is not None]
+    streamer = layers[0].streamer
+
+    def greedy(n: int) -> list[list[float]]:
+        reply = server.openai().completions.create(model=server.engine.info.id, prompt=TEXT[:200], max_tokens=16,
+                                                   n=n, temperature=0, logprobs=0)
+        return [c.logprobs.token_logprobs for c in reply.choices]
+
+    before = streamer.stats.chunks
+    alone = greedy(1)[0]  # one sequence: graph replays, experts on the CPU
+    assert streamer.stats.chunks - before == len(layers)  # only the prompt's chunk streamed
+    before = streamer.stats.chunks
+    together = greedy(6)  # six sequences a step: eager, part of the experts streamed to the GPU
+    assert streamer.stats.chunks - before >= len(layers) * 10
+    # a greedy choice matches the lone sequence while their tokens agree (int8 experts on the GPU against bf16
+    # ones on the CPU)
+    same = next((k for k, (a, b) in enumerate(zip(alone, together[0])) if abs(a - b) > 0.5), len(alone))
+    diffs = sorted(abs(a - b) for a, b in zip(alone[:same], together[0][:same]))
+    print(json.dumps({"decode_streamed_same_positions": same, "median_diff": diffs[len(diffs) // 2]}))
+    assert same >= 4 and diffs[len(diffs) // 2] < GPU_MEDIAN_LOGPROB_DIFF

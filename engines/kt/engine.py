@@ -231,12 +231,13 @@ def _log_streamed_experts(options: OperatorOptions, tokens: int, chunk_size: int
     streamers = options.streamers.active()
     if not streamers:
         log.warning("kt_gpu_prefill_tokens=%d: no CPU-expert layer sends its output to a GPU here, so every "
-                    "prompt chunk computes its experts on the CPU", tokens)
+                    "prompt chunk and decode step computes its experts on the CPU", tokens)
         return
     for s in streamers:
         pinned = sum(h.nbytes for h in s.layers.values())
-        log.info("prompt chunks of >= %d tokens compute part of the routed experts of %d layers on %s, streamed "
-                 "at %.1f GB/s from %.1f GB of pinned int8 copies; a long chunk copies them all, %.2f s, once per "
-                 "chunk of up to chunk_size=%d tokens (larger chunks amortize it: docs/performance.md)", tokens,
+        log.info("prompt chunks of >= %d tokens and decode steps of >= %d sequences compute part of the routed "
+                 "experts of %d layers on %s, streamed at %.1f GB/s from %.1f GB of pinned int8 copies; a long chunk "
+                 "copies them all, %.2f s, once per chunk of up to chunk_size=%d tokens (larger chunks amortize it: "
+                 "docs/performance.md)", tokens, tokens,
                  len(s.layers), s.device, s.pcie_bytes_per_s / 1e9, pinned / 1e9, pinned / s.pcie_bytes_per_s,
                  chunk_size)

@@ -215,7 +215,8 @@ class RoutedExpertsCPU(nn.Module):
         self.defer_into: int | None = None  # the layer that takes them (expert_deferral.link); None: no deferral
         self.deferral = deferral if deferral is not None else ExpertDeferral()  # shared by the model's layers
         self._deferred_in: torch.Tensor | None = None  # the predecessor's deferred output, on the stream path
-        # prompt chunks of at least `stream_tokens` tokens hand part of the experts to the GPU
+        # calls of at least `stream_tokens` tokens (prompt chunks, eager decode steps) hand part of the experts
+        # to the GPU
         # (engines/kt/expert_streaming.py); None: all on the CPU
         self.streamer = streamer if stream_tokens > 0 else None
         self.stream_tokens = stream_tokens
@@ -577,7 +578,7 @@ class RoutedExpertsCPU(nn.Module):
 
     def _streamed_experts(self, tokens: int) -> int:
         """How many experts (the first ones) a call of `tokens` computes on the GPU from streamed weights."""
-        if (self.streamer is None or tokens < self.stream_tokens or self.deferral.active  # decode steps: never
+        if (self.streamer is None or tokens < self.stream_tokens or self.deferral.active  # deferring: never
                 or torch.cuda.is_current_stream_capturing()):
             return 0
         cpu_bytes = self.num_experts * 3 * self.hidden_size * self.intermediate_size * METHODS[self.method].bits // 8

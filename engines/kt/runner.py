@@ -82,6 +82,17 @@ class KTModelRunner(ModelRunner):
             log.info("kt_use_cuda_graph: decode runs without CUDA graphs, because the rules keep hot experts on "
                      "the GPU (gpu_experts), whose torch part is not captured")
             return
+        # a decode step of kt_gpu_prefill_tokens sequences or more streams part of its experts, which a graph
+        # (captured with the experts on the CPU) would not: such steps run eagerly
+        streams_from = self.stream_tokens()
+        if streams_from and streams_from <= max_batch:
+            if streams_from == 1:
+                log.info("kt_use_cuda_graph: decode runs without CUDA graphs, because kt_gpu_prefill_tokens=1 "
+                         "streams part of every step's experts to the GPU")
+                return
+            log.info("kt_use_cuda_graph: decode steps of %d sequences or more run without CUDA graphs, streaming "
+                     "part of their routed experts to the GPU (kt_gpu_prefill_tokens=%d)", streams_from, streams_from)
+            max_batch = streams_from - 1
         self.graphs = DecodeGraphs(self._decode_forward, device=self.embed_device, max_batch=max_batch,
                                    max_len=self.max_model_len, scratch_slot=self.scratch_slot, cache=self.cache,
                                    attention=self.flash)
@@ -136,6 +147,10 @@ class KTModelRunner(ModelRunner):
     def step_times(self) -> dict[str, float]:
         t = self.timer.totals
         return {"expert_wait": t.expert_wait, "expert": t.expert, "gpu": t.gpu}
+
+    def stream_tokens(self) -> int:
+        """The fewest tokens of an expert call that streams experts to the GPU (kt_gpu_prefill_tokens); 0: none."""
+        return min((e.stream_tokens for e in self._experts if e.streamer is not None), default=0)
 
     def streamed_experts(self) -> tuple[int, int]:
         return sum(s.stats.chunks for s in self._streamers), sum(s.stats.bytes for s in self._streamers)
