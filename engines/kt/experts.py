@@ -27,7 +27,7 @@ class RoutedExperts(Protocol):
     deferred: int  # experts per token a decode step leaves running into the next layer (n_deferred_experts)
     defer_into: int | None  # the layer that takes them, set by expert_deferral.link; None: this layer does not defer
     deferral: ExpertDeferral  # the decode-step state a model's layers share (OperatorOptions.deferral)
-    streamer: Any  # expert_streaming.ExpertStreamer its prompt chunks stream experts through, or None
+    streamer: Any  # expert_streaming.ExpertStreamer its calls of stream_tokens or more stream through, or None
     stream_tokens: int  # the fewest tokens of a call that streams (kt_gpu_prefill_tokens); with no streamer unused
     host_times: Any  # step_timing.HostTimes: blocking waits, timed on the host
     events: Any  # step_timing.ExpertEvents once the runner times stream-ordered calls, else None

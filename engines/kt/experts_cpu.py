@@ -216,8 +216,7 @@ class RoutedExpertsCPU(nn.Module):
         self.deferral = deferral if deferral is not None else ExpertDeferral()  # shared by the model's layers
         self._deferred_in: torch.Tensor | None = None  # the predecessor's deferred output, on the stream path
         # calls of at least `stream_tokens` tokens (prompt chunks, eager decode steps) hand part of the experts
-        # to the GPU
-        # (engines/kt/expert_streaming.py); None: all on the CPU
+        # to the GPU (engines/kt/expert_streaming.py); None: all on the CPU
         self.streamer = streamer if stream_tokens > 0 else None
         self.stream_tokens = stream_tokens
         self.lora: CPUExpertsLora | None = None  # set while an adapter with expert LoRA on this layer is in
