@@ -157,3 +157,13 @@ def test_the_start_up_log_says_what_a_chunk_of_streamed_experts_copies(caplog):
     with caplog.at_level("INFO", logger="ktserve.engine.kt"):
         _log_streamed_experts(options, 128, 2048)
     assert "copies them all, 0.25 s, once per chunk of up to chunk_size=2048 tokens" in caplog.text
+
+
+def test_decode_graphs_stop_below_the_batch_that_streams_its_experts():
+    from engines.kt.runner import graph_max_batch
+
+    assert graph_max_batch(32, 0) == 32  # streaming off: every batch replays a graph
+    assert graph_max_batch(32, 128) == 32  # no decode step is that large
+    assert graph_max_batch(32, 32) == 31  # steps of 32 run eagerly and stream
+    assert graph_max_batch(8, 4) == 3
+    assert graph_max_batch(8, 1) == 0  # every step streams: no graphs

@@ -25,6 +25,15 @@ from engines.runtime.sequence import Sequence
 log = logging.getLogger("ktserve.engine.kt")
 
 
+def graph_max_batch(max_batch: int, streams_from: int) -> int:
+    """The largest decode batch to capture in a CUDA graph (0: none). A step of `streams_from` sequences or more
+    (kt_gpu_prefill_tokens; 0: off) streams part of its experts to the GPU, which a replayed graph, captured with
+    the experts on the CPU, would not: those steps run eagerly."""
+    if streams_from and streams_from <= max_batch:
+        return streams_from - 1
+    return max_batch
+
+
 class KTModelRunner(ModelRunner):
     def __init__(self, model: nn.Module, layer_devices: list[torch.device], cache: LatentKVCache,
                  max_model_len: int, flash: Any = None):
@@ -82,17 +91,16 @@ class KTModelRunner(ModelRunner):
             log.info("kt_use_cuda_graph: decode runs without CUDA graphs, because the rules keep hot experts on "
                      "the GPU (gpu_experts), whose torch part is not captured")
             return
-        # a decode step of kt_gpu_prefill_tokens sequences or more streams part of its experts, which a graph
-        # (captured with the experts on the CPU) would not: such steps run eagerly
         streams_from = self.stream_tokens()
-        if streams_from and streams_from <= max_batch:
-            if streams_from == 1:
-                log.info("kt_use_cuda_graph: decode runs without CUDA graphs, because kt_gpu_prefill_tokens=1 "
-                         "streams part of every step's experts to the GPU")
-                return
+        largest = graph_max_batch(max_batch, streams_from)
+        if largest == 0:
+            log.info("kt_use_cuda_graph: decode runs without CUDA graphs, because kt_gpu_prefill_tokens=1 "
+                     "streams part of every step's experts to the GPU")
+            return
+        if largest < max_batch:
             log.info("kt_use_cuda_graph: decode steps of %d sequences or more run without CUDA graphs, streaming "
                      "part of their routed experts to the GPU (kt_gpu_prefill_tokens=%d)", streams_from, streams_from)
-            max_batch = streams_from - 1
+            max_batch = largest
         self.graphs = DecodeGraphs(self._decode_forward, device=self.embed_device, max_batch=max_batch,
                                    max_len=self.max_model_len, scratch_slot=self.scratch_slot, cache=self.cache,
                                    attention=self.flash)
