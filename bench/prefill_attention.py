@@ -70,23 +70,21 @@ def measure(n: int, length: int, device: torch.device, repeats: int) -> dict:
     v = v.transpose(0, 1)
     mask = torch.arange(length, device=device).unsqueeze(0) <= torch.arange(length - n, length, device=device
                                                                             ).unsqueeze(1)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    padded, bias = torch.nn.functional.pad(v, (0, NOPE + ROPE - V_DIM)).unsqueeze(0), causal_lower_right(n, length)
+    variants = {
+        "sdpa_mask": lambda: sdpa(q, k, v, attn_mask=mask, scale=SCALE),
+        "sdpa_causal": lambda: causal_sdpa(q, k, v, SCALE),
+        "sdpa_causal_bf16": lambda: sdpa(q.unsqueeze(0), k.unsqueeze(0), padded, attn_mask=bias,
+                                         scale=SCALE)[0, ..., :V_DIM],
+    }
+    reference = sdpa(q.double(), k.double(), v.double(), attn_mask=mask, scale=SCALE)
     row = {"tokens": n, "length": length, "device": str(device)}
     row["expand"] = _time(lambda: latent @ kv_b.T, device, repeats)
-    row["sdpa_mask"] = _time(lambda: torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=SCALE), device, repeats)
-    reference = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
-                                                                 attn_mask=mask, scale=SCALE)
-    row["sdpa_causal"] = _time(lambda: causal_sdpa(q, k, v, SCALE), device, repeats)
-    vp = torch.nn.functional.pad(v, (0, NOPE + ROPE - V_DIM)).unsqueeze(0)
-    bias = causal_lower_right(n, length)
-    row["sdpa_causal_bf16"] = _time(lambda: torch.nn.functional.scaled_dot_product_attention(
-        q.unsqueeze(0), k.unsqueeze(0), vp, attn_mask=bias, scale=SCALE), device, repeats)
-    bf16 = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), vp, attn_mask=bias,
-                                                            scale=SCALE)[0, ..., :V_DIM]
-    for name, out in (("sdpa_mask", torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                                                      scale=SCALE)),
-                      ("sdpa_causal", causal_sdpa(q, k, v, SCALE)), ("sdpa_causal_bf16", bf16)):
-        row[f"{name}_mean_abs_err"] = float(f"{(out.float() - reference).abs().mean().item():.3g}")
+    for name, run in variants.items():
+        row[name] = _time(run, device, repeats)
+    for name, run in variants.items():
+        row[f"{name}_mean_abs_err"] = float(f"{(run().float() - reference).abs().mean().item():.3g}")
     if device.type == "cuda":
         row["flashinfer"] = _flashinfer(n, length, latent, k_pe, q_nope, kv_b, q_pe, device, repeats)
     return row

@@ -18,11 +18,15 @@ def chunk(n: int, length: int, dtype=torch.bfloat16, device="cpu", seed=0):
     return q, k, v
 
 
-def reference(q, k, v, scale):
+def visible(q, k):
+    """[n, L]: query i (position L - n + i) sees positions 0..L - n + i."""
     n, length = q.shape[1], k.shape[1]
-    visible = torch.arange(length, device=q.device).unsqueeze(0) <= torch.arange(length - n, length,
-                                                                                  device=q.device).unsqueeze(1)
-    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=visible, scale=scale)
+    return torch.arange(length, device=q.device).unsqueeze(0) <= torch.arange(length - n, length,
+                                                                              device=q.device).unsqueeze(1)
+
+
+def reference(q, k, v, scale):
+    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=visible(q, k), scale=scale)
 
 
 @pytest.mark.parametrize("n,length", [(7, 7), (64, 64), (5, 130), (128, 300), (1, 40)])
@@ -58,8 +62,6 @@ def test_on_the_gpu_a_chunk_is_as_exact_as_the_math_kernel(n, length):
     kernel on the same bf16 inputs, which is what the torch backend ran before."""
     q, k, v = chunk(n, length, device="cuda")
     exact = reference(q, k, v, QK ** -0.5)
-    visible = torch.arange(length, device="cuda").unsqueeze(0) <= torch.arange(length - n, length,
-                                                                                 device="cuda").unsqueeze(1)
-    math = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=QK ** -0.5)  # 3-d: the math kernel
+    math = F.scaled_dot_product_attention(q, k, v, attn_mask=visible(q, k), scale=QK ** -0.5)  # 3-d: the math kernel
     err = (causal_sdpa(q, k, v, QK ** -0.5).double() - exact).abs().mean()
     assert err <= (math.double() - exact).abs().mean() * 1.05
