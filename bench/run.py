@@ -169,7 +169,9 @@ class Bench:
         steps = ["baseline"] if "baseline" in phases else []
         if "decode" in phases and PRIMARY in methods:
             steps.append(f"decode:{PRIMARY}")
-        steps += [p for p in ("threads", "avx2", "ttft", "http") if p in phases]
+        # ttft and http right after decode: the three share one loaded engine; the child runs of threads and
+        # avx2 need its memory, so they come after
+        steps += [p for p in ("ttft", "http", "threads", "avx2") if p in phases]
         if "decode" in phases:
             steps += [f"decode:{m}" for m in methods if m != PRIMARY]
         # attention last: its two engines and long-context rounds take longest, and the baselines come first
@@ -184,8 +186,8 @@ class Bench:
             extra = e[f"decode:{PRIMARY}"]  # the engine is loaded by this phase instead
         if step == "threads":  # one child run per other thread count: imports, load, decode
             return len(self.sweep_threads()) * (e["imports"] + e[f"decode:{PRIMARY}"])
-        if step == "avx2" or step == f"decode:{RULES}":
-            return e["imports"] + e["decode:BF16"] * 1.5  # BF16 on the avx2 kernel: slower than AMX
+        if step == "avx2" or step == f"decode:{RULES}":  # BF16 on the avx2 kernel: slower than AMX
+            return e.get("avx2") or e["imports"] + e["decode:BF16"] * 1.5
         return e.get(step, 30) + extra
 
     def sweep_threads(self) -> list[int]:

@@ -65,6 +65,7 @@ def environment(cpu_threads: int) -> dict:
         "transformers": _package_version("transformers"), "accelerate": _package_version("accelerate"),
         "kt_kernel": _package_version("kt-kernel") or _package_version("kt_kernel"),
         "openai": _package_version("openai"), "uvicorn": _package_version("uvicorn"),
+        "flashinfer": _package_version("flashinfer-python"),
         "command": " ".join([Path(sys.executable).name, "-m", "bench.run", *sys.argv[1:]]),
     }
     with contextlib.suppress(ImportError, AttributeError):
