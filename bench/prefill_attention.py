@@ -9,6 +9,8 @@ the last of its `length` positions.
 `sdpa_causal`   engines.kt.attention.causal_sdpa, what the torch backend does now: float32 like the math
                 kernel, but 4-d tensors, a lower-right causal bias and values padded to the key width, so
                 the fused kernels run it
+`sdpa_causal_unpadded`  causal_sdpa's float32 call without the value padding (the GPU's memory-efficient
+                kernel takes values narrower than the keys; the CPU's flash kernel does not)
 `sdpa_causal_bf16`  the same in bfloat16 (the flash kernels' precision: probabilities rounded to bf16)
 `flashinfer`    BatchMLAPagedAttentionWrapper planned for the chunk (plan excluded) and run over 64-token
                 pages (needs flashinfer)
@@ -75,6 +77,8 @@ def measure(n: int, length: int, device: torch.device, repeats: int) -> dict:
     variants = {
         "sdpa_mask": lambda: sdpa(q, k, v, attn_mask=mask, scale=SCALE),
         "sdpa_causal": lambda: causal_sdpa(q, k, v, SCALE),
+        "sdpa_causal_unpadded": lambda: sdpa(q.float().unsqueeze(0), k.float().unsqueeze(0), v.float().unsqueeze(0),
+                                             attn_mask=bias, scale=SCALE)[0].to(q.dtype),
         "sdpa_causal_bf16": lambda: sdpa(q.unsqueeze(0), k.unsqueeze(0), padded, attn_mask=bias,
                                          scale=SCALE)[0, ..., :V_DIM],
     }
