@@ -17,6 +17,9 @@ from bench.sysinfo import memory_snapshot, reset_peaks, stdout_to
 from engines.base import Engine, EngineConfig, EngineStats, GenerationRequest, SamplingParams
 
 
+SLOW_FACTOR = 1.3  # a token gap above this times the median is a stall (the speed issue's TPOT p99 target)
+
+
 @dataclass
 class Generation:
     prompt_tokens: int
@@ -24,6 +27,8 @@ class Generation:
     token_times: list[float] = field(default_factory=list)
     stopped_early: bool = False
     stats_at_first_token: EngineStats | None = None  # engine counters when the first token arrived
+    stats: list[EngineStats] = field(default_factory=list)  # engine counters as each token arrived
+    gc_pauses: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end, generation)
 
     @property
     def ttft(self) -> float | None:
@@ -44,7 +49,62 @@ class Generation:
             out["fraction_of_ceiling"] = fig(rate / ceiling, "fraction", ceiling_tok_s=ceiling)
         if self.stopped_early:
             out["stopped_early"] = "phase deadline reached"
+        slow = self.slow_steps()
+        if slow:
+            out["slow_steps"] = slow
         return out
+
+    def slow_steps(self, factor: float = SLOW_FACTOR) -> dict:
+        """The token gaps longer than `factor` x the median (what makes TPOT p99 exceed it), and what the engine
+        counted during them: the GPU / expert-wait time the runner added between the two tokens' arrivals (it
+        adds a step's before delivering its token), the rest of the gap as other; and the Python garbage
+        collections that ran while decoding, since a collection holds the GIL the step needs."""
+        gaps = self.gaps
+        if len(gaps) < 2 or len(self.stats) != len(self.token_times):
+            return {}
+        threshold = factor * median(gaps)
+        slow = [i for i, g in enumerate(gaps) if g > threshold]
+        parts = {"gpu": [], "expert_wait": [], "other": []}
+        for i in slow:
+            a, b = self.stats[i], self.stats[i + 1]
+            gpu, wait = b.times.gpu - a.times.gpu, b.times.expert_wait - a.times.expert_wait
+            for name, value in (("gpu", gpu), ("expert_wait", wait), ("other", gaps[i] - gpu - wait)):
+                parts[name].append(value)
+        start, end = self.token_times[0], self.token_times[-1]
+        pauses = [(s, e, g) for s, e, g in self.gc_pauses if e > start and s < end]
+        overlapping = sum(1 for i in slow if any(s < self.token_times[i + 1] and e > self.token_times[i]
+                                                 for s, e, _ in pauses))
+        out = {"threshold": fig(_ms(threshold), "ms", note=f"{factor} x the median token gap"),
+               "count": len(slow), "of": len(gaps),
+               "gap_mean": fig(_ms(sum(gaps[i] for i in slow) / len(slow)) if slow else None, "ms"),
+               "with_gc": overlapping,
+               "gc_while_decoding": {"collections": len(pauses),
+                                     "by_generation": [sum(1 for p in pauses if p[2] == g) for g in range(3)],
+                                     "max": fig(_ms(max((e - s for s, e, _ in pauses), default=0.0)), "ms")}}
+        for name, values in parts.items():
+            if values:
+                out[f"{name}_mean"] = fig(_ms(sum(values) / len(values)), "ms")
+        return out
+
+
+class GCPauses:
+    """Records each Python garbage collection (start, end, generation) into `into` while the block runs."""
+
+    def __init__(self, into: list[tuple[float, float, int]]):
+        self.into, self._started = into, 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.into.append((self._started, time.perf_counter(), info["generation"]))
+
+    def __enter__(self) -> GCPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -56,17 +116,21 @@ async def generate(engine: Engine, prompt: list[int], max_tokens: int, deadline:
     run = Generation(len(prompt), time.perf_counter())
     handle = engine.submit(GenerationRequest(
         prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
-    async for out in handle:
-        now = time.perf_counter()
-        if not run.token_times and out.token_ids:
-            run.stats_at_first_token = engine.stats()
-        run.token_times.extend([now] * len(out.token_ids))
-        if out.finish_reason == "error":
-            raise RuntimeError(f"engine error: {out.error}")
-        if now > deadline and not out.finished:
-            handle.cancel()
-            run.stopped_early = True
-            break
+    with GCPauses(run.gc_pauses):
+        async for out in handle:
+            now = time.perf_counter()
+            if out.token_ids:
+                stats = engine.stats()
+                if not run.token_times:
+                    run.stats_at_first_token = stats
+                run.token_times.extend([now] * len(out.token_ids))
+                run.stats.extend([stats] * len(out.token_ids))
+            if out.finish_reason == "error":
+                raise RuntimeError(f"engine error: {out.error}")
+            if now > deadline and not out.finished:
+                handle.cancel()
+                run.stopped_early = True
+                break
     return run
 
 

@@ -157,3 +157,29 @@ def test_the_summary_gives_each_attention_backend_its_cached_ttft_and_rounds():
     assert failed == "attention flashinfer: ValueError: flashinfer cannot run here"
     assert "cached-prefix TTFT 0.270 s (cold 2.730 s)" in measured and "512: 50.1 tok/s, TPOT 566.0 ms" in measured
     assert "context_16384: deadline (3s left)" in measured
+
+
+def test_slow_token_gaps_are_split_by_what_the_engine_counted_and_matched_with_garbage_collections():
+    from bench.engine_runs import Generation
+    from engines.base import EngineStats, StepTimes
+
+    # ten tokens 30 ms apart, but the gap after the fifth takes 60 ms: 25 of them waiting on the experts
+    gaps = [0.030] * 4 + [0.060] + [0.030] * 4
+    times = [1.0 + sum(gaps[:i]) for i in range(len(gaps) + 1)]
+    stats, gpu, wait = [], 0.0, 0.0
+    for i in range(len(times)):
+        if i:
+            gpu, wait = gpu + 0.006, wait + (0.045 if i == 5 else 0.020)
+        stats.append(EngineStats(steps=i, times=StepTimes(gpu=gpu, expert_wait=wait)))
+    gen = Generation(prompt_tokens=8, submitted=0.9, token_times=times, stats=stats,
+                     gc_pauses=[(times[4] + 0.01, times[4] + 0.012, 2), (0.5, 0.6, 0)])  # the second: before decode
+
+    slow = gen.figures()["slow_steps"]
+
+    assert (slow["count"], slow["of"]) == (1, 9)
+    assert slow["gap_mean"]["value"] == pytest.approx(60.0)
+    assert slow["expert_wait_mean"]["value"] == pytest.approx(45.0)
+    assert slow["gpu_mean"]["value"] == pytest.approx(6.0)
+    assert slow["other_mean"]["value"] == pytest.approx(9.0)
+    assert slow["with_gc"] == 1
+    assert slow["gc_while_decoding"]["collections"] == 1 and slow["gc_while_decoding"]["by_generation"] == [0, 0, 1]
