@@ -7,10 +7,10 @@ the last of its `length` positions.
 `sdpa_mask`     scaled_dot_product_attention on [heads, n, d] tensors with a [n, length] boolean causal mask
                 (what the torch backend did before: the unfused math kernel)
 `sdpa_causal`   engines.kt.attention.causal_sdpa, what the torch backend does now: float32 like the math
-                kernel, but 4-d tensors, a lower-right causal bias and values padded to the key width, so
-                the fused kernels run it
-`sdpa_causal_unpadded`  causal_sdpa's float32 call without the value padding (the GPU's memory-efficient
-                kernel takes values narrower than the keys; the CPU's flash kernel does not)
+                kernel, but 4-d tensors and a lower-right causal bias, so the fused kernels run it; on the
+                CPU the values are padded to the key width (its flash kernel wants one head width)
+`sdpa_causal_padded`  causal_sdpa's float32 call with the values padded on any device (on the GPU what
+                causal_sdpa did before 2026-11-25 evening; on the CPU the same as sdpa_causal)
 `sdpa_causal_bf16`  the same in bfloat16 (the flash kernels' precision: probabilities rounded to bf16)
 `flashinfer`    BatchMLAPagedAttentionWrapper planned for the chunk (plan excluded) and run over 64-token
                 pages (needs flashinfer)
@@ -77,8 +77,8 @@ def measure(n: int, length: int, device: torch.device, repeats: int) -> dict:
     variants = {
         "sdpa_mask": lambda: sdpa(q, k, v, attn_mask=mask, scale=SCALE),
         "sdpa_causal": lambda: causal_sdpa(q, k, v, SCALE),
-        "sdpa_causal_unpadded": lambda: sdpa(q.float().unsqueeze(0), k.float().unsqueeze(0), v.float().unsqueeze(0),
-                                             attn_mask=bias, scale=SCALE)[0].to(q.dtype),
+        "sdpa_causal_padded": lambda: sdpa(q.float().unsqueeze(0), k.float().unsqueeze(0), padded.float(),
+                                           attn_mask=bias, scale=SCALE)[0, ..., :V_DIM].to(q.dtype),
         "sdpa_causal_bf16": lambda: sdpa(q.unsqueeze(0), k.unsqueeze(0), padded, attn_mask=bias,
                                          scale=SCALE)[0, ..., :V_DIM],
     }

@@ -95,10 +95,12 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     It adds up in float32, as torch's unfused math kernel does for bf16 inputs (this path is the reference
     the other backends are checked against), but shaped for the fused kernels instead of the math, which
     writes out the whole [h, n, L] score matrix: the inputs get a batch dimension (3-d ones go to the math),
-    the causal rule is a lower-right CausalBias rather than an [n, L] mask, and the values are zero-padded
-    to the key width (MLA's 128 against 192), since the CPU's flash kernel wants one head width."""
+    the causal rule is a lower-right CausalBias rather than an [n, L] mask, and on the CPU the values are
+    zero-padded to the key width (MLA's 128 against 192), since its flash kernel wants one head width. The
+    GPU's memory-efficient kernel takes them as they are, and padded it ran a third slower
+    (bench/results/nvidia-h100-2026-11-25-evening/)."""
     n, length, dv = q.shape[-2], k.shape[-2], v.shape[-1]
-    if dv < q.shape[-1]:
+    if dv < q.shape[-1] and not q.is_cuda:
         v = F.pad(v, (0, q.shape[-1] - dv))
     mask = causal_lower_right(n, length) if n > 1 else None
     out = F.scaled_dot_product_attention(q.float().unsqueeze(0), k.float().unsqueeze(0), v.float().unsqueeze(0),
