@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -53,6 +54,13 @@ def serving(engine: Engine, model_path: str, timeout: float = 60.0) -> Iterator[
         sock.close()
 
 
+def _any_core() -> None:
+    """The clients stand for other machines: they run on any core, not on the cores the engine kept for the
+    server's threads (kt_isolate_workers), which a process started from one of those threads inherits."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+
+
 def run_clients(url: str, model: str, plan: Plan, vocab: int, time_left: float) -> dict:
     """Every concurrency level of the plan, one round each, in a client subprocess; its JSON result."""
     cmd = [sys.executable, "-m", "bench.http_client", "--base-url", url, "--model", model,
@@ -60,7 +68,8 @@ def run_clients(url: str, model: str, plan: Plan, vocab: int, time_left: float) 
            "--max-tokens", str(plan.http_tokens), "--vocab", str(vocab),
            "--round-timeout", str(plan.http_round_timeout), "--time-left", f"{time_left:.1f}"]
     repo = Path(__file__).resolve().parents[1]
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=time_left + 30, check=False, cwd=repo)
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=time_left + 30, check=False, cwd=repo,
+                          preexec_fn=_any_core)
     if done.returncode != 0:
         raise RuntimeError(f"the HTTP client exited with {done.returncode}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -34,6 +34,7 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import datetime  # noqa: E402
 import inspect  # noqa: E402
+import json  # noqa: E402
 import logging  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
@@ -82,7 +83,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gpu-prefill-tokens", type=int, default=0, metavar="N",
                    help="the KT engine's kt_gpu_prefill_tokens: prompt chunks of N tokens or more compute part of "
                         "the experts on the GPU from streamed weights (default 0: off)")
+    p.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE",
+                   help="another ktransformers engine setting for the KT engines this process loads (not the child "
+                        "runs of threads and avx2), VALUE read as JSON where it parses, e.g. kt_isolate_workers=false; "
+                        "repeatable")
     args = p.parse_args(argv)
+    args.settings = {}
+    for item in args.setting:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            p.error(f"--setting: expected KEY=VALUE, got {item!r}")
+        try:
+            args.settings[key] = json.loads(value)
+        except ValueError:
+            args.settings[key] = value
     args.phases = PHASES if not args.only else tuple(x.strip() for x in args.only.split(",") if x.strip())
     unknown = sorted(set(args.phases) - set(PHASES))
     if unknown:
@@ -145,7 +159,8 @@ class Bench:
         self.log_path = self.out / "engines.log"
         meta = {**environment(self.threads), "shape": self.shape.name, "quick": args.quick,
                 "budget": fig(self.budget, "s"), "phases_selected": list(args.phases), "rules": args.rules,
-                "gpu_prefill_tokens": args.gpu_prefill_tokens, "chunk_size": args.chunk_size}
+                "gpu_prefill_tokens": args.gpu_prefill_tokens, "chunk_size": args.chunk_size,
+                "settings": args.settings}
         self.results = Results(self.out, meta)
         self.kt = None  # the loaded KT EngineRun; its label is the experts method
         self.vocab = self.shape.config["vocab_size"]
@@ -235,7 +250,7 @@ class Bench:
                                       "kv_cache_tokens": self.plan.kv_cache_tokens(),
                                       "kt_use_cuda_graph": self.cuda_graph, "kt_optimize_rule": self.args.rules,
                                       "kt_gpu_prefill_tokens": self.args.gpu_prefill_tokens,
-                                      **settings})
+                                      **self.args.settings, **settings})
 
     def kt_engine(self, method: str):
         """The KT engine with `method` experts, loaded (and warmed up) unless it already is."""

@@ -93,6 +93,8 @@ class Settings(BaseModel):
     kt_strict_placement: bool = engine_setting(False, "refuse rule files naming GPUs this machine lacks instead of "
                                                       "folding them")
     kt_weight_cache: str | None = engine_setting(None, "directory for pre-quantized expert weights")
+    kt_isolate_workers: bool = engine_setting(True, "with the non-expert model on GPUs, keep the server's other "
+                                                    "threads off the cores of kt-kernel's pinned workers")
     kt_gpu_prefill_tokens: int = engine_setting(
         0, "prompt chunks of at least this many tokens, and decode steps of at least this many sequences (run "
            "without CUDA graphs), compute part of each layer's routed experts on the GPU, streaming int8 copies "

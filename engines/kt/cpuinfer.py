@@ -136,3 +136,69 @@ def shared_cpu_infer(threads: int | None = None) -> Any:
 def pool_threads() -> int | None:
     """Worker threads of the shared pool, or None before it exists."""
     return _pool_threads
+
+
+class WorkerIsolation:
+    """Keeps this process's other threads off the cores kt-kernel's workers are pinned to.
+
+    kt-kernel pins one worker per core; every other thread (the generation thread, the CUDA thread that runs
+    kt-kernel's stream callbacks, the event loop, torch's pool) may still be scheduled onto a worker's core,
+    and a layer's experts then wait for the preempted worker. `apply()` moves every thread that is not a
+    pinned worker onto the cores the workers leave; threads started later inherit that from their creator.
+    `restore()` gives each thread it moved its former cores back, and the threads started meanwhile the cores
+    the process had. Linux only; a no-op elsewhere, when no worker is pinned, or when the workers leave no
+    core."""
+
+    def __init__(self) -> None:
+        self.moved: dict[int, set[int]] = {}
+        self.spare: set[int] = set()
+        self.allowed: set[int] = set()
+
+    @staticmethod
+    def _threads() -> list[tuple[int, set[int]]]:
+        tasks = []
+        for entry in os.scandir(f"/proc/{os.getpid()}/task"):
+            try:
+                tasks.append((int(entry.name), os.sched_getaffinity(int(entry.name))))
+            except OSError:  # a thread that ended meanwhile
+                continue
+        return tasks
+
+    def apply(self) -> str:
+        """Confine the non-worker threads; returns what was done, for the start-up log."""
+        if not sys.platform.startswith("linux") or not hasattr(os, "sched_setaffinity"):
+            return "not on Linux: threads left where the scheduler puts them"
+        threads = self._threads()
+        # kt-kernel's workers are the threads pinned to one core (it names them numa_<node>_...)
+        workers = {tid: cpus for tid, cpus in threads if len(cpus) == 1}
+        worker_cores = set().union(*workers.values()) if workers else set()
+        allowed = self.allowed = os.sched_getaffinity(0)
+        self.spare = allowed - worker_cores
+        if not worker_cores or not self.spare:
+            return (f"kt-kernel's workers take every core this process may use ({len(allowed)}): other threads "
+                    "share them" if worker_cores else "no pinned kt-kernel worker found: threads left as they are")
+        for tid, cpus in threads:
+            if tid in workers or cpus <= self.spare:
+                continue
+            try:
+                os.sched_setaffinity(tid, self.spare)
+                self.moved[tid] = cpus
+            except OSError:  # ended meanwhile, or the cpuset forbids it
+                continue
+        return (f"{len(self.moved)} threads moved to cores {_cpu_list(self.spare)}, off the "
+                f"{len(worker_cores)} cores of kt-kernel's workers")
+
+    def restore(self) -> None:
+        if not self.spare:
+            return
+        for tid, cpus in self._threads():
+            if cpus == self.spare:  # moved, or started by a moved thread
+                try:
+                    os.sched_setaffinity(tid, self.moved.get(tid, self.allowed))
+                except OSError:
+                    continue
+        self.moved, self.spare = {}, set()
+
+
+def _cpu_list(cpus: set[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))

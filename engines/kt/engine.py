@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from engines.base import EngineConfig, ModelInfo, engine_options
+from engines.kt.cpuinfer import WorkerIsolation
 from engines.kt.flashinfer_mla import attention_for
 from engines.kt.kv_cache import LatentKVCache
 from engines.kt.loader import load_checkpoint, missing_tensors
@@ -118,6 +119,7 @@ class KTEngine(LLMEngine):
     def __init__(self, config: EngineConfig):
         super().__init__(config)
         self.options = engine_options(KTOptions, config.settings)
+        self._isolation = WorkerIsolation()
 
     def _load(self) -> tuple[ModelRunner, Any, ModelInfo]:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -174,6 +176,12 @@ class KTEngine(LLMEngine):
             else:
                 log.info("kt_use_cuda_graph: no GPU in the placement; decode runs without CUDA graphs")
         _log_streamed_experts(options, kt.kt_gpu_prefill_tokens, cfg.chunk_size)
+        if uses_cpu_experts(model) and all(d.type == "cuda" for d in devices):
+            # every thread but kt-kernel's workers is GPU-side work (launching, sampling, the stream callbacks)
+            if kt.kt_isolate_workers:
+                log.info("kt_isolate_workers: %s", self._isolation.apply())
+            else:
+                log.info("kt_isolate_workers off: other threads may run on kt-kernel's worker cores")
         if runner.deferring:
             counts = sorted({layer.deferred for layer in runner.deferring})
             log.info("expert deferral: in decode steps of up to %d sequences, %s of each token's %d experts in %d "
@@ -187,6 +195,8 @@ class KTEngine(LLMEngine):
         if streaming:
             details["gpu_prefill_tokens"] = str(kt.kt_gpu_prefill_tokens)
             details["gpu_prefill_copy_gbps"] = f"{min(s.pcie_bytes_per_s for s in streaming) / 1e9:.1f}"
+        if self._isolation.spare:
+            details["server_thread_cores"] = ",".join(map(str, sorted(self._isolation.spare)))
         if runner.deferring:
             details["experts_deferred"] = str(max(layer.deferred for layer in runner.deferring))
         for choice in choices.values():
@@ -195,6 +205,10 @@ class KTEngine(LLMEngine):
                          created=int(time.time()), eos_token_ids=eos_token_ids(config, tokenizer, model_path),
                          details=details)
         return runner, tokenizer, info
+
+    def stop(self) -> None:
+        super().stop()
+        self._isolation.restore()
 
     def _kv_tokens(self, max_len: int) -> int:
         """KV capacity: as configured, else room for a few full-length requests within a fixed budget

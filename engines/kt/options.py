@@ -16,4 +16,5 @@ class KTOptions:
     kv_cache_tokens: int | None = None  # KV capacity in tokens; default from max_model_len x max_concurrent
     prefix_cache: bool = True  # share full KV pages between requests with the same token prefix
     attention_backend: str = "auto"  # "auto" | "flashinfer" | "torch" (MLA attention on CUDA)
+    kt_isolate_workers: bool = True  # GPU placements: other threads leave kt-kernel's worker cores (cpuinfer.py)
     kt_gpu_prefill_tokens: int = 0  # expert calls this large (chunks, decode batches) stream part to the GPU; 0: off
