@@ -68,7 +68,9 @@ def default_thread_choice(cores: int | None = None) -> tuple[int, str]:
     that starts kt-kernel's work and spins in its stream wait. Measured on 16 cores (V2-Lite INT8 decode,
     BASELINES.md): 16 workers cost 8 ms per layer; 15 gave bimodal decode (8-29 tok/s, TPOT p99 228 ms);
     14 gave 33.5 tok/s (p99 49 ms); 10-12 about 29-30 tok/s with p99 within 1.2x of the median. The
-    eighth of larger machines leaves room for the OS and the server's own threads.
+    eighth of larger machines leaves room for the OS and the server's own threads. (Since the engine keeps
+    its other threads off the workers' cores, `WorkerIsolation`, one run had 15 workers at 33.4 tok/s, as
+    fast as 14: docs/performance.md, "Threads".)
     """
     cores = physical_cores() if cores is None else cores
     spare = max(2, cores // 8)
