@@ -89,3 +89,15 @@ def test_workers_on_every_core_leave_the_other_threads_alone():
 
     assert found["main"] == found["allowed"] and found["other"] == found["allowed"]
     assert "every core" in found["message"]
+
+
+def test_server_threads_avoid_the_hyperthread_siblings_of_worker_cores():
+    from engines.kt.cpuinfer import server_cores
+
+    # 4 cores, 2 threads each: CPU n and n + 4 share a core; workers pinned to CPUs 0-2
+    def siblings(cpu: int) -> set[int]:
+        return {cpu % 4, cpu % 4 + 4}
+
+    assert server_cores(set(range(8)), {0, 1, 2}, siblings) == {3, 7}
+    # workers on every core: the remaining siblings are better than nothing
+    assert server_cores(set(range(8)), {0, 1, 2, 3}, siblings) == {4, 5, 6, 7}

@@ -146,7 +146,8 @@ class WorkerIsolation:
     kt-kernel pins one worker per core; every other thread (the generation thread, the CUDA thread that runs
     kt-kernel's stream callbacks, the event loop, torch's pool) may still be scheduled onto a worker's core,
     and a layer's experts then wait for the preempted worker. `apply()` moves every thread that is not a
-    pinned worker onto the cores the workers leave; threads started later inherit that from their creator.
+    pinned worker onto the cores the workers leave (`server_cores`: not the hyper-thread siblings of worker
+    CPUs either, where other CPUs remain); threads started later inherit that from their creator.
     `restore()` gives each thread it moved its former cores back, and the threads started meanwhile the cores
     the process had. Linux only; a no-op elsewhere, when no worker is pinned, or when the workers leave no
     core."""
@@ -175,7 +176,7 @@ class WorkerIsolation:
         workers = {tid: cpus for tid, cpus in threads if len(cpus) == 1}
         worker_cores = set().union(*workers.values()) if workers else set()
         allowed = self.allowed = os.sched_getaffinity(0)
-        self.spare = allowed - worker_cores
+        self.spare = server_cores(allowed, worker_cores)
         if not worker_cores or not self.spare:
             return (f"kt-kernel's workers take every core this process may use ({len(allowed)}): other threads "
                     "share them" if worker_cores else "no pinned kt-kernel worker found: threads left as they are")
@@ -200,6 +201,30 @@ class WorkerIsolation:
                 except OSError:
                     continue
         self.moved, self.spare = {}, set()
+
+
+def server_cores(allowed: set[int], worker_cores: set[int], siblings: Any = None) -> set[int]:
+    """The CPUs of `allowed` for the threads that are not workers: those whose physical core holds no worker
+    (a hyper-thread sibling of a worker's CPU shares its core's execution units), or, where that leaves
+    none, every CPU without a worker."""
+    siblings = siblings or _siblings
+    free = allowed - worker_cores
+    whole = {cpu for cpu in free if not siblings(cpu) & worker_cores}
+    return whole or free
+
+
+def _siblings(cpu: int) -> set[int]:
+    """The logical CPUs that share `cpu`'s physical core (itself included), from sysfs."""
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+            text = f.read().strip()
+    except OSError:
+        return {cpu}
+    cpus = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
 
 
 def _cpu_list(cpus: set[int]) -> str:
