@@ -178,6 +178,7 @@ class WorkerIsolation:
         allowed = self.allowed = os.sched_getaffinity(0)
         self.spare = server_cores(allowed, worker_cores)
         if not worker_cores or not self.spare:
+            self.spare = set()
             return (f"kt-kernel's workers take every core this process may use ({len(allowed)}): other threads "
                     "share them" if worker_cores else "no pinned kt-kernel worker found: threads left as they are")
         for tid, cpus in threads:
