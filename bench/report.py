@@ -127,11 +127,12 @@ def summary_lines(data: dict) -> list[str]:
         slow = (r or {}).get("decode", {}).get("slow_steps")
         if slow and slow["count"]:
             gc_ = slow["gc_while_decoding"]
-            lines.append(f"{label} slow gaps (> {_fmt(_v(slow, 'threshold'), '.1f')} ms): {slow['count']} of "
-                         f"{slow['of']}, mean {_fmt(_v(slow, 'gap_mean'), '.1f')} ms = gpu "
-                         f"{_fmt(_v(slow, 'gpu_mean'), '.1f')} + expert wait {_fmt(_v(slow, 'expert_wait_mean'), '.1f')}"
-                         f" + other {_fmt(_v(slow, 'other_mean'), '.1f')}; {slow['with_gc']} during a garbage "
-                         f"collection ({gc_['collections']} while decoding, longest {_fmt(_v(gc_, 'max'), '.1f')} ms)")
+            ms = {key: _fmt(_v(slow, key), ".1f") for key in ("threshold", "gap_mean", "gpu_mean",
+                                                               "expert_wait_mean", "other_mean")}
+            lines.append(f"{label} slow gaps (> {ms['threshold']} ms): {slow['count']} of {slow['of']}, mean "
+                         f"{ms['gap_mean']} ms = gpu {ms['gpu_mean']} + expert wait {ms['expert_wait_mean']} + other "
+                         f"{ms['other_mean']}; {slow['with_gc']} during a garbage collection ({gc_['collections']} "
+                         f"while decoding, longest {_fmt(_v(gc_, 'max'), '.1f')} ms)")
     sweep = data.get("thread_sweep") or {}
     for threads, r in sorted(((k, v) for k, v in sweep.items() if k.isdigit()), key=lambda kv: int(kv[0])):
         d = r.get("decode") or {}
