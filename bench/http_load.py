@@ -54,11 +54,12 @@ def serving(engine: Engine, model_path: str, timeout: float = 60.0) -> Iterator[
         sock.close()
 
 
-def _any_core() -> None:
+def _any_core(pid: int) -> None:
     """The clients stand for other machines: they run on any core, not on the cores the engine kept for the
-    server's threads (kt_isolate_workers), which a process started from one of those threads inherits."""
+    server's threads (kt_isolate_workers), which a process started from one of those threads inherits. Set
+    right after the start, before the client has started threads of its own (they would keep the old cores)."""
     with contextlib.suppress(AttributeError, OSError):
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        os.sched_setaffinity(pid, range(os.cpu_count() or 1))
 
 
 def run_clients(url: str, model: str, plan: Plan, vocab: int, time_left: float) -> dict:
@@ -68,8 +69,13 @@ def run_clients(url: str, model: str, plan: Plan, vocab: int, time_left: float) 
            "--max-tokens", str(plan.http_tokens), "--vocab", str(vocab),
            "--round-timeout", str(plan.http_round_timeout), "--time-left", f"{time_left:.1f}"]
     repo = Path(__file__).resolve().parents[1]
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=time_left + 30, check=False, cwd=repo,
-                          preexec_fn=_any_core)
-    if done.returncode != 0:
-        raise RuntimeError(f"the HTTP client exited with {done.returncode}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=repo) as client:
+        _any_core(client.pid)
+        try:
+            out, _ = client.communicate(timeout=time_left + 30)
+        except subprocess.TimeoutExpired:
+            client.kill()
+            raise
+    if client.returncode != 0:
+        raise RuntimeError(f"the HTTP client exited with {client.returncode}")
+    return json.loads(out.strip().splitlines()[-1])
