@@ -26,9 +26,13 @@ class Generation:
     submitted: float
     token_times: list[float] = field(default_factory=list)
     stopped_early: bool = False
-    stats_at_first_token: EngineStats | None = None  # engine counters when the first token arrived
     stats: list[EngineStats] = field(default_factory=list)  # engine counters as each token arrived
     gc_pauses: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end, generation)
+
+    @property
+    def stats_at_first_token(self) -> EngineStats | None:
+        """The engine counters when the first token arrived (the prompt's steps end there)."""
+        return self.stats[0] if self.stats else None
 
     @property
     def ttft(self) -> float | None:
@@ -120,11 +124,8 @@ async def generate(engine: Engine, prompt: list[int], max_tokens: int, deadline:
         async for out in handle:
             now = time.perf_counter()
             if out.token_ids:
-                stats = engine.stats()
-                if not run.token_times:
-                    run.stats_at_first_token = stats
                 run.token_times.extend([now] * len(out.token_ids))
-                run.stats.extend([stats] * len(out.token_ids))
+                run.stats.extend([engine.stats()] * len(out.token_ids))
             if out.finish_reason == "error":
                 raise RuntimeError(f"engine error: {out.error}")
             if now > deadline and not out.finished:

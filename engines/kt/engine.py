@@ -167,8 +167,9 @@ class KTEngine(LLMEngine):
                               prefix_cache=kt.prefix_cache)
         flash = attention_for(kt.attention_backend, model.model.layers[0].self_attn, devices, cache)
         runner = KTModelRunner(model, devices, cache, max_len, flash=flash)
-        if uses_cpu_experts(model):
-            self.torch_threads = _torch_threads(kt.cpu_infer, all(d.type == "cuda" for d in devices))
+        cpu_experts, all_on_gpus = uses_cpu_experts(model), all(d.type == "cuda" for d in devices)
+        if cpu_experts:
+            self.torch_threads = _torch_threads(kt.cpu_infer, all_on_gpus)
             torch.set_num_threads(self.torch_threads)
         if kt.kt_use_cuda_graph:
             if gpu:
@@ -176,7 +177,7 @@ class KTEngine(LLMEngine):
             else:
                 log.info("kt_use_cuda_graph: no GPU in the placement; decode runs without CUDA graphs")
         _log_streamed_experts(options, kt.kt_gpu_prefill_tokens, cfg.chunk_size)
-        if uses_cpu_experts(model) and all(d.type == "cuda" for d in devices):
+        if cpu_experts and all_on_gpus:
             # every thread but kt-kernel's workers is GPU-side work (launching, sampling, the stream callbacks)
             if kt.kt_isolate_workers:
                 log.info("kt_isolate_workers: %s", self._isolation.apply())
@@ -189,7 +190,7 @@ class KTEngine(LLMEngine):
                      runner.defer_max_batch, "/".join(map(str, counts)), runner.deferring[0].top_k,
                      len(runner.deferring), rule_file.name)
         log.info("loaded %s with %s (%s, experts on the CPU: %s) in %.1fs", model_path.name, rule_file.name, dtype,
-                 uses_cpu_experts(model), time.perf_counter() - started)
+                 cpu_experts, time.perf_counter() - started)
         details = {"kt_optimize_rule": rule_file.name, "attention_backend": "torch" if flash is None else "flashinfer"}
         streaming = options.streamers.active()
         if streaming:
