@@ -40,6 +40,12 @@ def test_a_negative_gpu_prefill_threshold_is_refused_naming_the_key():
         load_settings(None, cli={"kt_gpu_prefill_tokens": -5}, env={})
 
 
+def test_a_worker_isolation_switch_that_is_not_a_boolean_is_refused_naming_the_key():
+    with pytest.raises(SettingsError, match=r"kt_isolate_workers \(from environment\): .*valid boolean"):
+        load_settings(None, env={"KTSERVE_KT_ISOLATE_WORKERS": "sometimes"})
+    assert load_settings(None, env={"KTSERVE_KT_ISOLATE_WORKERS": "false"}).kt_isolate_workers is False
+
+
 def test_an_unknown_engine_lists_the_known_ones():
     with pytest.raises(SettingsError, match="huggingface"):
         load_settings(None, cli={"engine": "tensorrt"}, env={})
