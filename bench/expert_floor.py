@@ -22,7 +22,7 @@ import time
 import torch
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 1408, 64, 6
-BYTES_PER_WEIGHT = {"AMXINT8": 1.0, "AMXINT4": 0.5, "BF16": 2.0}
+BYTES_PER_WEIGHT = {"AMXINT8": 1.0, "AMXINT4": 0.5, "BF16": 2.0, "LLAMAFILE": 34 / 32}  # LLAMAFILE: Q8_0 blocks
 
 
 def _layers(method: str, count: int, threads: int):
