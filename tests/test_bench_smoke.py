@@ -183,3 +183,19 @@ def test_slow_token_gaps_are_split_by_what_the_engine_counted_and_matched_with_g
     assert slow["other_mean"]["value"] == pytest.approx(9.0)
     assert slow["with_gc"] == 1
     assert slow["gc_while_decoding"]["collections"] == 1 and slow["gc_while_decoding"]["by_generation"] == [0, 0, 1]
+
+
+def test_a_decode_trace_splits_gpu_time_into_busy_short_gaps_and_expert_waits():
+    from bench.decode_trace import summarize
+
+    # one step of two MoE layers: a 10 us kernel, a 4 us gap, a 6 us copy, a 900 us wait on the experts, a 10 us
+    # kernel, a 3 us gap, a 5 us kernel, a 1,000 us wait, a 20 us kernel
+    acts = [(0, 10, "k"), (14, 20, "Memcpy DtoH (Device -> Pinned)"), (920, 930, "k"), (933, 938, "k"),
+            (1938, 1958, "head")]
+    s = summarize(acts, steps=1, moe_layers=2)
+    assert s["activities_per_step"] == 5 and s["copies_per_step"] == 1 and s["activities_per_moe_layer"] == 2.5
+    assert s["busy_ms_per_step"] == 0.051
+    assert (s["short_gaps_per_step"], s["short_gap_ms_per_step"]) == (2, 0.007)
+    assert (s["long_gaps_per_step"], s["long_gap_ms_per_step"]) == (2, 1.9)
+    assert s["span_ms_per_step"] == 1.958
+    assert s["top_us_per_step"][0] == ("k", 3, 25.0)
