@@ -2,7 +2,7 @@
 activities (kernels, copies) split into time busy, short gaps between them (launch latency, host callbacks,
 small copies) and long gaps (the stream waiting on the CPU experts), per step and per MoE layer.
 
-    python -m bench.decode_trace [--layers 4] [--method AMXINT8] [--steps 24] [--model-dir DIR]
+    python -m bench.decode_trace [--layers 4] [--method AMXINT8] [--steps 32] [--model-dir DIR] [--setting KEY=VALUE]
 
 Builds a V2-Lite-shaped checkpoint with `--layers` layers (every per-layer figure is V2-Lite's; a few layers
 build in seconds), starts the KT engine at its default settings, decodes a warm-up, then traces `--steps`
@@ -59,6 +59,7 @@ def summarize(acts: list[tuple[float, float, str]], steps: int, moe_layers: int)
 def main() -> None:
     from bench.checkpoint import build_checkpoint, existing_model
     from bench.decode_profile import _decode
+    from bench.run import engine_settings
     from bench.shapes import V2_LITE_CONFIG
     from engines.base import EngineConfig
     from engines.kt.engine import KTEngine
@@ -68,15 +69,12 @@ def main() -> None:
     p.add_argument("--method", default="AMXINT8")
     p.add_argument("--steps", type=int, default=32, help="tokens generated while traced")
     p.add_argument("--model-dir", type=Path, default=Path("/tmp/ktserve-bench/v2-lite-trace"))
-    p.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE", help="any KT engine setting")
+    p.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE", help="any KT engine setting, VALUE read as JSON where it parses")
     args = p.parse_args()
     config = {**V2_LITE_CONFIG, "num_hidden_layers": args.layers}
     if existing_model(args.model_dir, config) is None:
         build_checkpoint(args.model_dir, config, shard_bytes=2 << 30)
-    settings = {"kt_method": args.method, "kv_cache_tokens": 8192}
-    for item in args.setting:
-        key, _, value = item.partition("=")
-        settings[key] = json.loads(value) if value in ("true", "false") or value.lstrip("-").isdigit() else value
+    settings = {"kt_method": args.method, "kv_cache_tokens": 8192, **engine_settings(p, args.setting)}
     engine = KTEngine(EngineConfig(model_path=str(args.model_dir), max_concurrent=4, max_model_len=4096,
                                    settings=settings))
     engine.start()
@@ -92,9 +90,9 @@ def main() -> None:
             wall = time.perf_counter() - started
         moe_layers = args.layers - config["first_k_dense_replace"]
         result = summarize(gpu_activities(prof), steps=args.steps, moe_layers=moe_layers)
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
         result.update(method=args.method, layers=args.layers, decode_tok_s_while_traced=round(rate, 1),
-                      traced_wall_s=round(wall, 2), gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                      details=engine.info.details)
+                      traced_wall_s=round(wall, 2), gpu=gpu, details=engine.info.details)
         print(json.dumps(result, default=str), flush=True)
     finally:
         engine.stop()

@@ -26,18 +26,16 @@ BYTES_PER_WEIGHT = {"AMXINT8": 1.0, "AMXINT4": 0.5, "BF16": 2.0, "LLAMAFILE": 34
 
 
 def _layers(method: str, count: int, threads: int):
+    from bench.expert_split import random_experts
     from engines.kt.cpuinfer import physical_cores
     from engines.kt.experts_cpu import RoutedExpertsCPU
 
     torch.set_num_threads(max(1, physical_cores() - threads))  # as the engine does: torch off kt-kernel's cores
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # a GPU draws a layer's 0.55 G values in milliseconds
     layers = []
     for i in range(count):
         layer = RoutedExpertsCPU(layer_idx=900 + i, num_experts=EXPERTS, top_k=TOP_K, hidden_size=HIDDEN,
                                  intermediate_size=INTER, method=method, threads=threads, max_tokens=64)
-        g = torch.Generator(device=device).manual_seed(i)
-        layer.load_weights(*(torch.randn(EXPERTS, *shape, generator=g, device=device, dtype=torch.bfloat16).cpu()
-                             * 0.02 for shape in ((INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER))))
+        layer.load_weights(*random_experts(EXPERTS, INTER, seed=i))
         layers.append(layer)
     return layers
 

@@ -20,8 +20,10 @@ import torch
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 1408, 64, 6
 
 
-def _weights(experts: int, inter: int, seed: int) -> tuple[torch.Tensor, ...]:
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # drawing 0.5 G values is seconds on a GPU
+def random_experts(experts: int, inter: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Random bf16 gate / up [E, inter, HIDDEN] and down [E, HIDDEN, inter] on the CPU, drawn on a GPU where there
+    is one (milliseconds for a V2-Lite layer's 0.55 G values, where the CPU's spare cores take seconds)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=device).manual_seed(seed)
     return tuple((torch.randn(experts, *shape, generator=g, device=device, dtype=torch.bfloat16) * 0.02).cpu()
                  for shape in ((inter, HIDDEN), (inter, HIDDEN), (HIDDEN, inter)))
@@ -53,7 +55,7 @@ def main() -> None:
                 layer = RoutedExpertsCPU(layer_idx=800 + i, num_experts=EXPERTS * s, top_k=TOP_K * s,
                                          hidden_size=HIDDEN, intermediate_size=inter, method=method,
                                          threads=threads, max_tokens=64)
-                layer.load_weights(*_weights(EXPERTS * s, inter, seed=i))
+                layer.load_weights(*random_experts(EXPERTS * s, inter, seed=i))
                 layers.append(layer)
             g = torch.Generator().manual_seed(1)
             for tokens in (int(t) for t in args.tokens.split(",")):

@@ -59,6 +59,21 @@ THREAD_OFFSETS = (-2, 1)  # the thread sweep, relative to the default
 REPO = Path(__file__).resolve().parents[1]
 
 
+def engine_settings(p: argparse.ArgumentParser, items: list[str]) -> dict:
+    """`--setting KEY=VALUE` arguments as engine settings, each VALUE read as JSON where it parses; a usage error
+    naming the flag for anything else."""
+    settings: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            p.error(f"--setting: expected KEY=VALUE, got {item!r}")
+        try:
+            settings[key] = json.loads(value)
+        except ValueError:
+            settings[key] = value
+    return settings
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,15 +103,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "runs of threads and avx2), VALUE read as JSON where it parses, e.g. kt_isolate_workers=false; "
                         "repeatable")
     args = p.parse_args(argv)
-    args.settings = {}
-    for item in args.setting:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            p.error(f"--setting: expected KEY=VALUE, got {item!r}")
-        try:
-            args.settings[key] = json.loads(value)
-        except ValueError:
-            args.settings[key] = value
+    args.settings = engine_settings(p, args.setting)
     args.phases = PHASES if not args.only else tuple(x.strip() for x in args.only.split(",") if x.strip())
     unknown = sorted(set(args.phases) - set(PHASES))
     if unknown:
