@@ -99,6 +99,10 @@ class Settings(BaseModel):
         0, "prompt chunks of at least this many tokens, and decode steps of at least this many sequences (run "
            "without CUDA graphs), compute part of each layer's routed experts on the GPU, streaming int8 copies "
            "of them from pinned host memory (one more byte of host memory per expert weight); 0: off", ge=0)
+    kt_expert_pad_from: int | None = engine_setting(
+        None, "expert calls of at least this many tokens (decode steps of that many sequences) that kt-kernel would "
+              "compute on its per-token vector path are padded with empty rows up to its matrix path; 0: never; "
+              "default: where that was measured faster for the experts method", ge=0)
     kv_cache_tokens: int | None = engine_setting(None, "KV cache capacity in tokens (ktransformers engine)", gt=0)
     prefix_cache: bool = engine_setting(True, "reuse the cached KV pages of a prompt prefix seen before; off: "
                                               "compute every prompt whole")

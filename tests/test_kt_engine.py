@@ -150,3 +150,24 @@ def test_streamed_experts_without_a_gpu_say_so_and_serve_from_the_cpu(demo_model
         assert prompt_logprobs(running, LONG_TEXT[:300]).token_logprobs[1] < 0
     finally:
         running.stop()
+
+
+def test_decode_steps_padded_to_the_matrix_kernels_give_the_unpadded_tokens(demo_model_dir):
+    from engines.kt.expert_methods import pads_to_matrix
+
+    if not pads_to_matrix(INT8):
+        pytest.skip(f"this build's {INT8} kernel has no matrix switch to pad across")
+
+    def greedy(pad_from: int) -> tuple[list[str], str | None]:
+        running = start_server(demo_model_dir, engine="ktransformers", kt_method=INT8, kt_expert_pad_from=pad_from)
+        try:
+            reply = running.openai().chat.completions.create(
+                model=running.engine.info.id, messages=[{"role": "user", "content": "Tell me about rivers."}],
+                temperature=0, max_tokens=16, n=3, seed=1)
+            return [c.message.content for c in reply.choices], running.engine.info.details.get("expert_pad_from")
+        finally:
+            running.stop()
+
+    padded, plain = greedy(1), greedy(0)
+    assert (padded[1], plain[1]) == ("1", None)  # /version says from how many tokens calls go padded
+    assert padded[0] == plain[0]  # steps of three sequences went padded to the 17 rows of the matrix path

@@ -26,7 +26,9 @@ require_kt_kernel()
 
 from engines.kt.cpuinfer import (  # noqa: E402
     default_cpu_threads, default_thread_choice, physical_cores, pool_threads, resolve_thread_count, shared_cpu_infer)
-from engines.kt.expert_methods import METHODS, ExpertsUnsupportedError, available_methods, cpu_variant  # noqa: E402
+from engines.kt import expert_methods  # noqa: E402
+from engines.kt.expert_methods import (  # noqa: E402
+    METHODS, ExpertsUnsupportedError, available_methods, cpu_variant, default_pad_from, matrix_tokens, pads_to_matrix)
 from engines.kt.experts_cpu import RoutedExpertsCPU, SharedStaging  # noqa: E402
 
 E, K, H, I = 16, 4, 256, 256
@@ -344,6 +346,65 @@ def test_staging_buffers_grow_for_a_longer_call_and_stay_shared(weights):
     hidden, ids, w = routing(MAX_TOKENS * 2 + 5)  # beyond the chunk the buffers were first sized for
     assert rel_err(long(hidden, ids, w), reference(weights, hidden, ids, w)) < TOLERANCE["BF16"]
     assert torch.equal(short(hidden, ids, w), long(hidden, ids, w))
+
+
+# ------------------------------------------------------------------ padding up to kt-kernel's matrix kernels
+PADDED = ("AMXINT8", "AMXINT4", "BF16")  # the methods with a measured padding default on the amx build
+
+
+def test_matrix_kernels_take_calls_above_four_times_experts_per_top_k():
+    assert matrix_tokens(64, 6) == 43  # DeepSeek-V2-Lite: up to 42 tokens take the vector path
+    assert matrix_tokens(256, 8) == 129  # DeepSeek-V3
+    assert matrix_tokens(E, K) == 17
+
+
+def test_padding_starts_at_the_measured_tokens_per_expert_on_the_amx_build_only(monkeypatch):
+    monkeypatch.setattr(expert_methods, "cpu_variant", lambda: "amx")
+    assert [default_pad_from(m, 64, 6) for m in (*PADDED, "FP8", "RAWINT4", "LLAMAFILE")] == [24, 16, 12, 0, 0, 0]
+    assert default_pad_from("AMXINT8", 256, 8) == 72
+    monkeypatch.setattr(expert_methods, "cpu_variant", lambda: "avx512_bf16")
+    assert [default_pad_from(m, 64, 6) for m in PADDED] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("method", PADDED)
+def test_a_padded_call_gives_the_output_of_the_unpadded_one(weights, method):
+    if method not in available_methods() or not pads_to_matrix(method):
+        pytest.skip(f"this build's {method} kernel has no matrix switch to pad across")
+    padded, plain = loaded(weights, method, pad_from=1), loaded(weights, method, pad_from=0)
+    hidden, ids, w = routing(10)
+    assert 10 in padded.padded_tokens() and not plain.padded_tokens()
+    # measured: AMXINT8 and AMXINT4 equal to the bit, BF16's kernels round apart by up to 0.4%
+    assert rel_err(padded(hidden, ids, w), plain(hidden, ids, w).float()) < 0.01
+    assert rel_err(padded(hidden, ids, w), reference(weights, hidden, ids, w)) < TOLERANCE[method]
+
+
+def test_padding_rows_name_no_expert_even_after_a_larger_call(weights):
+    layer = loaded(weights, padding_method(), pad_from=1)
+    layer(*routing(MAX_TOKENS))  # fills every staged row with real experts
+    layer(*routing(5))
+    ids = layer._staging_for(5, torch.device("cpu"))[1]
+    assert torch.equal(ids[5:matrix_tokens(E, K)], torch.full((matrix_tokens(E, K) - 5, K), -1))
+
+
+def test_kernels_without_a_matrix_switch_are_never_padded(weights):
+    methods = [m for m in available_methods() if not pads_to_matrix(m)]
+    if not methods:
+        pytest.skip("every method of this build has a matrix switch")
+    assert all(not loaded(weights, m, pad_from=1).padded_tokens() for m in methods)
+
+
+def padding_method() -> str:
+    method = next((m for m in PADDED if m in available_methods() and pads_to_matrix(m)), None)
+    if method is None:
+        pytest.skip("no kernel of this build has a matrix switch to pad across")
+    return method
+
+
+def test_a_call_is_padded_only_where_the_staged_rows_reach_the_matrix_kernels():
+    method = padding_method()
+    # 64 experts, 4 a token: the matrix path starts at 65 tokens, past the 32 rows staged for MAX_TOKENS
+    assert make_experts(method, num_experts=64, pad_from=1).padded_tokens() == range(0)
+    assert make_experts(method, num_experts=64, pad_from=1, max_tokens=65).padded_tokens() == range(1, 65)
 
 
 def test_forward_works_from_a_thread_other_than_the_creator(experts_for):

@@ -49,6 +49,48 @@ def test_stream_ordered_experts_equal_the_blocking_path():
     assert torch.equal(on_gpu.cpu(), on_cpu)
 
 
+def test_a_padded_stream_ordered_call_equals_the_unpadded_blocking_one():
+    from engines.kt.experts_cpu import RoutedExpertsCPU
+
+    torch.manual_seed(0)
+    weights = [torch.randn(16, 256, 256, dtype=torch.bfloat16) * 0.05 for _ in range(3)]
+    layers = []
+    for pad_from in (1, 0):
+        layer = RoutedExpertsCPU(layer_idx=91, num_experts=16, top_k=4, hidden_size=256, intermediate_size=256,
+                                 method="AMXINT8", max_tokens=64, pad_from=pad_from)
+        layer.load_weights(*weights)
+        layers.append(layer)
+    padded, plain = layers
+    assert 9 in padded.padded_tokens()
+
+    def call(layer, tokens, device):
+        hidden = torch.randn(tokens, 256, dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(16)[:4] for _ in range(tokens)])
+        weights = torch.rand(tokens, 4)
+        return layer(hidden.to(device), ids.to(device), weights.to(device)), (hidden, ids, weights)
+
+    call(padded, 40, "cuda")  # the stream's pinned rows now hold real experts past row 9
+    on_gpu, inputs = call(padded, 9, "cuda")
+    torch.cuda.synchronize()
+    assert torch.equal(on_gpu.cpu(), plain(*inputs))  # AMXINT8's two paths agree to the bit
+
+
+def test_padded_decode_steps_give_the_tokens_of_unpadded_ones(demo_model_dir):
+    def greedy(pad_from: int) -> list[str]:
+        running = start_server(demo_model_dir, engine="ktransformers", kt_method="AMXINT8",
+                               kt_expert_pad_from=pad_from)
+        try:
+            reply = running.openai().chat.completions.create(
+                model=running.engine.info.id, messages=[{"role": "user", "content": "Tell me about rivers."}],
+                temperature=0, max_tokens=24, n=3, seed=1)
+            assert running.engine.info.details.get("expert_pad_from") == (str(pad_from) if pad_from else None)
+            return [c.message.content for c in reply.choices]
+        finally:
+            running.stop()
+
+    assert greedy(1) == greedy(0)  # three sequences a step, padded to the matrix path's 17 rows, in CUDA graphs
+
+
 def test_attention_runs_on_the_gpu_and_experts_on_the_cpu(kt_gpu):
     runner = kt_gpu.engine._runner
     assert all(d.type == "cuda" for d in runner.layer_devices)

@@ -46,6 +46,13 @@ def test_a_worker_isolation_switch_that_is_not_a_boolean_is_refused_naming_the_k
     assert load_settings(None, env={"KTSERVE_KT_ISOLATE_WORKERS": "false"}).kt_isolate_workers is False
 
 
+def test_a_negative_expert_padding_start_is_refused_naming_the_key():
+    with pytest.raises(SettingsError, match=r"kt_expert_pad_from \(from environment\): .*greater than or equal to 0"):
+        load_settings(None, env={"KTSERVE_KT_EXPERT_PAD_FROM": "-1"})
+    assert load_settings(None, env={"KTSERVE_KT_EXPERT_PAD_FROM": "0"}).kt_expert_pad_from == 0
+    assert load_settings(None, env={}).kt_expert_pad_from is None  # the method's measured default
+
+
 def test_an_unknown_engine_lists_the_known_ones():
     with pytest.raises(SettingsError, match="huggingface"):
         load_settings(None, cli={"engine": "tensorrt"}, env={})

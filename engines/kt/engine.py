@@ -18,6 +18,7 @@ import torch
 
 from engines.base import EngineConfig, ModelInfo, engine_options
 from engines.kt.cpuinfer import WorkerIsolation
+from engines.kt.experts_cpu import RoutedExpertsCPU
 from engines.kt.flashinfer_mla import attention_for
 from engines.kt.kv_cache import LatentKVCache
 from engines.kt.loader import load_checkpoint, missing_tensors
@@ -149,7 +150,8 @@ class KTEngine(LLMEngine):
         choices = _expert_methods(placement, kt.kt_method, rule_file, config)
         options = OperatorOptions(max_tokens=cfg.chunk_size + cfg.max_concurrent, cpu_threads=kt.cpu_infer,
                                   methods={m: c.method for m, c in choices.items()}, checkpoint=str(model_path),
-                                  gpu_prefill_tokens=kt.kt_gpu_prefill_tokens)
+                                  gpu_prefill_tokens=kt.kt_gpu_prefill_tokens,
+                                  expert_pad_from=kt.kt_expert_pad_from)
         apply_placement(model, placement, config, options)
         gpu = any(d.startswith("cuda") for d in placement.devices.values())
         dtype = resolve_dtype(cfg.dtype, torch.device("cuda" if gpu else "cpu"))
@@ -183,6 +185,12 @@ class KTEngine(LLMEngine):
                 log.info("kt_isolate_workers: %s", self._isolation.apply())
             else:
                 log.info("kt_isolate_workers off: other threads may run on kt-kernel's worker cores")
+        padded = sorted({(r.start, r.stop) for m in model.modules() if isinstance(m, RoutedExpertsCPU)
+                         for r in [m.padded_tokens()] if r})
+        if padded:
+            log.info("expert calls of %s tokens go padded to %s rows, where kt-kernel's matrix kernels take them "
+                     "(kt_expert_pad_from)", "/".join(f"{a}-{b - 1}" for a, b in padded),
+                     "/".join(str(b) for _, b in padded))
         if runner.deferring:
             counts = sorted({layer.deferred for layer in runner.deferring})
             log.info("expert deferral: in decode steps of up to %d sequences, %s of each token's %d experts in %d "
@@ -198,6 +206,8 @@ class KTEngine(LLMEngine):
             details["gpu_prefill_copy_gbps"] = f"{min(s.pcie_bytes_per_s for s in streaming) / 1e9:.1f}"
         if self._isolation.spare:
             details["server_thread_cores"] = ",".join(map(str, sorted(self._isolation.spare)))
+        if padded:
+            details["expert_pad_from"] = str(min(a for a, _ in padded))
         if runner.deferring:
             details["experts_deferred"] = str(max(layer.deferred for layer in runner.deferring))
         for choice in choices.values():

@@ -23,6 +23,7 @@ over from FP8 / compressed-tensors checkpoints.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,15 +45,19 @@ class ExpertMethod:
     weights: str  # "bf16" (kt-kernel quantizes), "fp8_blocks", "int4_groups", "ggml"
     sft_kernel: str | None  # kt-kernel class computing these experts with a LoRA inside, if any
     cacheable: bool  # the quantized form is worth saving for the next start (--kt-weight-cache)
+    # on the amx build, calls of at least this many tokens per expert (tokens x top_k / experts) are faster
+    # padded up to the matrix kernels (`matrix_tokens`); 0: not measured faster, never padded by default
+    pad_ratio: float = 0.0
 
 
 # Size rules measured with kt-kernel 0.7.2: other sizes fail in kt-kernel, crash the process or (LLAMAFILE)
 # silently return zeros. LLAMAFILE: kt-kernel demands intermediate % 256, and with hidden sizes below 256
 # its batched path returned zeros, so hidden must be a multiple of 256 as well.
 METHODS: dict[str, ExpertMethod] = {m.name: m for m in (
-    ExpertMethod("AMXINT8", 8, ("AMXInt8_MOE",), 64, "bf16", "AMXInt8_SFT_MOE", True),
-    ExpertMethod("AMXINT4", 4, ("AMXInt4_MOE",), 128, "bf16", "AMXInt4_SFT_MOE", True),
-    ExpertMethod("BF16", 16, ("AMXBF16_MOE", "AVX2BF16_MOE"), 32, "bf16", "AMXBF16_SFT_MOE", False),
+    ExpertMethod("AMXINT8", 8, ("AMXInt8_MOE",), 64, "bf16", "AMXInt8_SFT_MOE", True, pad_ratio=2.25),
+    ExpertMethod("AMXINT4", 4, ("AMXInt4_MOE",), 128, "bf16", "AMXInt4_SFT_MOE", True, pad_ratio=1.5),
+    ExpertMethod("BF16", 16, ("AMXBF16_MOE", "AVX2BF16_MOE"), 32, "bf16", "AMXBF16_SFT_MOE", False,
+                 pad_ratio=1.125),
     ExpertMethod("FP8", 8, ("AMXFP8_MOE", "AVX2FP8_MOE"), FP8_BLOCK, "fp8_blocks", None, True),
     ExpertMethod("RAWINT4", 4, ("AMXInt4_KGroup_MOE", "AVX2RawInt4_MOE"), 64, "int4_groups", None, True),
     ExpertMethod("LLAMAFILE", 8, ("MOE",), 256, "ggml", None, False),
@@ -74,6 +79,39 @@ FALLBACKS: dict[str, tuple[str, ...]] = {
     "LLAMAFILE": ("BF16", "FP8"),
 }
 MEMORY_HEADROOM = 0.9  # of MemAvailable the routed experts may take
+
+
+def matrix_tokens(num_experts: int, top_k: int) -> int:
+    """The fewest tokens of a call that kt-kernel's AMX-family MoE kernels (classes named AMX*) compute with
+    their matrix kernels.
+
+    Up to 4 x experts / top_k tokens (42 for V2-Lite's 64 experts, 6 a token) they take a vector path whose cost
+    grows with every token an expert gets, as if each token read the expert's weights again; above it, matrix
+    kernels that read each chosen expert once for all its tokens. Rows whose experts are all -1 count as tokens
+    for that choice and cost nothing else (kt-kernel skips expert -1), so a call can be padded across it."""
+    return 4 * num_experts // top_k + 1
+
+
+def default_pad_from(method: str, num_experts: int, top_k: int) -> int:
+    """The fewest tokens from which a call of `method` goes padded to `matrix_tokens` by default; 0: never.
+
+    Measured on the amx build only (`python -m bench.expert_padding`, one V2-Lite layer cold, 14 threads, H200
+    machine, ms as it comes / padded): AMXINT8 16 tokens 7.74 / 7.54, 24 8.49 / 7.20, 32 9.44 / 7.88, 42 11.13 /
+    9.18; AMXINT4 12 3.82 / 3.76, 16 4.50 / 4.24, 32 6.39 / 4.86, 42 7.41 / 4.93; BF16 8 7.43 / 7.16, 12 9.51 /
+    8.40, 32 14.02 / 11.20. Where the gain starts is a matter of tokens per expert (the vector path's cost
+    follows tokens x top_k, the matrix path's the experts chosen), hence `pad_ratio` x experts / top_k: 24, 16
+    and 12 tokens for V2-Lite. Other builds' AMX* classes run without tiles and gained nothing on the 2-core
+    avx512_bf16 box, so they are padded only when asked (`kt_expert_pad_from`)."""
+    ratio = METHODS[method].pad_ratio if method in METHODS else 0.0
+    if not ratio or cpu_variant() != "amx":
+        return 0
+    return math.ceil(ratio * num_experts / top_k)
+
+
+def pads_to_matrix(method: str) -> bool:
+    """Whether this build computes `method` with a kernel that switches at `matrix_tokens` (an AMX* class)."""
+    kernel = kernel_class(method)
+    return kernel is not None and kernel.__name__.startswith("AMX")
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,9 +32,9 @@ from engines.kt.cpuinfer import check_thread_count, load_ext, shared_cpu_infer
 from engines.kt.expert_cache import LayerCache
 from engines.kt.expert_deferral import Deferred, ExpertDeferral, check_deferred, split_deferred
 from engines.kt.expert_streaming import ExpertStreamer, HostExperts
-from engines.kt.expert_methods import (METHODS, ExpertsUnsupportedError, check_llamafile_type, kernel_class,
-                                       quantize_fp8_blocks, quantize_int4_groups, sft_kernel_class,
-                                       unavailable_reason)
+from engines.kt.expert_methods import (METHODS, ExpertsUnsupportedError, check_llamafile_type, default_pad_from,
+                                       kernel_class, matrix_tokens, pads_to_matrix, quantize_fp8_blocks,
+                                       quantize_int4_groups, sft_kernel_class, unavailable_reason)
 from engines.kt.step_timing import ExpertEvents, HostTimes
 
 if TYPE_CHECKING:
@@ -197,7 +197,7 @@ class RoutedExpertsCPU(nn.Module):
                  activation: str = "silu", llamafile_type: str = "Q8_0", out_device: str | None = None,
                  checkpoint: str | None = None, staging: SharedStaging | None = None, deferred: Any = 0,
                  deferral: ExpertDeferral | None = None, streamer: ExpertStreamer | None = None,
-                 stream_tokens: int = 0):
+                 stream_tokens: int = 0, pad_from: int | None = None):
         super().__init__()
         method = str(method).upper()
         _check_config(method, layer_idx=layer_idx, num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
@@ -219,6 +219,12 @@ class RoutedExpertsCPU(nn.Module):
         # to the GPU (engines/kt/expert_streaming.py); None: all on the CPU
         self.streamer = streamer if stream_tokens > 0 else None
         self.stream_tokens = stream_tokens
+        # calls of `pad_from` tokens or more that kt-kernel would compute on its per-token vector path are padded
+        # with expert-less rows up to its matrix path (expert_methods.py: `matrix_tokens`); 0: never; None: the
+        # method's measured default
+        self.pad_from = default_pad_from(method, num_experts, top_k) if pad_from is None else pad_from
+        self._pads = pads_to_matrix(method)
+        self._no_experts: dict[torch.device, torch.Tensor] = {}  # -1 rows that pad a call, per device
         self.lora: CPUExpertsLora | None = None  # set while an adapter with expert LoRA on this layer is in
         # where a step's time goes (engines/kt/step_timing.py): blocking calls are timed on the host, and
         # stream-ordered ones with CUDA events once the runner sets `events`
@@ -252,6 +258,7 @@ class RoutedExpertsCPU(nn.Module):
                    gpu_experts=gpu_experts or None, gpu_device=device, out_device=device,
                    checkpoint=options.checkpoint, staging=options.staging, deferred=n_deferred_experts,
                    deferral=options.deferral, stream_tokens=options.gpu_prefill_tokens,
+                   pad_from=options.expert_pad_from,
                    streamer=options.streamers.for_device(torch.device(device))
                    if options.gpu_prefill_tokens and torch.device(device).type == "cuda" else None)
 
@@ -470,18 +477,20 @@ class RoutedExpertsCPU(nn.Module):
             # a deferred task outlives this call, so a deferring layer stages in the buffers of its parity:
             # the next layer (the other parity) cannot overwrite them while it runs
             role = "main" if deferred_ids is None else f"layer{self.layer_idx % 2}"
-            x, ids, weights, out = (t[:tokens] for t in self._staging_for(tokens, hidden.device, role))
-            x.copy_(hidden)
+            rows = self._kernel_tokens(tokens)
+            x, ids, weights, out = (t[:rows] for t in self._staging_for(rows, hidden.device, role))
+            x[:tokens].copy_(hidden)
             self._stage_routing(ids, weights, immediate_ids, topk_weights, tokens)
             if deferred_ids is not None:  # staged (and checked) before anything is submitted
-                _, d_ids, d_weights, d_out = (t[:tokens] for t in self._staging_for(tokens, hidden.device,
-                                                                                     f"deferred{self.layer_idx % 2}"))
+                _, d_ids, d_weights, d_out = (t[:rows] for t in self._staging_for(rows, hidden.device,
+                                                                                   f"deferred{self.layer_idx % 2}"))
                 self._stage_routing(d_ids, d_weights, deferred_ids, topk_weights, tokens)
-            staged: tuple[torch.Tensor, ...] = (x, ids, weights, out, self._submit_chunks(x, ids, weights, out, tokens))
+            staged: tuple[torch.Tensor, ...] = (x, ids, weights, out[:tokens],
+                                                self._submit_chunks(x, ids, weights, out, rows))
             deferred = None
             if deferred_ids is not None:
-                d_sizes = self._submit_chunks(x, d_ids, d_weights, d_out, tokens)
-                deferred = Deferred(self.defer_into, tokens, d_out, keep=(x, d_ids, d_weights, d_sizes))
+                d_sizes = self._submit_chunks(x, d_ids, d_weights, d_out, rows)
+                deferred = Deferred(self.defer_into, tokens, d_out[:tokens], keep=(x, d_ids, d_weights, d_sizes))
             try:
                 gpu_part = self._hot_experts(hidden, topk_ids, topk_weights) if self._gpu_weights else None
             except BaseException:
@@ -491,7 +500,11 @@ class RoutedExpertsCPU(nn.Module):
 
     def _stage_routing(self, ids: torch.Tensor, weights: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor, tokens: int) -> None:
-        """Copy a call's routing into the host buffers kt-kernel reads, checked and in the kernel's terms."""
+        """Copy a call's routing into the host buffers kt-kernel reads, checked and in the kernel's terms; rows
+        past `tokens` (padding, see `matrix_tokens`) name no expert."""
+        ids[tokens:] = -1
+        weights[tokens:] = 0.0
+        ids, weights = ids[:tokens], weights[:tokens]
         ids.copy_(topk_ids)
         weights.copy_(topk_weights)
         if tokens and (int(ids.max()) >= self.num_experts or int(ids.min()) < -1):
@@ -602,16 +615,17 @@ class RoutedExpertsCPU(nn.Module):
             b.x[:tokens].copy_(hidden, non_blocking=True)
             # kt-kernel reads the token count through a pointer when the stream reaches the task, so each
             # count has its own never-changing pinned cell (captured CUDA graphs replay these pointers).
-            size = b.sizes.get(tokens)
+            rows = self._kernel_tokens(tokens)
+            size = b.sizes.get(rows)
             if size is None:
-                size = b.sizes[tokens] = torch.full((1,), tokens, dtype=torch.int32, pin_memory=True)
+                size = b.sizes[rows] = torch.full((1,), rows, dtype=torch.int32, pin_memory=True)
             if self.events is not None:
                 self.events.record("submitted", stream)
-            self._stream_task(stream, b, b, size, immediate_ids, topk_weights, tokens)
+            self._stream_task(stream, b, b, size, immediate_ids, topk_weights, tokens, rows)
             deferred = None
             if deferred_ids is not None:
                 d = self._stream_buffers(hidden.device, f"deferred{parity}", with_input=False)
-                self._stream_task(stream, b, d, size, deferred_ids, topk_weights, tokens)
+                self._stream_task(stream, b, d, size, deferred_ids, topk_weights, tokens, rows)
                 deferred = Deferred(self.defer_into, tokens, d.out)
             gpu_part = self._hot_experts(hidden, topk_ids, topk_weights) if self._gpu_weights else None
             if streamed:
@@ -621,15 +635,35 @@ class RoutedExpertsCPU(nn.Module):
             self._pending = _StreamPending(tokens, b, hidden.dtype, stream, gpu_part, deferred)
 
     def _stream_task(self, stream: "torch.cuda.Stream", inputs: _StreamBuffers, task: _StreamBuffers,
-                     size: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tokens: int) -> None:
+                     size: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tokens: int,
+                     rows: int) -> None:
         """Queue on `stream`: copy the ids and weights into `task`'s buffers, then the kernel over the input
-        staged in `inputs`, writing `task.out`."""
+        staged in `inputs`, writing `task.out`; `rows` (`size`'s count) >= `tokens`: padded (`matrix_tokens`)."""
         task.ids[:tokens].copy_(self._without_hot_experts(topk_ids) if self.gpu_experts else topk_ids,
                                 non_blocking=True)
         task.weights[:tokens].copy_(topk_weights, non_blocking=True)
+        padding = rows - tokens
+        if padding:  # the buffers are shared with larger calls: the padding rows must be reset every time
+            none = self._no_experts.get(topk_ids.device)
+            if none is None or none.shape[0] < padding:
+                none = self._no_experts[topk_ids.device] = torch.full(
+                    (self.chunk_tokens, self.top_k), -1, dtype=torch.int64, device=topk_ids.device)
+            task.ids[tokens:tokens + padding].copy_(none[:padding], non_blocking=True)
         self._pool.submit_with_cuda_stream(stream.cuda_stream, self._kernel.forward_task(
             size.data_ptr(), self.top_k, task.ids.data_ptr(), task.weights.data_ptr(), inputs.x.data_ptr(),
             task.out.data_ptr(), False))
+
+    def padded_tokens(self) -> range:
+        """The token counts of a call that go padded to kt-kernel's matrix path (empty: none)."""
+        target = matrix_tokens(self.num_experts, self.top_k)
+        if not (self._pads and self.pad_from and target <= self.chunk_tokens):
+            return range(0)
+        return range(self.pad_from, target)
+
+    def _kernel_tokens(self, tokens: int) -> int:
+        """The rows kt-kernel is handed for a call of `tokens`: `tokens`, or padded up to its matrix path."""
+        padded = self.padded_tokens()
+        return padded.stop if tokens in padded else tokens
 
     def _without_hot_experts(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """topk_ids with the hot experts as -1, on topk_ids' device: the torch part computes those, and
