@@ -25,7 +25,9 @@ HIDDEN, INTER, EXPERTS, TOP_K = 2048, 1408, 64, 6
 BYTES_PER_WEIGHT = {"AMXINT8": 1.0, "AMXINT4": 0.5, "BF16": 2.0, "LLAMAFILE": 34 / 32}  # LLAMAFILE: Q8_0 blocks
 
 
-def _layers(method: str, count: int, threads: int):
+def cold_layers(method: str, count: int, threads: int) -> list:
+    """`count` V2-Lite MoE layers of random experts in `method` (layers taken in turn read cold experts), with
+    torch kept off kt-kernel's cores."""
     from bench.expert_split import random_experts
     from engines.kt.cpuinfer import physical_cores
     from engines.kt.experts_cpu import RoutedExpertsCPU
@@ -48,7 +50,7 @@ def _inputs(calls: int, seed: int):
 
 
 def child(method: str, threads: int, layers: int, calls: int, huge_pages: bool) -> None:
-    stack = _layers(method, layers, threads)
+    stack = cold_layers(method, layers, threads)
     pages = "4k"
     if huge_pages:
         from bench.huge_pages import collapse_anonymous_memory

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from bench.expert_split import EXPERTS, HIDDEN, INTER, TOP_K, random_experts
+from bench.expert_split import EXPERTS, HIDDEN, TOP_K
 
 
 def _time(layers: list, inputs: list) -> float:
@@ -32,16 +32,10 @@ def _time(layers: list, inputs: list) -> float:
 
 
 def measure(method: str, tokens: list[int], layer_count: int, calls: int, threads: int) -> list[dict]:
-    from engines.kt.cpuinfer import physical_cores
-    from engines.kt.experts_cpu import RoutedExpertsCPU, matrix_tokens
+    from bench.expert_floor import cold_layers
+    from engines.kt.expert_methods import matrix_tokens
 
-    torch.set_num_threads(max(1, physical_cores() - threads))  # as the engine does: torch off kt-kernel's cores
-    layers = []
-    for i in range(layer_count):
-        layer = RoutedExpertsCPU(layer_idx=700 + i, num_experts=EXPERTS, top_k=TOP_K, hidden_size=HIDDEN,
-                                 intermediate_size=INTER, method=method, threads=threads, max_tokens=64)
-        layer.load_weights(*random_experts(EXPERTS, INTER, seed=i))
-        layers.append(layer)
+    layers = cold_layers(method, layer_count, threads)
     g = torch.Generator().manual_seed(1)
     rows = []
     for count in tokens:

@@ -199,3 +199,14 @@ def test_a_decode_trace_splits_gpu_time_into_busy_short_gaps_and_expert_waits():
     assert (s["long_gaps_per_step"], s["long_gap_ms_per_step"]) == (2, 1.9)
     assert s["span_ms_per_step"] == 1.958
     assert s["top_us_per_step"][0] == ("k", 3, 25.0)
+
+
+def test_padding_pays_from_the_fewest_tokens_after_which_every_padded_call_was_faster():
+    from bench.expert_padding import pays_from
+
+    def row(tokens, ms, padded):
+        return {"tokens": tokens, "matrix_tokens": 43, "ms": ms, "ms_padded": padded}
+
+    rows = [row(8, 5.2, 5.1), row(16, 7.7, 7.8), row(24, 8.5, 7.2), row(32, 9.4, 7.9), row(43, 9.0, 9.0)]
+    assert pays_from(rows) == 24  # 8 was faster padded too, but 16 was not
+    assert pays_from([row(32, 9.4, 9.5)]) is None
