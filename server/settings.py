@@ -98,8 +98,7 @@ class Settings(BaseModel):
     kt_gpu_prefill_tokens: int = engine_setting(
         0, "prompt chunks of at least this many tokens, and decode steps of at least this many sequences (run "
            "without CUDA graphs), compute part of each layer's routed experts on the GPU, streaming int8 copies "
-           "of them from pinned host memory (one more byte of host memory per expert weight; none with the FP8 "
-           "method, whose blocks both sides read); 0: off", ge=0)
+           "of them from pinned host memory (one more byte of host memory per expert weight); 0: off", ge=0)
     kt_expert_pad_from: int | None = engine_setting(
         None, "expert calls of at least this many tokens (decode steps of that many sequences) that kt-kernel would "
               "compute on its per-token vector path are padded with empty rows up to its matrix path; 0: never; "

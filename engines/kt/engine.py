@@ -260,10 +260,9 @@ def _log_streamed_experts(options: OperatorOptions, tokens: int, chunk_size: int
         return
     for s in streamers:
         pinned = sum(h.nbytes for h in s.layers.values())
-        shared = all(h.form == "fp8_blocks" for h in s.layers.values())
-        source = "kt-kernel's own FP8 blocks, pinned (no second copy)" if shared else "pinned int8 copies"
         log.info("prompt chunks of >= %d tokens and decode steps of >= %d sequences compute part of the routed "
-                 "experts of %d layers on %s, streamed at %.1f GB/s from %.1f GB of %s; a long chunk copies them "
-                 "all, %.2f s, once per chunk of up to chunk_size=%d tokens (larger chunks amortize it: "
-                 "docs/performance.md)", tokens, tokens, len(s.layers), s.device, s.pcie_bytes_per_s / 1e9,
-                 pinned / 1e9, source, pinned / s.pcie_bytes_per_s, chunk_size)
+                 "experts of %d layers on %s, streamed at %.1f GB/s from %.1f GB of pinned int8 copies; a long chunk "
+                 "copies them all, %.2f s, once per chunk of up to chunk_size=%d tokens (larger chunks amortize it: "
+                 "docs/performance.md)", tokens, tokens,
+                 len(s.layers), s.device, s.pcie_bytes_per_s / 1e9, pinned / 1e9, pinned / s.pcie_bytes_per_s,
+                 chunk_size)

@@ -10,9 +10,7 @@ so that both sides take about as long (`split_experts`).
 
 The GPU side reads its own copy of the experts: int8 with a float32 scale per output row (`HostExperts`), in
 host memory pinned in place (cudaHostRegister, so no power-of-two rounding of torch's pinned allocator). That
-costs one byte per expert weight of host memory on top of kt-kernel's own form, the reason this is opt-in.
-With the FP8 method there is no copy: kt-kernel reads FP8 blocks in place, so both sides read one pinned set of
-them (`HostExperts.fp8_blocks`), and the GPU widens each group to bf16 as it arrives. The
+costs one byte per expert weight of host memory on top of kt-kernel's own form, the reason this is opt-in. The
 weights travel in groups of `GROUP` experts through a ring of `RING` GPU buffers on a copy stream: while the GPU
 computes one group the next ones are in flight, and the last groups of a layer prefetch the next layer's
 first. One host sync per layer (the per-expert token counts) bounds the Python side.
@@ -31,8 +29,6 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-
-from engines.kt.expert_methods import FP8_BLOCK
 
 log = logging.getLogger("ktserve.engine.kt")
 
@@ -105,15 +101,12 @@ def _host_tensors(specs: list[tuple[tuple[int, ...], torch.dtype]], pin: bool
 
 @dataclass(slots=True, weakref_slot=True)
 class HostExperts:
-    """One layer's routed experts as the GPU side reads them: int8 with a float32 scale per output row
-    (`form` "int8_rows"), or e4m3 bytes with a float32 scale per 128 x 128 block, the form kt-kernel's FP8
-    kernel reads in place ("fp8_blocks")."""
+    """One layer's routed experts as the GPU side reads them: int8 with a float32 scale per output row."""
 
-    gate_up: torch.Tensor  # int8 [E, 2I, H] (uint8 e4m3 for fp8_blocks): gate rows, then up rows
-    gate_up_scale: torch.Tensor  # float32 [E, 2I] ([E, 2I / 128, H / 128] for fp8_blocks)
-    down: torch.Tensor  # int8 [E, H, I] (uint8 e4m3 for fp8_blocks)
-    down_scale: torch.Tensor  # float32 [E, H] ([E, H / 128, I / 128] for fp8_blocks)
-    form: str = "int8_rows"
+    gate_up: torch.Tensor  # int8 [E, 2I, H]: gate rows, then up rows
+    gate_up_scale: torch.Tensor  # float32 [E, 2I]
+    down: torch.Tensor  # int8 [E, H, I]
+    down_scale: torch.Tensor  # float32 [E, H]
 
     @classmethod
     def quantize(cls, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
@@ -136,37 +129,8 @@ class HostExperts:
             host.down_scale[e].copy_(s)
         return host
 
-    @classmethod
-    def fp8_blocks(cls, experts: int, inter: int, hidden: int, *, pin: bool = False) -> "HostExperts":
-        """Room for a layer's FP8 blocks (`quantize_fp8_blocks`' form), pinned when `pin`; filled by the caller."""
-        block = FP8_BLOCK
-        tensors, unpin = _host_tensors([((experts, 2 * inter, hidden), torch.uint8),
-                                        ((experts, 2 * inter // block, hidden // block), torch.float32),
-                                        ((experts, hidden, inter), torch.uint8),
-                                        ((experts, hidden // block, inter // block), torch.float32)], pin)
-        host = cls(*tensors, form="fp8_blocks")
-        if unpin is not None:
-            weakref.finalize(host, unpin)
-        return host
-
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.gate_up, self.gate_up_scale, self.down, self.down_scale
-
-    def widen(self, group: tuple[torch.Tensor, ...], n: int, gate_up: torch.Tensor, down: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Write the first `n` experts of `group` (a ring slot holding this form) into the bf16 `gate_up` and
-        `down`; the per-row scales still to apply to their products (bf16), or None when the blocks' scales are
-        already applied."""
-        gate_up_q, gate_up_s, down_q, down_s = (t[:n] for t in group)
-        if self.form == "int8_rows":
-            gate_up.copy_(gate_up_q)  # int8 values are exact in bf16
-            down.copy_(down_q)
-            return gate_up_s.to(torch.bfloat16), down_s.to(torch.bfloat16)
-        for out, q, s in ((gate_up, gate_up_q, gate_up_s), (down, down_q, down_s)):
-            out.copy_(q.view(torch.float8_e4m3fn))
-            rows, cols = s.shape[1:]
-            out.view(n, rows, FP8_BLOCK, cols, FP8_BLOCK).mul_(s.view(n, rows, 1, cols, 1))
-        return None
 
     @property
     def nbytes(self) -> int:
@@ -208,10 +172,6 @@ class ExpertStreamer:
 
     # ------------------------------------------------------------------------------------------ set-up
     def register(self, layer: int, host: HostExperts) -> None:
-        forms = {h.form for h in self.layers.values()} - {host.form}
-        if forms:  # the ring's buffers hold one form
-            raise ValueError(f"streamed experts on {self.device}: layer {layer}'s experts are {host.form} but other "
-                             f"layers' are {forms.pop()}; give every CPU-expert layer of the model one method")
         self.layers[layer] = host
         if not self._ring:
             self._build_ring(host)
@@ -309,22 +269,20 @@ class ExpertStreamer:
                        offset: int) -> int:
         """Experts of `slot` over their rows of the sorted tokens `x`, into `y`, from row `offset` on (the
         experts in order, each over its rows rounded up to ROW_ALIGN); the offset after them."""
+        gate_up_q, gate_up_s, down_q, down_s = slot.tensors
         n = len(counts)
         gate_up, down = self._gate_up[:n], self._down[:n]
-        scales = self.layers[slot.tag[0]].widen(slot.tensors, n, gate_up, down)
+        gate_up.copy_(gate_up_q[:n])
+        down.copy_(down_q[:n])
+        gate_up_s, down_s = gate_up_s[:n].to(torch.bfloat16), down_s[:n].to(torch.bfloat16)
         inter = down.shape[2]
         for j, count in enumerate(counts):
             if count == 0:
                 continue
             rows = slice(offset, offset + -(-count // ROW_ALIGN) * ROW_ALIGN)
-            if scales is None:
-                h = x[rows] @ gate_up[j].T
-                act = F.silu(h[:, :inter]) * h[:, inter:]
-                torch.matmul(act, down[j].T, out=y[rows])
-            else:
-                h = (x[rows] @ gate_up[j].T) * scales[0][j]
-                act = F.silu(h[:, :inter]) * h[:, inter:]
-                torch.mul(act @ down[j].T, scales[1][j], out=y[rows])
+            h = (x[rows] @ gate_up[j].T) * gate_up_s[j]
+            act = F.silu(h[:, :inter]) * h[:, inter:]
+            torch.mul(act @ down[j].T, down_s[j], out=y[rows])
             offset += count
         return offset
 

@@ -32,10 +32,9 @@ from engines.kt.cpuinfer import check_thread_count, load_ext, shared_cpu_infer
 from engines.kt.expert_cache import LayerCache
 from engines.kt.expert_deferral import Deferred, ExpertDeferral, check_deferred, split_deferred
 from engines.kt.expert_streaming import ExpertStreamer, HostExperts
-from engines.kt.expert_methods import (FP8_BLOCK, METHODS, ExpertsUnsupportedError, check_llamafile_type,
-                                       default_pad_from, kernel_class, matrix_tokens, pads_to_matrix,
-                                       quantize_fp8_blocks, quantize_int4_groups, sft_kernel_class,
-                                       unavailable_reason)
+from engines.kt.expert_methods import (METHODS, ExpertsUnsupportedError, check_llamafile_type, default_pad_from,
+                                       kernel_class, matrix_tokens, pads_to_matrix, quantize_fp8_blocks,
+                                       quantize_int4_groups, sft_kernel_class, unavailable_reason)
 from engines.kt.step_timing import ExpertEvents, HostTimes
 
 if TYPE_CHECKING:
@@ -311,7 +310,7 @@ class RoutedExpertsCPU(nn.Module):
             cache = self._cache(cache_dir) if cache_dir is not None and METHODS[self.method].cacheable else None
             if cache is not None:
                 cache.begin_save()
-            prepared = self._shared_with_streamer(self._prepare_weights(gate, up, down))
+            prepared = self._prepare_weights(gate, up, down)
             if cache is not None and not cache.written_by_kt_kernel:
                 cache.save_prepared(prepared)
             self._build_kernel(prepared, save_dir=cache.root if cache and cache.written_by_kt_kernel else None)
@@ -335,8 +334,8 @@ class RoutedExpertsCPU(nn.Module):
         if cache.written_by_kt_kernel:  # kt-kernel only prints (and reads garbage) for a missing file: checked
             self._build_kernel({}, load_dir=cache.root)
         else:
-            self._build_kernel(self._shared_with_streamer(cache.load_prepared()))
-        if self._streams_own_copy():  # the cache holds kt-kernel's form only: the GPU's comes from the checkpoint
+            self._build_kernel(cache.load_prepared())
+        if self.streamer is not None:  # the cache holds kt-kernel's form only: the GPU's comes from the checkpoint
             self._keep_streamed_weights(*self.read_base_weights())
         log.debug("layer %d: %s experts loaded from %s", self.layer_idx, self.method, cache.dir)
         return True
@@ -361,33 +360,11 @@ class RoutedExpertsCPU(nn.Module):
         self._gpu_weights = tuple(t.index_select(0, index.to(t.device)).to(self.gpu_device)
                                   for t in (gate, up, down))
 
-    def _streams_own_copy(self) -> bool:
-        """Whether the streamed experts are a copy of their own (int8 rows), not kt-kernel's FP8 blocks."""
-        return self.streamer is not None and METHODS[self.method].weights != "fp8_blocks"
-
     def _keep_streamed_weights(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
-        if self._streams_own_copy():
+        if self.streamer is not None:
             device = self.streamer.device
             self.streamer.register(self.layer_idx, HostExperts.quantize(gate, up, down, work_device=device,
                                                                         pin=device.type == "cuda"))
-
-    def _shared_with_streamer(self, prepared: dict[str, Any]) -> dict[str, Any]:
-        """FP8 blocks with a streamer: moved into one pinned set the streamer reads too (kt-kernel reads them in
-        place), so streaming costs no second copy; views of it in kt-kernel's terms. Anything else unchanged."""
-        if self.streamer is None or METHODS[self.method].weights != "fp8_blocks":
-            return prepared
-        E, I, H = self.num_experts, self.intermediate_size, self.hidden_size
-        host = HostExperts.fp8_blocks(E, I, H, pin=self.streamer.device.type == "cuda")
-        rows = I // FP8_BLOCK
-        host.gate_up[:, :I].copy_(prepared["gate"])
-        host.gate_up[:, I:].copy_(prepared["up"])
-        host.gate_up_scale[:, :rows].copy_(prepared["gate_scale"])
-        host.gate_up_scale[:, rows:].copy_(prepared["up_scale"])
-        host.down.copy_(prepared["down"])
-        host.down_scale.copy_(prepared["down_scale"])
-        self.streamer.register(self.layer_idx, host)
-        return {"gate": host.gate_up[:, :I], "gate_scale": host.gate_up_scale[:, :rows], "up": host.gate_up[:, I:],
-                "up_scale": host.gate_up_scale[:, rows:], "down": host.down, "down_scale": host.down_scale}
 
     def _prepare_weights(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> dict[str, Any]:
         """bf16 [E, ...] weights -> what the method's kernel reads: {"gate": ..., ...} (plus "<m>_scale")."""
