@@ -123,6 +123,12 @@ def test_the_gpu_takes_more_experts_as_chunks_grow():
     assert split_experts(128, 6, 64, layer, layer, float("inf")) == 64  # copying costs nothing: all on the GPU
 
 
+def test_fp8_experts_give_the_gpu_every_expert_of_a_chunk_their_slow_cpu_kernel_would_take_half_of():
+    layer = 64 * 3 * 2048 * 1408  # a V2-Lite layer's experts, one byte a weight
+    assert split_experts(512, 6, 64, layer, layer, 55e9) == 34  # INT8: both sides take about as long
+    assert split_experts(512, 6, 64, layer, layer, 55e9, method="FP8") == 64
+
+
 def test_a_layer_loaded_from_the_weight_cache_streams_the_checkpoint_weights(demo_model_dir, tmp_path):
     from helpers import require_kt_kernel
 

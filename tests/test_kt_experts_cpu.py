@@ -28,7 +28,8 @@ from engines.kt.cpuinfer import (  # noqa: E402
     default_cpu_threads, default_thread_choice, physical_cores, pool_threads, resolve_thread_count, shared_cpu_infer)
 from engines.kt import expert_methods  # noqa: E402
 from engines.kt.expert_methods import (  # noqa: E402
-    METHODS, ExpertsUnsupportedError, available_methods, cpu_variant, default_pad_from, matrix_tokens, pads_to_matrix)
+    METHODS, ExpertsUnsupportedError, available_methods, cpu_variant, default_pad_from, matrix_tokens, pads_to_matrix,
+    reads_in_place)
 from engines.kt.experts_cpu import RoutedExpertsCPU, SharedStaging  # noqa: E402
 
 E, K, H, I = 16, 4, 256, 256
@@ -251,6 +252,28 @@ def test_output_has_the_dtype_and_device_of_hidden(experts_for):
 def test_zero_tokens_give_an_empty_output(experts_for):
     hidden, ids, w = routing(0)
     assert experts_for()(hidden, ids, w).shape == (0, H)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_only_kernels_that_read_their_weights_in_place_keep_them(weights, method):
+    if method not in available_methods():
+        pytest.skip(f"{method} not supported here")
+    layer = make_experts(method)
+    handed: dict[str, torch.Tensor] = {}
+    build = layer._build_kernel
+
+    def capture(prepared, **kwargs):
+        handed.update(prepared)
+        return build(prepared, **kwargs)
+
+    layer._build_kernel = capture
+    layer.load_weights(*(w.clone() for w in weights))
+    hidden, ids, w = routing(5)
+    before = layer(hidden, ids, w)
+    for tensor in handed.values():  # what kt-kernel was loaded from
+        tensor.zero_()
+    assert (not torch.equal(before, layer(hidden, ids, w))) == reads_in_place(method)
+    assert bool(layer._kernel_weights) == reads_in_place(method)  # the others' sources are not kept (FP8: 1 B a weight)
 
 
 def test_load_weights_copies_so_the_source_tensors_may_change(weights):

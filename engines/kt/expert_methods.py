@@ -79,6 +79,11 @@ FALLBACKS: dict[str, tuple[str, ...]] = {
     "LLAMAFILE": ("BF16", "FP8"),
 }
 MEMORY_HEADROOM = 0.9  # of MemAvailable the routed experts may take
+# The kt-kernel classes that keep reading the weight tensors they were given, for as long as they live; every other
+# class quantizes or packs them into buffers of its own while loading, after which those tensors may be freed.
+# Checked with kt-kernel 0.7.2 by zeroing the tensors after the load and computing again (the avx512_bf16 and
+# avx2 builds; the amx build's classes are those of the avx512 ones): tests/test_kt_experts_cpu.py.
+READS_IN_PLACE = frozenset({"AVX2RawInt4_MOE", "MOE"})
 
 
 def matrix_tokens(num_experts: int, top_k: int) -> int:
@@ -106,6 +111,12 @@ def default_pad_from(method: str, num_experts: int, top_k: int) -> int:
     if not ratio or cpu_variant() != "amx":
         return 0
     return math.ceil(ratio * num_experts / top_k)
+
+
+def reads_in_place(method: str) -> bool:
+    """Whether this build's kernel for `method` reads the weights it was loaded from for as long as it lives."""
+    kernel = kernel_class(method)
+    return kernel is not None and kernel.__name__ in READS_IN_PLACE
 
 
 def pads_to_matrix(method: str) -> bool:

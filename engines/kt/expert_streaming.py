@@ -45,6 +45,10 @@ PAGE = 4096  # bytes: the unit host memory is pinned in
 # 2,048-token prompt took 0.87 s with every layer's experts on the CPU (2,048 x 6 x 26 token-experts).
 CPU_EXPERT_BYTES_PER_S = 50e9
 CPU_TOKEN_EXPERTS_PER_S = 2048 * 6 * 26 / 0.87
+# kt-kernel's FP8 kernel is far slower at prompts: with the FP8 method on an H200 machine (2026-11-26,
+# bench/results/nvidia-h200-2026-11-26/fp8/) a 512-token prompt took 3.69 s with every expert on the CPU, 17x the
+# INT8 rate per token-expert, and splitting by the INT8 rate left half the experts there (2.06 s).
+CPU_TOKEN_EXPERTS_PER_S_BY_METHOD = {"FP8": 512 * 6 * 26 / 3.69}
 # Where the balance gives the GPU at least this share, it takes every expert: the CPU's remainder costs more than
 # it saves (the chunk's copy to the host and back, the stream callbacks, and the CPU and the copy engine reading
 # the same DRAM). `python -m bench.expert_streaming` on the H100 machine (54.5 GB/s copies), ms per V2-Lite
@@ -55,12 +59,13 @@ ALL_ON_GPU_SHARE = 0.75
 
 
 def split_experts(tokens: int, top_k: int, num_experts: int, cpu_bytes: int, gpu_bytes: int,
-                  pcie_bytes_per_s: float) -> int:
+                  pcie_bytes_per_s: float, method: str = "AMXINT8") -> int:
     """How many of a layer's experts the GPU should take for a chunk of `tokens`, so that the CPU (bound by
-    reading its `cpu_bytes` of experts, or by arithmetic: `CPU_TOKEN_EXPERTS_PER_S`) and the GPU (bound by
-    copying `gpu_bytes` over PCIe) finish together: both sides scale with the share of experts they take.
-    All of them from `ALL_ON_GPU_SHARE` on."""
-    cpu = max(cpu_bytes / CPU_EXPERT_BYTES_PER_S, tokens * top_k / CPU_TOKEN_EXPERTS_PER_S)
+    reading its `cpu_bytes` of experts, or by arithmetic: `CPU_TOKEN_EXPERTS_PER_S`, or `method`'s own rate) and
+    the GPU (bound by copying `gpu_bytes` over PCIe) finish together: both sides scale with the share of experts
+    they take. All of them from `ALL_ON_GPU_SHARE` on."""
+    token_rate = CPU_TOKEN_EXPERTS_PER_S_BY_METHOD.get(method, CPU_TOKEN_EXPERTS_PER_S)
+    cpu = max(cpu_bytes / CPU_EXPERT_BYTES_PER_S, tokens * top_k / token_rate)
     gpu = gpu_bytes / pcie_bytes_per_s
     share = cpu / (cpu + gpu)
     return num_experts if share >= ALL_ON_GPU_SHARE else max(0, round(num_experts * share))
@@ -209,13 +214,14 @@ class ExpertStreamer:
         log.info("streamed experts: host-to-GPU copies run at %.1f GB/s on %s", rate / 1e9, self.device)
         return rate
 
-    def split(self, layer: int, tokens: int, top_k: int, cpu_bytes: int) -> int:
+    def split(self, layer: int, tokens: int, top_k: int, cpu_bytes: int, method: str = "AMXINT8") -> int:
         """Experts [0, n) of `layer` the GPU takes for a chunk of `tokens` (`split_experts`)."""
         host = self.layers.get(layer)
         if host is None:
             return 0
         gpu_bytes = host.gate_up.nbytes + host.down.nbytes
-        return split_experts(tokens, top_k, host.gate_up.shape[0], cpu_bytes, gpu_bytes, self.pcie_bytes_per_s)
+        return split_experts(tokens, top_k, host.gate_up.shape[0], cpu_bytes, gpu_bytes, self.pcie_bytes_per_s,
+                             method)
 
     # ------------------------------------------------------------------------------------------ compute
     @torch.no_grad()

@@ -34,7 +34,7 @@ from engines.kt.expert_deferral import Deferred, ExpertDeferral, check_deferred,
 from engines.kt.expert_streaming import ExpertStreamer, HostExperts
 from engines.kt.expert_methods import (METHODS, ExpertsUnsupportedError, check_llamafile_type, default_pad_from,
                                        kernel_class, matrix_tokens, pads_to_matrix, quantize_fp8_blocks,
-                                       quantize_int4_groups, sft_kernel_class, unavailable_reason)
+                                       quantize_int4_groups, reads_in_place, sft_kernel_class, unavailable_reason)
 from engines.kt.step_timing import ExpertEvents, HostTimes
 
 if TYPE_CHECKING:
@@ -235,7 +235,7 @@ class RoutedExpertsCPU(nn.Module):
         self._gpu_mask[self.gpu_experts] = True
         self._masks: dict[torch.device, torch.Tensor] = {}  # _gpu_mask per device topk_ids arrive on
         self._gpu_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._kernel_weights: tuple[torch.Tensor, ...] = ()  # tensors kt-kernel reads in place: keep them alive
+        self._kernel_weights: tuple[torch.Tensor, ...] = ()  # tensors kt-kernel reads in place: kept alive
         self._kernel = None
         self._pool = None
         self._staging = staging if staging is not None else SharedStaging()  # host buffers, shared per model
@@ -416,8 +416,9 @@ class RoutedExpertsCPU(nn.Module):
         identity = torch.arange(self.num_experts, dtype=torch.int64, device="cpu")  # physical -> logical ids
         pool.submit(kernel.load_weights_task(identity.data_ptr()))
         pool.sync()
-        # kt-kernel copies bf16 weights it quantizes; FP8, RAWINT4 and GGUF blocks it reads in place.
-        self._kernel_weights = () if form == "bf16" else tuple(weights.values())
+        # Most classes quantize or pack the weights into buffers of their own while loading: ours may go (for
+        # FP8 that is one byte a weight, 14.4 GB for V2-Lite). The few that read them in place keep them.
+        self._kernel_weights = tuple(weights.values()) if reads_in_place(self.method) else ()
         self._kernel, self._pool = kernel, pool
 
     # ------------------------------------------------------------------------------------------ compute
@@ -594,7 +595,7 @@ class RoutedExpertsCPU(nn.Module):
                 or torch.cuda.is_current_stream_capturing()):
             return 0
         cpu_bytes = self.num_experts * 3 * self.hidden_size * self.intermediate_size * METHODS[self.method].bits // 8
-        return self.streamer.split(self.layer_idx, tokens, self.top_k, cpu_bytes)
+        return self.streamer.split(self.layer_idx, tokens, self.top_k, cpu_bytes, self.method)
 
     def _submit_streamed_only(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                               tokens: int) -> None:
