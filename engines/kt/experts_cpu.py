@@ -503,9 +503,10 @@ class RoutedExpertsCPU(nn.Module):
                        topk_weights: torch.Tensor, tokens: int) -> None:
         """Copy a call's routing into the host buffers kt-kernel reads, checked and in the kernel's terms; rows
         past `tokens` (padding, see `matrix_tokens`) name no expert."""
-        ids[tokens:] = -1
-        weights[tokens:] = 0.0
-        ids, weights = ids[:tokens], weights[:tokens]
+        if ids.shape[0] > tokens:
+            ids[tokens:] = -1
+            weights[tokens:] = 0.0
+            ids, weights = ids[:tokens], weights[:tokens]
         ids.copy_(topk_ids)
         weights.copy_(topk_weights)
         if tokens and (int(ids.max()) >= self.num_experts or int(ids.min()) < -1):
