@@ -2,7 +2,7 @@
 
 kt-kernel's AMX-family MoE kernels compute a call of up to 4 x experts / top_k tokens (42 for V2-Lite) on a
 vector path whose cost grows with every token an expert gets, and larger calls with matrix kernels that read
-each chosen expert once (engines/kt/experts_cpu.py, `matrix_tokens`). A decode step of 16-42 sequences picks
+each chosen expert once (engines/kt/expert_methods.py, `matrix_tokens`). A decode step of 16-42 sequences picks
 most of a layer's experts, several tokens each, on the vector path. This times one V2-Lite MoE layer cold
 (several layers in rotation, fresh inputs every call, as bench.expert_floor does) for each method and token
 count, as it comes and padded with expert-less rows to the matrix path, and checks both give the same output.

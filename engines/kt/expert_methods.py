@@ -100,12 +100,10 @@ def matrix_tokens(num_experts: int, top_k: int) -> int:
 def default_pad_from(method: str, num_experts: int, top_k: int) -> int:
     """The fewest tokens from which a call of `method` goes padded to `matrix_tokens` by default; 0: never.
 
-    Measured on the amx build only (`python -m bench.expert_padding`, one V2-Lite layer cold, 14 threads, H200
-    machine, ms as it comes / padded): AMXINT8 16 tokens 7.74 / 7.54, 24 8.49 / 7.20, 32 9.44 / 7.88, 42 11.13 /
-    9.18; AMXINT4 12 3.82 / 3.76, 16 4.50 / 4.24, 32 6.39 / 4.86, 42 7.41 / 4.93; BF16 8 7.43 / 7.16, 12 9.51 /
-    8.40, 32 14.02 / 11.20. Where the gain starts is a matter of tokens per expert (the vector path's cost
-    follows tokens x top_k, the matrix path's the experts chosen), hence `pad_ratio` x experts / top_k: 24, 16
-    and 12 tokens for V2-Lite. Other builds' AMX* classes run without tiles and gained nothing on the 2-core
+    Measured on the amx build only (`python -m bench.expert_padding`; the figures: docs/performance.md, "Many
+    streams"). Where the gain starts is a matter of tokens per expert (the vector path's cost follows tokens x
+    top_k, the matrix path's the experts chosen), hence `pad_ratio` x experts / top_k: 24, 16 and 12 tokens for
+    V2-Lite. Other builds' AMX* classes run without tiles and gained nothing on the 2-core
     avx512_bf16 box, so they are padded only when asked (`kt_expert_pad_from`)."""
     ratio = METHODS[method].pad_ratio if method in METHODS else 0.0
     if not ratio or cpu_variant() != "amx":
@@ -113,16 +111,19 @@ def default_pad_from(method: str, num_experts: int, top_k: int) -> int:
     return math.ceil(ratio * num_experts / top_k)
 
 
+def _kernel_name(method: str) -> str:
+    kernel = kernel_class(method)
+    return "" if kernel is None else kernel.__name__
+
+
 def reads_in_place(method: str) -> bool:
     """Whether this build's kernel for `method` reads the weights it was loaded from for as long as it lives."""
-    kernel = kernel_class(method)
-    return kernel is not None and kernel.__name__ in READS_IN_PLACE
+    return _kernel_name(method) in READS_IN_PLACE
 
 
 def pads_to_matrix(method: str) -> bool:
     """Whether this build computes `method` with a kernel that switches at `matrix_tokens` (an AMX* class)."""
-    kernel = kernel_class(method)
-    return kernel is not None and kernel.__name__.startswith("AMX")
+    return _kernel_name(method).startswith("AMX")
 
 
 @dataclass(frozen=True, slots=True)

@@ -223,7 +223,8 @@ class RoutedExpertsCPU(nn.Module):
         # with expert-less rows up to its matrix path (expert_methods.py: `matrix_tokens`); 0: never; None: the
         # method's measured default
         self.pad_from = default_pad_from(method, num_experts, top_k) if pad_from is None else pad_from
-        self._pads = pads_to_matrix(method)
+        # the rows a padded call is handed; 0 where this build's kernel has no matrix switch to pad across
+        self._matrix_rows = matrix_tokens(num_experts, top_k) if pads_to_matrix(method) else 0
         self._no_experts: dict[torch.device, torch.Tensor] = {}  # -1 rows that pad a call, per device
         self.lora: CPUExpertsLora | None = None  # set while an adapter with expert LoRA on this layer is in
         # where a step's time goes (engines/kt/step_timing.py): blocking calls are timed on the host, and
@@ -644,23 +645,21 @@ class RoutedExpertsCPU(nn.Module):
         task.ids[:tokens].copy_(self._without_hot_experts(topk_ids) if self.gpu_experts else topk_ids,
                                 non_blocking=True)
         task.weights[:tokens].copy_(topk_weights, non_blocking=True)
-        padding = rows - tokens
-        if padding:  # the buffers are shared with larger calls: the padding rows must be reset every time
+        if rows > tokens:  # the buffers are shared with larger calls: the padding rows must be reset every time
             none = self._no_experts.get(topk_ids.device)
-            if none is None or none.shape[0] < padding:
+            if none is None:
                 none = self._no_experts[topk_ids.device] = torch.full(
                     (self.chunk_tokens, self.top_k), -1, dtype=torch.int64, device=topk_ids.device)
-            task.ids[tokens:tokens + padding].copy_(none[:padding], non_blocking=True)
+            task.ids[tokens:rows].copy_(none[:rows - tokens], non_blocking=True)
         self._pool.submit_with_cuda_stream(stream.cuda_stream, self._kernel.forward_task(
             size.data_ptr(), self.top_k, task.ids.data_ptr(), task.weights.data_ptr(), inputs.x.data_ptr(),
             task.out.data_ptr(), False))
 
     def padded_tokens(self) -> range:
         """The token counts of a call that go padded to kt-kernel's matrix path (empty: none)."""
-        target = matrix_tokens(self.num_experts, self.top_k)
-        if not (self._pads and self.pad_from and target <= self.chunk_tokens):
+        if not (self._matrix_rows and self.pad_from and self._matrix_rows <= self.chunk_tokens):
             return range(0)
-        return range(self.pad_from, target)
+        return range(self.pad_from, self._matrix_rows)
 
     def _kernel_tokens(self, tokens: int) -> int:
         """The rows kt-kernel is handed for a call of `tokens`: `tokens`, or padded up to its matrix path."""
