@@ -416,6 +416,14 @@ def test_kernels_without_a_matrix_switch_are_never_padded(weights):
     assert all(not loaded(weights, m, pad_from=1).padded_tokens() for m in methods)
 
 
+@pytest.mark.parametrize("pad_from", [-1, 1.5, "8", True])
+def test_a_padding_start_that_is_not_a_non_negative_integer_is_refused_by_name(weights, pad_from):
+    with pytest.raises(ValueError, match=r"pad_from must be an integer >= 0, got "):
+        make_experts(pad_from=pad_from)
+    hidden, ids, w = routing(3)  # the refusal left nothing half-built behind
+    assert rel_err(loaded(weights, pad_from=0)(hidden, ids, w), reference(weights, hidden, ids, w)) < TOLERANCE["BF16"]
+
+
 def padding_method() -> str:
     method = next((m for m in PADDED if m in available_methods() and pads_to_matrix(m)), None)
     if method is None:

@@ -158,7 +158,7 @@ def _check_config(method: str, *, threads: int | None, activation: str, llamafil
                   **sizes: int) -> None:
     """ValueError (ExpertsUnsupportedError for the method) naming whatever the arguments get wrong."""
     for name, value in sizes.items():
-        least = 0 if name == "layer_idx" else 1
+        least = 0 if name in ("layer_idx", "pad_from") else 1
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
     if sizes["top_k"] > sizes["num_experts"]:
@@ -202,7 +202,8 @@ class RoutedExpertsCPU(nn.Module):
         method = str(method).upper()
         _check_config(method, layer_idx=layer_idx, num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
                       intermediate_size=intermediate_size, max_tokens=max_tokens, activation=activation,
-                      threads=threads, llamafile_type=llamafile_type)
+                      threads=threads, llamafile_type=llamafile_type,
+                      **({} if pad_from is None else {"pad_from": pad_from}))
         self.layer_idx, self.num_experts, self.top_k = layer_idx, num_experts, top_k
         self.hidden_size, self.intermediate_size, self.method = hidden_size, intermediate_size, method
         self.threads, self.max_tokens, self.llamafile_type = threads, max_tokens, llamafile_type
