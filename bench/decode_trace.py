@@ -2,12 +2,14 @@
 activities (kernels, copies) split into time busy, short gaps between them (launch latency, host callbacks,
 small copies) and long gaps (the stream waiting on the CPU experts), per step and per MoE layer.
 
-    python -m bench.decode_trace [--layers 4] [--method AMXINT8] [--steps 32] [--model-dir DIR] [--setting KEY=VALUE]
+    python -m bench.decode_trace [--layers 4] [--method AMXINT8] [--steps 32] [--sequence] [--model-dir DIR]
+                                 [--setting KEY=VALUE]
 
 Builds a V2-Lite-shaped checkpoint with `--layers` layers (every per-layer figure is V2-Lite's; a few layers
 build in seconds), starts the KT engine at its default settings, decodes a warm-up, then traces `--steps`
 decode steps with torch.profiler. Prints one JSON line: kernels and copies per step and per MoE layer, busy
-time, the gaps by size, the most expensive kernels."""
+time, the gaps by size, the most expensive kernels; with `--sequence` also one step's activities in order, each
+with its time and the idle time before it."""
 from __future__ import annotations
 
 import argparse
@@ -56,6 +58,15 @@ def summarize(acts: list[tuple[float, float, str]], steps: int, moe_layers: int)
     }
 
 
+def one_step(acts: list[tuple[float, float, str]], steps: int) -> list[tuple[str, float, float]]:
+    """A middle step's activities in order: (name, microseconds busy, microseconds idle before it)."""
+    per_step = len(acts) // steps
+    first = per_step * (steps // 2)
+    window = acts[first:first + per_step]
+    return [(name[:70], round(end - start, 1), round(start - acts[first + i - 1][1], 1) if first + i else 0.0)
+            for i, (start, end, name) in enumerate(window)]
+
+
 def main() -> None:
     from bench.checkpoint import build_checkpoint, existing_model
     from bench.decode_profile import _decode
@@ -69,6 +80,7 @@ def main() -> None:
     p.add_argument("--method", default="AMXINT8")
     p.add_argument("--steps", type=int, default=32, help="tokens generated while traced")
     p.add_argument("--model-dir", type=Path, default=Path("/tmp/ktserve-bench/v2-lite-trace"))
+    p.add_argument("--sequence", action="store_true", help="also print one step's activities in order")
     p.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE", help="any KT engine setting, VALUE read as JSON where it parses")
     args = p.parse_args()
     config = {**V2_LITE_CONFIG, "num_hidden_layers": args.layers}
@@ -89,7 +101,10 @@ def main() -> None:
             rate = asyncio.run(_decode(engine, 1, 16, args.steps))
             wall = time.perf_counter() - started
         moe_layers = args.layers - config["first_k_dense_replace"]
-        result = summarize(gpu_activities(prof), steps=args.steps, moe_layers=moe_layers)
+        acts = gpu_activities(prof)
+        result = summarize(acts, steps=args.steps, moe_layers=moe_layers)
+        if args.sequence:
+            result["one_step"] = one_step(acts, args.steps)
         gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
         result.update(method=args.method, layers=args.layers, decode_tok_s_while_traced=round(rate, 1),
                       traced_wall_s=round(wall, 2), gpu=gpu, details=engine.info.details)
