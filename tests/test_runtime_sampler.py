@@ -141,3 +141,17 @@ def test_a_step_of_one_row_samples_as_the_row_alone(sampler, tokenizer):
         torch.manual_seed(3)
         seq.generator = None if seq.sampling.seed is None else torch.Generator().manual_seed(seq.sampling.seed)
         assert sampler.sample_batch([row], [seq])[0][0] == alone
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rows_on_a_gpu_sample_what_the_same_rows_on_the_cpu_sample(sampler, tokenizer):
+    for trial in range(3):
+        rows, seqs = _mixed_step(tokenizer, 102400)
+        torch.manual_seed(trial)
+        on_cpu = sampler.sample_batch(rows, seqs)
+        rows, seqs = _mixed_step(tokenizer, 102400)
+        torch.manual_seed(trial)
+        on_gpu = sampler.sample_batch([row.cuda() for row in rows], seqs)
+        assert [t for t, _ in on_gpu] == [t for t, _ in on_cpu]
+        assert [e.logprob if e else None for _, e in on_gpu] == [e.logprob if e else None for _, e in on_cpu]

@@ -85,7 +85,7 @@ class DecodeGraphs:
     def run(self, ids: list[int], positions: list[int], write: list[int], lengths: list[int],
             pages: list[list[int]]) -> torch.Tensor:
         """Replay the smallest graph that fits sequences of `lengths` positions held in `pages`; logits of
-        the real rows, float32 on the CPU."""
+        the real rows, float32 on the graph's device."""
         n = len(ids)
         batch = next(b for b in self.batch_sizes if b >= n)
         context = 1 if self.attention else next(c for c in self.context_sizes if c >= max(lengths))
@@ -101,4 +101,6 @@ class DecodeGraphs:
         self.positions[:batch].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
         self.write[:batch].copy_(torch.tensor(write + [self.scratch_slot] * pad), non_blocking=True)
         graph.replay()
-        return out[:n].float().cpu()
+        # float32 on the GPU, in a tensor of its own (the next replay overwrites `out`): the sampler reduces
+        # greedy rows there and copies the others to the host itself
+        return out[:n].to(torch.float32, copy=True)

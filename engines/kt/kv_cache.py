@@ -87,6 +87,10 @@ class LatentKVCache:
     def blocks_for(self, num_positions: int) -> int:
         return self.pool.blocks_for(num_positions)
 
+    def slot(self, table: BlockTable, position: int) -> int:
+        """The flat slot index of one position (a decode step's: no tensors made for one number)."""
+        return table.blocks[position // self.block_size] * self.block_size + position % self.block_size
+
     def slots(self, table: BlockTable, start: int, end: int) -> torch.Tensor:
         """Flat slot indices of positions [start, end), on the CPU."""
         return self._slots(table.blocks, start, end)

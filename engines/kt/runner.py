@@ -226,7 +226,7 @@ class KTModelRunner(ModelRunner):
             self.cache.ensure(table, chunk.end)
             ids.append(chunk.seq.token_ids[chunk.start])
             positions.append(chunk.start)
-            write.append(int(self.cache.slots(table, chunk.start, chunk.end)[0]))
+            write.append(self.cache.slot(table, chunk.start))
             lengths.append(chunk.end)
             pages.append(table.blocks[:self.cache.blocks_for(chunk.end)])
         if self.graphs is not None and self.graphs.fits(len(ids), max(lengths)):
@@ -249,7 +249,7 @@ class KTModelRunner(ModelRunner):
         with self.lora.context.step(AdapterRows([(None, i, 1) for i in range(n)])):
             return self._decode_forward(torch.tensor(ids, device=device), torch.tensor(positions, device=device),
                                         torch.tensor(write, device=device), read.to(device), mask.to(device),
-                                        paged).float().cpu()
+                                        paged).float()
 
     def _decode_forward(self, ids: torch.Tensor, positions: torch.Tensor, write: torch.Tensor,
                         read: torch.Tensor, mask: torch.Tensor, paged: dict | None = None) -> torch.Tensor:

@@ -2,7 +2,9 @@
 
 `sample_batch` picks the tokens of a whole step: rows that are plain greedy or plain temperature sampling
 (nothing else that changes logits or asks for logprobs) share one tensor op (argmax, or softmax of the
-scaled logits); the others go through `sample` one at a time. Random draws stay per row, in row order, each
+scaled logits); the others go through `sample` one at a time. Rows may stay where the model computed them:
+greedy rows are reduced there (on a GPU that spares copying 100k-wide rows to the host and scanning them
+there), the rest come to the CPU in one copy. Random draws stay per row, in row order, each
 with its request's seeded generator, so tokens are exactly those of sampling the rows one by one.
 
 Reported logprobs are those of the model's own distribution (before penalties and temperature), which is
@@ -95,21 +97,36 @@ def _plain(seq: Sequence) -> str | None:
     return None
 
 
+def _on_cpu(rows: list[torch.Tensor], wanted: list[int]) -> list[torch.Tensor]:
+    """`rows` with those at the `wanted` indices on the CPU, brought over in one copy. Sampling draws with
+    the requests' CPU generators and the per-row rules index with CPU tensors, so those rows compute there."""
+    away = [i for i in wanted if rows[i].device.type != "cpu"]
+    if not away:
+        return rows
+    moved = torch.stack([rows[i] for i in away]).cpu()
+    rows = list(rows)
+    for i, row in zip(away, moved):
+        rows[i] = row
+    return rows
+
+
 class Sampler:
     def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...]):
         self.token_text = TokenText(tokenizer)
         self._eos = eos_token_ids
 
     def sample_batch(self, rows: list[torch.Tensor], seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
-        """The next token of each sequence from its float32 logits row (rows are not modified)."""
+        """The next token of each sequence from its float32 logits row, on any device (rows are not
+        modified)."""
         kinds = [_plain(seq) for seq in seqs]
         greedy = [i for i, k in enumerate(kinds) if k == "greedy"]
         scaled = [i for i, k in enumerate(kinds) if k == "temperature"]
         picked: dict[int, int] = {}
-        if greedy:
+        if greedy:  # reduced where the rows are (on a GPU: no copy of whole rows to the host)
             best = rows[greedy[0]].argmax().view(1) if len(greedy) == 1 else \
                 torch.stack([rows[i] for i in greedy]).argmax(dim=-1)
             picked = dict(zip(greedy, best.tolist()))
+        rows = _on_cpu(rows, [i for i, kind in enumerate(kinds) if kind != "greedy"])
         probs: dict[int, torch.Tensor] = {}
         if len(scaled) > 1:
             temps = torch.tensor([seqs[i].sampling.temperature for i in scaled], dtype=torch.float32)
