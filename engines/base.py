@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 import json
-from typing import Any, AsyncIterable, AsyncIterator, Callable, Iterator, Literal, Mapping, TypeVar
+from typing import Any, AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Literal, Mapping, TypeVar
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -165,6 +165,11 @@ class GenerationOutput:
         return self.finish_reason is not None
 
 
+def _put_all(items: list[tuple[asyncio.Queue, GenerationOutput]]) -> None:
+    for queue, output in items:
+        queue.put_nowait(output)
+
+
 class RequestHandle:
     """The caller's end of a submitted request: iterate for deltas, `cancel()` to abandon it.
 
@@ -180,10 +185,21 @@ class RequestHandle:
 
     def deliver(self, output: GenerationOutput) -> None:
         """Thread-safe: called by the engine thread."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, output)
-        except RuntimeError:  # the caller's loop has closed; nobody is listening
-            pass
+        RequestHandle.deliver_all([(self, output)])
+
+    @staticmethod
+    def deliver_all(outputs: Iterable[tuple["RequestHandle", GenerationOutput]]) -> None:
+        """Thread-safe: hand each output to its handle, waking each caller's loop once for all of them (a
+        decode step delivers to every running request: one wake-up, not one per request, each of which
+        would let the loop's thread take the GIL from the engine thread mid-step)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for handle, output in outputs:
+            by_loop.setdefault(handle._loop, []).append((handle._queue, output))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the caller's loop has closed; nobody is listening
+                pass
 
     def cancel(self) -> None:
         if not self._done:

@@ -6,6 +6,7 @@ An exception in a step fails only the requests in that step; the thread keeps se
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import queue
@@ -68,6 +69,8 @@ class LLMEngine(Engine):
         self._adapters: Any = None  # engines.lora.manager.AdapterManager, when the runner supports LoRA
         self._value_head: Any = None  # the model directory's reward head, if it has one
         self._embeddings: EmbeddingQueue | None = None
+        # outputs made during a step, delivered together when it ends (RequestHandle.deliver_all)
+        self._outbox: collections.deque = collections.deque()
 
     # ------------------------------------------------------------------------------ subclass hook
     @abstractmethod
@@ -97,6 +100,7 @@ class LLMEngine(Engine):
             future.set_exception(EngineUnavailableError("the engine is shutting down"))
         for seq in list(self._sequences.values()):
             self._finish(seq, "abort", error="the server is shutting down", server_shutdown=True)
+        self._send_outbox()
         if self._runner is not None:
             self._runner.close()
 
@@ -239,6 +243,7 @@ class LLMEngine(Engine):
             self._take_cancellations()
             chunks = self._scheduler.schedule()
             if not chunks:
+                self._send_outbox()
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
                 continue
@@ -257,8 +262,16 @@ class LLMEngine(Engine):
                 for chunk in chunks:
                     if chunk.seq.id in self._sequences:
                         self._finish(chunk.seq, "error", error=f"internal error in the model step: {exc}")
+            self._send_outbox()
             self._stats.steps += 1
             self._stats.times.step += time.perf_counter() - started
+
+    def _send_outbox(self) -> None:
+        outputs = []
+        while self._outbox:
+            outputs.append(self._outbox.popleft())
+        if outputs:
+            RequestHandle.deliver_all(outputs)
 
     def _take_cancellations(self) -> None:
         with self._cancel_lock:
@@ -329,11 +342,11 @@ class LLMEngine(Engine):
             prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
         if not (text or tokens or finish_reason or prompt_logprobs):
             return
-        seq.handle.deliver(GenerationOutput(
+        self._outbox.append((seq.handle, GenerationOutput(
             request_id=seq.id, text=text, token_ids=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             finish_reason=finish_reason, stop_reason=stop_reason, prompt_tokens=seq.num_prompt_tokens,
             completion_tokens=seq.num_output_tokens, error=error, cached_tokens=seq.num_cached_tokens,
-            server_shutdown=server_shutdown))
+            server_shutdown=server_shutdown)))
 
     def _finish(self, seq: Sequence, reason: str, *, stop_reason=None, error=None, new_tokens=(),
                 logprobs=None, server_shutdown=False) -> None:
