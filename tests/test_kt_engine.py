@@ -2,7 +2,10 @@
 routed experts in kt-kernel. It must agree with transformers run directly on the same checkpoint."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
+import torch
 
 from conftest import start_server
 from helpers import require_kt_kernel, chat_prompt_ids, forward_logprobs, greedy_reference
@@ -171,3 +174,30 @@ def test_decode_steps_padded_to_the_matrix_kernels_give_the_unpadded_tokens(demo
     padded, plain = greedy(1), greedy(0)
     assert (padded[1], plain[1]) == ("1", None)  # /version says from how many tokens calls go padded
     assert padded[0] == plain[0]  # steps of three sequences went padded to the 17 rows of the matrix path
+
+
+def test_router_weights_stay_float32_in_a_bf16_model_as_transformers_keeps_them(demo_model_dir):
+    from engines.base import EngineConfig
+    from engines.kt.engine import KTEngine
+
+    engine = KTEngine(EngineConfig(model_path=str(demo_model_dir), dtype="bfloat16", max_concurrent=2,
+                                   settings={"kt_method": "BF16"}))
+    engine.start()
+    try:
+        layers = engine._runner.model.model.layers
+        moe = [layer.mlp for layer in layers if hasattr(layer.mlp, "gate")]
+        assert moe and all(m.gate.weight.dtype == torch.float32 for m in moe)
+        assert layers[0].self_attn.o_proj.weight.dtype == torch.bfloat16
+        reply = asyncio.run(_generate_once(engine, [5, 6, 7, 8], 4))
+        assert len(reply) == 4
+    finally:
+        engine.stop()
+
+
+async def _generate_once(engine, prompt: list[int], tokens: int) -> list[int]:
+    from engines.base import GenerationRequest, SamplingParams
+
+    handle = engine.submit(GenerationRequest(prompt_token_ids=prompt,
+                                             sampling=SamplingParams(max_tokens=tokens, temperature=0,
+                                                                     ignore_eos=True)))
+    return (await handle.result()).token_ids

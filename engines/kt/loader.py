@@ -108,6 +108,16 @@ def set_tensor(module: nn.Module, name: str, tensor: torch.Tensor, device: str |
         module._parameters[name] = nn.Parameter(tensor, requires_grad=False)
 
 
+def float32_names(model: nn.Module) -> re.Pattern | None:
+    """The parameters transformers keeps in float32 whatever the model's dtype (the class's
+    `_keep_in_fp32_modules[_strict]`: DeepSeek's router weights), as a pattern over parameter names."""
+    keep = [*(getattr(model, "_keep_in_fp32_modules", None) or []),
+            *(getattr(model, "_keep_in_fp32_modules_strict", None) or [])]
+    if not keep:
+        return None
+    return re.compile(r"(^|\.)(" + "|".join(re.escape(k) for k in keep) + r")(\.|$)")
+
+
 def load_checkpoint(model: nn.Module, model_path: Path, device_of: Any, dtype: torch.dtype,
                     num_layers: int, num_experts: int, weight_cache: Path | None = None) -> None:
     """Stream every tensor to its place. `device_of(param_name)` gives the final device."""
@@ -117,6 +127,9 @@ def load_checkpoint(model: nn.Module, model_path: Path, device_of: Any, dtype: t
     stager = ExpertStager(model, num_experts, dtype, device_of, weight_cache)
     unexpected: list[str] = []
     fused_experts = []
+    # kept in float32 as transformers keeps them: the router computes in float32 and would otherwise cast
+    # its weight on every call (one more kernel per MoE layer and decode step on a GPU)
+    float32 = float32_names(model)
     with tqdm(total=len(files), desc="loading shards", unit="shard", leave=False) as progress:
         for name, tensor in iter_tensors(files, progress):
             layer = _LAYER_KEY.match(name)
@@ -138,7 +151,7 @@ def load_checkpoint(model: nn.Module, model_path: Path, device_of: Any, dtype: t
             if attr not in module._parameters and attr not in module._buffers:
                 unexpected.append(name)
                 continue
-            keep = torch.float32 if attr in module._buffers else dtype
+            keep = torch.float32 if attr in module._buffers or (float32 and float32.search(name)) else dtype
             set_tensor(module, attr, tensor, device_of(name), keep)
     _load_fused(fused_experts)
     if unexpected:
