@@ -194,8 +194,8 @@ def host_memory_lines(data: dict) -> list[str]:
     lines = []
     for threads, r in sorted(((k, v) for k, v in sweep.items() if k.isdigit()), key=lambda kv: int(kv[0])):
         rss = _v(r, "memory", "host_rss")
-        if rss is None or not experts or int(threads) == sweep.get("default_threads"):
-            continue  # the default's decode ran in the main process
+        if rss is None or not experts or "child" not in r:
+            continue  # a decode of the main process (results of older runs)
         lines.append(f"host memory, kt {sweep['method']} alone in a fresh process ({threads} threads): "
                      f"{rss:.2f} GB after decoding, peak {_fmt(_v(r, 'memory_after_load', 'host_rss_peak'), '.2f')} GB "
                      f"while loading; the experts are {experts:.2f} GB: {rss / experts:.2f}x")

@@ -67,7 +67,7 @@ def test_host_memory_is_reported_from_the_fresh_process_runs_against_the_experts
     data = {"cpu_bandwidth": {"expert_bytes": {"AMXINT8": gb(14.39)}},
             "thread_sweep": {"method": "AMXINT8", "default_threads": 14,
                              "14": {"decode": {}, "memory": {"host_rss": gb(40.0)}},  # the shared main process
-                             "12": {"memory": {"host_rss": gb(16.12)},
+                             "12": {"memory": {"host_rss": gb(16.12)}, "child": {"exit": 0},
                                     "memory_after_load": {"host_rss_peak": gb(22.84)}}}}
     (line,) = host_memory_lines(data)
     assert "fresh process (12 threads)" in line and "16.12 GB" in line and "1.12x" in line
