@@ -210,3 +210,14 @@ def test_padding_pays_from_the_fewest_tokens_after_which_every_padded_call_was_f
     rows = [row(8, 5.2, 5.1), row(16, 7.7, 7.8), row(24, 8.5, 7.2), row(32, 9.4, 7.9), row(43, 9.0, 9.0)]
     assert pays_from(rows) == 24  # 8 was faster padded too, but 16 was not
     assert pays_from([row(32, 9.4, 9.5)]) is None
+
+
+def test_the_sampling_benchmark_prints_a_step_time_per_kind_and_device():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "bench.sampling", "--rows", "2", "--vocab", "64", "--repeats", "1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    cpu = {line["kind"]: line for line in lines if line["device"] == "cpu"}
+    assert set(cpu) == {"greedy", "temperature"} and all(line["ms"] > 0 for line in lines)
+    assert cpu["temperature"]["multinomial_ms"] > 0

@@ -155,3 +155,30 @@ def test_rows_on_a_gpu_sample_what_the_same_rows_on_the_cpu_sample(sampler, toke
         on_gpu = sampler.sample_batch([row.cuda() for row in rows], seqs)
         assert [t for t, _ in on_gpu] == [t for t, _ in on_cpu]
         assert [e.logprob if e else None for _, e in on_gpu] == [e.logprob if e else None for _, e in on_cpu]
+
+
+def test_draws_follow_the_distribution_and_never_pick_a_token_without_mass():
+    from engines.runtime.sampler import _pick
+
+    probs = torch.tensor([[0.0, 0.1, 0.0, 0.6, 0.3, 0.0], [0.5, 0.0, 0.0, 0.0, 0.0, 0.5]])
+    uniforms = torch.rand(20000, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    picks = torch.tensor([_pick(probs, u) for u in uniforms])  # [20000, 2]
+    for row in range(2):
+        counts = torch.bincount(picks[:, row], minlength=6).float() / 20000
+        assert counts[probs[row] == 0].sum() == 0
+        assert torch.allclose(counts, probs[row], atol=0.015)
+
+
+def test_a_draw_that_rounds_up_to_the_total_takes_the_last_token_with_mass():
+    from engines.runtime.sampler import _pick
+
+    assert _pick(torch.tensor([[0.0, 0.5, 0.5, 0.0]]), torch.tensor([1.0], dtype=torch.float64)) == [2]
+
+
+def test_the_same_seed_draws_the_same_tokens(sampler, tokenizer):
+    rows, _ = _mixed_step(tokenizer, VOCAB)
+    draws = []
+    for _ in range(2):
+        seqs = [seq_for(tokenizer, temperature=1.0, seed=11) for _ in rows]
+        draws.append([t for t, _ in sampler.sample_batch(rows, seqs)])
+    assert draws[0] == draws[1] and len(set(draws[0])) > 1

@@ -1,0 +1,77 @@
+"""What choosing a step's tokens costs: `Sampler.sample_batch` over B rows of a 102,400-token vocabulary, greedy
+or temperature-sampled (seeded), with the rows on the CPU and, where there is one, on a GPU, in the generation
+thread's setting (one torch CPU thread, as the KT engine gives it when the model is on GPUs).
+
+    python -m bench.sampling [--rows 1,8,32] [--vocab 102400] [--repeats 20] [--threads 1]
+
+Prints one JSON line per (rows, kind, device): milliseconds per step, median of the repeats; and, for the
+temperature rows on the CPU, what `torch.multinomial` (the sampler's draw before 2026-11-26) costs on the same
+probabilities, for comparison."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def _sequences(rows: int, kind: str) -> list:
+    from engines.base import GenerationRequest, RequestHandle, SamplingParams
+    from engines.runtime.sequence import Sequence
+
+    params = dict(temperature=0.0) if kind == "greedy" else dict(temperature=0.7)
+    out = []
+    for i in range(rows):
+        request = GenerationRequest(prompt_token_ids=[3, 4], sampling=SamplingParams(seed=i, **params))
+        handle = RequestHandle(request.request_id, loop=None, on_cancel=lambda _: None)  # type: ignore[arg-type]
+        out.append(Sequence.create(request, handle, detokenizer=None))  # type: ignore[arg-type]
+    return out
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return round(statistics.median(times) * 1e3, 3)
+
+
+def main() -> None:
+    from engines.runtime.sampler import Sampler
+
+    p = argparse.ArgumentParser(prog="python -m bench.sampling")
+    p.add_argument("--rows", default="1,8,32")
+    p.add_argument("--vocab", type=int, default=102400)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads of the sampling thread")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    sampler = Sampler(tokenizer=None, eos_token_ids=(1,))
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for rows in (int(r) for r in args.rows.split(",")):
+        logits = torch.randn(rows, args.vocab, generator=torch.Generator().manual_seed(rows)) * 3
+        for kind in ("greedy", "temperature"):
+            seqs = _sequences(rows, kind)
+            for device in devices:
+                on = logits.to(device)
+
+                def step():
+                    sampler.sample_batch(list(on), seqs)
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                result = {"rows": rows, "kind": kind, "device": device, "ms": _median_ms(step, args.repeats),
+                          "threads": args.threads}
+                if kind == "temperature" and device == "cpu":
+                    probs = torch.softmax(logits / 0.7, dim=-1)
+                    gen = torch.Generator().manual_seed(0)
+                    result["multinomial_ms"] = _median_ms(
+                        lambda: [torch.multinomial(row, 1, generator=gen) for row in probs], args.repeats)
+                print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
