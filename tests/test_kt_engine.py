@@ -2,8 +2,6 @@
 routed experts in kt-kernel. It must agree with transformers run directly on the same checkpoint."""
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
@@ -177,27 +175,14 @@ def test_decode_steps_padded_to_the_matrix_kernels_give_the_unpadded_tokens(demo
 
 
 def test_router_weights_stay_float32_in_a_bf16_model_as_transformers_keeps_them(demo_model_dir):
-    from engines.base import EngineConfig
-    from engines.kt.engine import KTEngine
-
-    engine = KTEngine(EngineConfig(model_path=str(demo_model_dir), dtype="bfloat16", max_concurrent=2,
-                                   settings={"kt_method": "BF16"}))
-    engine.start()
+    running = start_server(demo_model_dir, engine="ktransformers", kt_method="BF16", dtype="bfloat16")
     try:
-        layers = engine._runner.model.model.layers
+        layers = running.engine._runner.model.model.layers
         moe = [layer.mlp for layer in layers if hasattr(layer.mlp, "gate")]
         assert moe and all(m.gate.weight.dtype == torch.float32 for m in moe)
         assert layers[0].self_attn.o_proj.weight.dtype == torch.bfloat16
-        reply = asyncio.run(_generate_once(engine, [5, 6, 7, 8], 4))
-        assert len(reply) == 4
+        reply = running.openai().completions.create(model=running.engine.info.id, prompt="Rivers", max_tokens=4,
+                                                    temperature=0, extra_body={"ignore_eos": True})
+        assert reply.usage.completion_tokens == 4
     finally:
-        engine.stop()
-
-
-async def _generate_once(engine, prompt: list[int], tokens: int) -> list[int]:
-    from engines.base import GenerationRequest, SamplingParams
-
-    handle = engine.submit(GenerationRequest(prompt_token_ids=prompt,
-                                             sampling=SamplingParams(max_tokens=tokens, temperature=0,
-                                                                     ignore_eos=True)))
-    return (await handle.result()).token_ids
+        running.stop()
