@@ -102,28 +102,126 @@ def test_a_distribution_with_nothing_left_falls_back_to_the_best_token(sampler, 
     assert sampler.sample(logits, seq)[0] == 3
 
 
+def _reference_adjusted(logits: torch.Tensor, seq, eos=(1,)) -> torch.Tensor:
+    """The rules that change one row's logits, written out plainly in the order the sampler applies them."""
+    p, logits = seq.sampling, logits.clone()
+    for token, value in (p.logit_bias or {}).items():
+        logits[token] += torch.tensor(value, dtype=logits.dtype)
+    if seq.num_output_tokens < p.min_tokens:
+        logits[[t for t in (*eos, *p.stop_token_ids)]] = float("-inf")
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(seq.token_ids)))
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
+        ids, counts = torch.tensor(seq.output_ids).unique(return_counts=True)
+        logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+    if seq.logits_processor is not None:
+        seq.logits_processor(seq.output_ids, logits)
+    return logits
+
+
+def _reference_probs(logits: torch.Tensor, p) -> torch.Tensor:
+    """One row's sampling distribution: temperature, top_k, min_p, top_p."""
+    scaled = logits / p.temperature
+    if 0 < p.top_k < scaled.numel():
+        scaled = scaled.masked_fill(scaled < torch.topk(scaled, p.top_k).values[-1], float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    if p.top_p < 1.0:
+        ordered, order = torch.sort(probs, descending=True)
+        ordered = ordered.masked_fill(torch.cumsum(ordered, dim=-1) - ordered > p.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, ordered)
+    return probs
+
+
+def _reference(logits: torch.Tensor, seq) -> tuple[int, float | None]:
+    """One row's token, and its logprob if asked: the specification the batched sampler is checked against."""
+    from engines.runtime.sampler import _pick, _uniform
+
+    p = seq.sampling
+    logprobs = torch.log_softmax(logits, dim=-1) if p.logprobs is not None else None
+    logits = _reference_adjusted(logits, seq)
+    token = int(torch.argmax(logits))
+    if not p.greedy and p.temperature >= 1e-5:
+        probs = _reference_probs(logits, p)
+        if bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0:
+            token = _pick(probs.unsqueeze(0), _uniform(seq.generator).view(1))[0]
+    if seq.logits_processor is not None:
+        seq.logits_processor.accept(token)
+    return token, None if logprobs is None else float(logprobs[token])
+
+
+class EvenTokensOnly:
+    """A stand-in grammar: allows even token ids only, and records what it was told was chosen."""
+
+    def __init__(self):
+        self.accepted: list[int] = []
+
+    def __call__(self, output_ids, logits):
+        logits[1::2] = float("-inf")
+
+    def accept(self, token):
+        self.accepted.append(token)
+
+
 def _mixed_step(tokenizer, vocab: int) -> tuple[list[torch.Tensor], list]:
-    """A step of 12 rows at a real vocabulary size: plain greedy, plain temperature (seeded and not), and
-    rows that need the one-at-a-time path (penalties, logprobs, top_p, min_tokens)."""
+    """A step of 20 rows at a real vocabulary size: plain greedy, plain temperature (seeded and not), and every
+    rule that changes the logits or asks for logprobs, alone and together."""
     gen = torch.Generator().manual_seed(7)
-    rows = [torch.randn(vocab, generator=gen) * 3 for _ in range(12)]
+    rows = [torch.randn(vocab, generator=gen) * 3 for _ in range(20)]
     params = [dict(temperature=0), dict(temperature=0.7, seed=1), dict(temperature=1.3), dict(temperature=0),
               dict(temperature=0.7, seed=2), dict(temperature=0, frequency_penalty=0.5), dict(temperature=1.0),
               dict(temperature=0.9, logprobs=2), dict(temperature=0.8, top_p=0.9, seed=3),
-              dict(temperature=0, min_tokens=5), dict(temperature=2.0, seed=4), dict(temperature=0, top_k=1)]
-    return rows, [seq_for(tokenizer, output=[5, 6], **p) for p in params]
+              dict(temperature=0, min_tokens=5), dict(temperature=2.0, seed=4), dict(temperature=0, top_k=1),
+              dict(temperature=1.0, top_k=40, seed=5), dict(temperature=1.0, min_p=0.05),
+              dict(temperature=0.6, top_p=0.5, top_k=100, min_p=0.01, logprobs=5, seed=6),
+              dict(temperature=1.1, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=-0.3,
+                   logit_bias={9: 5.0, 100: -100.0}, min_tokens=4, stop_token_ids=(2,), seed=7),
+              dict(temperature=0, logprobs=0, logit_bias={17: 30.0}),
+              dict(temperature=1.0, logit_bias={5: -100.0, 6: 100.0}, seed=8),  # all mass on one token
+              dict(temperature=0.9, top_p=0.95, seed=9), dict(temperature=1.0, seed=10)]
+    seqs = [seq_for(tokenizer, output=[5, 6, 6, 9], **p) for p in params]
+    seqs[18].logits_processor = EvenTokensOnly()
+    seqs[19].logits_processor = EvenTokensOnly()
+    return rows, seqs
 
 
-def test_batched_sampling_picks_what_row_by_row_sampling_picks(sampler, tokenizer):
+def test_batched_sampling_picks_what_the_one_row_rules_pick(sampler, tokenizer):
     for trial in range(3):
         rows, seqs = _mixed_step(tokenizer, 102400)
         torch.manual_seed(trial)  # rows without a seed draw from the global generator, in row order
-        one_by_one = [sampler.sample(row.clone(), seq) for row, seq in zip(rows, seqs)]
+        expected = [_reference(row, seq) for row, seq in zip(rows, seqs)]
         rows, seqs = _mixed_step(tokenizer, 102400)
         torch.manual_seed(trial)
         batched = sampler.sample_batch(rows, seqs)
-        assert [t for t, _ in batched] == [t for t, _ in one_by_one]
-        assert [e.logprob if e else None for _, e in batched] == [e.logprob if e else None for _, e in one_by_one]
+        assert [t for t, _ in batched] == [t for t, _ in expected]
+        assert [e.logprob if e else None for _, e in batched] == [lp for _, lp in expected]
+
+
+def test_each_rule_changes_a_batched_row_as_it_changes_the_row_alone(tokenizer):
+    from engines.runtime.sampler import _adjust, _distributions
+
+    rows, seqs = _mixed_step(tokenizer, 102400)
+    for seq in seqs:  # the penalised tokens among the likeliest, so that each rule moves the outcome
+        for token in seq.token_ids:
+            rows[seqs.index(seq)][token] = 9.0 + token % 3
+    logits = torch.stack(rows)
+    _adjust(logits, seqs, (1,))
+    for row, seq, adjusted in zip(rows, seqs, logits):
+        assert torch.equal(adjusted, _reference_adjusted(row, seq))
+    sampled = [r for r, seq in enumerate(seqs) if not seq.sampling.greedy]
+    probs = _distributions(logits[sampled], [seqs[r].sampling for r in sampled])
+    for r, row_probs in zip(sampled, probs):
+        assert torch.equal(row_probs, _reference_probs(logits[r], seqs[r].sampling))
+
+
+def test_grammar_rows_in_a_batch_are_masked_and_told_their_token(sampler, tokenizer):
+    rows, seqs = _mixed_step(tokenizer, VOCAB)
+    tokens = [t for t, _ in sampler.sample_batch(rows, seqs)]
+    for r in (18, 19):
+        assert tokens[r] % 2 == 0 and seqs[r].logits_processor.accepted == [tokens[r]]
 
 
 def test_batched_sampling_leaves_the_logits_rows_unchanged(sampler, tokenizer):
@@ -154,7 +252,21 @@ def test_rows_on_a_gpu_sample_what_the_same_rows_on_the_cpu_sample(sampler, toke
         torch.manual_seed(trial)
         on_gpu = sampler.sample_batch([row.cuda() for row in rows], seqs)
         assert [t for t, _ in on_gpu] == [t for t, _ in on_cpu]
-        assert [e.logprob if e else None for _, e in on_gpu] == [e.logprob if e else None for _, e in on_cpu]
+        # the same values up to float32 rounding: the GPU reduces in another order
+        assert [e.logprob if e else None for _, e in on_gpu] == \
+            pytest.approx([e.logprob if e else None for _, e in on_cpu], abs=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_step_with_rows_on_the_host_and_on_a_gpu_samples_what_the_host_samples(sampler, tokenizer):
+    rows, seqs = _mixed_step(tokenizer, 102400)
+    torch.manual_seed(0)
+    on_cpu = sampler.sample_batch(rows, seqs)
+    rows, seqs = _mixed_step(tokenizer, 102400)
+    torch.manual_seed(0)
+    mixed = sampler.sample_batch([row.cuda() if r % 2 else row for r, row in enumerate(rows)], seqs)
+    assert [t for t, _ in mixed] == [t for t, _ in on_cpu]
 
 
 def test_draws_follow_the_distribution_and_never_pick_a_token_without_mass():

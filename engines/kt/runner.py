@@ -319,11 +319,11 @@ class KTModelRunner(ModelRunner):
             return out
         rows = torch.cat(wanted).to(hidden.device)
         normed = self._final_norm(hidden.index_select(0, rows)).to(self.head_device)
-        logits = self.model.lm_head(normed).float().cpu()
+        logits = self.model.lm_head(normed).float()
         start = 0
         for i, n in enumerate(shape):
-            if n:
-                out[i] = logits[start:start + n]
+            if n:  # the rows a prompt's logprobs are read from go to the host; sampled rows stay for the sampler
+                out[i] = logits[start:start + n].cpu() if chunks[i].all_logits else logits[start:start + n]
                 start += n
         return out
 

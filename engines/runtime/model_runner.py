@@ -42,7 +42,7 @@ class ModelRunner(ABC):
     def execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
         """Run one step. For each chunk, return float32 logits: shape [end - start, vocab] on the CPU when
         `all_logits`, [1, vocab] (the last position) when it `samples` (on the CPU or on the device that
-        computed it: the sampler takes either), else None. Advance nothing: the caller updates
+        computed it: the sampler takes either, and a mix), else None. Advance nothing: the caller updates
         `seq.num_computed`."""
 
     @abstractmethod

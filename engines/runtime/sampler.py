@@ -1,21 +1,23 @@
 """Next-token choice: penalties, bias, constraints, then greedy or sampled.
 
-`sample_batch` picks the tokens of a whole step: rows that are plain greedy or plain temperature sampling
-(nothing else that changes logits or asks for logprobs) share one tensor op (argmax, or softmax of the
-scaled logits); the others go through `sample` one at a time. Rows may stay where the model computed them:
-the shared ops run there (on a GPU that spares copying 100k-wide rows to the host and scanning them there), and
-the rows `sample` takes come to the CPU in one copy. Each sampled row's uniform draw comes from its request's
-seeded generator (unseeded ones from torch's global generator, in row order), so on the CPU the tokens are
-exactly those of sampling the rows one by one; on a GPU the softmax may round differently, which moves a token
-only when a draw falls within that rounding of a boundary.
+`sample_batch` picks the tokens of a whole step with one tensor op per rule over the step's rows, where the
+model computed them (on a GPU that spares copying 100k-wide rows to the host and scanning them there): each
+rule (logit_bias, min_tokens, the penalties, temperature, top_k, min_p, top_p) touches only the rows that ask
+for it, with index lists built once per step; only a grammar's mask is made row by row, on the host, where its
+matcher writes it. Each sampled row's uniform draw comes from its request's seeded generator (unseeded ones
+from torch's global generator, in row order), so on the CPU a row's token is exactly what it would be sampled
+alone; on a GPU the reductions may round differently, which moves a token only when a draw falls within that
+rounding of a boundary.
 
 Reported logprobs are those of the model's own distribution (before penalties and temperature), which is
 what OpenAI-style clients and evaluation harnesses compare against."""
 from __future__ import annotations
 
+from collections import Counter
 from functools import lru_cache
 from typing import Any
 
+import numpy as np
 import torch
 
 from engines.base import SamplingParams, TokenLogprob, TopLogprob
@@ -59,44 +61,111 @@ class TokenText:
         return raw.decode("utf-8", errors="replace"), list(raw)
 
 
-def _apply_penalties(logits: torch.Tensor, seq: Sequence, p: SamplingParams) -> None:
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
-        values = logits[seen]
-        logits[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
-        ids, counts = torch.tensor(seq.output_ids, dtype=torch.long).unique(return_counts=True)
-        logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+def _host(values: list, dtype: type) -> torch.Tensor:
+    """A CPU tensor of `values` as numpy `dtype` (numpy converts a long list ~3x faster than torch.tensor)."""
+    return torch.from_numpy(np.array(values, dtype=dtype))
 
 
-def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    if p.top_k > 0 and p.top_k < logits.numel():
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.min_p > 0.0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    if p.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=-1)
-        drop = cumulative - sorted_probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return probs
+def _pairs(rows: list[int], cols: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) index tensors on `device` for advanced indexing of a [B, V] tensor."""
+    return _host(rows, np.int64).to(device, non_blocking=True), _host(cols, np.int64).to(device, non_blocking=True)
 
 
-def _plain(seq: Sequence) -> str | None:
-    """"greedy" or "temperature" when the row needs nothing but that (see the module docstring), else None."""
+def _changes_logits(seq: Sequence) -> bool:
     p = seq.sampling
-    if (p.logprobs is not None or p.logit_bias or seq.num_output_tokens < p.min_tokens
-            or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-            or seq.logits_processor is not None):
-        return None
-    if p.greedy or p.temperature < MIN_TEMPERATURE:
-        return "greedy"
-    if p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0:
-        return "temperature"
-    return None
+    return bool(p.logit_bias or seq.num_output_tokens < p.min_tokens or p.repetition_penalty != 1.0
+                or ((p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens)
+                or seq.logits_processor is not None)
+
+
+def _adjust(logits: torch.Tensor, seqs: list[Sequence], eos: tuple[int, ...]) -> None:
+    """Apply each row's logit_bias, the end-of-sequence ban of min_tokens, its repetition, presence and
+    frequency penalties and its grammar, in that order, to `logits` [B, V] in place: one indexed op per rule
+    for the whole batch (the index lists are built on the CPU and sent over once); grammars mask a CPU copy of
+    their row (their matcher writes a host bitmask)."""
+    vocab = logits.shape[-1]
+    bias: tuple[list[int], list[int], list[float]] = ([], [], [])
+    banned: tuple[list[int], list[int]] = ([], [])
+    seen: tuple[list[int], list[int], list[float]] = ([], [], [])
+    counted: tuple[list[int], list[int], list[int], list[float], list[float]] = ([], [], [], [], [])
+    for r, seq in enumerate(seqs):
+        p = seq.sampling
+        if p.logit_bias:
+            for token, value in p.logit_bias.items():
+                if token < vocab:
+                    bias[0].append(r), bias[1].append(token), bias[2].append(value)
+        if seq.num_output_tokens < p.min_tokens:
+            ids = sorted({t for t in (*eos, *p.stop_token_ids) if t < vocab})
+            banned[0].extend([r] * len(ids)), banned[1].extend(ids)
+        if p.repetition_penalty != 1.0:
+            ids = [t for t in set(seq.token_ids) if t < vocab]
+            seen[0].extend([r] * len(ids)), seen[1].extend(ids), seen[2].extend([p.repetition_penalty] * len(ids))
+        if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
+            times = {t: n for t, n in Counter(seq.output_ids).items() if t < vocab}
+            n = len(times)
+            counted[0].extend([r] * n), counted[1].extend(times), counted[2].extend(times.values())
+            counted[3].extend([p.frequency_penalty] * n), counted[4].extend([p.presence_penalty] * n)
+    device = logits.device
+
+    def column(values: list) -> torch.Tensor:
+        return _host(values, np.float32).to(device, non_blocking=True)
+
+    if bias[0]:
+        logits[_pairs(bias[0], bias[1], device)] += column(bias[2])
+    if banned[0]:
+        logits[_pairs(*banned, device)] = float("-inf")
+    if seen[0]:
+        at = _pairs(seen[0], seen[1], device)
+        values, penalty = logits[at], column(seen[2])
+        logits[at] = torch.where(values > 0, values / penalty, values * penalty)
+    if counted[0]:  # frequency x times generated + presence
+        logits[_pairs(counted[0], counted[1], device)] -= column(counted[3]) * column(counted[2]) + column(counted[4])
+    for r, seq in enumerate(seqs):
+        if seq.logits_processor is not None:
+            row = logits[r].cpu()  # a view when `logits` is on the CPU already
+            seq.logits_processor(seq.output_ids, row)
+            logits[r].copy_(row)
+
+
+def _on_rows(t: torch.Tensor, rows: list[int], fn) -> torch.Tensor:
+    """`t` with `fn` applied to the given rows: to `t` as a whole when they are all of its rows, without
+    gathering them."""
+    if len(rows) == t.shape[0]:
+        return fn(t)
+    t[rows] = fn(t[rows])
+    return t
+
+
+def _distributions(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The probabilities each row samples from: its logits [B, V] over its temperature, then top_k, min_p and
+    top_p, each applied only to the rows that ask for it."""
+    device, vocab = logits.device, logits.shape[-1]
+
+    def values(rows: list[int], value) -> torch.Tensor:  # a column of per-row settings
+        return torch.tensor([value(params[r]) for r in rows], dtype=logits.dtype).to(device).unsqueeze(1)
+
+    logits = logits / values(list(range(len(params))), lambda p: p.temperature)
+    cut = [r for r, p in enumerate(params) if 0 < p.top_k < vocab]
+    if cut:  # below the row's k-th largest logit: out
+        ks = [params[r].top_k for r in cut]
+        at = torch.tensor(ks, dtype=torch.long).sub_(1).to(device).unsqueeze(1)
+        logits = _on_rows(logits, cut, lambda sub: sub.masked_fill_(
+            sub < torch.topk(sub, max(ks), dim=-1).values.gather(1, at), float("-inf")))
+    probs = torch.softmax(logits, dim=-1)
+    floor = [r for r, p in enumerate(params) if p.min_p > 0.0]
+    if floor:  # below min_p times the row's most likely token: out
+        scale = values(floor, lambda p: p.min_p)
+        probs = _on_rows(probs, floor, lambda sub: sub.masked_fill_(sub < scale * sub.amax(dim=-1, keepdim=True), 0.0))
+    nucleus = [r for r, p in enumerate(params) if p.top_p < 1.0]
+    if nucleus:  # keep the smallest prefix, most likely first, whose mass reaches top_p
+        limit = values(nucleus, lambda p: p.top_p)
+
+        def keep_nucleus(sub: torch.Tensor) -> torch.Tensor:
+            ordered, order = torch.sort(sub, dim=-1, descending=True)
+            drop = torch.cumsum(ordered, dim=-1) - ordered > limit
+            return torch.zeros_like(sub).scatter_(1, order, ordered.masked_fill_(drop, 0.0))
+        probs = _on_rows(probs, nucleus, keep_nucleus)
+    return probs
 
 
 def _uniform(generator: torch.Generator | None) -> torch.Tensor:
@@ -118,96 +187,78 @@ def _pick(probs: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
     return picked
 
 
-def _on_cpu(rows: list[torch.Tensor], wanted: list[int]) -> list[torch.Tensor]:
-    """`rows` with those at the `wanted` indices on the CPU, brought over in one copy: the one-at-a-time rules
-    (penalties, bias, grammars, top-k/p) index with CPU tensors, so those rows compute there."""
-    away = [i for i in wanted if rows[i].device.type != "cpu"]
-    if not away:
-        return rows
-    moved = torch.stack([rows[i] for i in away]).cpu()
-    rows = list(rows)
-    for i, row in zip(away, moved):
-        rows[i] = row
-    return rows
-
-
 class Sampler:
     def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...]):
         self.token_text = TokenText(tokenizer)
         self._eos = eos_token_ids
 
     def sample_batch(self, rows: list[torch.Tensor], seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
-        """The next token of each sequence from its float32 logits row, on any device (rows are not
-        modified)."""
-        kinds = [_plain(seq) for seq in seqs]
-        greedy = [i for i, k in enumerate(kinds) if k == "greedy"]
-        scaled = [i for i, k in enumerate(kinds) if k == "temperature"]
-        picked: dict[int, int] = {}
-        if greedy:  # reduced where the rows are (on a GPU: no copy of whole rows to the host)
-            best = rows[greedy[0]].argmax().view(1) if len(greedy) == 1 else \
-                torch.stack([rows[i] for i in greedy]).argmax(dim=-1)
-            picked = dict(zip(greedy, best.tolist()))
-        drawn: dict[int, int] = {}  # scaled row -> its row in `probs`
-        if len(scaled) > 1:  # computed where the rows are, like the greedy ones
-            temps = torch.tensor([seqs[i].sampling.temperature for i in scaled], dtype=torch.float32)
-            stacked = torch.stack([rows[i] for i in scaled])
-            fallback = stacked.argmax(dim=-1).tolist()
-            probs = torch.softmax(stacked / temps.to(stacked.device).unsqueeze(1), dim=-1)
-            # as in `sample`: a distribution that under- or overflowed keeps the most likely token
-            usable = (torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()
-            for n, (i, top, ok) in enumerate(zip(scaled, fallback, usable)):
-                picked[i] = top
-                if ok:
-                    drawn[i] = n
-        rows = _on_cpu(rows, [i for i in range(len(rows)) if i not in picked])  # those `sample` takes
-        out: list = []
-        uniforms: dict[int, torch.Tensor] = {}
-        for i, (row, seq) in enumerate(zip(rows, seqs)):
-            if i in drawn:  # the draw is taken here, in row order: unseeded rows share torch's global generator
-                uniforms[i] = _uniform(seq.generator)
-                out.append(None)
-            elif i in picked:
-                out.append((picked[i], None))
-            else:
-                out.append(self.sample(row.clone(), seq))
-        if uniforms:
-            order = list(uniforms)
-            tokens = _pick(probs[[drawn[i] for i in order]], torch.stack([uniforms[i] for i in order]))
-            for i, token in zip(order, tokens):
-                out[i] = (token, None)
-        return out
+        """The next token of each sequence from its float32 logits row, on any device (rows are not modified)."""
+        if not rows:  # a step of prompt chunks that end mid-prompt
+            return []
+        device = next((row.device for row in rows if row.device.type != "cpu"), rows[0].device)
+        if any(row.device != device for row in rows):  # a prompt-logprobs row on the host among device rows
+            rows = [row.to(device) for row in rows]
+        if len(rows) > 1 and rows[0].device.type == "cpu":
+            # a row at a time: one 100k-wide row stays in the cache through every pass, where passes over the
+            # whole batch read it from memory once per op (2x slower for 32 sampled rows on the 2-core box)
+            return [out for row, seq in zip(rows, seqs) for out in self._sample([row], [seq])]
+        return self._sample(rows, seqs)
 
-    def sample(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, TokenLogprob | None]:
-        """Pick the next token from a float32 logits row (modified in place)."""
-        p = seq.sampling
-        logprobs = torch.log_softmax(logits, dim=-1) if p.logprobs is not None else None
-        if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
-            logits[ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
-        if seq.num_output_tokens < p.min_tokens:
-            banned = [t for t in (*self._eos, *p.stop_token_ids) if t < logits.numel()]
-            logits[banned] = float("-inf")
-        _apply_penalties(logits, seq, p)
-        if seq.logits_processor is not None:
-            seq.logits_processor(seq.output_ids, logits)
-        token = int(torch.argmax(logits))
-        if not p.greedy and p.temperature >= MIN_TEMPERATURE:
-            probs = _filter(logits / p.temperature, p)
+    def _sample(self, rows: list[torch.Tensor], seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
+        logits = torch.stack(rows) if len(rows) > 1 else rows[0].unsqueeze(0)  # a lone row: a view of it
+        params = [seq.sampling for seq in seqs]
+        asked = [r for r, p in enumerate(params) if p.logprobs is not None]
+        logprobs = torch.log_softmax(logits if len(asked) == len(rows) else logits[asked], dim=-1) if asked else None
+        if any(_changes_logits(seq) for seq in seqs):
+            logits = logits if len(rows) > 1 else logits.clone()  # changed in place: never the caller's row
+            _adjust(logits, seqs, self._eos)
+        tokens = logits.argmax(dim=-1).tolist()  # greedy rows' tokens; what sampled rows fall back to
+        drawn = [r for r, p in enumerate(params) if not (p.greedy or p.temperature < MIN_TEMPERATURE)]
+        if drawn:
+            probs = _distributions(logits[drawn] if len(drawn) < len(rows) else logits, [params[r] for r in drawn])
             # a distribution that underflowed or overflowed (extreme bias, penalties or temperature) cannot be
             # sampled; its most likely token is the one sampling would almost surely pick
-            if bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0:
-                token = _pick(probs.unsqueeze(0), _uniform(seq.generator).view(1))[0]
-        if seq.logits_processor is not None:
-            seq.logits_processor.accept(token)
-        entry = self.logprob_entry(logprobs, token, p.logprobs) if logprobs is not None else None
-        return token, entry
+            usable = (torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()
+            kept = [n for n, ok in enumerate(usable) if ok]
+            if kept:  # drawn in row order: unseeded rows share torch's global generator
+                uniforms = torch.stack([_uniform(seqs[drawn[n]].generator) for n in kept])
+                for n, token in zip(kept, _pick(probs[kept] if len(kept) < len(drawn) else probs, uniforms)):
+                    tokens[drawn[n]] = token
+        for seq, token in zip(seqs, tokens):
+            if seq.logits_processor is not None:
+                seq.logits_processor.accept(token)
+        entries: list[TokenLogprob | None] = [None] * len(rows)
+        if logprobs is not None:
+            for r, entry in zip(asked, self._entries(logprobs, [tokens[r] for r in asked],
+                                                     [params[r].logprobs or 0 for r in asked])):
+                entries[r] = entry
+        return list(zip(tokens, entries))
+
+    def sample(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, TokenLogprob | None]:
+        """The next token from one float32 logits row (not modified)."""
+        return self.sample_batch([logits], [seq])[0]
+
+    def _entries(self, logprobs: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprob]:
+        """The logprob entries of rows of `logprobs` [B, V]: each chosen token's, and its row's `top` best; one
+        top-k per distinct `top` and one copy to the host each."""
+        chosen = logprobs.gather(1, torch.tensor(tokens).to(logprobs.device).unsqueeze(1)).squeeze(1).tolist()
+        best: dict[int, tuple[list[float], list[int]]] = {}
+        for k in sorted({k for k in tops if k}):
+            rows = [r for r, top in enumerate(tops) if top == k]
+            values, ids = torch.topk(logprobs[rows], k, dim=-1)
+            best.update(zip(rows, zip(values.tolist(), ids.tolist())))
+        return [self._entry(token, value, *best.get(r, ([], []))) for r, (token, value) in enumerate(zip(tokens, chosen))]
 
     def logprob_entry(self, logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
+        """The entry of `token` in one row of log-probabilities, with the row's `top` best."""
+        values, ids = torch.topk(logprobs, top) if top else (torch.empty(0), torch.empty(0, dtype=torch.long))
+        return self._entry(token, float(logprobs[token]), values.tolist(), ids.tolist())
+
+    def _entry(self, token: int, logprob: float, top_values: list[float], top_ids: list[int]) -> TokenLogprob:
         text, raw = self.token_text.lookup(token)
-        entry = TokenLogprob(token_id=token, token=text, logprob=float(logprobs[token]), bytes=raw)
-        if top:
-            values, ids = torch.topk(logprobs, top)
-            for value, tid in zip(values.tolist(), ids.tolist()):
-                t_text, t_raw = self.token_text.lookup(tid)
-                entry.top.append(TopLogprob(token_id=tid, token=t_text, logprob=value, bytes=t_raw))
+        entry = TokenLogprob(token_id=token, token=text, logprob=logprob, bytes=raw)
+        for value, tid in zip(top_values, top_ids):
+            t_text, t_raw = self.token_text.lookup(tid)
+            entry.top.append(TopLogprob(token_id=tid, token=t_text, logprob=value, bytes=t_raw))
         return entry
