@@ -2,7 +2,7 @@
 `openai` AsyncOpenAI client, for each N of `--levels`. Prints one JSON object (the rounds) on stdout.
 
 Each request sends token ids (so prompt length is exact), asks for `--max-tokens` with ignore_eos and
-greedy sampling, and records when each streamed token arrives. Per round: aggregate output tokens/s over
+greedy sampling (or `--temperature` / `--top-p`, as chat clients send them), and records when each streamed token arrives. Per round: aggregate output tokens/s over
 the round's wall time, time to first token, time per output token per request ((last - first) / (n - 1))
 and the gaps between tokens across all requests, as medians and 99th percentiles.
 
@@ -20,10 +20,11 @@ from bench.report import fig, median, percentile
 from bench.shapes import prompt_ids
 
 
-async def _one(client, model: str, prompt: list[int], max_tokens: int, record: dict) -> None:
+async def _one(client, model: str, prompt: list[int], max_tokens: int, record: dict,
+               sampling: dict | None = None) -> None:
     record["start"] = time.perf_counter()
     stream = await client.completions.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
+        model=model, prompt=prompt, max_tokens=max_tokens, stream=True, **(sampling or {"temperature": 0.0}),
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     async for chunk in stream:
         now = time.perf_counter()
@@ -39,7 +40,8 @@ async def _round(client, model: str, level: int, args: argparse.Namespace, timeo
     shared = prompt_ids(args.shared_prefix, args.vocab, seed=7 + args.prompt_tokens)  # one per prompt length
     prompts = [shared + prompt_ids(args.prompt_tokens - len(shared), args.vocab, seed=1000 * level + i)
                for i in range(level)]
-    tasks = [asyncio.create_task(_one(client, model, prompt, args.max_tokens, rec))
+    sampling = {"temperature": args.temperature, "top_p": args.top_p}
+    tasks = [asyncio.create_task(_one(client, model, prompt, args.max_tokens, rec, sampling))
              for prompt, rec in zip(prompts, records)]
     _, pending = await asyncio.wait(tasks, timeout=timeout)
     for task in pending:
@@ -103,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=100000, help="prompt token ids are drawn below this")
     p.add_argument("--shared-prefix", type=int, default=0,
                    help="the first this many prompt tokens are the same in every request (prefix caching)")
+    p.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="the requests' top_p (default 1: off)")
     p.add_argument("--round-timeout", type=float, default=60.0)
     p.add_argument("--time-left", type=float, default=300.0, help="seconds for all rounds together")
     args = p.parse_args(argv)

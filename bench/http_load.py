@@ -62,9 +62,12 @@ def _any_core(pid: int) -> None:
         os.sched_setaffinity(pid, range(os.cpu_count() or 1))
 
 
-def run_clients(url: str, model: str, plan: Plan, vocab: int, time_left: float) -> dict:
-    """Every concurrency level of the plan, one round each, in a client subprocess; its JSON result."""
+def run_clients(url: str, model: str, plan: Plan, vocab: int, time_left: float, temperature: float = 0.0,
+                top_p: float = 1.0) -> dict:
+    """Every concurrency level of the plan, one round each, in a client subprocess; its JSON result. The
+    clients ask for greedy tokens unless given a temperature (and top_p)."""
     cmd = [sys.executable, "-m", "bench.http_client", "--base-url", url, "--model", model,
+           "--temperature", str(temperature), "--top-p", str(top_p),
            "--levels", ",".join(map(str, plan.http_levels)), "--prompt-tokens", str(plan.http_prompt),
            "--max-tokens", str(plan.http_tokens), "--vocab", str(vocab),
            "--round-timeout", str(plan.http_round_timeout), "--time-left", f"{time_left:.1f}"]

@@ -98,12 +98,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gpu-prefill-tokens", type=int, default=0, metavar="N",
                    help="the KT engine's kt_gpu_prefill_tokens: prompt chunks of N tokens or more compute part of "
                         "the experts on the GPU from streamed weights (default 0: off)")
+    p.add_argument("--client-temperature", type=float, default=0.0, metavar="T",
+                   help="the streaming clients' temperature (default 0: greedy)")
+    p.add_argument("--client-top-p", type=float, default=1.0, metavar="P",
+                   help="the streaming clients' top_p (default 1: off; chat clients often send 0.9-0.95)")
     p.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE",
                    help="another ktransformers engine setting for the KT engines this process loads (not the child "
                         "runs of threads and avx2), VALUE read as JSON where it parses, e.g. kt_isolate_workers=false; "
                         "repeatable")
     args = p.parse_args(argv)
     args.settings = engine_settings(p, args.setting)
+    if not 0.0 <= args.client_temperature <= 2.0:
+        p.error(f"--client-temperature: {args.client_temperature} is not between 0 and 2")
+    if not 0.0 < args.client_top_p <= 1.0:
+        p.error(f"--client-top-p: {args.client_top_p} is not in (0, 1]")
     args.phases = PHASES if not args.only else tuple(x.strip() for x in args.only.split(",") if x.strip())
     unknown = sorted(set(args.phases) - set(PHASES))
     if unknown:
@@ -388,11 +396,13 @@ class Bench:
 
         run = self.kt_engine(PRIMARY)
         with serving(run.engine, str(self.model_dir)) as url:
-            res = run_clients(url, run.engine.info.id, self.plan, self.vocab, max(5.0, deadline - time.perf_counter()))
+            res = run_clients(url, run.engine.info.id, self.plan, self.vocab, max(5.0, deadline - time.perf_counter()),
+                              self.args.client_temperature, self.args.client_top_p)
         res["rounds"] = with_decode_ceiling(res.get("rounds", []), self.shape, self.results.get("cpu_bandwidth"),
                                             PRIMARY)
         self.results["http"] = {"method": PRIMARY, "prompt_tokens": self.plan.http_prompt,
-                                "max_tokens": self.plan.http_tokens, "client": "openai.AsyncOpenAI, streaming "
+                                "max_tokens": self.plan.http_tokens, "temperature": self.args.client_temperature,
+                                "top_p": self.args.client_top_p, "client": "openai.AsyncOpenAI, streaming "
                                 "completions, separate process", **res}
         self.close_engines()
 

@@ -1,8 +1,10 @@
-"""What choosing a step's tokens costs: `Sampler.sample_batch` over B rows of a 102,400-token vocabulary, greedy
-or temperature-sampled (seeded), with the rows on the CPU and, where there is one, on a GPU, in the generation
-thread's setting (one torch CPU thread, as the KT engine gives it when the model is on GPUs).
+"""What choosing a step's tokens costs: `Sampler.sample_batch` over B rows of a 102,400-token vocabulary, with
+the rows on the CPU and, where there is one, on a GPU, in the generation thread's setting (one torch CPU thread,
+as the KT engine gives it when the model is on GPUs). Each row of a step asks for the same rules (`KINDS`):
+greedy, temperature sampling (seeded), top_p, top_k, logprobs, or the penalties over a 512-token history.
 
-    python -m bench.sampling [--rows 1,8,32] [--vocab 102400] [--repeats 20] [--threads 1]
+    python -m bench.sampling [--rows 1,8,32] [--kinds greedy,temperature,...] [--vocab 102400] [--repeats 20]
+                             [--threads 1]
 
 Prints one JSON line per (rows, kind, device): milliseconds per step, median of the repeats; and, for the
 temperature rows on the CPU, what `torch.multinomial` (the sampler's draw before 2026-11-26) costs on the same
@@ -17,17 +19,37 @@ import time
 import torch
 
 
-def _sequences(rows: int, kind: str) -> list:
+KINDS = {
+    "greedy": dict(temperature=0.0),
+    "temperature": dict(temperature=0.7),
+    "top_p": dict(temperature=0.7, top_p=0.9),
+    "top_k": dict(temperature=0.7, top_k=50),
+    "logprobs": dict(temperature=0.0, logprobs=5),
+    "penalties": dict(temperature=0.7, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5),
+}
+
+
+def _sequences(rows: int, kind: str, vocab: int) -> list:
     from engines.base import GenerationRequest, RequestHandle, SamplingParams
     from engines.runtime.sequence import Sequence
 
-    params = dict(temperature=0.0) if kind == "greedy" else dict(temperature=0.7)
+    history = torch.randint(vocab, (512,), generator=torch.Generator().manual_seed(1)).tolist()
     out = []
     for i in range(rows):
-        request = GenerationRequest(prompt_token_ids=[3, 4], sampling=SamplingParams(seed=i, **params))
+        request = GenerationRequest(prompt_token_ids=history[:256], sampling=SamplingParams(seed=i, **KINDS[kind]))
         handle = RequestHandle(request.request_id, loop=None, on_cancel=lambda _: None)  # type: ignore[arg-type]
-        out.append(Sequence.create(request, handle, detokenizer=None))  # type: ignore[arg-type]
+        seq = Sequence.create(request, handle, detokenizer=None)  # type: ignore[arg-type]
+        seq.token_ids += history[256:]  # 256 tokens generated so far
+        out.append(seq)
     return out
+
+
+class _Pieces:
+    """A tokenizer stand-in for the logprob entries' token text."""
+
+    @staticmethod
+    def convert_ids_to_tokens(token_id: int) -> str:
+        return f"t{token_id}"
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -45,17 +67,22 @@ def main() -> None:
 
     p = argparse.ArgumentParser(prog="python -m bench.sampling")
     p.add_argument("--rows", default="1,8,32")
+    p.add_argument("--kinds", default=",".join(KINDS), help="which of " + ", ".join(KINDS))
     p.add_argument("--vocab", type=int, default=102400)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads of the sampling thread")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    sampler = Sampler(tokenizer=None, eos_token_ids=(1,))
+    kinds = args.kinds.split(",")
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        p.error(f"--kinds: unknown {', '.join(unknown)}; choose from {', '.join(KINDS)}")
+    sampler = Sampler(tokenizer=_Pieces(), eos_token_ids=(1,))
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for rows in (int(r) for r in args.rows.split(",")):
         logits = torch.randn(rows, args.vocab, generator=torch.Generator().manual_seed(rows)) * 3
-        for kind in ("greedy", "temperature"):
-            seqs = _sequences(rows, kind)
+        for kind in kinds:
+            seqs = _sequences(rows, kind, args.vocab)
             for device in devices:
                 on = logits.to(device)
 

@@ -95,15 +95,15 @@ def test_child_runs_decode_under_the_parents_rule_file(tmp_path, monkeypatch):
     assert "--rules" not in default
 
 
-def tiny_quick_run(tmp_path: Path, phases: str) -> dict:
-    """bench.run on the tiny shape, quick, in a subprocess; its bench.json."""
+def tiny_quick_run(tmp_path: Path, phases: str, *extra: str) -> dict:
+    """bench.run on the tiny shape, quick, in a subprocess (`extra`: more of its arguments); its bench.json."""
     require_kt_kernel()
     pytest.importorskip("openai")
     out = tmp_path / "results"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
         [sys.executable, "-m", "bench.run", "--shape", "tiny", "--quick", "--only", phases,
-         "--out", str(out), "--model-dir", str(tmp_path / "model")],
+         "--out", str(out), "--model-dir", str(tmp_path / "model"), *extra],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads((out / "bench.json").read_text())
@@ -111,7 +111,7 @@ def tiny_quick_run(tmp_path: Path, phases: str) -> dict:
 
 @pytest.mark.slow
 def test_tiny_quick_run_writes_decode_and_http_figures_with_units(tmp_path):
-    data = tiny_quick_run(tmp_path, "decode,http")
+    data = tiny_quick_run(tmp_path, "decode,http", "--client-temperature", "0.7", "--client-top-p", "0.9")
 
     assert {"date", "torch", "kt_kernel", "kt_cpu_threads", "cpu"} <= set(data["meta"])
     assert {name: p["status"] for name, p in data["phases"].items()} == {
@@ -130,6 +130,15 @@ def test_tiny_quick_run_writes_decode_and_http_figures_with_units(tmp_path):
         assert r["output_throughput"]["unit"] == "tok/s" and r["output_throughput"]["value"] > 0
         assert r["tpot_median"]["unit"] == "ms" and r["tpot_p99"]["unit"] == "ms"
         assert r["output_tokens"] == r["concurrency"] * data["http"]["max_tokens"]
+    assert (data["http"]["temperature"], data["http"]["top_p"]) == (0.7, 0.9)  # what the clients sent
+
+
+@pytest.mark.parametrize("flag, value", [("--client-temperature", "-0.5"), ("--client-top-p", "0")])
+def test_bench_run_refuses_client_sampling_the_api_would_refuse(flag, value):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "bench.run", "--only", "http", flag, value],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT)
+    assert done.returncode == 2 and f"{flag}: " in done.stderr
 
 
 @pytest.mark.slow
@@ -219,5 +228,13 @@ def test_the_sampling_benchmark_prints_a_step_time_per_kind_and_device():
     assert done.returncode == 0, done.stderr[-2000:]
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     cpu = {line["kind"]: line for line in lines if line["device"] == "cpu"}
-    assert set(cpu) == {"greedy", "temperature"} and all(line["ms"] > 0 for line in lines)
+    assert set(cpu) == {"greedy", "temperature", "top_p", "top_k", "logprobs", "penalties"}
+    assert all(line["ms"] > 0 for line in lines)
     assert cpu["temperature"]["multinomial_ms"] > 0
+
+
+def test_the_sampling_benchmark_names_the_kinds_it_does_not_know():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "bench.sampling", "--kinds", "greedy,beam"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT)
+    assert done.returncode == 2 and "--kinds: unknown beam" in done.stderr
