@@ -8,7 +8,9 @@ greedy, temperature sampling (seeded), top_p, top_k, logprobs, or the penalties 
 
 Prints one JSON line per (rows, kind, device): milliseconds per step, median of the repeats; and, for the
 temperature rows on the CPU, what `torch.multinomial` (the sampler's draw before 2026-11-26) costs on the same
-probabilities, for comparison."""
+probabilities, for comparison. With `--prompt-positions N` (default 2048; 0: none) also the logprobs of an N-token
+prompt (`Sampler.prompt_entries`, what `echo` with `logprobs` and `prompt_logprobs` ask for), with the top 0 and 5,
+per device."""
 from __future__ import annotations
 
 import argparse
@@ -71,6 +73,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=102400)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads of the sampling thread")
+    p.add_argument("--prompt-positions", type=int, default=2048, help="a prompt's logprobs over this many positions")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     kinds = args.kinds.split(",")
@@ -98,6 +101,15 @@ def main() -> None:
                     result["multinomial_ms"] = _median_ms(
                         lambda: [torch.multinomial(row, 1, generator=gen) for row in probs], args.repeats)
                 print(json.dumps(result), flush=True)
+    if args.prompt_positions > 0:
+        logits = torch.randn(args.prompt_positions, args.vocab, generator=torch.Generator().manual_seed(0))
+        targets = torch.randint(args.vocab, (args.prompt_positions,)).tolist()
+        for device in devices:
+            on = logits.to(device)
+            for top in (0, 5):
+                ms = _median_ms(lambda: sampler.prompt_entries(on, targets, top), max(1, args.repeats // 4))
+                print(json.dumps({"prompt_positions": args.prompt_positions, "top": top, "device": device, "ms": ms,
+                                  "threads": args.threads}), flush=True)
 
 
 if __name__ == "__main__":

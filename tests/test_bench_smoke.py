@@ -227,6 +227,10 @@ def test_the_sampling_benchmark_prints_a_step_time_per_kind_and_device():
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = [json.loads(line) for line in done.stdout.splitlines()]
+    prompt = [line for line in lines if "prompt_positions" in line]
+    assert {(line["top"], line["device"]) for line in prompt} >= {(0, "cpu"), (5, "cpu")}
+    assert all(line["prompt_positions"] == 2048 and line["ms"] > 0 for line in prompt)
+    lines = [line for line in lines if line not in prompt]
     cpu = {line["kind"]: line for line in lines if line["device"] == "cpu"}
     assert set(cpu) == {"greedy", "temperature", "top_p", "top_k", "logprobs", "penalties"}
     assert all(line["ms"] > 0 for line in lines)

@@ -322,8 +322,8 @@ class KTModelRunner(ModelRunner):
         logits = self.model.lm_head(normed).float()
         start = 0
         for i, n in enumerate(shape):
-            if n:  # the rows a prompt's logprobs are read from go to the host; sampled rows stay for the sampler
-                out[i] = logits[start:start + n].cpu() if chunks[i].all_logits else logits[start:start + n]
+            if n:  # left on the device: the sampler and the prompt's logprobs reduce them there
+                out[i] = logits[start:start + n]
                 start += n
         return out
 

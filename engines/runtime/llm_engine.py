@@ -326,13 +326,9 @@ class LLMEngine(Engine):
     def _record_prompt_logprobs(self, chunk: ScheduledChunk, rows: torch.Tensor) -> None:
         seq = chunk.seq
         assert self._sampler is not None and seq.prompt_logprobs is not None
-        top = seq.sampling.prompt_logprobs or 0
-        for i, position in enumerate(range(chunk.start, chunk.end)):
-            target = position + 1
-            if target >= seq.num_prompt_tokens:
-                break
-            logprobs = torch.log_softmax(rows[i], dim=-1)
-            seq.prompt_logprobs.append(self._sampler.logprob_entry(logprobs, seq.token_ids[target], top))
+        targets = seq.token_ids[chunk.start + 1:min(chunk.end + 1, seq.num_prompt_tokens)]  # each row's next token
+        seq.prompt_logprobs += self._sampler.prompt_entries(rows[:len(targets)], targets,
+                                                            seq.sampling.prompt_logprobs or 0)
 
     # ------------------------------------------------------------------------------ delivery
     def _deliver(self, seq: Sequence, text: str, tokens: list[int], logprobs, finish_reason=None,

@@ -40,10 +40,9 @@ class ModelRunner(ABC):
 
     @abstractmethod
     def execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
-        """Run one step. For each chunk, return float32 logits: shape [end - start, vocab] on the CPU when
-        `all_logits`, [1, vocab] (the last position) when it `samples` (on the CPU or on the device that
-        computed it: the sampler takes either, and a mix), else None. Advance nothing: the caller updates
-        `seq.num_computed`."""
+        """Run one step. For each chunk, return float32 logits: shape [end - start, vocab] when `all_logits`,
+        [1, vocab] (the last position) when it `samples`, else None; on the CPU or on the device that computed
+        them (the sampler takes either, and a mix). Advance nothing: the caller updates `seq.num_computed`."""
 
     @abstractmethod
     def release(self, seq: Sequence) -> None:

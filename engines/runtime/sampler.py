@@ -72,6 +72,7 @@ def _pairs(rows: list[int], cols: list[int], device: torch.device) -> tuple[torc
 
 
 def _changes_logits(seq: Sequence) -> bool:
+    """Whether a rule of `_adjust` applies to the row this step."""
     p = seq.sampling
     return bool(p.logit_bias or seq.num_output_tokens < p.min_tokens or p.repetition_penalty != 1.0
                 or ((p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens)
@@ -250,10 +251,17 @@ class Sampler:
             best.update(zip(rows, zip(values.tolist(), ids.tolist())))
         return [self._entry(token, value, *best.get(r, ([], []))) for r, (token, value) in enumerate(zip(tokens, chosen))]
 
-    def logprob_entry(self, logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
-        """The entry of `token` in one row of log-probabilities, with the row's `top` best."""
-        values, ids = torch.topk(logprobs, top) if top else (torch.empty(0), torch.empty(0, dtype=torch.long))
-        return self._entry(token, float(logprobs[token]), values.tolist(), ids.tolist())
+    def prompt_entries(self, logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+        """The entries of `tokens[i]` in row i of `logits` [n, V] (float32, any device; a prompt's logprobs), with
+        each row's `top` best. Blocks of rows: a long chunk's log-probabilities never exist whole, and on the CPU
+        a block of 4 rows stays in the cache (39 ms for 512 rows of 102,400 on the 2-core box, 83 in blocks of
+        64); on a GPU one op over 512 rows costs about what one over a row does."""
+        block = 4 if logits.device.type == "cpu" else 512
+        out: list[TokenLogprob] = []
+        for start in range(0, len(tokens), block):
+            logprobs = torch.log_softmax(logits[start:start + block], dim=-1)
+            out += self._entries(logprobs, tokens[start:start + block], [top] * logprobs.shape[0])
+        return out
 
     def _entry(self, token: int, logprob: float, top_values: list[float], top_ids: list[int]) -> TokenLogprob:
         text, raw = self.token_text.lookup(token)

@@ -1,0 +1,14 @@
+"""Run a module (`python scratch/with_old_sampler.py bench.sampling ...`) with e39ef4b's Sampler in place of today's."""
+import importlib.util
+import runpy
+import sys
+
+spec = importlib.util.spec_from_file_location("old_sampler", "scratch/old_sampler.py")
+old = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(old)
+import engines.runtime.sampler as now  # noqa: E402
+import engines.runtime.llm_engine as engine  # noqa: E402
+
+now.Sampler = engine.Sampler = old.Sampler
+module, sys.argv = sys.argv[1], sys.argv[1:]
+runpy.run_module(module, run_name="__main__")
