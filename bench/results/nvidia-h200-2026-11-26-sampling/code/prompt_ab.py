@@ -1,6 +1,7 @@
 """A 2,048-token prompt's logprobs from logits on the GPU: e39ef4b's way (the rows copied to the host, then each
 row's log_softmax and entry there, one torch thread) against Sampler.prompt_entries on the GPU. JSON lines."""
 import importlib.util
+from pathlib import Path
 import json
 import statistics
 import time
@@ -8,7 +9,7 @@ import time
 import torch
 
 torch.set_num_threads(1)
-spec = importlib.util.spec_from_file_location("old_sampler", "scratch/old_sampler.py")
+spec = importlib.util.spec_from_file_location("old_sampler", Path(__file__).with_name("old_sampler.py"))
 old = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(old)
 from engines.runtime.sampler import Sampler  # noqa: E402
