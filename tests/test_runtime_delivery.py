@@ -33,9 +33,9 @@ def test_a_step_wakes_the_callers_loop_once_for_all_its_requests(demo_model_dir)
     try:
         wakeups: list[int] = []
         texts = asyncio.run(_generate(engine, wakeups))
-        steps = engine.stats().steps
     finally:
         engine.stop()
+    steps = engine.stats().steps  # read once the engine thread has ended: it counts a step after delivering it
     assert [t.strip() for t in texts] == SCRIPTS  # every delta arrived, in order
     deltas = sum(len(engine._tokenizer.encode(s, add_special_tokens=False)) + 1 for s in SCRIPTS)
     assert len(wakeups) <= steps < deltas
