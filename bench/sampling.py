@@ -1,7 +1,8 @@
 """What choosing a step's tokens costs: `Sampler.sample_batch` over B rows of a 102,400-token vocabulary, with
 the rows on the CPU and, where there is one, on a GPU, in the generation thread's setting (one torch CPU thread,
 as the KT engine gives it when the model is on GPUs). Each row of a step asks for the same rules (`KINDS`):
-greedy, temperature sampling (seeded), top_p, top_k, logprobs, or the penalties over a 512-token history.
+greedy, temperature sampling (seeded), top_p, top_k, logprobs, the penalties over a 512-token history, or a JSON
+schema (the demo model's tokenizer, DeepSeek-V3's 129,280 tokens, sets that kind's row width).
 
     python -m bench.sampling [--rows 1,8,32] [--kinds greedy,temperature,...] [--vocab 102400] [--repeats 20]
                              [--threads 1]
@@ -28,7 +29,24 @@ KINDS = {
     "top_k": dict(temperature=0.7, top_k=50),
     "logprobs": dict(temperature=0.0, logprobs=5),
     "penalties": dict(temperature=0.7, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5),
+    "json": dict(temperature=0.0),  # and a grammar
 }
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+def _with_grammars(seqs: list) -> int:
+    """Give each sequence a processor of SCHEMA over the demo model's tokenizer; that tokenizer's size."""
+    from transformers import AutoTokenizer
+
+    from engines.base import json_schema_grammar
+    from engines.demo_model import ensure_demo_model
+    from engines.runtime.structured import compiler_for
+
+    compiler = compiler_for(AutoTokenizer.from_pretrained(ensure_demo_model()))
+    for seq in seqs:
+        seq.logits_processor = compiler.processor(json_schema_grammar(SCHEMA))
+    return compiler.vocab_size
 
 
 def _sequences(rows: int, kind: str, vocab: int) -> list:
@@ -86,8 +104,9 @@ def main() -> None:
         logits = torch.randn(rows, args.vocab, generator=torch.Generator().manual_seed(rows)) * 3
         for kind in kinds:
             seqs = _sequences(rows, kind, args.vocab)
+            width = _with_grammars(seqs) if kind == "json" else args.vocab
             for device in devices:
-                on = logits.to(device)
+                on = logits.to(device) if width == args.vocab else torch.randn(rows, width).to(device)
 
                 def step():
                     sampler.sample_batch(list(on), seqs)

@@ -232,7 +232,7 @@ def test_the_sampling_benchmark_prints_a_step_time_per_kind_and_device():
     assert all(line["prompt_positions"] == 2048 and line["ms"] > 0 for line in prompt)
     lines = [line for line in lines if line not in prompt]
     cpu = {line["kind"]: line for line in lines if line["device"] == "cpu"}
-    assert set(cpu) == {"greedy", "temperature", "top_p", "top_k", "logprobs", "penalties"}
+    assert set(cpu) == {"greedy", "temperature", "top_p", "top_k", "logprobs", "penalties", "json"}
     assert all(line["ms"] > 0 for line in lines)
     assert cpu["temperature"]["multinomial_ms"] > 0
 

@@ -1,6 +1,7 @@
 """Sampling rules on hand-made logits."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -116,8 +117,13 @@ def _reference_adjusted(logits: torch.Tensor, seq, eos=(1,)) -> torch.Tensor:
     if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
         ids, counts = torch.tensor(seq.output_ids).unique(return_counts=True)
         logits[ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
-    if seq.logits_processor is not None:
-        seq.logits_processor(seq.output_ids, logits)
+    allowed = seq.logits_processor.allowed() if seq.logits_processor is not None else None
+    if isinstance(allowed, int):
+        logits[:] = float("-inf")
+        logits[allowed] = 0.0
+    elif allowed is not None:
+        bits = np.unpackbits(allowed.numpy().view(np.uint8), bitorder="little", count=logits.numel())
+        logits[torch.from_numpy(bits == 0)] = float("-inf")
     return logits
 
 
@@ -154,13 +160,15 @@ def _reference(logits: torch.Tensor, seq) -> tuple[int, float | None]:
 
 
 class EvenTokensOnly:
-    """A stand-in grammar: allows even token ids only, and records what it was told was chosen."""
+    """A stand-in grammar: allows even token ids only (or forces one), and records what it was told was chosen."""
 
-    def __init__(self):
+    def __init__(self, vocab: int = 102400, forces: int | None = None):
+        self.words = torch.full(((vocab + 31) // 32,), 0x55555555, dtype=torch.int32)  # bits 0, 2, 4, ...
+        self.forces = forces
         self.accepted: list[int] = []
 
-    def __call__(self, output_ids, logits):
-        logits[1::2] = float("-inf")
+    def allowed(self):
+        return self.forces if self.forces is not None else self.words
 
     def accept(self, token):
         self.accepted.append(token)
@@ -219,9 +227,23 @@ def test_each_rule_changes_a_batched_row_as_it_changes_the_row_alone(tokenizer):
 
 def test_grammar_rows_in_a_batch_are_masked_and_told_their_token(sampler, tokenizer):
     rows, seqs = _mixed_step(tokenizer, VOCAB)
+    for r in (18, 19):
+        seqs[r].logits_processor = EvenTokensOnly(VOCAB)
     tokens = [t for t, _ in sampler.sample_batch(rows, seqs)]
     for r in (18, 19):
         assert tokens[r] % 2 == 0 and seqs[r].logits_processor.accepted == [tokens[r]]
+
+
+def test_a_grammar_that_forces_its_end_gets_it_even_while_min_tokens_bans_it(sampler, tokenizer):
+    seq = seq_for(tokenizer, temperature=0, min_tokens=5)
+    seq.logits_processor = EvenTokensOnly(VOCAB, forces=1)  # complete: only EOS (1) is left
+    assert sampler.sample(logits_with(7, 9), seq)[0] == 1
+
+
+def test_a_grammars_mask_shorter_than_the_models_rows_forbids_the_rows_past_it(sampler, tokenizer):
+    seq = seq_for(tokenizer, temperature=0)
+    seq.logits_processor = EvenTokensOnly(32)  # a tokenizer of 32 tokens, a model of VOCAB = 50 rows
+    assert sampler.sample(logits_with(40, 9), seq)[0] not in (40, 9)
 
 
 def test_batched_sampling_leaves_the_logits_rows_unchanged(sampler, tokenizer):

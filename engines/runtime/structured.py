@@ -3,8 +3,9 @@
 A `Grammar` says what the output must be: a JSON schema (OpenAI's `response_format`) or a Lark grammar
 (the tool-call format when a tool call is required). `GrammarCompiler` is built once per tokenizer (it
 indexes the whole vocabulary, about a second for DeepSeek's 129k tokens) and turns a `Grammar` into a
-`GrammarProcessor`: one llguidance matcher per request that, each step, masks every token the grammar
-forbids and, once the grammar is complete, leaves only EOS, so the request ends there.
+`GrammarProcessor`: one llguidance matcher per request that, each step, gives the tokens the grammar allows
+(the sampler masks the rest, every grammar row of a step in one op) and, once the grammar is complete, leaves
+only EOS, so the request ends there.
 
 Why llguidance: it compiles a schema lazily in milliseconds (a new schema per request costs nothing up
 front), computes a mask in ~0.1 ms on this vocabulary, honours the JSON-schema keywords that bound the
@@ -20,7 +21,6 @@ import threading
 from functools import lru_cache
 from typing import Any
 
-import numpy as np
 import torch
 
 from engines.base import Grammar, InvalidRequestError
@@ -77,7 +77,7 @@ def compiler_for(tokenizer: Any) -> GrammarCompiler:
 
 
 class GrammarProcessor:
-    """One request's matcher. Called on the engine thread: mask the logits, then learn the chosen token."""
+    """One request's matcher, used on the engine thread: each step, what it allows next, then the chosen token."""
 
     def __init__(self, matcher: Any, vocab_size: int, eos_token_id: int, start_after: int | None = None):
         self._matcher = matcher
@@ -85,22 +85,24 @@ class GrammarProcessor:
         self._eos = eos_token_id
         self._waiting_for = start_after
         self._bitmask = torch.full(((vocab_size + 31) // 32,), -1, dtype=torch.int32)
+        self._last_word = (1 << vocab_size % 32) - 1 if vocab_size % 32 else -1  # the last word's bits in the vocab
 
     @property
     def active(self) -> bool:
         return self._waiting_for is None
 
-    def __call__(self, output_ids: list[int], logits: torch.Tensor) -> None:
+    def allowed(self) -> torch.Tensor | int | None:
+        """What may come next: None while the output is still free (before `start_after`); EOS, the one token
+        left, once the grammar is complete (or broken); else the packed bitmask of allowed tokens, int32
+        [ceil(vocab / 32)] with bit i of word w for token 32w + i (bits past the vocabulary clear). The
+        bitmask is this processor's own buffer, rewritten by the next call."""
         if not self.active:
-            return
+            return None
         if self._matcher.is_stopped() or self._matcher.is_error():
-            self._force(logits, self._eos)
-            return
+            return self._eos
         self._matcher.unsafe_compute_mask_ptr(self._bitmask.data_ptr(), self._bitmask.numel() * 4)
-        allowed = np.unpackbits(self._bitmask.numpy().view(np.uint8), bitorder="little", count=self._vocab)
-        if logits.numel() > self._vocab:  # the model's embedding rows past the tokenizer's vocabulary
-            logits[self._vocab:] = float("-inf")
-        logits[:self._vocab].masked_fill_(torch.from_numpy(allowed.view(np.bool_)).logical_not(), float("-inf"))
+        self._bitmask[-1] &= self._last_word
+        return self._bitmask
 
     def accept(self, token_id: int) -> None:
         if not self.active:
@@ -109,8 +111,3 @@ class GrammarProcessor:
             return
         if not self._matcher.is_stopped() and not self._matcher.consume_token(token_id):
             log.warning("grammar rejected token %d: %s", token_id, self._matcher.get_error())
-
-    @staticmethod
-    def _force(logits: torch.Tensor, token_id: int) -> None:
-        logits.fill_(float("-inf"))
-        logits[token_id] = 0.0
