@@ -2,9 +2,10 @@
 `openai` AsyncOpenAI client, for each N of `--levels`. Prints one JSON object (the rounds) on stdout.
 
 Each request sends token ids (so prompt length is exact), asks for `--max-tokens` with ignore_eos and
-greedy sampling (or `--temperature` / `--top-p`, as chat clients send them), and records when each streamed token arrives. Per round: aggregate output tokens/s over
-the round's wall time, time to first token, time per output token per request ((last - first) / (n - 1))
-and the gaps between tokens across all requests, as medians and 99th percentiles.
+greedy sampling (or `--temperature` / `--top-p`, as chat clients send them), and records when each streamed
+token arrives. Per round: aggregate output tokens/s over the round's wall time, time to first token, time per
+output token per request ((last - first) / (n - 1)) and the gaps between tokens across all requests, as medians
+and 99th percentiles.
 
     python -m bench.http_client --base-url http://127.0.0.1:8000 --model m --levels 1,4 --vocab 100000
 """

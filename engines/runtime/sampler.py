@@ -4,10 +4,10 @@
 model computed them (on a GPU that spares copying 100k-wide rows to the host and scanning them there): each
 rule (logit_bias, min_tokens, the penalties, grammars, temperature, top_k, min_p, top_p) touches only the rows
 that ask for it, with index lists built once per step; each grammar's bitmask is made on the host, where its
-matcher writes it, and a step's are applied together. Each sampled row's uniform draw comes from its request's seeded generator (unseeded ones
-from torch's global generator, in row order), so on the CPU a row's token is exactly what it would be sampled
-alone; on a GPU the reductions may round differently, which moves a token only when a draw falls within that
-rounding of a boundary.
+matcher writes it, and a step's are applied together. Each sampled row's uniform draw comes from its request's
+seeded generator (unseeded ones from torch's global generator, in row order), so on the CPU a row's token is
+exactly what it would be sampled alone; on a GPU the reductions may round differently, which moves a token
+only when a draw falls within that rounding of a boundary.
 
 Reported logprobs are those of the model's own distribution (before penalties and temperature), which is
 what OpenAI-style clients and evaluation harnesses compare against."""
@@ -221,7 +221,7 @@ class Sampler:
         if not rows:  # a step of prompt chunks that end mid-prompt
             return []
         device = next((row.device for row in rows if row.device.type != "cpu"), rows[0].device)
-        if any(row.device != device for row in rows):  # a prompt-logprobs row on the host among device rows
+        if any(row.device != device for row in rows):  # runners may hand over rows from the host and a device
             rows = [row.to(device) for row in rows]
         if len(rows) > 1 and rows[0].device.type == "cpu":
             # a row at a time: one 100k-wide row stays in the cache through every pass, where passes over the
@@ -272,7 +272,8 @@ class Sampler:
             rows = [r for r, top in enumerate(tops) if top == k]
             values, ids = torch.topk(logprobs[rows], k, dim=-1)
             best.update(zip(rows, zip(values.tolist(), ids.tolist())))
-        return [self._entry(token, value, *best.get(r, ([], []))) for r, (token, value) in enumerate(zip(tokens, chosen))]
+        return [self._entry(token, value, *best.get(r, ([], [])))
+                for r, (token, value) in enumerate(zip(tokens, chosen))]
 
     def prompt_entries(self, logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
         """The entries of `tokens[i]` in row i of `logits` [n, V] (float32, any device; a prompt's logprobs), with
