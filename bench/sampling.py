@@ -15,6 +15,7 @@ per device."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -35,15 +36,22 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
           "required": ["name", "age"]}
 
 
-def _with_grammars(seqs: list) -> int:
-    """Give each sequence a processor of SCHEMA over the demo model's tokenizer; that tokenizer's size."""
+@functools.cache
+def _demo_compiler():
+    """The grammar compiler of the demo model's tokenizer, built once (it indexes the whole vocabulary)."""
     from transformers import AutoTokenizer
 
-    from engines.base import json_schema_grammar
     from engines.demo_model import ensure_demo_model
     from engines.runtime.structured import compiler_for
 
-    compiler = compiler_for(AutoTokenizer.from_pretrained(ensure_demo_model()))
+    return compiler_for(AutoTokenizer.from_pretrained(ensure_demo_model()))
+
+
+def _with_grammars(seqs: list) -> int:
+    """Give each sequence a processor of SCHEMA over the demo model's tokenizer; that tokenizer's size."""
+    from engines.base import json_schema_grammar
+
+    compiler = _demo_compiler()
     for seq in seqs:
         seq.logits_processor = compiler.processor(json_schema_grammar(SCHEMA))
     return compiler.vocab_size

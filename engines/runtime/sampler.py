@@ -71,6 +71,11 @@ def _pairs(rows: list[int], cols: list[int], device: torch.device) -> tuple[torc
     return _host(rows, np.int64).to(device, non_blocking=True), _host(cols, np.int64).to(device, non_blocking=True)
 
 
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    """Per-row (or per-pair) float32 values on `device`."""
+    return _host(values, np.float32).to(device, non_blocking=True)
+
+
 def _changes_logits(seq: Sequence) -> bool:
     """Whether a rule of `_adjust` applies to the row this step."""
     p = seq.sampling
@@ -107,20 +112,17 @@ def _adjust(logits: torch.Tensor, seqs: list[Sequence], eos: tuple[int, ...]) ->
             counted[0].extend([r] * n), counted[1].extend(times), counted[2].extend(times.values())
             counted[3].extend([p.frequency_penalty] * n), counted[4].extend([p.presence_penalty] * n)
     device = logits.device
-
-    def column(values: list) -> torch.Tensor:
-        return _host(values, np.float32).to(device, non_blocking=True)
-
     if bias[0]:
-        logits[_pairs(bias[0], bias[1], device)] += column(bias[2])
+        logits[_pairs(bias[0], bias[1], device)] += _column(bias[2], device)
     if banned[0]:
         logits[_pairs(*banned, device)] = float("-inf")
     if seen[0]:
         at = _pairs(seen[0], seen[1], device)
-        values, penalty = logits[at], column(seen[2])
+        values, penalty = logits[at], _column(seen[2], device)
         logits[at] = torch.where(values > 0, values / penalty, values * penalty)
     if counted[0]:  # frequency x times generated + presence
-        logits[_pairs(counted[0], counted[1], device)] -= column(counted[3]) * column(counted[2]) + column(counted[4])
+        times, frequency, presence = (_column(values, device) for values in counted[2:])
+        logits[_pairs(counted[0], counted[1], device)] -= frequency * times + presence
     masked: list[tuple[int, torch.Tensor]] = []
     forced: list[tuple[int, int]] = []
     for r, seq in enumerate(seqs):
@@ -166,7 +168,7 @@ def _distributions(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     device, vocab = logits.device, logits.shape[-1]
 
     def values(rows: list[int], value) -> torch.Tensor:  # a column of per-row settings
-        return torch.tensor([value(params[r]) for r in rows], dtype=logits.dtype).to(device).unsqueeze(1)
+        return _column([value(params[r]) for r in rows], device).unsqueeze(1)
 
     logits = logits / values(list(range(len(params))), lambda p: p.temperature)
     cut = [r for r, p in enumerate(params) if 0 < p.top_k < vocab]
@@ -266,7 +268,7 @@ class Sampler:
     def _entries(self, logprobs: torch.Tensor, tokens: list[int], tops: list[int]) -> list[TokenLogprob]:
         """The logprob entries of rows of `logprobs` [B, V]: each chosen token's, and its row's `top` best; one
         top-k per distinct `top` and one copy to the host each."""
-        chosen = logprobs.gather(1, torch.tensor(tokens).to(logprobs.device).unsqueeze(1)).squeeze(1).tolist()
+        chosen = logprobs.gather(1, _host(tokens, np.int64).to(logprobs.device).unsqueeze(1)).squeeze(1).tolist()
         best: dict[int, tuple[list[float], list[int]]] = {}
         for k in sorted({k for k in tops if k}):
             rows = [r for r, top in enumerate(tops) if top == k]

@@ -101,7 +101,8 @@ class GrammarProcessor:
         if self._matcher.is_stopped() or self._matcher.is_error():
             return self._eos
         self._matcher.unsafe_compute_mask_ptr(self._bitmask.data_ptr(), self._bitmask.numel() * 4)
-        self._bitmask[-1] &= self._last_word
+        if self._last_word != -1:
+            self._bitmask[-1] &= self._last_word
         return self._bitmask
 
     def accept(self, token_id: int) -> None:
