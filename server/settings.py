@@ -99,6 +99,10 @@ class Settings(BaseModel):
         0, "prompt chunks of at least this many tokens, and decode steps of at least this many sequences (run "
            "without CUDA graphs), compute part of each layer's routed experts on the GPU, streaming int8 copies "
            "of them from pinned host memory (one more byte of host memory per expert weight); 0: off", ge=0)
+    kt_gpu_prefill_memory: float | None = engine_setting(
+        None, "GB of host memory the streamed experts' int8 copies may take (kt_gpu_prefill_tokens): each layer keeps "
+              "copies of as many of its first experts as fit, and the GPU takes at most those; default: every expert",
+        gt=0)
     kt_expert_pad_from: int | None = engine_setting(
         None, "expert calls of at least this many tokens (decode steps of that many sequences) that kt-kernel would "
               "compute on its per-token vector path are padded with empty rows up to its matrix path; 0: never; "

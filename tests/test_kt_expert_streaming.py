@@ -3,11 +3,12 @@ the buffer ring and the split, checked on the CPU (the same code with plain copi
 The GPU path itself: tests/test_kt_gpu_streamed_experts.py."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from engines.kt.expert_streaming import (CPU_EXPERT_BYTES_PER_S, GROUP, RING, ExpertStreamer, HostExperts,
-                                         split_experts)
+                                         expert_copy_bytes, experts_within, split_experts)
 
 E, I, H, TOP_K = 20, 64, 128, 4  # 20 experts: two full groups of 8 and a partial one
 
@@ -45,10 +46,11 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert (actual - expected).norm() <= 2e-2 * expected.norm(), float((actual - expected).norm() / expected.norm())
 
 
-def streamer_with(*layers: int) -> ExpertStreamer:
+def streamer_with(*layers: int, held: int = E) -> ExpertStreamer:
+    """A streamer over these layers, each keeping copies of its first `held` experts."""
     streamer = ExpertStreamer(torch.device("cpu"))
     for layer in layers:
-        streamer.register(layer, HostExperts.quantize(*layer_weights(layer)))
+        streamer.register(layer, HostExperts.quantize(*(w[:held] for w in layer_weights(layer))))
     return streamer
 
 
@@ -129,6 +131,52 @@ def test_fp8_experts_give_the_gpu_every_expert_of_a_chunk_their_slow_cpu_kernel_
     assert split_experts(512, 6, 64, layer, layer, 55e9, method="FP8") == 64
 
 
+def test_a_budget_keeps_copies_of_as_many_first_experts_as_fit_in_every_layer():
+    one = expert_copy_bytes(2048, 1408)  # a V2-Lite expert: 8.65 MB of int8 and 0.02 MB of scales
+    assert one == 3 * 2048 * 1408 + (2 * 1408 + 2048) * 4
+    assert experts_within(26 * 4 * one, 26, 64, 2048, 1408) == 4
+    assert experts_within(26 * 4 * one - 1, 26, 64, 2048, 1408) == 3  # never over the budget
+    assert experts_within(1e15, 26, 64, 2048, 1408) == 64  # a large budget holds every expert, no more
+    assert experts_within(one, 26, 64, 2048, 1408) == 0
+
+
+def test_the_gpu_takes_no_more_experts_than_a_layer_holds_copies_of():
+    layer = E * 3 * H * I  # the CPU's bytes: int8, as the copies
+    streamer = streamer_with(1, held=5)
+    streamer.pcie_bytes_per_s = float("inf")  # copying costs nothing: the balance would give the GPU all 20
+    assert split_experts(128, TOP_K, E, layer, layer, float("inf")) == E
+    assert streamer.split(1, 128, TOP_K, E, layer) == 5
+    held = streamer_with(1, held=15)
+    held.pcie_bytes_per_s = 2e10  # the balance falls below 15: it weighs copying the whole layer, not the 15
+    whole = (held.layers[1].gate_up.nbytes + held.layers[1].down.nbytes) // 15 * E
+    assert held.split(1, 4, TOP_K, E, layer) == split_experts(4, TOP_K, E, layer, whole, 2e10) == 13
+
+
+def test_a_layer_holding_some_experts_computes_them_and_prefetches_within_them():
+    streamer = streamer_with(1, 2, held=11)  # one full group of 8 and three
+    hidden, ids, weights = routing(37)
+    out = streamer.compute(1, hidden, ids, weights, 11)
+    assert_close(out, reference(streamer.layers[1], hidden, ids, weights, 11))
+    assert [slot.tag for slot in streamer._queue] == [(2, 0, GROUP), (2, GROUP, 3)]
+    out = streamer.compute(2, hidden, ids, weights, 11)
+    assert_close(out, reference(streamer.layers[2], hidden, ids, weights, 11))
+
+
+def test_a_layer_asked_for_experts_it_holds_no_copy_of_refuses():
+    streamer = streamer_with(1, held=4)
+    hidden, ids, weights = routing(8)
+    with pytest.raises(ValueError, match="5 asked for, copies of 4 held"):
+        streamer.compute(1, hidden, ids, weights, 5)
+
+
+def test_copies_of_fewer_experts_than_a_group_make_the_groups_that_small():
+    streamer = streamer_with(1, 2, held=3)
+    hidden, ids, weights = routing(16)
+    assert streamer.group == 3 and streamer._ring[0].tensors[0].shape[0] == 3
+    out = streamer.compute(1, hidden, ids, weights, 3)
+    assert_close(out, reference(streamer.layers[1], hidden, ids, weights, 3))
+
+
 def test_a_layer_loaded_from_the_weight_cache_streams_the_checkpoint_weights(demo_model_dir, tmp_path):
     from helpers import require_kt_kernel
 
@@ -152,6 +200,48 @@ def test_a_layer_loaded_from_the_weight_cache_streams_the_checkpoint_weights(dem
         assert all(torch.equal(a, b) for a, b in zip(streamer.layers[1].tensors(), expected.tensors()))
 
 
+def test_a_layer_with_a_budget_registers_copies_of_its_first_experts_only(demo_model_dir):
+    from helpers import require_kt_kernel
+
+    require_kt_kernel()
+    from engines.kt.expert_methods import best_method
+    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.loader import read_layer_experts
+
+    weights = read_layer_experts(demo_model_dir, "model.layers.1.mlp.experts", 16)
+    streamer = ExpertStreamer(torch.device("cpu"))
+    layer = RoutedExpertsCPU(layer_idx=1, num_experts=16, top_k=4, hidden_size=256, intermediate_size=256,
+                             method=best_method(8), max_tokens=64, streamer=streamer, stream_tokens=32,
+                             stream_experts=5)
+    layer.load_weights(*weights)
+    expected = HostExperts.quantize(*(w[:5] for w in weights))
+    assert streamer.layers[1].held == 5
+    assert all(torch.equal(a, b) for a, b in zip(streamer.layers[1].tensors(), expected.tensors()))
+    assert streamer.split(1, 64, 4, 16, 10**9) == 5  # a CPU streamer copies for free: the balance says all 16
+
+
+def test_the_budget_gives_each_expert_layer_the_experts_it_holds(demo_model_dir, caplog):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engines.kt.engine import _streamed_expert_count
+    from engines.kt.options import KTOptions
+
+    config = AutoConfig.from_pretrained(demo_model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    layers = sum(1 for name, _ in model.named_modules() if name.endswith(".mlp.experts"))
+    one = expert_copy_bytes(config.hidden_size, config.moe_intermediate_size)
+    budget = 3 * layers * one / 1e9  # GB
+    assert _streamed_expert_count(KTOptions(kt_gpu_prefill_tokens=64, kt_gpu_prefill_memory=budget), model,
+                                  config) == 3
+    assert _streamed_expert_count(KTOptions(kt_gpu_prefill_tokens=64), model, config) is None  # every expert
+    with caplog.at_level("WARNING", logger="ktserve.engine.kt"):
+        assert _streamed_expert_count(KTOptions(kt_gpu_prefill_tokens=64, kt_gpu_prefill_memory=budget / 10),
+                                      model, config) == 0
+        assert _streamed_expert_count(KTOptions(kt_gpu_prefill_memory=budget), model, config) is None
+    assert "holds no expert's copy" in caplog.text and "does nothing without kt_gpu_prefill_tokens" in caplog.text
+
+
 def test_the_start_up_log_says_what_a_chunk_of_streamed_experts_copies(caplog):
     from engines.kt.engine import _log_streamed_experts
     from engines.kt.operators import OperatorOptions
@@ -163,6 +253,7 @@ def test_the_start_up_log_says_what_a_chunk_of_streamed_experts_copies(caplog):
     with caplog.at_level("INFO", logger="ktserve.engine.kt"):
         _log_streamed_experts(options, 128, 2048)
     assert "copies them all, 0.25 s, once per chunk of up to chunk_size=2048 tokens" in caplog.text
+    assert f"at most the first {E} of each layer's" in caplog.text
 
 
 def test_decode_graphs_stop_below_the_batch_that_streams_its_experts():

@@ -17,13 +17,13 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def experts_layer(streamer, layer_idx=90):
+def experts_layer(streamer, layer_idx=90, held=None):
     from engines.kt.experts_cpu import RoutedExpertsCPU
 
     torch.manual_seed(0)
     experts = RoutedExpertsCPU(layer_idx=layer_idx, num_experts=24, top_k=4, hidden_size=256,
                                intermediate_size=256, method="BF16", max_tokens=64, gpu_device="cuda",
-                               streamer=streamer, stream_tokens=8)
+                               streamer=streamer, stream_tokens=8, stream_experts=held)
     experts.load_weights(*(torch.randn(24, 256, 256, dtype=torch.bfloat16) * 0.05 for _ in range(3)))
     return experts
 
@@ -48,6 +48,19 @@ def test_a_streamed_chunk_equals_the_experts_on_the_cpu(pcie_share):
     on_gpu = experts(hidden.cuda(), ids.cuda(), weights.cuda()).float().cpu()
     assert (split == 24) if pcie_share == 1.0 else (0 < split < 24)
     assert streamer.stats.experts == split
+    assert (on_gpu - on_cpu).norm() <= 2e-2 * on_cpu.norm()
+
+
+def test_a_chunk_streams_only_the_experts_a_budget_holds_and_equals_the_cpu():
+    from engines.kt.expert_streaming import ExpertStreamer
+
+    streamer = ExpertStreamer(torch.device("cuda"))
+    experts = experts_layer(streamer, held=10)  # kt_gpu_prefill_memory: copies of the first 10 of 24
+    streamer.pcie_bytes_per_s = float("inf")  # the balance alone would give the GPU all 24
+    hidden, ids, weights = routed(40)
+    on_cpu = experts(hidden, ids, weights).float()
+    on_gpu = experts(hidden.cuda(), ids.cuda(), weights.cuda()).float().cpu()
+    assert experts._streamed_experts(40) == 10 and streamer.stats.experts == 10
     assert (on_gpu - on_cpu).norm() <= 2e-2 * on_cpu.norm()
 
 

@@ -40,6 +40,14 @@ def test_a_negative_gpu_prefill_threshold_is_refused_naming_the_key():
         load_settings(None, cli={"kt_gpu_prefill_tokens": -5}, env={})
 
 
+def test_a_streamed_experts_budget_that_is_not_positive_is_refused_naming_the_key():
+    with pytest.raises(SettingsError, match=r"kt_gpu_prefill_memory \(from command line\): .*greater than 0"):
+        load_settings(None, cli={"kt_gpu_prefill_memory": 0}, env={})
+    with pytest.raises(SettingsError, match=r"kt_gpu_prefill_memory \(from environment\): .*valid number"):
+        load_settings(None, env={"KTSERVE_KT_GPU_PREFILL_MEMORY": "lots"})
+    assert load_settings(None, env={"KTSERVE_KT_GPU_PREFILL_MEMORY": "2.5"}).kt_gpu_prefill_memory == 2.5
+
+
 def test_a_worker_isolation_switch_that_is_not_a_boolean_is_refused_naming_the_key():
     with pytest.raises(SettingsError, match=r"kt_isolate_workers \(from environment\): .*valid boolean"):
         load_settings(None, env={"KTSERVE_KT_ISOLATE_WORKERS": "sometimes"})

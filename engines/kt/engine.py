@@ -18,6 +18,7 @@ import torch
 
 from engines.base import EngineConfig, ModelInfo, engine_options
 from engines.kt.cpuinfer import WorkerIsolation
+from engines.kt.expert_streaming import expert_copy_bytes, experts_within
 from engines.kt.experts_cpu import RoutedExpertsCPU
 from engines.kt.flashinfer_mla import attention_for
 from engines.kt.kv_cache import LatentKVCache
@@ -148,10 +149,11 @@ class KTEngine(LLMEngine):
         placement = plan_placement(model, rules, default_device="cpu",
                                    fold=_fold_devices(rules, rule_file, kt.kt_strict_placement))
         choices = _expert_methods(placement, kt.kt_method, rule_file, config)
+        stream_experts = _streamed_expert_count(kt, model, config)
         options = OperatorOptions(max_tokens=cfg.chunk_size + cfg.max_concurrent, cpu_threads=kt.cpu_infer,
                                   methods={m: c.method for m, c in choices.items()}, checkpoint=str(model_path),
-                                  gpu_prefill_tokens=kt.kt_gpu_prefill_tokens,
-                                  expert_pad_from=kt.kt_expert_pad_from)
+                                  gpu_prefill_tokens=kt.kt_gpu_prefill_tokens if stream_experts != 0 else 0,
+                                  gpu_prefill_experts=stream_experts, expert_pad_from=kt.kt_expert_pad_from)
         apply_placement(model, placement, config, options)
         gpu = any(d.startswith("cuda") for d in placement.devices.values())
         dtype = resolve_dtype(cfg.dtype, torch.device("cuda" if gpu else "cpu"))
@@ -204,6 +206,7 @@ class KTEngine(LLMEngine):
         if streaming:
             details["gpu_prefill_tokens"] = str(kt.kt_gpu_prefill_tokens)
             details["gpu_prefill_copy_gbps"] = f"{min(s.pcie_bytes_per_s for s in streaming) / 1e9:.1f}"
+            details["gpu_prefill_experts"] = str(min(h.held for s in streaming for h in s.layers.values()))
         if self._isolation.spare:
             details["server_thread_cores"] = ",".join(map(str, sorted(self._isolation.spare)))
         if padded:
@@ -249,6 +252,25 @@ class KTEngine(LLMEngine):
             raise ValueError(f"model: the checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
 
 
+def _streamed_expert_count(kt: KTOptions, model: Any, config: Any) -> int | None:
+    """How many of each layer's experts keep streamed copies: as many as kt_gpu_prefill_memory holds over the
+    model's expert layers (0: none, streaming off, said why), None: every expert (no budget)."""
+    if kt.kt_gpu_prefill_memory is None:
+        return None
+    if not kt.kt_gpu_prefill_tokens:
+        log.warning("kt_gpu_prefill_memory=%g GB does nothing without kt_gpu_prefill_tokens", kt.kt_gpu_prefill_memory)
+        return None
+    layers = sum(1 for name, _ in model.named_modules() if name.endswith(".mlp.experts"))
+    num_experts = getattr(config, "n_routed_experts", None) or config.num_experts
+    count = experts_within(kt.kt_gpu_prefill_memory * 1e9, layers, num_experts, config.hidden_size,
+                           config.moe_intermediate_size)
+    if count == 0:
+        log.warning("kt_gpu_prefill_memory=%g GB holds no expert's copy for each of %d layers (one takes %.1f MB a "
+                    "layer): every expert stays on the CPU", kt.kt_gpu_prefill_memory, layers,
+                    expert_copy_bytes(config.hidden_size, config.moe_intermediate_size) / 1e6)
+    return count
+
+
 def _log_streamed_experts(options: OperatorOptions, tokens: int, chunk_size: int) -> None:
     """Say what kt_gpu_prefill_tokens does on this placement (it needs expert layers whose output is on a GPU)."""
     if not tokens:
@@ -260,9 +282,10 @@ def _log_streamed_experts(options: OperatorOptions, tokens: int, chunk_size: int
         return
     for s in streamers:
         pinned = sum(h.nbytes for h in s.layers.values())
+        held = sorted({h.held for h in s.layers.values()})
         log.info("prompt chunks of >= %d tokens and decode steps of >= %d sequences compute part of the routed "
-                 "experts of %d layers on %s, streamed at %.1f GB/s from %.1f GB of pinned int8 copies; a long chunk "
-                 "copies them all, %.2f s, once per chunk of up to chunk_size=%d tokens (larger chunks amortize it: "
-                 "docs/performance.md)", tokens, tokens,
-                 len(s.layers), s.device, s.pcie_bytes_per_s / 1e9, pinned / 1e9, pinned / s.pcie_bytes_per_s,
-                 chunk_size)
+                 "experts of %d layers on %s (at most the first %s of each layer's, whose copies are kept), streamed "
+                 "at %.1f GB/s from %.1f GB of pinned int8 copies; a long chunk copies them all, %.2f s, once per "
+                 "chunk of up to chunk_size=%d tokens (larger chunks amortize it: docs/performance.md)", tokens,
+                 tokens, len(s.layers), s.device, "/".join(map(str, held)), s.pcie_bytes_per_s / 1e9, pinned / 1e9,
+                 pinned / s.pcie_bytes_per_s, chunk_size)

@@ -10,7 +10,9 @@ so that both sides take about as long (`split_experts`).
 
 The GPU side reads its own copy of the experts: int8 with a float32 scale per output row (`HostExperts`), in
 host memory pinned in place (cudaHostRegister, so no power-of-two rounding of torch's pinned allocator). That
-costs one byte per expert weight of host memory on top of kt-kernel's own form, the reason this is opt-in. The
+costs one byte per expert weight of host memory on top of kt-kernel's own form, the reason this is opt-in; with
+`kt_gpu_prefill_memory` each layer keeps copies of only its first experts, as many as the budget holds
+(`experts_within`), and the GPU's share of a chunk is capped there: the time saved shrinks with the budget. The
 weights travel in groups of `GROUP` experts through a ring of `RING` GPU buffers on a copy stream: while the GPU
 computes one group the next ones are in flight, and the last groups of a layer prefetch the next layer's
 first. One host sync per layer (the per-expert token counts) bounds the Python side.
@@ -56,6 +58,18 @@ CPU_TOKEN_EXPERTS_PER_S_BY_METHOD = {"FP8": 512 * 6 * 26 / 3.69}
 # 8,192 tokens 110.7 / 13.5 / 15.6 (59); while at 512 tokens 15.8 / 10.2 / 8.4 (33) and at 128 10.5 / 13.5 / 9.4
 # (33) the split is the fastest.
 ALL_ON_GPU_SHARE = 0.75
+
+
+def expert_copy_bytes(hidden: int, intermediate: int) -> int:
+    """Host bytes of one expert's copy: int8 gate, up and down, and a float32 scale per output row."""
+    return 3 * hidden * intermediate + (2 * intermediate + hidden) * 4
+
+
+def experts_within(budget_bytes: float, layers: int, num_experts: int, hidden: int, intermediate: int) -> int:
+    """How many of each layer's experts (the first ones) `layers` layers can keep copies of in `budget_bytes`."""
+    if layers <= 0:
+        return num_experts
+    return max(0, min(num_experts, int(budget_bytes // (layers * expert_copy_bytes(hidden, intermediate)))))
 
 
 def split_experts(tokens: int, top_k: int, num_experts: int, cpu_bytes: int, gpu_bytes: int,
@@ -138,6 +152,11 @@ class HostExperts:
         return self.gate_up, self.gate_up_scale, self.down, self.down_scale
 
     @property
+    def held(self) -> int:
+        """How many experts (the layer's first ones) this copy holds."""
+        return self.gate_up.shape[0]
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
@@ -146,7 +165,7 @@ class HostExperts:
 class _Slot:
     """One GPU buffer of the ring: a group of experts, the events ordering its copy and its use."""
 
-    tensors: tuple[torch.Tensor, ...]  # as HostExperts.tensors(), GROUP experts each
+    tensors: tuple[torch.Tensor, ...]  # as HostExperts.tensors(), `ExpertStreamer.group` experts each
     ready: torch.cuda.Event | None  # its copy finished (recorded on the copy stream)
     free: torch.cuda.Event | None  # the computation reading it finished (recorded on the compute stream)
     tag: tuple[int, int, int] = (-1, -1, -1)  # (layer, first expert, experts) it holds or is receiving
@@ -171,12 +190,15 @@ class ExpertStreamer:
 
     def __post_init__(self) -> None:
         self._ring: list[_Slot] = []
+        self.group = GROUP  # experts per copy; set when the ring is built
         self._next = 0  # the ring slot the next copy fills
         self._queue: deque[_Slot] = deque()  # filled (or filling) slots not yet computed, oldest first
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     # ------------------------------------------------------------------------------------------ set-up
     def register(self, layer: int, host: HostExperts) -> None:
+        if host.held == 0:
+            raise ValueError(f"streamed experts of layer {layer}: the copy holds no expert")
         self.layers[layer] = host
         if not self._ring:
             self._build_ring(host)
@@ -185,15 +207,16 @@ class ExpertStreamer:
 
     def _build_ring(self, host: HostExperts) -> None:
         cuda = self.device.type == "cuda"
+        self.group = min(GROUP, host.held)  # experts per copy (fewer where a layer holds fewer)
         for _ in range(RING):
-            tensors = tuple(torch.empty((GROUP, *t.shape[1:]), dtype=t.dtype, device=self.device)
+            tensors = tuple(torch.empty((self.group, *t.shape[1:]), dtype=t.dtype, device=self.device)
                             for t in host.tensors())
             self._ring.append(_Slot(tensors, torch.cuda.Event() if cuda else None,
                                     torch.cuda.Event() if cuda else None))
         _, two_i, h = host.gate_up.shape
         # the bf16 form of the group being computed (int8 values are exact in bf16)
-        self._gate_up = torch.empty(GROUP, two_i, h, dtype=torch.bfloat16, device=self.device)
-        self._down = torch.empty(GROUP, h, two_i // 2, dtype=torch.bfloat16, device=self.device)
+        self._gate_up = torch.empty(self.group, two_i, h, dtype=torch.bfloat16, device=self.device)
+        self._down = torch.empty(self.group, h, two_i // 2, dtype=torch.bfloat16, device=self.device)
 
     def _measure_copy(self, host: HostExperts) -> float:
         """Host-to-GPU bytes per second of one group's copy (the second of two; the first warms up)."""
@@ -206,22 +229,24 @@ class ExpertStreamer:
                 if timed:
                     start.record()
                 for dst, src in zip(slot.tensors, host.tensors()):
-                    dst.copy_(src[:GROUP], non_blocking=True)
+                    dst.copy_(src[:self.group], non_blocking=True)
             end.record()
         end.synchronize()
-        group_bytes = sum(t[:GROUP].numel() * t.element_size() for t in host.tensors())
+        group_bytes = sum(t[:self.group].numel() * t.element_size() for t in host.tensors())
         rate = group_bytes / (start.elapsed_time(end) / 1e3)
         log.info("streamed experts: host-to-GPU copies run at %.1f GB/s on %s", rate / 1e9, self.device)
         return rate
 
-    def split(self, layer: int, tokens: int, top_k: int, cpu_bytes: int, method: str = "AMXINT8") -> int:
-        """Experts [0, n) of `layer` the GPU takes for a chunk of `tokens` (`split_experts`)."""
+    def split(self, layer: int, tokens: int, top_k: int, num_experts: int, cpu_bytes: int,
+              method: str = "AMXINT8") -> int:
+        """Experts [0, n) of `layer` (of its `num_experts`) the GPU takes for a chunk of `tokens`: the balance
+        of `split_experts`, at most the experts the layer holds copies of."""
         host = self.layers.get(layer)
-        if host is None:
+        if host is None or host.held == 0:
             return 0
-        gpu_bytes = host.gate_up.nbytes + host.down.nbytes
-        return split_experts(tokens, top_k, host.gate_up.shape[0], cpu_bytes, gpu_bytes, self.pcie_bytes_per_s,
-                             method)
+        gpu_bytes = (host.gate_up.nbytes + host.down.nbytes) // host.held * num_experts
+        n = split_experts(tokens, top_k, num_experts, cpu_bytes, gpu_bytes, self.pcie_bytes_per_s, method)
+        return min(n, host.held)
 
     # ------------------------------------------------------------------------------------------ compute
     @torch.no_grad()
@@ -230,6 +255,9 @@ class ExpertStreamer:
         """sum over the routed experts below `experts` of weight * expert(hidden), float32 [T, H] on the device;
         queued on the current stream (one host sync: the per-expert token counts)."""
         tokens, top_k = topk_ids.shape
+        if experts > self.layers[layer].held:
+            raise ValueError(f"streamed experts of layer {layer}: {experts} asked for, copies of "
+                             f"{self.layers[layer].held} held")
         flat = topk_ids.reshape(-1).to(self.device)
         key = torch.where((flat >= 0) & (flat < experts), flat, experts)  # the CPU's share sorts last
         order = key.argsort(stable=True)
@@ -244,11 +272,11 @@ class ExpertStreamer:
         if taken == 0:
             return out
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        starts = range(0, experts, GROUP)
-        plan = [(layer, s, min(GROUP, experts - s)) for s in starts]
+        starts = range(0, experts, self.group)
+        plan = [(layer, s, min(self.group, experts - s)) for s in starts]
         following = min((k for k in self.layers if k > layer), default=None)
         if following is not None:  # the next layer most likely takes the same share of the next chunk-layer
-            plan += [(following, s, n) for _, s, n in plan[:RING]]
+            plan += [(following, s, n) for _, s, n in plan[:RING] if s + n <= self.layers[following].held]
         self._keep_prefetched(plan)
         filled = len(self._queue)
         offset = 0

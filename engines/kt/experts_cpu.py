@@ -197,7 +197,7 @@ class RoutedExpertsCPU(nn.Module):
                  activation: str = "silu", llamafile_type: str = "Q8_0", out_device: str | None = None,
                  checkpoint: str | None = None, staging: SharedStaging | None = None, deferred: Any = 0,
                  deferral: ExpertDeferral | None = None, streamer: ExpertStreamer | None = None,
-                 stream_tokens: int = 0, pad_from: int | None = None):
+                 stream_tokens: int = 0, stream_experts: int | None = None, pad_from: int | None = None):
         super().__init__()
         method = str(method).upper()
         _check_config(method, layer_idx=layer_idx, num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
@@ -218,8 +218,10 @@ class RoutedExpertsCPU(nn.Module):
         self._deferred_in: torch.Tensor | None = None  # the predecessor's deferred output, on the stream path
         # calls of at least `stream_tokens` tokens (prompt chunks, eager decode steps) hand part of the experts
         # to the GPU (engines/kt/expert_streaming.py); None: all on the CPU
-        self.streamer = streamer if stream_tokens > 0 else None
+        self.streamer = streamer if stream_tokens > 0 and stream_experts != 0 else None
         self.stream_tokens = stream_tokens
+        # the experts (the first ones) the GPU side keeps copies of, hence may take (kt_gpu_prefill_memory)
+        self.stream_experts = num_experts if stream_experts is None else min(stream_experts, num_experts)
         # calls of `pad_from` tokens or more that kt-kernel would compute on its per-token vector path are padded
         # with expert-less rows up to its matrix path (expert_methods.py: `matrix_tokens`); 0: never; None: the
         # method's measured default
@@ -260,7 +262,7 @@ class RoutedExpertsCPU(nn.Module):
                    gpu_experts=gpu_experts or None, gpu_device=device, out_device=device,
                    checkpoint=options.checkpoint, staging=options.staging, deferred=n_deferred_experts,
                    deferral=options.deferral, stream_tokens=options.gpu_prefill_tokens,
-                   pad_from=options.expert_pad_from,
+                   stream_experts=options.gpu_prefill_experts, pad_from=options.expert_pad_from,
                    streamer=options.streamers.for_device(torch.device(device))
                    if options.gpu_prefill_tokens and torch.device(device).type == "cuda" else None)
 
@@ -364,9 +366,10 @@ class RoutedExpertsCPU(nn.Module):
 
     def _keep_streamed_weights(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         if self.streamer is not None:
-            device = self.streamer.device
-            self.streamer.register(self.layer_idx, HostExperts.quantize(gate, up, down, work_device=device,
-                                                                        pin=device.type == "cuda"))
+            device, held = self.streamer.device, self.stream_experts
+            host = HostExperts.quantize(gate[:held], up[:held], down[:held], work_device=device,
+                                        pin=device.type == "cuda")
+            self.streamer.register(self.layer_idx, host)
 
     def _prepare_weights(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> dict[str, Any]:
         """bf16 [E, ...] weights -> what the method's kernel reads: {"gate": ..., ...} (plus "<m>_scale")."""
@@ -598,7 +601,7 @@ class RoutedExpertsCPU(nn.Module):
                 or torch.cuda.is_current_stream_capturing()):
             return 0
         cpu_bytes = self.num_experts * 3 * self.hidden_size * self.intermediate_size * METHODS[self.method].bits // 8
-        return self.streamer.split(self.layer_idx, tokens, self.top_k, cpu_bytes, self.method)
+        return self.streamer.split(self.layer_idx, tokens, self.top_k, self.num_experts, cpu_bytes, self.method)
 
     def _submit_streamed_only(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                               tokens: int) -> None:

@@ -48,6 +48,8 @@ class OperatorOptions:
     # expert calls of at least this many tokens on a GPU compute part of the experts there, their weights
     # streamed by the model's streamers (engines/kt/expert_streaming.py); 0: off
     gpu_prefill_tokens: int = 0
+    # how many of each layer's experts (the first ones) keep those copies (kt_gpu_prefill_memory); None: all
+    gpu_prefill_experts: int | None = None
     # expert calls of at least this many tokens are padded up to kt-kernel's matrix path (experts_cpu.py:
     # matrix_tokens); None: the method's measured default, 0: never
     expert_pad_from: int | None = None
