@@ -5,10 +5,13 @@
 `gpu`    every expert on the GPU from weights streamed out of pinned host memory (ExpertStreamer.compute),
 `split`  what the engine does: the experts split between the two by ExpertStreamer.split,
 
-plus the host-to-GPU copy rate of one layer's int8 experts. Per-layer times are the median over the layers of
+plus the host-to-GPU copy rate of one layer's int8 experts. With `--held 4,16,...` each size is also timed as a
+`kt_gpu_prefill_memory` budget leaves it, copies of only the first n experts of each layer kept: `split_held_n`
+(the engine's split capped at n) and `cpu_without_n` (kt-kernel alone over the other experts: what the CPU side
+of that split costs). Per-layer times are the median over the layers of
 a few passes (CUDA events around each layer, the layers in a row so the next layer's prefetch counts).
 
-    python -m bench.expert_streaming [--method AMXINT8] [--tokens 128,512,2048,8192] [--layers 4]
+    python -m bench.expert_streaming [--method AMXINT8] [--tokens 128,512,2048,8192] [--layers 4] [--held 4,16]
 
 Needs a CUDA GPU and kt-kernel. Prints one JSON line per measurement and a summary line last."""
 from __future__ import annotations
@@ -59,8 +62,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--threads", type=int)
+    p.add_argument("--held", default="", help="comma-separated counts of experts a budget keeps copies of")
     args = p.parse_args(argv)
-    from engines.kt.expert_streaming import ExpertStreamer
+    from engines.kt.expert_streaming import ExpertStreamer, HostExperts
+
+    held_counts = [int(n) for n in args.held.split(",") if n]
 
     sizes = [int(t) for t in args.tokens.split(",")]
     streamer = ExpertStreamer(torch.device("cuda"))
@@ -97,6 +103,19 @@ def main(argv: list[str] | None = None) -> None:
             layer.stream_tokens = 1
         row["split_experts_on_gpu"] = layers[0]._streamed_experts(tokens)
         row["split_ms"] = _time_layers(lambda layer: layer(hidden, ids, weights), layers, args.passes)
+        whole = dict(streamer.layers)
+        for n in held_counts:
+            without = ids.masked_fill(ids < n, -1)
+            for layer in layers:
+                layer.stream_tokens = tokens + 1
+            row[f"cpu_without_{n}_ms"] = _time_layers(lambda layer: layer(hidden, without, weights), layers,
+                                                      args.passes)
+            for layer in layers:  # the first n experts' copies, as a budget keeps them (views: nothing copied)
+                layer.stream_tokens = 1
+                streamer.layers[layer.layer_idx] = HostExperts(*(t[:n] for t in whole[layer.layer_idx].tensors()))
+            row[f"split_held_{n}_experts_on_gpu"] = layers[0]._streamed_experts(tokens)
+            row[f"split_held_{n}_ms"] = _time_layers(lambda layer: layer(hidden, ids, weights), layers, args.passes)
+            streamer.layers.update(whole)
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         summary[f"t{tokens}"] = {k: round(v, 2) if isinstance(v, float) else v for k, v in row.items() if k != "tokens"}
     print(json.dumps({"summary": summary}), flush=True)
