@@ -153,6 +153,19 @@ def test_streamed_experts_without_a_gpu_say_so_and_serve_from_the_cpu(demo_model
         running.stop()
 
 
+def test_a_streaming_budget_too_small_for_one_expert_says_so_and_serves_from_the_cpu(demo_model_dir, caplog):
+    with caplog.at_level("WARNING", logger="ktserve.engine.kt"):
+        running = start_server(demo_model_dir, engine="ktransformers", kt_method="BF16", kt_gpu_prefill_tokens=16,
+                               kt_gpu_prefill_memory=1e-6)
+    try:
+        assert "kt_gpu_prefill_memory=1e-06 GB holds no expert's copy" in caplog.text
+        assert "no CPU-expert layer sends its output to a GPU" not in caplog.text  # said once, for the budget
+        assert "gpu_prefill_experts" not in running.engine.info.details
+        assert prompt_logprobs(running, LONG_TEXT[:300]).token_logprobs[1] < 0
+    finally:
+        running.stop()
+
+
 def test_decode_steps_padded_to_the_matrix_kernels_give_the_unpadded_tokens(demo_model_dir):
     from engines.kt.expert_methods import pads_to_matrix
 

@@ -180,7 +180,7 @@ class KTEngine(LLMEngine):
                 runner.capture_decode_graphs(cfg.max_concurrent)
             else:
                 log.info("kt_use_cuda_graph: no GPU in the placement; decode runs without CUDA graphs")
-        _log_streamed_experts(options, kt.kt_gpu_prefill_tokens, cfg.chunk_size)
+        _log_streamed_experts(options, options.gpu_prefill_tokens, cfg.chunk_size)
         if cpu_experts and all_on_gpus:
             # every thread but kt-kernel's workers is GPU-side work (launching, sampling, the stream callbacks)
             if kt.kt_isolate_workers:

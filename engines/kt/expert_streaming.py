@@ -69,7 +69,7 @@ def experts_within(budget_bytes: float, layers: int, num_experts: int, hidden: i
     """How many of each layer's experts (the first ones) `layers` layers can keep copies of in `budget_bytes`."""
     if layers <= 0:
         return num_experts
-    return max(0, min(num_experts, int(budget_bytes // (layers * expert_copy_bytes(hidden, intermediate)))))
+    return min(num_experts, int(budget_bytes // (layers * expert_copy_bytes(hidden, intermediate))))
 
 
 def split_experts(tokens: int, top_k: int, num_experts: int, cpu_bytes: int, gpu_bytes: int,
@@ -242,7 +242,7 @@ class ExpertStreamer:
         """Experts [0, n) of `layer` (of its `num_experts`) the GPU takes for a chunk of `tokens`: the balance
         of `split_experts`, at most the experts the layer holds copies of."""
         host = self.layers.get(layer)
-        if host is None or host.held == 0:
+        if host is None:
             return 0
         gpu_bytes = (host.gate_up.nbytes + host.down.nbytes) // host.held * num_experts
         n = split_experts(tokens, top_k, num_experts, cpu_bytes, gpu_bytes, self.pcie_bytes_per_s, method)
