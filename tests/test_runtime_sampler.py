@@ -76,6 +76,28 @@ def test_top_p_keeps_only_the_nucleus(sampler, tokenizer):
     assert tokens == {7, 9}
 
 
+def test_tokens_tied_with_the_last_of_the_nucleus_stay_in_it(sampler, tokenizer):
+    logits = torch.full((VOCAB,), -20.0)
+    logits[7] = 3.0
+    logits[[9, 11, 13]] = 2.0  # 7 holds 0.48 of the mass and each tie 0.17: a run reaching 0.6 ends in the ties
+    tokens = {sampler.sample(logits.clone(), seq_for(tokenizer, temperature=1.0, top_p=0.6, seed=s))[0]
+              for s in range(60)}
+    assert tokens == {7, 9, 11, 13}  # not 7 and whichever tie a sort happened to put first
+
+
+def test_a_nucleus_wider_than_the_candidates_looked_at_first_is_found_over_the_whole_row():
+    from engines.runtime.sampler import NUCLEUS_CANDIDATES, _distributions
+
+    gen = torch.Generator().manual_seed(3)
+    flat = torch.randn(4 * NUCLEUS_CANDIDATES, generator=gen) * 0.1  # top_p 0.9 keeps ~90% of its tokens
+    peaked = torch.randn(4 * NUCLEUS_CANDIDATES, generator=gen) * 5
+    params = [SamplingParams(temperature=1.0, top_p=0.9) for _ in range(2)]
+    probs = _distributions(torch.stack([flat, peaked]), params)
+    assert int((probs[0] > 0).sum()) > NUCLEUS_CANDIDATES
+    for row, row_probs in zip((flat, peaked), probs):
+        assert torch.equal(row_probs, _reference_probs(row, params[0]))
+
+
 def test_same_seed_same_choice(sampler, tokenizer):
     logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(0))
     picks = [sampler.sample(logits.clone(), seq_for(tokenizer, temperature=1.0, seed=42))[0] for _ in range(3)]
@@ -135,10 +157,12 @@ def _reference_probs(logits: torch.Tensor, p) -> torch.Tensor:
     probs = torch.softmax(scaled, dim=-1)
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    if p.top_p < 1.0:
-        ordered, order = torch.sort(probs, descending=True)
-        ordered = ordered.masked_fill(torch.cumsum(ordered, dim=-1) - ordered > p.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, ordered)
+    if p.top_p < 1.0:  # the shortest run of most likely tokens whose mass reaches top_p, and all tied with its last
+        ordered = torch.sort(probs, descending=True).values
+        before = torch.cumsum(ordered, dim=-1) - ordered
+        past = (before > p.top_p).nonzero()
+        last = int(past[0]) - 1 if past.numel() else ordered.numel() - 1
+        probs = probs.masked_fill(probs < ordered[last], 0.0)
     return probs
 
 

@@ -183,15 +183,34 @@ def _distributions(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
         scale = values(floor, lambda p: p.min_p)
         probs = _on_rows(probs, floor, lambda sub: sub.masked_fill_(sub < scale * sub.amax(dim=-1, keepdim=True), 0.0))
     nucleus = [r for r, p in enumerate(params) if p.top_p < 1.0]
-    if nucleus:  # keep the smallest prefix, most likely first, whose mass reaches top_p
+    if nucleus:  # below the least likely token of the row's nucleus: out
         limit = values(nucleus, lambda p: p.top_p)
-
-        def keep_nucleus(sub: torch.Tensor) -> torch.Tensor:
-            ordered, order = torch.sort(sub, dim=-1, descending=True)
-            drop = torch.cumsum(ordered, dim=-1) - ordered > limit
-            return torch.zeros_like(sub).scatter_(1, order, ordered.masked_fill_(drop, 0.0))
-        probs = _on_rows(probs, nucleus, keep_nucleus)
+        probs = _on_rows(probs, nucleus, lambda sub: sub.masked_fill_(sub < _nucleus_floor(sub, limit), 0.0))
     return probs
+
+
+# On the CPU a nucleus is looked for among this many of a row's most likely tokens first: on the 2-core box a top-k
+# of them took 0.56 ms of a 102,400-token row, a sort of the whole row 7.5 ms, and a top_p 0.9 row of bench.sampling
+# (`--kinds top_p`) 1.6 ms instead of 10.4.
+NUCLEUS_CANDIDATES = 1024
+
+
+def _nucleus_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The least probability kept by each row's nucleus, [n, 1]: the shortest run of the row's most likely tokens
+    whose mass reaches its `top_p` ([n, 1]) ends at that probability, and every token at least that likely stays
+    (tokens tied with it too, so what stays does not depend on how a sort orders equal values, on any device).
+    On the CPU the run is looked for among the `NUCLEUS_CANDIDATES` most likely tokens of each row first, and the
+    whole rows are sorted only when their mass falls short; both orders give the same prefix sums there."""
+    vocab = probs.shape[-1]
+    k = min(NUCLEUS_CANDIDATES, vocab) if probs.device.type == "cpu" else vocab
+    while True:
+        ordered = torch.topk(probs, k, dim=-1).values if k < vocab else torch.sort(probs, dim=-1, descending=True).values
+        past = torch.cumsum(ordered, dim=-1) - ordered > top_p  # mass before the token already reaches top_p
+        reached = past.any(dim=-1)
+        if k == vocab or bool(reached.all()):
+            kept = torch.where(reached, past.int().argmax(dim=-1), k)  # the first token past the nucleus
+            return ordered.gather(1, (kept - 1).unsqueeze(1))
+        k = vocab
 
 
 def _uniform(generator: torch.Generator | None) -> torch.Tensor:
