@@ -200,17 +200,23 @@ def _nucleus_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     whose mass reaches its `top_p` ([n, 1]) ends at that probability, and every token at least that likely stays
     (tokens tied with it too, so what stays does not depend on how a sort orders equal values, on any device).
     On the CPU the run is looked for among the `NUCLEUS_CANDIDATES` most likely tokens of each row first, and the
-    whole rows are sorted only when their mass falls short; both orders give the same prefix sums there."""
-    vocab = probs.shape[-1]
-    k = min(NUCLEUS_CANDIDATES, vocab) if probs.device.type == "cpu" else vocab
-    while True:
-        ordered = torch.topk(probs, k, dim=-1).values if k < vocab else torch.sort(probs, dim=-1, descending=True).values
-        past = torch.cumsum(ordered, dim=-1) - ordered > top_p  # mass before the token already reaches top_p
-        reached = past.any(dim=-1)
-        if k == vocab or bool(reached.all()):
-            kept = torch.where(reached, past.int().argmax(dim=-1), k)  # the first token past the nucleus
-            return ordered.gather(1, (kept - 1).unsqueeze(1))
-        k = vocab
+    whole rows are sorted only when their mass falls short; both give the same prefix sums there."""
+    if probs.device.type == "cpu" and NUCLEUS_CANDIDATES < probs.shape[-1]:
+        floor = _run_end(torch.topk(probs, NUCLEUS_CANDIDATES, dim=-1).values, top_p)
+        if floor is not None:
+            return floor
+    return _run_end(torch.sort(probs, dim=-1, descending=True).values, top_p, whole=True)
+
+
+def _run_end(ordered: torch.Tensor, top_p: torch.Tensor, whole: bool = False) -> torch.Tensor | None:
+    """The last value of each row's shortest leading run of `ordered` (the row's largest probabilities, in
+    descending order; all of them when `whole`) whose sum reaches `top_p`; None when a row's run is longer."""
+    past = torch.cumsum(ordered, dim=-1) - ordered > top_p  # the mass before the value already reaches top_p
+    reached = past.any(dim=-1)
+    if not whole and not bool(reached.all()):
+        return None
+    first_past = torch.where(reached, past.int().argmax(dim=-1), ordered.shape[-1])
+    return ordered.gather(1, (first_past - 1).unsqueeze(1))
 
 
 def _uniform(generator: torch.Generator | None) -> torch.Tensor:
