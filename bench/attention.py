@@ -1,7 +1,7 @@
 """python -m bench.attention: FlashInfer against torch MLA attention, and prefix caching, on the GPU machine.
 
     python -m bench.attention --out results/ [--shape v2-lite] [--contexts 512,4096,16384] [--clients 32]
-                              [--gpu-prefill-tokens N] [--chunk-size N]
+                              [--gpu-prefill-tokens N] [--chunk-size N] [--setting KEY=VALUE ...]
 
 For each attention backend (flashinfer, torch) one KT engine (AMXINT8 experts, CUDA graphs when there is a
 GPU) serves, through uvicorn and streaming openai clients in a separate process:
@@ -45,7 +45,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gpu-prefill-tokens", type=int, default=0, metavar="N",
                    help="the engines' kt_gpu_prefill_tokens (streamed experts for chunks of N tokens or more)")
     p.add_argument("--chunk-size", type=int, default=2048, metavar="N", help="the engines' prefill chunk size")
-    return p.parse_args(argv)
+    p.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE",
+                   help="a further KT engine setting for every backend, as bench.run takes it "
+                        "(e.g. kt_gpu_prefill_memory=2.5); repeatable")
+    args = p.parse_args(argv)
+    from bench.run import engine_settings
+
+    engine_settings(p, args.setting)  # a malformed one is this command's usage error, naming the flag
+    return args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,12 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     bench = Bench(bench_args(["--out", str(args.out), "--shape", args.shape, "--only", "decode",
                               "--gpu-prefill-tokens", str(args.gpu_prefill_tokens),
-                              "--chunk-size", str(args.chunk_size)]), time.perf_counter())
+                              "--chunk-size", str(args.chunk_size),
+                              *(a for setting in args.setting for a in ("--setting", setting))]), time.perf_counter())
     bench.prepare_model(existing_model(bench.model_dir, bench.shape.config) is None)
     rounds = Rounds(tuple(int(c) for c in args.contexts.split(",") if c), args.clients, args.tokens,
                     args.round_timeout, args.method)
     results: dict = {"clients": args.clients, "output_tokens": args.tokens, "shared_tail_tokens": TAIL,
-                     "gpu_prefill_tokens": args.gpu_prefill_tokens, "chunk_size": args.chunk_size, "backends": {}}
+                     "gpu_prefill_tokens": args.gpu_prefill_tokens, "chunk_size": args.chunk_size,
+                     "settings": bench.args.settings, "backends": {}}
     path = args.out / "attention.json"
 
     for backend in [b for b in args.backends.split(",") if b]:

@@ -133,6 +133,15 @@ def test_tiny_quick_run_writes_decode_and_http_figures_with_units(tmp_path):
     assert (data["http"]["temperature"], data["http"]["top_p"]) == (0.7, 0.9)  # what the clients sent
 
 
+def test_bench_attention_refuses_a_setting_without_a_value(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "bench.attention", "--out", str(tmp_path), "--setting",
+                           "kt_gpu_prefill_memory"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=SMOKE_TIMEOUT)
+    assert done.returncode == 2 and "python -m bench.attention: error: --setting: expected KEY=VALUE" in done.stderr
+    assert not any(tmp_path.iterdir())  # refused before anything was built
+
+
 @pytest.mark.parametrize("flag, value", [("--client-temperature", "-0.5"), ("--client-top-p", "0")])
 def test_bench_run_refuses_client_sampling_the_api_would_refuse(flag, value):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
