@@ -66,7 +66,10 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     from engines.kt.expert_streaming import ExpertStreamer, HostExperts
 
-    held_counts = [int(n) for n in args.held.split(",") if n]
+    held_counts = [n for n in args.held.split(",") if n]
+    if not all(n.isdigit() and int(n) > 0 for n in held_counts):
+        p.error(f"--held: expected positive whole numbers, got {args.held!r}")
+    held_counts = [int(n) for n in held_counts]
 
     sizes = [int(t) for t in args.tokens.split(",")]
     streamer = ExpertStreamer(torch.device("cuda"))

@@ -142,6 +142,13 @@ def test_bench_attention_refuses_a_setting_without_a_value(tmp_path):
     assert not any(tmp_path.iterdir())  # refused before anything was built
 
 
+def test_bench_expert_streaming_refuses_held_counts_that_are_not_positive_whole_numbers():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "bench.expert_streaming", "--held", "4,0"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=SMOKE_TIMEOUT)
+    assert done.returncode == 2 and "--held: expected positive whole numbers, got '4,0'" in done.stderr
+
+
 @pytest.mark.parametrize("flag, value", [("--client-temperature", "-0.5"), ("--client-top-p", "0")])
 def test_bench_run_refuses_client_sampling_the_api_would_refuse(flag, value):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
