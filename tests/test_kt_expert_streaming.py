@@ -200,7 +200,8 @@ def test_a_layer_loaded_from_the_weight_cache_streams_the_checkpoint_weights(dem
         assert all(torch.equal(a, b) for a, b in zip(streamer.layers[1].tensors(), expected.tensors()))
 
 
-def test_a_layer_with_a_budget_registers_copies_of_its_first_experts_only(demo_model_dir):
+@pytest.mark.parametrize("source", ["checkpoint", "weight cache"])
+def test_a_layer_with_a_budget_registers_copies_of_its_first_experts_only(demo_model_dir, tmp_path, source):
     from helpers import require_kt_kernel
 
     require_kt_kernel()
@@ -208,16 +209,39 @@ def test_a_layer_with_a_budget_registers_copies_of_its_first_experts_only(demo_m
     from engines.kt.experts_cpu import RoutedExpertsCPU
     from engines.kt.loader import read_layer_experts
 
+    def layer(streamer: ExpertStreamer) -> RoutedExpertsCPU:
+        return RoutedExpertsCPU(layer_idx=1, num_experts=16, top_k=4, hidden_size=256, intermediate_size=256,
+                                method=best_method(8), max_tokens=64, checkpoint=str(demo_model_dir),
+                                streamer=streamer, stream_tokens=32, stream_experts=5)
+
     weights = read_layer_experts(demo_model_dir, "model.layers.1.mlp.experts", 16)
     streamer = ExpertStreamer(torch.device("cpu"))
-    layer = RoutedExpertsCPU(layer_idx=1, num_experts=16, top_k=4, hidden_size=256, intermediate_size=256,
-                             method=best_method(8), max_tokens=64, streamer=streamer, stream_tokens=32,
-                             stream_experts=5)
-    layer.load_weights(*weights)
+    if source == "checkpoint":
+        layer(streamer).load_weights(*weights)
+    else:  # the cache holds kt-kernel's form; the copies are read from the checkpoint, the first 5 experts only
+        layer(ExpertStreamer(torch.device("cpu"))).load_weights(*weights, cache_dir=tmp_path)
+        assert layer(streamer).load_quantized(tmp_path)
     expected = HostExperts.quantize(*(w[:5] for w in weights))
     assert streamer.layers[1].held == 5
     assert all(torch.equal(a, b) for a, b in zip(streamer.layers[1].tensors(), expected.tensors()))
     assert streamer.split(1, 64, 4, 16, 10**9) == 5  # a CPU streamer copies for free: the balance says all 16
+
+
+def test_reading_the_first_experts_of_a_layer_gives_those_of_the_whole_layer(demo_model_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    from engines.kt.loader import read_layer_experts
+
+    # per-expert tensors (the demo model), and the fused gate_up_proj / down_proj layout
+    fused = {"model.layers.0.mlp.experts.gate_up_proj": torch.randn(E, 2 * I, H),
+             "model.layers.0.mlp.experts.down_proj": torch.randn(E, H, I)}
+    save_file(fused, str(tmp_path / "model.safetensors"))
+    for where, prefix, count in ((demo_model_dir, "model.layers.1.mlp.experts", 16),
+                                 (tmp_path, "model.layers.0.mlp.experts", E)):
+        whole = read_layer_experts(where, prefix, count)
+        first = read_layer_experts(where, prefix, count, first=5)
+        assert [t.shape[0] for t in first] == [5, 5, 5]
+        assert all(torch.equal(a, b[:5]) for a, b in zip(first, whole))
 
 
 def test_the_budget_gives_each_expert_layer_the_experts_it_holds(demo_model_dir, caplog):

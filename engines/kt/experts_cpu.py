@@ -274,13 +274,14 @@ class RoutedExpertsCPU(nn.Module):
     def worker_pool(self) -> Any:
         return shared_cpu_infer(self.threads)
 
-    def read_base_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def read_base_weights(self, first: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This layer's experts from the checkpoint (with `first`, only experts [0, first))."""
         from engines.kt.loader import read_layer_experts
 
         if self.checkpoint is None:
             raise ValueError(f"expert LoRA on layer {self.layer_idx}: the base model's checkpoint is unknown")
         return read_layer_experts(Path(self.checkpoint), f"model.layers.{self.layer_idx}.mlp.experts",
-                                  self.num_experts)
+                                  self.num_experts, first)
 
     def _check_gpu_experts(self, gpu_experts: list[int] | None) -> list[int]:
         ids = sorted(set(int(e) for e in gpu_experts or ()))
@@ -340,7 +341,7 @@ class RoutedExpertsCPU(nn.Module):
         else:
             self._build_kernel(cache.load_prepared())
         if self.streamer is not None:  # the cache holds kt-kernel's form only: the GPU's comes from the checkpoint
-            self._keep_streamed_weights(*self.read_base_weights())
+            self._keep_streamed_weights(*self.read_base_weights(self.stream_experts))
         log.debug("layer %d: %s experts loaded from %s", self.layer_idx, self.method, cache.dir)
         return True
 

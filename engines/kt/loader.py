@@ -178,9 +178,12 @@ def missing_tensors(model: nn.Module) -> list[str]:
     return names
 
 
-def read_layer_experts(model_path: Path, prefix: str, num_experts: int) -> tuple[torch.Tensor, ...]:
+def read_layer_experts(model_path: Path, prefix: str, num_experts: int, first: int | None = None
+                       ) -> tuple[torch.Tensor, ...]:
     """One layer's routed experts straight from the checkpoint, stacked: gate, up [E, I, H], down [E, H, I]
-    (per-expert tensors, or the fused gate_up_proj / down_proj layout)."""
+    (per-expert tensors, or the fused gate_up_proj / down_proj layout); with `first`, only experts [0, first)
+    (per-expert tensors past them are not read)."""
+    count = num_experts if first is None else min(first, num_experts)
     from safetensors import safe_open
 
     parts: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
@@ -192,12 +195,13 @@ def read_layer_experts(model_path: Path, prefix: str, num_experts: int) -> tuple
                     continue
                 expert = _PER_EXPERT.match(name)
                 if expert and expert.group(1) == prefix:
-                    parts[expert.group(3)][int(expert.group(2))] = f.get_tensor(name)
+                    if int(expert.group(2)) < count:
+                        parts[expert.group(3)][int(expert.group(2))] = f.get_tensor(name)
                 elif name in (f"{prefix}.gate_up_proj", f"{prefix}.down_proj"):
                     fused[name.rpartition(".")[2]] = f.get_tensor(name)
     if len(fused) == 2:
-        gate, up = fused["gate_up_proj"].chunk(2, dim=1)
-        return gate, up, fused["down_proj"]
-    if any(len(parts[w]) != num_experts for w in ("gate_proj", "up_proj", "down_proj")):
+        gate, up = fused["gate_up_proj"][:count].chunk(2, dim=1)
+        return gate, up, fused["down_proj"][:count]
+    if any(len(parts[w]) != count for w in ("gate_proj", "up_proj", "down_proj")):
         raise ValueError(f"model: routed experts incomplete in the checkpoint for {prefix}")
-    return tuple(torch.stack([parts[w][e] for e in range(num_experts)]) for w in ("gate_proj", "up_proj", "down_proj"))
+    return tuple(torch.stack([parts[w][e] for e in range(count)]) for w in ("gate_proj", "up_proj", "down_proj"))
