@@ -103,6 +103,10 @@ class Settings(BaseModel):
         None, "GB of host memory the streamed experts' int8 copies may take (kt_gpu_prefill_tokens): each layer keeps "
               "copies of as many of its first experts as fit, and the GPU takes at most those; default: every expert",
         gt=0)
+    kt_gpu_decode_from_host: bool = engine_setting(
+        True, "where layers keep streamed experts' copies (kt_gpu_prefill_tokens), decode steps of up to 64 sequences "
+              "have the GPU compute a share of those experts too, read straight from pinned host memory while "
+              "kt-kernel computes the rest (needs Triton)")
     kt_expert_pad_from: int | None = engine_setting(
         None, "expert calls of at least this many tokens (decode steps of that many sequences) that kt-kernel would "
               "compute on its per-token vector path are padded with empty rows up to its matrix path; 0: never; "

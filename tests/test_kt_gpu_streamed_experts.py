@@ -128,6 +128,9 @@ def test_decode_steps_of_enough_sequences_stream_their_experts_outside_the_graph
     assert runner.graphs.batch_sizes[-1] == 3  # steps of 4 or more sequences run eagerly
     layers = [m for m in runner.model.modules() if isinstance(m, RoutedExpertsCPU) and m.streamer is not None]
     streamer = layers[0].streamer
+    # steps of fewer sequences replay graphs in which the GPU reads its share of the experts from host memory
+    # (kt_gpu_decode_from_host, on by default): the lone sequence below is decoded that way
+    assert all(layer.mapped_experts(1) > 0 for layer in layers)
     # every step the runner takes: (tokens, all of them decode tokens, replayed from a CUDA graph, layer calls
     # that streamed experts). A layer call streams only when one of the step's tokens chose an expert of the
     # GPU's share, and six greedy choices of one prompt route alike, so a six-sequence step streamed in 1-3 of
@@ -149,7 +152,7 @@ def test_decode_steps_of_enough_sequences_stream_their_experts_outside_the_graph
                                                    n=n, temperature=0, logprobs=0, extra_body={"ignore_eos": True})
         return [c.logprobs.token_logprobs for c in reply.choices]
 
-    alone = greedy(1)[0]  # one sequence: graph replays, experts on the CPU
+    alone = greedy(1)[0]  # one sequence: graph replays, experts on the CPU and read from host memory
     assert steps[0][3] == len(layers)  # the prompt's chunk streamed in every layer
     assert all(replayed and calls == 0 for _, decoding, replayed, calls in steps[1:] if decoding)
     steps.clear()

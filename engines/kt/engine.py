@@ -18,10 +18,11 @@ import torch
 
 from engines.base import EngineConfig, ModelInfo, engine_options
 from engines.kt.cpuinfer import WorkerIsolation
-from engines.kt.expert_streaming import expert_copy_bytes, experts_within
+from engines.kt.expert_streaming import ExpertStreamers, expert_copy_bytes, experts_within
 from engines.kt.experts_cpu import RoutedExpertsCPU
 from engines.kt.flashinfer_mla import attention_for
 from engines.kt.kv_cache import LatentKVCache
+from engines.kt.mapped_experts import MAX_TOKENS as MAPPED_MAX_TOKENS
 from engines.kt.loader import load_checkpoint, missing_tensors
 from engines.kt.operators import OperatorOptions, fuse_rms_norms
 from engines.kt.options import KTOptions
@@ -153,7 +154,8 @@ class KTEngine(LLMEngine):
         options = OperatorOptions(max_tokens=cfg.chunk_size + cfg.max_concurrent, cpu_threads=kt.cpu_infer,
                                   methods={m: c.method for m, c in choices.items()}, checkpoint=str(model_path),
                                   gpu_prefill_tokens=kt.kt_gpu_prefill_tokens if stream_experts != 0 else 0,
-                                  gpu_prefill_experts=stream_experts, expert_pad_from=kt.kt_expert_pad_from)
+                                  gpu_prefill_experts=stream_experts, expert_pad_from=kt.kt_expert_pad_from,
+                                  streamers=ExpertStreamers(decode_from_host=kt.kt_gpu_decode_from_host))
         apply_placement(model, placement, config, options)
         gpu = any(d.startswith("cuda") for d in placement.devices.values())
         dtype = resolve_dtype(cfg.dtype, torch.device("cuda" if gpu else "cpu"))
@@ -181,6 +183,7 @@ class KTEngine(LLMEngine):
             else:
                 log.info("kt_use_cuda_graph: no GPU in the placement; decode runs without CUDA graphs")
         _log_streamed_experts(options, options.gpu_prefill_tokens, cfg.chunk_size)
+        mapped = _log_mapped_experts(model, options, kt.kt_gpu_decode_from_host)
         if cpu_experts and all_on_gpus:
             # every thread but kt-kernel's workers is GPU-side work (launching, sampling, the stream callbacks)
             if kt.kt_isolate_workers:
@@ -207,6 +210,7 @@ class KTEngine(LLMEngine):
             details["gpu_prefill_tokens"] = str(kt.kt_gpu_prefill_tokens)
             details["gpu_prefill_copy_gbps"] = f"{min(s.pcie_bytes_per_s for s in streaming) / 1e9:.1f}"
             details["gpu_prefill_experts"] = str(min(h.held for s in streaming for h in s.layers.values()))
+            details["gpu_decode_experts"] = str(mapped)
         if self._isolation.spare:
             details["server_thread_cores"] = ",".join(map(str, sorted(self._isolation.spare)))
         if padded:
@@ -269,6 +273,27 @@ def _streamed_expert_count(kt: KTOptions, model: Any, config: Any) -> int | None
                     "layer): every expert stays on the CPU", kt.kt_gpu_prefill_memory, layers,
                     expert_copy_bytes(config.hidden_size, config.moe_intermediate_size) / 1e6)
     return count
+
+
+def _log_mapped_experts(model: torch.nn.Module, options: OperatorOptions, wanted: bool) -> int:
+    """Say how many of each layer's experts decode steps compute on the GPU from host memory; the fewest."""
+    streamers = options.streamers.active()
+    if not streamers:
+        return 0
+    if not wanted:
+        log.info("kt_gpu_decode_from_host off: decode steps compute every routed expert on the CPU")
+        return 0
+    if any(s.mapped is None for s in streamers):
+        log.info("decode steps compute every routed expert on the CPU: Triton is not installed, so the GPU cannot "
+                 "read the experts' host copies in them (kt_gpu_decode_from_host)")
+        return 0
+    shares = sorted({m.mapped_experts(1) for m in model.modules() if isinstance(m, RoutedExpertsCPU)
+                     and m.streamer is not None})
+    if shares:
+        log.info("decode steps of up to %d sequences: the GPU computes experts [0, %s) of each layer, read from "
+                 "their pinned host copies, while kt-kernel computes the rest (kt_gpu_decode_from_host)",
+                 MAPPED_MAX_TOKENS, "/".join(map(str, shares)))
+    return min(shares, default=0)
 
 
 def _log_streamed_experts(options: OperatorOptions, tokens: int, chunk_size: int) -> None:

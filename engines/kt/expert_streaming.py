@@ -27,10 +27,13 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from engines.kt.mapped_experts import MappedExperts
 
 log = logging.getLogger("ktserve.engine.kt")
 
@@ -41,6 +44,7 @@ RING = 3  # GPU buffers of a group each: one computing, two in flight
 # compile kernels for once, where a prompt would otherwise bring dozens of new sizes per layer.
 ROW_ALIGN = 32
 PAGE = 4096  # bytes: the unit host memory is pinned in
+_HOST_REGISTER_PORTABLE, _HOST_REGISTER_MAPPED = 1, 2  # cudaHostRegister flags
 
 # What the CPU side does, for the split. Measured on the GPU machine (nvidia-h200, 14 kt-kernel threads): the
 # INT8 MoE forward of one V2-Lite layer reads its experts at 49-52 GB/s (`python -m bench.expert_floor`), and a
@@ -108,7 +112,8 @@ def _host_tensors(specs: list[tuple[tuple[int, ...], torch.dtype]], pin: bool
     unpin = None
     if pin:
         cudart = torch.cuda.cudart()
-        if int(cudart.cudaHostRegister(block.data_ptr(), total, 0)) != 0:
+        # portable and mapped: any GPU may read it, by copies or straight from a kernel (mapped_experts.py)
+        if int(cudart.cudaHostRegister(block.data_ptr(), total, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)) != 0:
             raise RuntimeError(f"could not pin {total} bytes of host memory for streamed experts")
         unpin = partial(cudart.cudaHostUnregister, block.data_ptr())
     out, offset = [], 0
@@ -187,6 +192,9 @@ class ExpertStreamer:
     layers: dict[int, HostExperts] = field(default_factory=dict)
     stats: StreamStats = field(default_factory=StreamStats)
     pcie_bytes_per_s: float | None = None  # measured when the first layer registers
+    # decode steps' share of the held experts, read by the GPU from host memory (engines/kt/mapped_experts.py);
+    # None: off
+    mapped: "MappedExperts | None" = None
 
     def __post_init__(self) -> None:
         self._ring: list[_Slot] = []
@@ -196,7 +204,8 @@ class ExpertStreamer:
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     # ------------------------------------------------------------------------------------------ set-up
-    def register(self, layer: int, host: HostExperts) -> None:
+    def register(self, layer: int, host: HostExperts, top_k: int = 8) -> None:
+        """Keep `layer`'s copies; `top_k` (the router's) sizes the scratch of decode steps reading them."""
         if host.held == 0:
             raise ValueError(f"streamed experts of layer {layer}: the copy holds no expert")
         self.layers[layer] = host
@@ -204,6 +213,8 @@ class ExpertStreamer:
             self._build_ring(host)
         if self.pcie_bytes_per_s is None:
             self.pcie_bytes_per_s = self._measure_copy(host)
+        if self.mapped is not None:
+            self.mapped.register(layer, host, top_k)
 
     def _build_ring(self, host: HostExperts) -> None:
         cuda = self.device.type == "cuda"
@@ -348,15 +359,22 @@ class ExpertStreamer:
 
 
 class ExpertStreamers:
-    """One model's streamers, one per GPU its expert layers send output to (OperatorOptions.streamers)."""
+    """One model's streamers, one per GPU its expert layers send output to (OperatorOptions.streamers). With
+    `decode_from_host`, each streamer on a CUDA device also lets decode steps read its held experts from host
+    memory (engines/kt/mapped_experts.py), where Triton is installed."""
 
-    def __init__(self) -> None:
+    def __init__(self, decode_from_host: bool = False) -> None:
         self._by_device: dict[torch.device, ExpertStreamer] = {}
+        self.decode_from_host = decode_from_host
 
     def for_device(self, device: torch.device) -> ExpertStreamer:
         found = self._by_device.get(device)
         if found is None:
-            found = self._by_device[device] = ExpertStreamer(device)
+            from engines.kt.mapped_experts import MappedExperts, triton_available
+
+            mapped = (MappedExperts(device) if self.decode_from_host and device.type == "cuda"
+                      and triton_available() else None)
+            found = self._by_device[device] = ExpertStreamer(device, mapped=mapped)
         return found
 
     def active(self) -> list[ExpertStreamer]:

@@ -31,7 +31,9 @@ from engines.kt.attention import layer_index
 from engines.kt.cpuinfer import check_thread_count, load_ext, shared_cpu_infer
 from engines.kt.expert_cache import LayerCache
 from engines.kt.expert_deferral import Deferred, ExpertDeferral, check_deferred, split_deferred
-from engines.kt.expert_streaming import ExpertStreamer, HostExperts
+from engines.kt.expert_streaming import ExpertStreamer, HostExperts, expert_copy_bytes
+from engines.kt.mapped_experts import MAPPED_SHARE_OF_COPY_RATE, decode_experts
+from engines.kt.mapped_experts import MAX_TOKENS as MAPPED_MAX_TOKENS
 from engines.kt.expert_methods import (METHODS, ExpertsUnsupportedError, check_llamafile_type, default_pad_from,
                                        kernel_class, matrix_tokens, pads_to_matrix, quantize_fp8_blocks,
                                        quantize_int4_groups, reads_in_place, sft_kernel_class, unavailable_reason)
@@ -222,6 +224,7 @@ class RoutedExpertsCPU(nn.Module):
         self.stream_tokens = stream_tokens
         # the experts (the first ones) the GPU side keeps copies of, hence may take (kt_gpu_prefill_memory)
         self.stream_experts = num_experts if stream_experts is None else min(stream_experts, num_experts)
+        self._mapped_share: int | None = None  # decode calls' share of those, once measured (mapped_experts)
         # calls of `pad_from` tokens or more that kt-kernel would compute on its per-token vector path are padded
         # with expert-less rows up to its matrix path (expert_methods.py: `matrix_tokens`); 0: never; None: the
         # method's measured default
@@ -370,7 +373,7 @@ class RoutedExpertsCPU(nn.Module):
             device, held = self.streamer.device, self.stream_experts
             host = HostExperts.quantize(gate[:held], up[:held], down[:held], work_device=device,
                                         pin=device.type == "cuda")
-            self.streamer.register(self.layer_idx, host)
+            self.streamer.register(self.layer_idx, host, self.top_k)
 
     def _prepare_weights(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> dict[str, Any]:
         """bf16 [E, ...] weights -> what the method's kernel reads: {"gate": ..., ...} (plus "<m>_scale")."""
@@ -473,10 +476,12 @@ class RoutedExpertsCPU(nn.Module):
             streamed = self._streamed_experts(tokens) if deferred_ids is None else 0
             if streamed == self.num_experts and not self.gpu_experts:
                 return self._submit_streamed_only(hidden, topk_ids, topk_weights, tokens)
-            if streamed:  # experts [0, streamed) run on the GPU: kt-kernel skips them
-                immediate_ids = immediate_ids.masked_fill((immediate_ids >= 0) & (immediate_ids < streamed), -1)
+            mapped = 0 if streamed or deferred_ids is not None else self.mapped_experts(tokens)
+            first = streamed or mapped
+            if first:  # experts [0, first) run on the GPU: kt-kernel skips them
+                immediate_ids = immediate_ids.masked_fill((immediate_ids >= 0) & (immediate_ids < first), -1)
             return self._submit_on_stream(hidden, topk_ids, immediate_ids, deferred_ids, topk_weights, tokens,
-                                          streamed)
+                                          streamed, mapped)
         with self._lock:
             if self._kernel is None:
                 raise RuntimeError(f"experts of layer {self.layer_idx} have no weights yet; call load_weights")
@@ -604,6 +609,21 @@ class RoutedExpertsCPU(nn.Module):
         cpu_bytes = self.num_experts * 3 * self.hidden_size * self.intermediate_size * METHODS[self.method].bits // 8
         return self.streamer.split(self.layer_idx, tokens, self.top_k, self.num_experts, cpu_bytes, self.method)
 
+    def mapped_experts(self, tokens: int) -> int:
+        """How many experts (the first ones) a call of `tokens` computes on the GPU straight from their host
+        copies (engines/kt/mapped_experts.py): decode steps and other calls of a few tokens; 0: none."""
+        mapped = self.streamer.mapped if self.streamer is not None else None
+        if (mapped is None or self.layer_idx not in mapped.layers or not 0 < tokens <= MAPPED_MAX_TOKENS
+                or self.gpu_experts or self.deferral.active):
+            return 0
+        if self._mapped_share is None:
+            weights = 3 * self.hidden_size * self.intermediate_size
+            self._mapped_share = decode_experts(
+                self.num_experts, self.stream_experts, weights * METHODS[self.method].bits / 8,
+                expert_copy_bytes(self.hidden_size, self.intermediate_size),
+                self.streamer.pcie_bytes_per_s * MAPPED_SHARE_OF_COPY_RATE)
+        return self._mapped_share
+
     def _submit_streamed_only(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                               tokens: int) -> None:
         """Every expert on the GPU: no copies to the host, no kt-kernel task, no wait for one."""
@@ -614,7 +634,7 @@ class RoutedExpertsCPU(nn.Module):
 
     def _submit_on_stream(self, hidden: torch.Tensor, topk_ids: torch.Tensor, immediate_ids: torch.Tensor,
                           deferred_ids: torch.Tensor | None, topk_weights: torch.Tensor, tokens: int,
-                          streamed: int = 0) -> None:
+                          streamed: int = 0, mapped: int = 0) -> None:
         with self._lock:
             self._check_no_pending()
             parity = self.layer_idx % 2
@@ -640,6 +660,8 @@ class RoutedExpertsCPU(nn.Module):
                 ids = self._without_hot_experts(topk_ids) if self.gpu_experts else topk_ids
                 part = self.streamer.compute(self.layer_idx, hidden, ids, topk_weights, streamed)
                 gpu_part = part if gpu_part is None else gpu_part + part
+            elif mapped:  # no hot experts here (`mapped_experts`): the routing goes as it is
+                gpu_part = self.streamer.mapped.compute(self.layer_idx, hidden, topk_ids, topk_weights, mapped)
             self._pending = _StreamPending(tokens, b, hidden.dtype, stream, gpu_part, deferred)
 
     def _stream_task(self, stream: "torch.cuda.Stream", inputs: _StreamBuffers, task: _StreamBuffers,

@@ -1,0 +1,242 @@
+"""Decode steps' routed experts computed partly on the GPU, read straight out of pinned host memory.
+
+A decode step of a few sequences reads each chosen expert once; kt-kernel does that from DRAM at ~50 GB/s with
+14 threads (`python -m bench.expert_floor`), and the GPU waits. The GPU has a path of its own to the same memory:
+a kernel can read pinned host memory through PCIe (unified addressing: the host address is valid on the device),
+without a copy issued from the host first, so it needs no host sync to learn which experts the router chose and
+fits inside a captured CUDA graph. Measured on an H100 machine (2026-11-26, `python -m bench.mapped_experts`):
+the kernels below read the experts at 46-47 GB/s, and kt-kernel computing half of a token's experts meanwhile
+slowed by 9% (0.55 -> 0.60 ms a V2-Lite layer), so both sides together read ~90 GB/s where kt-kernel alone
+reads ~50.
+
+So where a layer holds the int8 copies of its first experts that streamed prompt chunks read (`HostExperts`,
+engines/kt/expert_streaming.py), calls of up to `MAX_TOKENS` tokens on the stream path compute experts [0, n)
+here while kt-kernel computes the rest: n balances the two readers (`decode_experts`), at most the experts the
+layer holds copies of. Two Triton kernels per layer: gate and up (with SiLU) per (expert, block of rows), then
+down per (expert, block of outputs), each skipping experts no token chose, each reading an expert's rows once for
+all the tokens that chose it; the per-expert outputs are summed in a fixed order (deterministic).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engines.kt.expert_streaming import CPU_EXPERT_BYTES_PER_S, HostExperts
+
+log = logging.getLogger("ktserve.engine.kt")
+
+MAX_TOKENS = 64  # calls of up to this many tokens (decode steps, short chunks) go through the kernels
+# The kernels' read rate over PCIe against a host-issued copy's on the same machine (H100, 2026-11-26: 46.1-47.3
+# against 53.9-54.3 GB/s): what the start-up copy measurement (`ExpertStreamer.pcie_bytes_per_s`) is scaled by.
+MAPPED_SHARE_OF_COPY_RATE = 0.86
+
+
+def decode_experts(num_experts: int, held: int, cpu_bytes_per_expert: float, gpu_bytes_per_expert: float,
+                   gpu_bytes_per_s: float, cpu_bytes_per_s: float = CPU_EXPERT_BYTES_PER_S) -> int:
+    """How many of a layer's experts (the first ones, at most `held`) the GPU reads from host memory in a decode
+    step, so that both readers take about as long: each side's time grows with the experts it owns."""
+    cpu = cpu_bytes_per_expert / cpu_bytes_per_s
+    gpu = gpu_bytes_per_expert / gpu_bytes_per_s
+    return max(0, min(held, round(num_experts * cpu / (cpu + gpu))))
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # noqa: BLE001 - absent, or broken without a CUDA toolchain: the kernels are off
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------ a device view of host memory
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int), ("dtype", _DLDataType),
+                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
+_DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER)]
+_DL_CUDA = 2
+_DL_DTYPES = {torch.int8: (0, 8), torch.float32: (2, 32), torch.bfloat16: (4, 16)}
+
+
+@_DELETER
+def _release(_: object) -> None:  # the host tensor's owner frees the memory, not the view
+    pass
+
+
+def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor on `device` over the same bytes as `host`, which must lie in page-locked host memory
+    (cudaHostRegister'ed or pinned): with unified addressing the host address is valid on the device. The view
+    keeps `host` alive; reading it from a kernel reads host memory over PCIe."""
+    if not host.is_contiguous() or host.dtype not in _DL_DTYPES:
+        raise ValueError(f"device_view takes a contiguous {list(_DL_DTYPES)} tensor, got {host.dtype}")
+    shape = (ctypes.c_int64 * host.dim())(*host.shape)
+    managed = _DLManagedTensor()
+    code, bits = _DL_DTYPES[host.dtype]
+    managed.dl_tensor = _DLTensor(host.data_ptr(), _DLDevice(_DL_CUDA, device.index or 0), host.dim(),
+                                  _DLDataType(code, bits, 1), shape, None, 0)
+    managed.deleter = _release
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype, new_capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    view = torch.utils.dlpack.from_dlpack(new_capsule(ctypes.addressof(managed), b"dltensor", None))
+    view._host_owner = (host, managed, shape)  # the struct and the host memory live as long as the view
+    return view
+
+
+# ------------------------------------------------------------------------------ the kernels
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gate_up(x_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, tokens, H: tl.constexpr, I: tl.constexpr,
+                K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                K_P: tl.constexpr):
+        """h[t, k, rows] = silu(x[t] . gate[e, rows]) * (x[t] . up[e, rows]) for the tokens t that chose e
+        (in their slot k)."""
+        e = tl.program_id(0)
+        t = tl.arange(0, BLOCK_T)
+        k = tl.arange(0, K_P)
+        ids = tl.load(ids_ptr + t[:, None] * K + k[None, :], mask=(t[:, None] < tokens) & (k[None, :] < K),
+                      other=-1)
+        hit = ids == e
+        chose = tl.sum(hit.to(tl.int32), axis=1) > 0
+        if tl.max(chose.to(tl.int32), axis=0) == 0:
+            return
+        slot = tl.sum(tl.where(hit, k[None, :], 0), axis=1)  # a token picks an expert at most once
+        r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rows = r < I
+        base = w_ptr + e.to(tl.int64) * (2 * I * H)
+        acc_g = tl.zeros((BLOCK_T, BLOCK_R), tl.float32)
+        acc_u = tl.zeros((BLOCK_T, BLOCK_R), tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            inside = cols < H
+            xb = tl.load(x_ptr + t[:, None] * H + cols[None, :], mask=chose[:, None] & inside[None, :], other=0.0)
+            w_mask = rows[:, None] & inside[None, :]
+            wg = tl.load(base + r[:, None] * H + cols[None, :], mask=w_mask, other=0).to(tl.bfloat16)
+            wu = tl.load(base + (I + r[:, None]) * H + cols[None, :], mask=w_mask, other=0).to(tl.bfloat16)
+            acc_g += tl.dot(xb, tl.trans(wg))
+            acc_u += tl.dot(xb, tl.trans(wu))
+        g = acc_g * tl.load(s_ptr + e * (2 * I) + r, mask=rows, other=0.0)[None, :]
+        u = acc_u * tl.load(s_ptr + e * (2 * I) + I + r, mask=rows, other=0.0)[None, :]
+        act = g / (1.0 + tl.exp(-g)) * u
+        tl.store(h_ptr + (t[:, None] * K + slot[:, None]) * I + r[None, :], act.to(tl.bfloat16),
+                 mask=chose[:, None] & rows[None, :])
+
+    @triton.jit
+    def down(h_ptr, ids_ptr, wt_ptr, w_ptr, s_ptr, part_ptr, tokens, H: tl.constexpr, I: tl.constexpr,
+             K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
+             K_P: tl.constexpr):
+        """part[t, k, outs] = weight(t, k) * (h[t, k] . down[e, outs]) for the tokens t that chose e in slot k
+        (the other slots stay as they were: zeros)."""
+        e = tl.program_id(0)
+        t = tl.arange(0, BLOCK_T)
+        k = tl.arange(0, K_P)
+        routed = (t[:, None] < tokens) & (k[None, :] < K)
+        ids = tl.load(ids_ptr + t[:, None] * K + k[None, :], mask=routed, other=-1)
+        wts = tl.load(wt_ptr + t[:, None] * K + k[None, :], mask=routed, other=0.0)
+        hit = ids == e
+        chose = tl.sum(hit.to(tl.int32), axis=1) > 0
+        if tl.max(chose.to(tl.int32), axis=0) == 0:
+            return
+        weight = tl.sum(tl.where(hit, wts, 0.0), axis=1)
+        slot = tl.sum(tl.where(hit, k[None, :], 0), axis=1)
+        o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+        outs = o < H
+        base = w_ptr + e.to(tl.int64) * (H * I)
+        acc = tl.zeros((BLOCK_T, BLOCK_O), tl.float32)
+        for i0 in range(0, I, BLOCK_I):
+            cols = i0 + tl.arange(0, BLOCK_I)
+            inside = cols < I
+            hb = tl.load(h_ptr + (t[:, None] * K + slot[:, None]) * I + cols[None, :],
+                         mask=chose[:, None] & inside[None, :], other=0.0)
+            wd = tl.load(base + o[:, None] * I + cols[None, :], mask=outs[:, None] & inside[None, :],
+                         other=0).to(tl.bfloat16)
+            acc += tl.dot(hb, tl.trans(wd))
+        scale = tl.load(s_ptr + e * H + o, mask=outs, other=0.0)
+        tl.store(part_ptr + (t[:, None] * K + slot[:, None]) * H + o[None, :], acc * scale[None, :] * weight[:, None],
+                 mask=chose[:, None] & outs[None, :])
+
+    return triton, gate_up, down
+
+
+BLOCK_R, BLOCK_H, BLOCK_O, BLOCK_I = 32, 128, 32, 64
+
+
+@dataclass(slots=True)
+class _Layer:
+    gate_up: torch.Tensor  # device views of the host copies (int8)
+    down: torch.Tensor
+    gate_up_scale: torch.Tensor  # the scales, on the device (a few hundred KB a layer)
+    down_scale: torch.Tensor
+
+
+class MappedExperts:
+    """The GPU side of decode steps on `device`: each registered layer's host copies, viewed from the device,
+    and the scratch the kernels write, per token and routing slot (allocated once for the largest layer, so that
+    captured graphs keep their addresses)."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.layers: dict[int, _Layer] = {}
+        self._h: torch.Tensor | None = None  # bf16, [MAX_TOKENS, top_k, I] of the largest layer
+        self._part: torch.Tensor | None = None  # float32, [MAX_TOKENS, top_k, H] of the largest layer
+
+    def register(self, layer: int, host: HostExperts, top_k: int) -> None:
+        _, two_i, hidden = host.gate_up.shape
+        self.layers[layer] = _Layer(device_view(host.gate_up, self.device), device_view(host.down, self.device),
+                                    host.gate_up_scale.to(self.device), host.down_scale.to(self.device))
+        h, part = MAX_TOKENS * top_k * two_i // 2, MAX_TOKENS * top_k * hidden
+        if self._h is None or self._h.numel() < h or self._part.numel() < part:
+            self._h = torch.empty(h, dtype=torch.bfloat16, device=self.device)
+            self._part = torch.empty(part, dtype=torch.float32, device=self.device)
+
+    @torch.no_grad()
+    def compute(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                experts: int) -> torch.Tensor:
+        """sum over the routed experts below `experts` of weight * expert(hidden), float32 [T, H] on the device,
+        queued on the current stream without a host sync (CUDA-graph safe)."""
+        tokens, top_k = topk_ids.shape
+        if tokens > MAX_TOKENS:
+            raise ValueError(f"mapped experts take calls of at most {MAX_TOKENS} tokens, got {tokens}")
+        copy = self.layers[layer]
+        held, two_i, size = copy.gate_up.shape
+        if not 0 < experts <= held:
+            raise ValueError(f"mapped experts of layer {layer}: {experts} asked for, copies of {held} held")
+        inter = two_i // 2
+        x = hidden.to(self.device, torch.bfloat16).contiguous()
+        ids = topk_ids.to(self.device, torch.int64).contiguous()
+        weights = topk_weights.to(self.device, torch.float32).contiguous()
+        part = self._part[:tokens * top_k * size].view(tokens, top_k, size)
+        part.zero_()  # the slots of experts the GPU does not own stay zero
+        triton, gate_up, down = _kernels()
+        block_t = max(16, triton.next_power_of_2(tokens))
+        k_p = triton.next_power_of_2(top_k)
+        with torch.cuda.device(self.device):
+            gate_up[(experts, triton.cdiv(inter, BLOCK_R))](
+                x, ids, copy.gate_up, copy.gate_up_scale, self._h, tokens, size, inter, top_k,
+                block_t, BLOCK_R, BLOCK_H, k_p)
+            down[(experts, triton.cdiv(size, BLOCK_O))](
+                self._h, ids, weights, copy.down, copy.down_scale, part, tokens, size, inter, top_k,
+                block_t, BLOCK_O, BLOCK_I, k_p)
+        return part.sum(1)
