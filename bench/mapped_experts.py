@@ -1,5 +1,5 @@
 """Decode-sized expert calls with part of the experts read by the GPU straight from host memory
-(`kt_gpu_decode_from_host`, engines/kt/mapped_experts.py): V2-Lite MoE layers (64 experts of 2048 x 1408, top-6,
+(`kt_gpu_read_experts`, engines/kt/mapped_experts.py): V2-Lite MoE layers (64 experts of 2048 x 1408, top-6,
 random weights, random routing), each call on the stream path the engine's decode takes (copies to pinned
 buffers, kt-kernel started and awaited from the CUDA stream), timed per layer with CUDA events over many calls
 that rotate through the layers so that no cache holds their experts.

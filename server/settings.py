@@ -103,10 +103,13 @@ class Settings(BaseModel):
         None, "GB of host memory the streamed experts' int8 copies may take (kt_gpu_prefill_tokens): each layer keeps "
               "copies of as many of its first experts as fit, and the GPU takes at most those; default: every expert",
         gt=0)
-    kt_gpu_decode_from_host: bool = engine_setting(
-        True, "where layers keep streamed experts' copies (kt_gpu_prefill_tokens), decode steps of up to 64 sequences "
-              "have the GPU compute a share of those experts too, read straight from pinned host memory while "
-              "kt-kernel computes the rest (needs Triton)")
+    kt_gpu_read_experts: int | None = engine_setting(
+        None, "how many of each MoE layer's experts (the first ones) the GPU computes, reading their int8 copies "
+              "straight from pinned host memory in decode steps (and streaming them for longer prompt chunks), while "
+              "kt-kernel computes the rest and no longer holds these: host memory stays one copy of the experts. "
+              "Needs the layer's output on a GPU and Triton. Default: the balance of the two readers for methods of "
+              "at most 8 bits (31 of V2-Lite's 64 for AMXINT8, 20 for AMXINT4), none for BF16; 0: off. With "
+              "kt_gpu_prefill_tokens: how many of the streamed copies decode steps read that way", ge=0)
     kt_expert_pad_from: int | None = engine_setting(
         None, "expert calls of at least this many tokens (decode steps of that many sequences) that kt-kernel would "
               "compute on its per-token vector path are padded with empty rows up to its matrix path; 0: never; "

@@ -1,5 +1,5 @@
-"""Decode steps whose GPU reads part of the experts straight from pinned host memory (`kt_gpu_decode_from_host`,
-engines/kt/mapped_experts.py), run on a GPU machine (pytest -m gpu). Asserts agreement, never time."""
+"""Experts the GPU reads straight from pinned host memory (`kt_gpu_read_experts`, engines/kt/mapped_experts.py),
+run on a GPU machine (pytest -m gpu). Asserts agreement, never time."""
 from __future__ import annotations
 
 import pytest
@@ -40,15 +40,15 @@ def test_the_kernels_compute_the_experts_below_the_share_as_the_int8_reference(t
     assert_close(got, reference(host, hidden, ids, weights, below=11))
 
 
-def experts_layer(held: int | None = None):
+def experts_layer(held: int | None = None, owned: int = 0):
     from engines.kt.expert_streaming import ExpertStreamers
     from engines.kt.experts_cpu import RoutedExpertsCPU
 
     torch.manual_seed(0)
     layer = RoutedExpertsCPU(layer_idx=91, num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I,
-                             method="BF16", max_tokens=64, gpu_device="cuda", out_device="cuda",
+                             method="BF16", max_tokens=128, gpu_device="cuda", out_device="cuda",
                              streamer=ExpertStreamers(decode_from_host=True).for_device(torch.device("cuda")),
-                             stream_tokens=65, stream_experts=held)
+                             stream_tokens=65, stream_experts=held, owned_experts=owned)
     layer.load_weights(*layer_weights(1))
     return layer
 
@@ -84,3 +84,17 @@ def test_a_decode_call_captured_in_a_cuda_graph_replays_new_routing():
         graph.replay()
         torch.cuda.synchronize()
         assert_close(out.float().cpu(), layer(new_hidden, new_ids, new_weights).float().cpu())
+
+
+@pytest.mark.parametrize("tokens", [4, 100], ids=["decode-read-from-host", "chunk-streamed"])
+def test_a_layer_whose_first_experts_the_gpu_owns_equals_kt_kernel_computing_all(tokens):
+    from engines.kt.experts_cpu import RoutedExpertsCPU
+
+    owned = experts_layer(owned=7)
+    plain = RoutedExpertsCPU(layer_idx=92, num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I,
+                             method="BF16", max_tokens=128)
+    plain.load_weights(*layer_weights(1))
+    assert owned.kernel_experts == E - 7
+    hidden, ids, weights = routing(tokens)
+    got = owned(hidden.cuda(), ids.cuda(), weights.cuda()).float().cpu()
+    assert_close(got, plain(hidden, ids, weights).float())

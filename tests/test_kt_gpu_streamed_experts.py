@@ -129,7 +129,7 @@ def test_decode_steps_of_enough_sequences_stream_their_experts_outside_the_graph
     layers = [m for m in runner.model.modules() if isinstance(m, RoutedExpertsCPU) and m.streamer is not None]
     streamer = layers[0].streamer
     # steps of fewer sequences replay graphs in which the GPU reads its share of the experts from host memory
-    # (kt_gpu_decode_from_host, on by default): the lone sequence below is decoded that way
+    # (kt_gpu_read_experts, on by default): the lone sequence below is decoded that way
     assert all(layer.mapped_experts(1) > 0 for layer in layers)
     # every step the runner takes: (tokens, all of them decode tokens, replayed from a CUDA graph, layer calls
     # that streamed experts). A layer call streams only when one of the step's tokens chose an expert of the

@@ -1,6 +1,6 @@
-"""Decode steps reading the held experts' copies from host memory on the GPU (`kt_gpu_decode_from_host`,
-engines/kt/mapped_experts.py): the balance between the two readers and which calls take the path, checked on
-the CPU. The kernels themselves: tests/test_kt_gpu_mapped_experts.py."""
+"""Experts the GPU reads from host memory (`kt_gpu_read_experts`, engines/kt/mapped_experts.py): the balance
+between the two readers, which calls take the path, and a layer whose first experts kt-kernel no longer holds,
+checked on the CPU (where the GPU side's arithmetic runs as plain torch). The kernels: tests/test_kt_gpu_mapped_experts.py."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -65,7 +65,79 @@ def test_streamers_read_from_host_memory_only_on_cuda_devices():
     assert ExpertStreamers(decode_from_host=True).for_device(torch.device("cpu")).mapped is None
 
 
-@pytest.mark.parametrize(("value", "expected"), [("false", False), ("true", True)])
-def test_decode_from_host_is_a_setting(value, expected):
-    assert load_settings(None, env={"KTSERVE_KT_GPU_DECODE_FROM_HOST": value}).kt_gpu_decode_from_host is expected
-    assert load_settings(None, env={}).kt_gpu_decode_from_host is True
+def test_the_setting_defaults_to_the_balance_and_zero_turns_it_off():
+    assert load_settings(None, env={}).kt_gpu_read_experts is None
+    assert load_settings(None, env={"KTSERVE_KT_GPU_READ_EXPERTS": "0"}).kt_gpu_read_experts == 0
+
+
+@pytest.mark.parametrize(("setting", "bits", "owned"), [
+    (None, 8, 31), (None, 4, 20), (None, 16, 0), (0, 8, 0), (5, 16, 5), (99, 8, 63)],
+    ids=["int8-balance", "int4-balance", "bf16-not-by-default", "off", "asked-for-bf16", "kt-kernel-keeps-one"])
+def test_how_many_experts_the_gpu_owns(monkeypatch, setting, bits, owned):
+    import engines.kt.mapped_experts as mapped
+
+    monkeypatch.setattr(mapped, "triton_available", lambda: True)
+    assert mapped.owned_experts(setting, bits, 64) == owned
+
+
+def test_without_triton_the_gpu_owns_no_expert(monkeypatch):
+    import engines.kt.mapped_experts as mapped
+
+    monkeypatch.setattr(mapped, "triton_available", lambda: False)
+    assert mapped.owned_experts(None, 8, 64) == 0
+
+
+def owned_layer(owned: int, method: str = "BF16", **kwargs):
+    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from test_kt_expert_streaming import E, H, I, TOP_K
+
+    kwargs.setdefault("streamer", ExpertStreamer(torch.device("cpu")))
+    return RoutedExpertsCPU(layer_idx=5, num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I,
+                            method=method, max_tokens=64, stream_tokens=MAX_TOKENS + 1, owned_experts=owned,
+                            **kwargs)
+
+
+def test_a_layer_whose_first_experts_the_gpu_owns_equals_kt_kernel_computing_all():
+    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from test_kt_expert_streaming import E, H, I, TOP_K, assert_close, layer_weights, routing
+
+    owned = owned_layer(7)
+    owned.load_weights(*layer_weights(0))
+    plain = RoutedExpertsCPU(layer_idx=5, num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I,
+                             method="BF16", max_tokens=64)
+    plain.load_weights(*layer_weights(0))
+    assert (owned.kernel_experts, owned.streamer.layers[5].held) == (E - 7, 7)
+    hidden, ids, weights = routing(12)
+    assert_close(owned(hidden, ids, weights).float(), plain(hidden, ids, weights).float())
+
+
+def test_routing_past_the_models_experts_is_refused_in_the_models_numbering():
+    from test_kt_expert_streaming import E, layer_weights, routing
+
+    layer = owned_layer(7)
+    layer.load_weights(*layer_weights(0))
+    hidden, ids, weights = routing(2)
+    ids[1, 0] = E
+    with pytest.raises(ValueError, match=rf"must lie in -1..{E - 1}, got -1..{E}"):
+        layer(hidden, ids, weights)
+
+
+def test_an_owned_layers_weight_cache_is_kt_kernels_part_and_no_other_split_takes_it(tmp_path):
+    import json
+
+    from test_kt_expert_streaming import E, layer_weights
+
+    layer = owned_layer(7, method="RAWINT4")
+    layer.load_weights(*layer_weights(0), cache_dir=tmp_path)
+    manifest = json.loads(next(tmp_path.glob("_layer_5/ktserve-RAWINT4.json")).read_text())
+    assert (manifest["num_experts"], manifest["first_expert"]) == (E - 7, 7)
+    assert not owned_layer(6, method="RAWINT4").load_quantized(tmp_path)
+
+
+@pytest.mark.parametrize(("kwargs", "why"), [
+    ({"streamer": None}, "no streamer holds their copies"),
+    ({"gpu_experts": [19]}, "hot experts"),
+    ({"deferred": 1}, "deferred")])
+def test_experts_go_to_the_gpu_side_only_where_it_holds_and_computes_them(kwargs, why):
+    with pytest.raises(ValueError, match=why):
+        owned_layer(7, **kwargs)

@@ -23,6 +23,7 @@ from engines.kt.experts_cpu import RoutedExpertsCPU
 from engines.kt.flashinfer_mla import attention_for
 from engines.kt.kv_cache import LatentKVCache
 from engines.kt.mapped_experts import MAX_TOKENS as MAPPED_MAX_TOKENS
+from engines.kt.mapped_experts import triton_available
 from engines.kt.loader import load_checkpoint, missing_tensors
 from engines.kt.operators import OperatorOptions, fuse_rms_norms
 from engines.kt.options import KTOptions
@@ -155,7 +156,8 @@ class KTEngine(LLMEngine):
                                   methods={m: c.method for m, c in choices.items()}, checkpoint=str(model_path),
                                   gpu_prefill_tokens=kt.kt_gpu_prefill_tokens if stream_experts != 0 else 0,
                                   gpu_prefill_experts=stream_experts, expert_pad_from=kt.kt_expert_pad_from,
-                                  streamers=ExpertStreamers(decode_from_host=kt.kt_gpu_decode_from_host))
+                                  streamers=ExpertStreamers(decode_from_host=kt.kt_gpu_read_experts != 0),
+                                  gpu_read_experts=kt.kt_gpu_read_experts)
         apply_placement(model, placement, config, options)
         gpu = any(d.startswith("cuda") for d in placement.devices.values())
         dtype = resolve_dtype(cfg.dtype, torch.device("cuda" if gpu else "cpu"))
@@ -183,7 +185,7 @@ class KTEngine(LLMEngine):
             else:
                 log.info("kt_use_cuda_graph: no GPU in the placement; decode runs without CUDA graphs")
         _log_streamed_experts(options, options.gpu_prefill_tokens, cfg.chunk_size)
-        mapped = _log_mapped_experts(model, options, kt.kt_gpu_decode_from_host)
+        mapped = _log_read_experts(model, kt.kt_gpu_read_experts)
         if cpu_experts and all_on_gpus:
             # every thread but kt-kernel's workers is GPU-side work (launching, sampling, the stream callbacks)
             if kt.kt_isolate_workers:
@@ -206,11 +208,11 @@ class KTEngine(LLMEngine):
                  cpu_experts, time.perf_counter() - started)
         details = {"kt_optimize_rule": rule_file.name, "attention_backend": "torch" if flash is None else "flashinfer"}
         streaming = options.streamers.active()
-        if streaming:
+        if streaming and kt.kt_gpu_prefill_tokens:
             details["gpu_prefill_tokens"] = str(kt.kt_gpu_prefill_tokens)
             details["gpu_prefill_copy_gbps"] = f"{min(s.pcie_bytes_per_s for s in streaming) / 1e9:.1f}"
             details["gpu_prefill_experts"] = str(min(h.held for s in streaming for h in s.layers.values()))
-            details["gpu_decode_experts"] = str(mapped)
+        details["gpu_read_experts"] = str(mapped)
         if self._isolation.spare:
             details["server_thread_cores"] = ",".join(map(str, sorted(self._isolation.spare)))
         if padded:
@@ -275,25 +277,32 @@ def _streamed_expert_count(kt: KTOptions, model: Any, config: Any) -> int | None
     return count
 
 
-def _log_mapped_experts(model: torch.nn.Module, options: OperatorOptions, wanted: bool) -> int:
-    """Say how many of each layer's experts decode steps compute on the GPU from host memory; the fewest."""
-    streamers = options.streamers.active()
-    if not streamers:
+def _log_read_experts(model: torch.nn.Module, setting: int | None) -> int:
+    """Say how many of each expert layer's experts the GPU reads from host memory in decode steps, and why none
+    where it reads none (kt_gpu_read_experts); the fewest of any layer."""
+    layers = [m for m in model.modules() if isinstance(m, RoutedExpertsCPU)]
+    on_gpu = [m for m in layers if m.gpu_device.type == "cuda"]
+    shares = [m.mapped_experts(1) for m in on_gpu if m.streamer is not None]
+    if not on_gpu:
         return 0
-    if not wanted:
-        log.info("kt_gpu_decode_from_host off: decode steps compute every routed expert on the CPU")
-        return 0
-    if any(s.mapped is None for s in streamers):
-        log.info("decode steps compute every routed expert on the CPU: Triton is not installed, so the GPU cannot "
-                 "read the experts' host copies in them (kt_gpu_decode_from_host)")
-        return 0
-    shares = sorted({m.mapped_experts(1) for m in model.modules() if isinstance(m, RoutedExpertsCPU)
-                     and m.streamer is not None})
-    if shares:
-        log.info("decode steps of up to %d sequences: the GPU computes experts [0, %s) of each layer, read from "
-                 "their pinned host copies, while kt-kernel computes the rest (kt_gpu_decode_from_host)",
-                 MAPPED_MAX_TOKENS, "/".join(map(str, shares)))
-    return min(shares, default=0)
+    if shares and max(shares) > 0:
+        owned = sorted({m.owned for m in on_gpu})
+        how = ("they live only as int8 copies in pinned host memory, kt-kernel holds the others" if owned != [0]
+               else "from the streamed copies (kt_gpu_prefill_tokens)")
+        log.info("decode steps of up to %d sequences: the GPU computes experts [0, %s) of each MoE layer reading them "
+                 "straight from host memory while kt-kernel computes the rest; %s (kt_gpu_read_experts)",
+                 MAPPED_MAX_TOKENS, "/".join(map(str, sorted(set(shares)))), how)
+        return min(shares)
+    if setting == 0:
+        why = "kt_gpu_read_experts=0"
+    elif not triton_available():
+        why = "Triton is not installed"
+    elif setting is None:
+        why = "the method's experts are wider than the GPU's int8 copies (kt_gpu_read_experts=N asks anyway)"
+    else:
+        why = "the layers keep hot experts, defer experts or run LLAMAFILE"
+    log.info("decode steps compute every routed expert with kt-kernel: %s", why)
+    return 0
 
 
 def _log_streamed_experts(options: OperatorOptions, tokens: int, chunk_size: int) -> None:

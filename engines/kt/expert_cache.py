@@ -37,6 +37,7 @@ class LayerCache:
     num_experts: int
     hidden_size: int
     intermediate_size: int
+    first_expert: int = 0  # the layer's expert that kt-kernel's expert 0 is (kt_gpu_read_experts: the GPU owns those before)
 
     @property
     def dir(self) -> Path:
@@ -51,7 +52,8 @@ class LayerCache:
         return self.dir / f"ktserve-{self.method}.json"
 
     def _manifest(self) -> dict:
-        return {"format": FORMAT, "method": self.method, "num_experts": self.num_experts,
+        first = {"first_expert": self.first_expert} if self.first_expert else {}
+        return {"format": FORMAT, "method": self.method, "num_experts": self.num_experts, **first,
                 "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size, **build_info()}
 
     def _files(self) -> list[Path]:

@@ -32,7 +32,7 @@ from engines.kt.cpuinfer import check_thread_count, load_ext, shared_cpu_infer
 from engines.kt.expert_cache import LayerCache
 from engines.kt.expert_deferral import Deferred, ExpertDeferral, check_deferred, split_deferred
 from engines.kt.expert_streaming import ExpertStreamer, HostExperts, expert_copy_bytes
-from engines.kt.mapped_experts import MAPPED_SHARE_OF_COPY_RATE, decode_experts
+from engines.kt.mapped_experts import MAPPED_SHARE_OF_COPY_RATE, decode_experts, owned_experts
 from engines.kt.mapped_experts import MAX_TOKENS as MAPPED_MAX_TOKENS
 from engines.kt.expert_methods import (METHODS, ExpertsUnsupportedError, check_llamafile_type, default_pad_from,
                                        kernel_class, matrix_tokens, pads_to_matrix, quantize_fp8_blocks,
@@ -199,7 +199,8 @@ class RoutedExpertsCPU(nn.Module):
                  activation: str = "silu", llamafile_type: str = "Q8_0", out_device: str | None = None,
                  checkpoint: str | None = None, staging: SharedStaging | None = None, deferred: Any = 0,
                  deferral: ExpertDeferral | None = None, streamer: ExpertStreamer | None = None,
-                 stream_tokens: int = 0, stream_experts: int | None = None, pad_from: int | None = None):
+                 stream_tokens: int = 0, stream_experts: int | None = None, pad_from: int | None = None,
+                 owned_experts: int = 0, read_experts: int | None = None):
         super().__init__()
         method = str(method).upper()
         _check_config(method, layer_idx=layer_idx, num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
@@ -224,13 +225,20 @@ class RoutedExpertsCPU(nn.Module):
         self.stream_tokens = stream_tokens
         # the experts (the first ones) the GPU side keeps copies of, hence may take (kt_gpu_prefill_memory)
         self.stream_experts = num_experts if stream_experts is None else min(stream_experts, num_experts)
-        self._mapped_share: int | None = None  # decode calls' share of those, once measured (mapped_experts)
+        # experts [0, owned) live only as those copies, computed on the GPU in every call; kt-kernel holds the
+        # others (as its experts 0..kernel_experts-1) and never sees these (kt_gpu_read_experts)
+        self.owned = self._check_owned(owned_experts)
+        self.kernel_experts = num_experts - self.owned
+        if self.owned:
+            self.stream_experts = self.owned
+        # decode calls' share of those (mapped_experts): as asked (kt_gpu_read_experts), else once measured
+        self._mapped_share = None if read_experts is None else min(read_experts, self.stream_experts)
         # calls of `pad_from` tokens or more that kt-kernel would compute on its per-token vector path are padded
         # with expert-less rows up to its matrix path (expert_methods.py: `matrix_tokens`); 0: never; None: the
         # method's measured default
-        self.pad_from = default_pad_from(method, num_experts, top_k) if pad_from is None else pad_from
+        self.pad_from = default_pad_from(method, self.kernel_experts, top_k) if pad_from is None else pad_from
         # the rows a padded call is handed; 0 where this build's kernel has no matrix switch to pad across
-        self._matrix_rows = matrix_tokens(num_experts, top_k) if pads_to_matrix(method) else 0
+        self._matrix_rows = matrix_tokens(self.kernel_experts, top_k) if pads_to_matrix(method) else 0
         self._no_experts: dict[torch.device, torch.Tensor] = {}  # -1 rows that pad a call, per device
         self.lora: CPUExpertsLora | None = None  # set while an adapter with expert LoRA on this layer is in
         # where a step's time goes (engines/kt/step_timing.py): blocking calls are timed on the host, and
@@ -238,7 +246,7 @@ class RoutedExpertsCPU(nn.Module):
         self.host_times = HostTimes()
         self.events: ExpertEvents | None = None
         # kt-kernel reads this mask (1 byte per expert) on every forward to skip the hot experts.
-        self._gpu_mask = torch.zeros(num_experts, dtype=torch.bool, device="cpu")
+        self._gpu_mask = torch.zeros(self.kernel_experts, dtype=torch.bool, device="cpu")
         self._gpu_mask[self.gpu_experts] = True
         self._masks: dict[torch.device, torch.Tensor] = {}  # _gpu_mask per device topk_ids arrive on
         self._gpu_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -258,16 +266,26 @@ class RoutedExpertsCPU(nn.Module):
         """The operator for transformers' routed experts at `name`; output goes to `device`."""
         if isinstance(gpu_experts, int):
             gpu_experts = list(range(gpu_experts)) if gpu_experts > 0 else None
-        return cls(layer_idx=layer_index(name), num_experts=getattr(config, "n_routed_experts", None) or
-                   config.num_experts, top_k=config.num_experts_per_tok, hidden_size=config.hidden_size,
-                   intermediate_size=config.moe_intermediate_size, method=options.method_for(method),
+        num_experts = getattr(config, "n_routed_experts", None) or config.num_experts
+        method, on_gpu = options.method_for(method), torch.device(device).type == "cuda"
+        # the experts the GPU owns (kt_gpu_read_experts): only beside a plain CPU-expert layer whose output is
+        # on a GPU, and not while duplicate copies stream (kt_gpu_prefill_tokens)
+        owned = 0
+        if (on_gpu and not options.gpu_prefill_tokens and not gpu_experts and not check_deferred(n_deferred_experts,
+                                                                                                config.num_experts_per_tok)
+                and method != "LLAMAFILE" and options.streamers.decode_from_host):
+            owned = owned_experts(options.gpu_read_experts, METHODS[method].bits, num_experts)
+        streams = on_gpu and (options.gpu_prefill_tokens or owned)
+        return cls(layer_idx=layer_index(name), num_experts=num_experts, top_k=config.num_experts_per_tok,
+                   hidden_size=config.hidden_size, intermediate_size=config.moe_intermediate_size, method=method,
                    threads=options.cpu_threads or threads, max_tokens=options.max_tokens,
                    gpu_experts=gpu_experts or None, gpu_device=device, out_device=device,
                    checkpoint=options.checkpoint, staging=options.staging, deferred=n_deferred_experts,
-                   deferral=options.deferral, stream_tokens=options.gpu_prefill_tokens,
+                   deferral=options.deferral, stream_tokens=options.gpu_prefill_tokens or
+                   (MAPPED_MAX_TOKENS + 1 if owned else 0),
                    stream_experts=options.gpu_prefill_experts, pad_from=options.expert_pad_from,
-                   streamer=options.streamers.for_device(torch.device(device))
-                   if options.gpu_prefill_tokens and torch.device(device).type == "cuda" else None)
+                   streamer=options.streamers.for_device(torch.device(device)) if streams else None,
+                   owned_experts=owned, read_experts=options.gpu_read_experts)
 
     # ------------------------------------------------------ what expert LoRA needs (engines/lora/cpu_experts.py)
     def sft_kernel(self) -> tuple[type, Any] | None:
@@ -285,6 +303,20 @@ class RoutedExpertsCPU(nn.Module):
             raise ValueError(f"expert LoRA on layer {self.layer_idx}: the base model's checkpoint is unknown")
         return read_layer_experts(Path(self.checkpoint), f"model.layers.{self.layer_idx}.mlp.experts",
                                   self.num_experts, first)
+
+    def _check_owned(self, owned: int) -> int:
+        if not owned:
+            return 0
+        if not 0 < owned < self.num_experts:
+            raise ValueError(f"owned_experts of layer {self.layer_idx} must lie in 0..{self.num_experts - 1}, "
+                             f"got {owned}")
+        why = ("no streamer holds their copies" if self.streamer is None else
+               "hot experts (gpu_experts) are kept too" if self.gpu_experts else
+               "experts are deferred (n_deferred_experts)" if self.deferred else
+               "LLAMAFILE runs without the stream path" if self.method == "LLAMAFILE" else "")
+        if why:
+            raise ValueError(f"layer {self.layer_idx} cannot hand experts to the GPU side: {why}")
+        return owned
 
     def _check_gpu_experts(self, gpu_experts: list[int] | None) -> list[int]:
         ids = sorted(set(int(e) for e in gpu_experts or ()))
@@ -314,7 +346,7 @@ class RoutedExpertsCPU(nn.Module):
         with torch.no_grad():
             self._keep_gpu_weights(gate, up, down)
             self._keep_streamed_weights(gate, up, down)
-            gate, up, down = (t.to("cpu", torch.bfloat16).contiguous() for t in (gate, up, down))
+            gate, up, down = (t[self.owned:].to("cpu", torch.bfloat16).contiguous() for t in (gate, up, down))
             cache = self._cache(cache_dir) if cache_dir is not None and METHODS[self.method].cacheable else None
             if cache is not None:
                 cache.begin_save()
@@ -349,8 +381,8 @@ class RoutedExpertsCPU(nn.Module):
         return True
 
     def _cache(self, cache_dir: str | os.PathLike) -> LayerCache:
-        return LayerCache(Path(cache_dir), self.layer_idx, self.method, self.num_experts, self.hidden_size,
-                          self.intermediate_size)
+        return LayerCache(Path(cache_dir), self.layer_idx, self.method, self.kernel_experts, self.hidden_size,
+                          self.intermediate_size, first_expert=self.owned)
 
     def _check_no_pending(self) -> None:
         if self._pending is not None:
@@ -385,7 +417,7 @@ class RoutedExpertsCPU(nn.Module):
         quantize = quantize_fp8_blocks if form == "fp8_blocks" else quantize_int4_groups
         out: dict[str, Any] = {}
         for m, t in (("gate", gate), ("up", up), ("down", down)):
-            parts = [quantize(t[e]) for e in range(self.num_experts)]
+            parts = [quantize(expert) for expert in t]
             out[m], out[f"{m}_scale"] = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
         return out
 
@@ -393,7 +425,7 @@ class RoutedExpertsCPU(nn.Module):
                       load_dir: str | os.PathLike | None = None) -> None:
         ext = load_ext()
         pool = shared_cpu_infer(self.threads)
-        config = ext.moe.MOEConfig(self.num_experts, self.top_k, self.hidden_size, self.intermediate_size,
+        config = ext.moe.MOEConfig(self.kernel_experts, self.top_k, self.hidden_size, self.intermediate_size,
                                    self._gpu_mask.data_ptr())
         config.layer_idx = self.layer_idx
         config.pool = pool.backend_
@@ -408,9 +440,9 @@ class RoutedExpertsCPU(nn.Module):
         if form in ("fp8_blocks", "int4_groups"):
             # one pointer per expert, as kt-kernel's native loaders pass checkpoint tensors
             for m in ("gate", "up", "down"):
-                setattr(config, f"{m}_projs", [[weights[m][e].data_ptr() for e in range(self.num_experts)]])
+                setattr(config, f"{m}_projs", [[weights[m][e].data_ptr() for e in range(self.kernel_experts)]])
                 setattr(config, f"{m}_scales", [[weights[f"{m}_scale"][e].data_ptr()
-                                                 for e in range(self.num_experts)]])
+                                                 for e in range(self.kernel_experts)]])
             fp8 = form == "fp8_blocks"
             config.quant_config.bits = 8 if fp8 else 4
             config.quant_config.group_size = 128 if fp8 else self.hidden_size // weights["gate_scale"].shape[2]
@@ -422,7 +454,7 @@ class RoutedExpertsCPU(nn.Module):
             config.path = os.fspath(save_dir if save_dir is not None else load_dir)
             config.save, config.load = save_dir is not None, load_dir is not None
         kernel = kernel_class(self.method)(config)
-        identity = torch.arange(self.num_experts, dtype=torch.int64, device="cpu")  # physical -> logical ids
+        identity = torch.arange(self.kernel_experts, dtype=torch.int64, device="cpu")  # physical -> logical ids
         pool.submit(kernel.load_weights_task(identity.data_ptr()))
         pool.sync()
         # Most classes quantize or pack the weights into buffers of their own while loading: ours may go (for
@@ -479,7 +511,7 @@ class RoutedExpertsCPU(nn.Module):
             mapped = 0 if streamed or deferred_ids is not None else self.mapped_experts(tokens)
             first = streamed or mapped
             if first:  # experts [0, first) run on the GPU: kt-kernel skips them
-                immediate_ids = immediate_ids.masked_fill((immediate_ids >= 0) & (immediate_ids < first), -1)
+                immediate_ids = self._kernel_ids(immediate_ids, first)
             return self._submit_on_stream(hidden, topk_ids, immediate_ids, deferred_ids, topk_weights, tokens,
                                           streamed, mapped)
         with self._lock:
@@ -492,7 +524,7 @@ class RoutedExpertsCPU(nn.Module):
             rows = self._kernel_tokens(tokens)
             x, ids, weights, out = (t[:rows] for t in self._staging_for(rows, hidden.device, role))
             x[:tokens].copy_(hidden)
-            self._stage_routing(ids, weights, immediate_ids, topk_weights, tokens)
+            self._stage_routing(ids, weights, self._kernel_ids(immediate_ids, self.owned), topk_weights, tokens)
             if deferred_ids is not None:  # staged (and checked) before anything is submitted
                 _, d_ids, d_weights, d_out = (t[:rows] for t in self._staging_for(rows, hidden.device,
                                                                                    f"deferred{self.layer_idx % 2}"))
@@ -505,6 +537,8 @@ class RoutedExpertsCPU(nn.Module):
                 deferred = Deferred(self.defer_into, tokens, d_out[:tokens], keep=(x, d_ids, d_weights, d_sizes))
             try:
                 gpu_part = self._hot_experts(hidden, topk_ids, topk_weights) if self._gpu_weights else None
+                if self.owned:  # no hot experts beside these (_check_owned)
+                    gpu_part = self.streamer.compute(self.layer_idx, hidden, topk_ids, topk_weights, self.owned)
             except BaseException:
                 self._pool.sync()  # kt-kernel must be done with the staging buffers before anyone reuses them
                 raise
@@ -520,9 +554,10 @@ class RoutedExpertsCPU(nn.Module):
             ids, weights = ids[:tokens], weights[:tokens]
         ids.copy_(topk_ids)
         weights.copy_(topk_weights)
-        if tokens and (int(ids.max()) >= self.num_experts or int(ids.min()) < -1):
+        if tokens and (int(ids.max()) >= self.kernel_experts or int(ids.min()) < -1):
+            low, high = int(ids.min()), int(ids.max()) + self.owned  # in the model's numbering (-1 stays -1)
             raise ValueError(f"topk_ids of layer {self.layer_idx} must lie in -1..{self.num_experts - 1}, "
-                             f"got {int(ids.min())}..{int(ids.max())}")
+                             f"got {low if low < 0 else low + self.owned}..{high}")
         if self.gpu_experts:
             ids.copy_(self._without_hot_experts(ids))
         if self.method == "LLAMAFILE":
@@ -601,8 +636,24 @@ class RoutedExpertsCPU(nn.Module):
         return self._staging.get(("stream", role, device, rows, self.hidden_size, self.top_k),
                                  lambda b: True, build)
 
+    def _kernel_ids(self, topk_ids: torch.Tensor, first: int) -> torch.Tensor:
+        """topk_ids as kt-kernel takes them when the GPU computes experts [0, first): those become -1, and where
+        kt-kernel does not hold them at all (`owned`), the others are renumbered from 0."""
+        if not first:
+            return topk_ids
+        if self.owned:
+            return torch.where(topk_ids >= self.owned, topk_ids - self.owned, -1)
+        return topk_ids.masked_fill((topk_ids >= 0) & (topk_ids < first), -1)
+
     def _streamed_experts(self, tokens: int) -> int:
         """How many experts (the first ones) a call of `tokens` computes on the GPU from streamed weights."""
+        if self.owned:  # every call computes them on the GPU: by the mapped kernels, or streamed when larger
+            if tokens <= MAPPED_MAX_TOKENS:
+                return 0
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"experts of layer {self.layer_idx}: a captured call of {tokens} tokens cannot "
+                                   f"stream experts (graphs end at {MAPPED_MAX_TOKENS})")
+            return self.owned
         if (self.streamer is None or tokens < self.stream_tokens or self.deferral.active  # deferring: never
                 or torch.cuda.is_current_stream_capturing()):
             return 0
@@ -613,6 +664,11 @@ class RoutedExpertsCPU(nn.Module):
         """How many experts (the first ones) a call of `tokens` computes on the GPU straight from their host
         copies (engines/kt/mapped_experts.py): decode steps and other calls of a few tokens; 0: none."""
         mapped = self.streamer.mapped if self.streamer is not None else None
+        if self.owned and 0 < tokens <= MAPPED_MAX_TOKENS:
+            if mapped is None:  # the engine hands experts over only where the kernels run
+                raise RuntimeError(f"experts of layer {self.layer_idx}: the GPU owns experts [0, {self.owned}) but "
+                                   "cannot read them (no Triton)")
+            return self.owned
         if (mapped is None or self.layer_idx not in mapped.layers or not 0 < tokens <= MAPPED_MAX_TOKENS
                 or self.gpu_experts or self.deferral.active):
             return 0

@@ -44,6 +44,27 @@ def decode_experts(num_experts: int, held: int, cpu_bytes_per_expert: float, gpu
     return max(0, min(held, round(num_experts * cpu / (cpu + gpu))))
 
 
+# The kernels' read rate, H100 machine, 2026-11-26 (`python -m bench.mapped_experts`: 45.4-46.3 GB/s at 1-32 tokens).
+GPU_READ_BYTES_PER_S = 46e9
+# Methods whose experts the GPU may own by default: int8 copies are no less precise than their own form.
+OWNED_BY_DEFAULT_BITS = 8
+
+
+def owned_experts(setting: int | None, bits: int, num_experts: int) -> int:
+    """How many of a layer's experts (the first ones) the GPU owns, computing them in every call from int8
+    copies in pinned host memory instead of kt-kernel (`kt_gpu_read_experts`): `setting`, or where it is None the
+    decode balance of the two readers (kt-kernel reading `bits`-bit experts at CPU_EXPERT_BYTES_PER_S, the kernels
+    int8 at GPU_READ_BYTES_PER_S) for methods of at most 8 bits, none for wider ones; kt-kernel keeps at least one
+    expert. 0 without Triton."""
+    if setting is None:
+        if bits > OWNED_BY_DEFAULT_BITS:
+            return 0
+        setting = decode_experts(num_experts, num_experts, bits / 8, 1.0, GPU_READ_BYTES_PER_S)
+    if setting <= 0 or not triton_available():
+        return 0
+    return min(setting, num_experts - 1)
+
+
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401

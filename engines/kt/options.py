@@ -19,5 +19,5 @@ class KTOptions:
     kt_isolate_workers: bool = True  # GPU placements: other threads leave kt-kernel's worker cores (cpuinfer.py)
     kt_gpu_prefill_tokens: int = 0  # expert calls this large (chunks, decode batches) stream part to the GPU; 0: off
     kt_gpu_prefill_memory: float | None = None  # GB of host memory the streamed copies may take; None: every expert
-    kt_gpu_decode_from_host: bool = True  # decode steps compute held copies' share on the GPU from host memory
+    kt_gpu_read_experts: int | None = None  # experts the GPU reads from host memory (mapped_experts.py); None: auto
     kt_expert_pad_from: int | None = None  # expert calls this large go padded to kt-kernel's matrix path; 0: never
