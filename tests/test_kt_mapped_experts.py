@@ -71,8 +71,9 @@ def test_the_setting_defaults_to_the_balance_and_zero_turns_it_off():
 
 
 @pytest.mark.parametrize(("setting", "bits", "owned"), [
-    (None, 8, 31), (None, 4, 20), (None, 16, 0), (0, 8, 0), (5, 16, 5), (99, 8, 63)],
-    ids=["int8-balance", "int4-balance", "bf16-not-by-default", "off", "asked-for-bf16", "kt-kernel-keeps-one"])
+    (None, 8, 31), (None, 4, 0), (20, 4, 20), (None, 16, 0), (0, 8, 0), (5, 16, 5), (99, 8, 63)],
+    ids=["int8-balance", "int4-not-by-default", "asked-for-int4", "bf16-not-by-default", "off", "asked-for-bf16",
+         "kt-kernel-keeps-one"])
 def test_how_many_experts_the_gpu_owns(monkeypatch, setting, bits, owned):
     import engines.kt.mapped_experts as mapped
 

@@ -298,7 +298,7 @@ def _log_read_experts(model: torch.nn.Module, setting: int | None) -> int:
     elif not triton_available():
         why = "Triton is not installed"
     elif setting is None:
-        why = "the method's experts are wider than the GPU's int8 copies (kt_gpu_read_experts=N asks anyway)"
+        why = "by default the GPU takes experts of 8-bit methods only (kt_gpu_read_experts=N asks anyway)"
     else:
         why = "the layers keep hot experts, defer experts or run LLAMAFILE"
     log.info("decode steps compute every routed expert with kt-kernel: %s", why)

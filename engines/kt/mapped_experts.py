@@ -46,7 +46,8 @@ def decode_experts(num_experts: int, held: int, cpu_bytes_per_expert: float, gpu
 
 # The kernels' read rate, H100 machine, 2026-11-26 (`python -m bench.mapped_experts`: 45.4-46.3 GB/s at 1-32 tokens).
 GPU_READ_BYTES_PER_S = 46e9
-# Methods whose experts the GPU may own by default: int8 copies are no less precise than their own form.
+# Methods whose experts the GPU owns by default: those whose own form is as large as the int8 copies (4-bit ones
+# would take more host memory, 16-bit ones would lose precision).
 OWNED_BY_DEFAULT_BITS = 8
 
 
@@ -54,10 +55,10 @@ def owned_experts(setting: int | None, bits: int, num_experts: int) -> int:
     """How many of a layer's experts (the first ones) the GPU owns, computing them in every call from int8
     copies in pinned host memory instead of kt-kernel (`kt_gpu_read_experts`): `setting`, or where it is None the
     decode balance of the two readers (kt-kernel reading `bits`-bit experts at CPU_EXPERT_BYTES_PER_S, the kernels
-    int8 at GPU_READ_BYTES_PER_S) for methods of at most 8 bits, none for wider ones; kt-kernel keeps at least one
-    expert. 0 without Triton."""
+    int8 at GPU_READ_BYTES_PER_S) for 8-bit methods, none for others; kt-kernel keeps at least one expert. 0
+    without Triton."""
     if setting is None:
-        if bits > OWNED_BY_DEFAULT_BITS:
+        if bits != OWNED_BY_DEFAULT_BITS:
             return 0
         setting = decode_experts(num_experts, num_experts, bits / 8, 1.0, GPU_READ_BYTES_PER_S)
     if setting <= 0 or not triton_available():
