@@ -71,21 +71,21 @@ def test_the_setting_defaults_to_the_balance_and_zero_turns_it_off():
 
 
 @pytest.mark.parametrize(("setting", "bits", "owned"), [
-    (None, 8, 31), (None, 4, 0), (20, 4, 20), (None, 16, 0), (0, 8, 0), (5, 16, 5), (99, 8, 63)],
+    (None, 8, 31), (None, 4, 0), (20, 4, 20), (None, 16, 0), (0, 8, 0), (5, 16, 5), (99, 8, 58)],
     ids=["int8-balance", "int4-not-by-default", "asked-for-int4", "bf16-not-by-default", "off", "asked-for-bf16",
-         "kt-kernel-keeps-one"])
+         "kt-kernel-keeps-a-tokens-worth"])
 def test_how_many_experts_the_gpu_owns(monkeypatch, setting, bits, owned):
     import engines.kt.mapped_experts as mapped
 
     monkeypatch.setattr(mapped, "triton_available", lambda: True)
-    assert mapped.owned_experts(setting, bits, 64) == owned
+    assert mapped.owned_experts(setting, bits, 64, top_k=6) == owned
 
 
 def test_without_triton_the_gpu_owns_no_expert(monkeypatch):
     import engines.kt.mapped_experts as mapped
 
     monkeypatch.setattr(mapped, "triton_available", lambda: False)
-    assert mapped.owned_experts(None, 8, 64) == 0
+    assert mapped.owned_experts(None, 8, 64, top_k=6) == 0
 
 
 def owned_layer(owned: int, method: str = "BF16", **kwargs):

@@ -270,11 +270,11 @@ class RoutedExpertsCPU(nn.Module):
         method, on_gpu = options.method_for(method), torch.device(device).type == "cuda"
         # the experts the GPU owns (kt_gpu_read_experts): only beside a plain CPU-expert layer whose output is
         # on a GPU, and not while duplicate copies stream (kt_gpu_prefill_tokens)
-        owned = 0
-        if (on_gpu and not options.gpu_prefill_tokens and not gpu_experts and not check_deferred(n_deferred_experts,
-                                                                                                config.num_experts_per_tok)
-                and method != "LLAMAFILE" and options.streamers.decode_from_host):
-            owned = owned_experts(options.gpu_read_experts, METHODS[method].bits, num_experts)
+        owned, deferred = 0, check_deferred(n_deferred_experts, config.num_experts_per_tok)
+        if (on_gpu and options.streamers.decode_from_host and not options.gpu_prefill_tokens and not gpu_experts
+                and not deferred and method != "LLAMAFILE"):
+            owned = owned_experts(options.gpu_read_experts, METHODS[method].bits, num_experts,
+                                  config.num_experts_per_tok)
         streams = on_gpu and (options.gpu_prefill_tokens or owned)
         return cls(layer_idx=layer_index(name), num_experts=num_experts, top_k=config.num_experts_per_tok,
                    hidden_size=config.hidden_size, intermediate_size=config.moe_intermediate_size, method=method,

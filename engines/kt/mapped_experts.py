@@ -51,19 +51,19 @@ GPU_READ_BYTES_PER_S = 46e9
 OWNED_BY_DEFAULT_BITS = 8
 
 
-def owned_experts(setting: int | None, bits: int, num_experts: int) -> int:
+def owned_experts(setting: int | None, bits: int, num_experts: int, top_k: int) -> int:
     """How many of a layer's experts (the first ones) the GPU owns, computing them in every call from int8
     copies in pinned host memory instead of kt-kernel (`kt_gpu_read_experts`): `setting`, or where it is None the
     decode balance of the two readers (kt-kernel reading `bits`-bit experts at CPU_EXPERT_BYTES_PER_S, the kernels
-    int8 at GPU_READ_BYTES_PER_S) for 8-bit methods, none for others; kt-kernel keeps at least one expert. 0
-    without Triton."""
+    int8 at GPU_READ_BYTES_PER_S) for 8-bit methods, none for others; kt-kernel keeps at least `top_k` experts (a
+    token's worth). 0 without Triton."""
     if setting is None:
         if bits != OWNED_BY_DEFAULT_BITS:
             return 0
         setting = decode_experts(num_experts, num_experts, bits / 8, 1.0, GPU_READ_BYTES_PER_S)
     if setting <= 0 or not triton_available():
         return 0
-    return min(setting, num_experts - 1)
+    return max(0, min(setting, num_experts - top_k))
 
 
 def triton_available() -> bool:
