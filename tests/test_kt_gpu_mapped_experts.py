@@ -2,6 +2,8 @@
 run on a GPU machine (pytest -m gpu). Asserts agreement, never time."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -98,3 +100,32 @@ def test_a_layer_whose_first_experts_the_gpu_owns_equals_kt_kernel_computing_all
     hidden, ids, weights = routing(tokens)
     got = owned(hidden.cuda(), ids.cuda(), weights.cuda()).float().cpu()
     assert_close(got, plain(hidden, ids, weights).float())
+
+
+def test_an_int8_server_whose_gpu_owns_half_the_experts_agrees_with_kt_kernel_alone(demo_model_dir):
+    from conftest import start_server
+    from test_kt_gpu import GPU_MEDIAN_LOGPROB_DIFF, TEXT
+
+    def serve(**settings) -> tuple[str, list[float], list[float]]:
+        running = start_server(demo_model_dir, engine="ktransformers", kt_method="AMXINT8", **settings)
+        try:
+            client, model = running.openai(), running.engine.info.id
+            # a prompt of a few hundred tokens: one chunk, the GPU's experts streamed through the ring
+            prompt = client.completions.create(model=model, prompt=TEXT[:1200], max_tokens=0, echo=True, logprobs=0)
+            # then decode steps replayed from CUDA graphs: the GPU's experts read by the mapped kernels
+            decode = client.completions.create(model=model, prompt=TEXT[:200], max_tokens=16, temperature=0,
+                                               logprobs=0, extra_body={"ignore_eos": True})
+            return (running.engine.info.details["gpu_read_experts"], prompt.choices[0].logprobs.token_logprobs[1:],
+                    decode.choices[0].logprobs.token_logprobs)
+        finally:
+            running.stop()
+
+    owned, prompt, decode = serve()
+    off, prompt_alone, decode_alone = serve(kt_gpu_read_experts=0)
+    assert (owned, off) == ("8", "0")  # the balance for 16 experts, int8 on both sides
+    diffs = sorted(abs(a - b) for a, b in zip(prompt, prompt_alone))
+    same = next((k for k, (a, b) in enumerate(zip(decode, decode_alone)) if abs(a - b) > 0.5), len(decode))
+    print(json.dumps({"prompt_positions": len(diffs), "prompt_median_diff": diffs[len(diffs) // 2],
+                      "decode_same_positions": same}))
+    assert len(diffs) > 100 and diffs[len(diffs) // 2] < GPU_MEDIAN_LOGPROB_DIFF
+    assert same >= 4
