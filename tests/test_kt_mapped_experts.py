@@ -70,22 +70,23 @@ def test_the_setting_defaults_to_the_balance_and_zero_turns_it_off():
     assert load_settings(None, env={"KTSERVE_KT_GPU_READ_EXPERTS": "0"}).kt_gpu_read_experts == 0
 
 
-@pytest.mark.parametrize(("setting", "bits", "owned"), [
-    (None, 8, 31), (None, 4, 0), (20, 4, 20), (None, 16, 0), (0, 8, 0), (5, 16, 5), (99, 8, 58)],
-    ids=["int8-balance", "int4-not-by-default", "asked-for-int4", "bf16-not-by-default", "off", "asked-for-bf16",
-         "kt-kernel-keeps-a-tokens-worth"])
-def test_how_many_experts_the_gpu_owns(monkeypatch, setting, bits, owned):
+@pytest.mark.parametrize(("setting", "method", "bits", "owned"), [
+    (None, "AMXINT8", 8, 31), (None, "FP8", 8, 31), (None, "AMXINT4", 4, 0), (20, "AMXINT4", 4, 20),
+    (None, "BF16", 16, 0), (0, "AMXINT8", 8, 0), (5, "BF16", 16, 5), (99, "AMXINT8", 8, 58), (20, "RAWINT4", 4, 0)],
+    ids=["int8-balance", "fp8-balance", "int4-not-by-default", "asked-for-int4", "bf16-not-by-default", "off",
+         "asked-for-bf16", "kt-kernel-keeps-a-tokens-worth", "never-rawint4"])
+def test_how_many_experts_the_gpu_owns(monkeypatch, setting, method, bits, owned):
     import engines.kt.mapped_experts as mapped
 
     monkeypatch.setattr(mapped, "triton_available", lambda: True)
-    assert mapped.owned_experts(setting, bits, 64, top_k=6) == owned
+    assert mapped.owned_experts(setting, method, bits, 64, top_k=6) == owned
 
 
 def test_without_triton_the_gpu_owns_no_expert(monkeypatch):
     import engines.kt.mapped_experts as mapped
 
     monkeypatch.setattr(mapped, "triton_available", lambda: False)
-    assert mapped.owned_experts(None, 8, 64, top_k=6) == 0
+    assert mapped.owned_experts(None, "AMXINT8", 8, 64, top_k=6) == 0
 
 
 def owned_layer(owned: int, method: str = "BF16", **kwargs):
@@ -123,22 +124,37 @@ def test_routing_past_the_models_experts_is_refused_in_the_models_numbering():
         layer(hidden, ids, weights)
 
 
-def test_an_owned_layers_weight_cache_is_kt_kernels_part_and_no_other_split_takes_it(tmp_path):
+def test_an_owned_layers_weight_cache_holds_both_parts_and_no_other_split_takes_it(tmp_path):
     import json
 
-    from test_kt_expert_streaming import E, layer_weights
+    from engines.kt.experts_cpu import RoutedExpertsCPU
 
-    layer = owned_layer(7, method="RAWINT4")
-    layer.load_weights(*layer_weights(0), cache_dir=tmp_path)
-    manifest = json.loads(next(tmp_path.glob("_layer_5/ktserve-RAWINT4.json")).read_text())
-    assert (manifest["num_experts"], manifest["first_expert"]) == (E - 7, 7)
-    assert not owned_layer(6, method="RAWINT4").load_quantized(tmp_path)
+    def fp8_layer(owned: int) -> RoutedExpertsCPU:  # a cacheable method every build runs; sizes of 128
+        return RoutedExpertsCPU(layer_idx=5, num_experts=20, top_k=4, hidden_size=128, intermediate_size=128,
+                                method="FP8", max_tokens=64, streamer=ExpertStreamer(torch.device("cpu")),
+                                stream_tokens=MAX_TOKENS + 1, owned_experts=owned)
+
+    g = torch.Generator().manual_seed(0)
+    layer = fp8_layer(7)
+    layer.load_weights(*(torch.randn(20, 128, 128, generator=g) * 0.05 for _ in range(3)), cache_dir=tmp_path)
+    manifest = json.loads(next(tmp_path.glob("_layer_5/ktserve-FP8.json")).read_text())
+    assert (manifest["num_experts"], manifest["first_expert"]) == (13, 7)
+    cached = fp8_layer(7)
+    assert cached.load_quantized(tmp_path)  # kt-kernel's part and the GPU's copies, no checkpoint needed
+    hidden = torch.randn(6, 128, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(20, generator=g)[:4] for _ in range(6)])
+    weights = torch.rand(6, 4, generator=g)
+    assert torch.equal(cached(hidden, ids, weights), layer(hidden, ids, weights))
+    assert not fp8_layer(6).load_quantized(tmp_path)
+    next(tmp_path.glob("_layer_5/ktserve-gpu-copies.safetensors")).unlink()
+    assert not fp8_layer(7).load_quantized(tmp_path)
 
 
 @pytest.mark.parametrize(("kwargs", "why"), [
     ({"streamer": None}, "no streamer holds their copies"),
     ({"gpu_experts": [19]}, "hot experts"),
-    ({"deferred": 1}, "deferred")])
+    ({"deferred": 1}, "deferred"),
+    ({"method": "RAWINT4"}, "RAWINT4 is not split")])
 def test_experts_go_to_the_gpu_side_only_where_it_holds_and_computes_them(kwargs, why):
     with pytest.raises(ValueError, match=why):
         owned_layer(7, **kwargs)

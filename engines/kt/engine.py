@@ -300,7 +300,7 @@ def _log_read_experts(model: torch.nn.Module, setting: int | None) -> int:
     elif setting is None:
         why = "by default the GPU takes experts of 8-bit methods only (kt_gpu_read_experts=N asks anyway)"
     else:
-        why = "the layers keep hot experts, defer experts or run LLAMAFILE"
+        why = "the layers keep hot experts, defer experts, or run RAWINT4 or LLAMAFILE"
     log.info("decode steps compute every routed expert with kt-kernel: %s", why)
     return 0
 

@@ -3,7 +3,8 @@
 Quantizing a layer's experts dominates a cold start; with a cache folder the first load writes the quantized
 form and later loads read it back. kt-kernel writes the AMX forms itself, under its own per-layer folder
 ("<PREFIX>_<mat>_<expert>_<bytes>Byte_..."); the forms quantized in torch (FP8, RAWINT4) are saved here as one
-safetensors file per layer; hot experts' weights (kept on the GPU in torch) go beside them. A manifest, written
+safetensors file per layer; hot experts' weights (kept on the GPU in torch) go beside them, and so do the GPU's int8
+copies of the experts kt-kernel does not hold (`first_expert`, kt_gpu_read_experts). A manifest, written
 last, says what the folder holds: a load reads it back only when the manifest matches this layer's method,
 shape, kt-kernel build and layout, and every file it names is there."""
 from __future__ import annotations
@@ -11,9 +12,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from engines.kt.expert_streaming import HostExperts
 
 FORMAT = 2
 KT_FILES = {"AMXINT8": ("INT8", 8), "AMXINT4": ("INT4", 4)}  # method -> kt-kernel's file prefix, bits
@@ -56,9 +60,14 @@ class LayerCache:
         return {"format": FORMAT, "method": self.method, "num_experts": self.num_experts, **first,
                 "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size, **build_info()}
 
+    def _copies_path(self) -> Path:
+        return self.dir / "ktserve-gpu-copies.safetensors"
+
     def _files(self) -> list[Path]:
+        # the GPU's copies of the experts before `first_expert`, which kt-kernel does not hold
+        copies = [self._copies_path()] if self.first_expert else []
         if not self.written_by_kt_kernel:
-            return [self.dir / f"ktserve-{self.method}.safetensors"]
+            return [self.dir / f"ktserve-{self.method}.safetensors", *copies]
         prefix, bits = KT_FILES[self.method]
         files = []
         for mat, rows, cols in (("gate", self.intermediate_size, self.hidden_size),
@@ -68,7 +77,7 @@ class LayerCache:
                 stem = self.dir / "_numa_0" / f"{prefix}_{mat}_{e}_"
                 files += [stem.with_name(stem.name + f"{rows * cols * bits // 8}Byte_quant_.kt"),
                           stem.with_name(stem.name + f"{rows * 4}Byte_scale_.kt")]
-        return files
+        return files + copies
 
     def complete(self) -> bool:
         """Whether the folder holds this layer's weights for this method, shape and kt-kernel build."""
@@ -92,6 +101,32 @@ class LayerCache:
         from safetensors.torch import load_file
 
         return load_file(str(self._files()[0]))
+
+    def save_copies(self, copies: "HostExperts") -> None:
+        """Write the GPU's int8 copies of the experts before `first_expert` (kt_gpu_read_experts)."""
+        from safetensors.torch import save_file
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        save_file(copies.named(), str(self._copies_path()))
+
+    def load_copies(self, pin: bool) -> "HostExperts | None":
+        """The GPU's copies `save_copies` wrote, in host memory (page-locked when `pin`); None when the file
+        does not hold `first_expert` experts of this shape."""
+        from safetensors import safe_open
+
+        from engines.kt.expert_streaming import COPY_TENSORS, HostExperts
+
+        try:
+            saved = safe_open(str(self._copies_path()), framework="pt")
+        except OSError:
+            return None
+        with saved:
+            copies = HostExperts.empty(self.first_expert, self.intermediate_size, self.hidden_size, pin=pin)
+            for name, tensor in zip(COPY_TENSORS, copies.tensors()):
+                if name not in saved.keys() or tuple(saved.get_slice(name).get_shape()) != tuple(tensor.shape):
+                    return None
+                tensor.copy_(saved.get_tensor(name))
+        return copies
 
     def finish_save(self, hot: tuple[torch.Tensor, ...] | None, hot_experts: list[int]) -> None:
         """Write the hot experts' weights (gate, up, down stacked over `hot_experts`), then the manifest."""

@@ -138,11 +138,7 @@ class HostExperts:
         """From the checkpoint's gate/up [E, I, H] and down [E, H, I]; quantized one expert at a time on
         `work_device` (a GPU does a V2-Lite layer in well under a second) into host memory."""
         E, I, H = gate.shape
-        tensors, unpin = _host_tensors([((E, 2 * I, H), torch.int8), ((E, 2 * I), torch.float32),
-                                        ((E, H, I), torch.int8), ((E, H), torch.float32)], pin)
-        host = cls(*tensors)
-        if unpin is not None:  # the memory stays pinned as long as this object holds it
-            weakref.finalize(host, unpin)
+        host = cls.empty(E, I, H, pin=pin)
         for e in range(E):
             gu = torch.cat([gate[e], up[e]]).to(work_device)
             q, s = _quantize_rows(gu)
@@ -153,8 +149,23 @@ class HostExperts:
             host.down_scale[e].copy_(s)
         return host
 
+    @classmethod
+    def empty(cls, experts: int, intermediate: int, hidden: int, *, pin: bool = False) -> "HostExperts":
+        """Uninitialized copies of `experts` experts, in one host allocation (page-locked when `pin`)."""
+        tensors, unpin = _host_tensors([((experts, 2 * intermediate, hidden), torch.int8),
+                                        ((experts, 2 * intermediate), torch.float32),
+                                        ((experts, hidden, intermediate), torch.int8),
+                                        ((experts, hidden), torch.float32)], pin)
+        host = cls(*tensors)
+        if unpin is not None:  # the memory stays pinned as long as this object holds it
+            weakref.finalize(host, unpin)
+        return host
+
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.gate_up, self.gate_up_scale, self.down, self.down_scale
+
+    def named(self) -> dict[str, torch.Tensor]:
+        return dict(zip(COPY_TENSORS, self.tensors()))
 
     @property
     def held(self) -> int:
@@ -164,6 +175,9 @@ class HostExperts:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+COPY_TENSORS = ("gate_up", "gate_up_scale", "down", "down_scale")  # HostExperts' fields, as saved
 
 
 @dataclass(slots=True)

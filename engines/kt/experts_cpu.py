@@ -32,7 +32,7 @@ from engines.kt.cpuinfer import check_thread_count, load_ext, shared_cpu_infer
 from engines.kt.expert_cache import LayerCache
 from engines.kt.expert_deferral import Deferred, ExpertDeferral, check_deferred, split_deferred
 from engines.kt.expert_streaming import ExpertStreamer, HostExperts, expert_copy_bytes
-from engines.kt.mapped_experts import MAPPED_SHARE_OF_COPY_RATE, decode_experts, owned_experts
+from engines.kt.mapped_experts import MAPPED_SHARE_OF_COPY_RATE, OWNABLE_METHODS, decode_experts, owned_experts
 from engines.kt.mapped_experts import MAX_TOKENS as MAPPED_MAX_TOKENS
 from engines.kt.expert_methods import (METHODS, ExpertsUnsupportedError, check_llamafile_type, default_pad_from,
                                        kernel_class, matrix_tokens, pads_to_matrix, quantize_fp8_blocks,
@@ -271,9 +271,9 @@ class RoutedExpertsCPU(nn.Module):
         # the experts the GPU owns (kt_gpu_read_experts): only beside a plain CPU-expert layer whose output is
         # on a GPU, and not while duplicate copies stream (kt_gpu_prefill_tokens)
         owned, deferred = 0, check_deferred(n_deferred_experts, config.num_experts_per_tok)
-        if (on_gpu and options.streamers.decode_from_host and not options.gpu_prefill_tokens and not gpu_experts
-                and not deferred and method != "LLAMAFILE"):
-            owned = owned_experts(options.gpu_read_experts, METHODS[method].bits, num_experts,
+        if on_gpu and options.streamers.decode_from_host and not options.gpu_prefill_tokens and not gpu_experts \
+                and not deferred:
+            owned = owned_experts(options.gpu_read_experts, method, METHODS[method].bits, num_experts,
                                   config.num_experts_per_tok)
         streams = on_gpu and (options.gpu_prefill_tokens or owned)
         return cls(layer_idx=layer_index(name), num_experts=num_experts, top_k=config.num_experts_per_tok,
@@ -313,7 +313,7 @@ class RoutedExpertsCPU(nn.Module):
         why = ("no streamer holds their copies" if self.streamer is None else
                "hot experts (gpu_experts) are kept too" if self.gpu_experts else
                "experts are deferred (n_deferred_experts)" if self.deferred else
-               "LLAMAFILE runs without the stream path" if self.method == "LLAMAFILE" else "")
+               f"{self.method} is not split" if self.method not in OWNABLE_METHODS else "")
         if why:
             raise ValueError(f"layer {self.layer_idx} cannot hand experts to the GPU side: {why}")
         return owned
@@ -355,6 +355,8 @@ class RoutedExpertsCPU(nn.Module):
                 cache.save_prepared(prepared)
             self._build_kernel(prepared, save_dir=cache.root if cache and cache.written_by_kt_kernel else None)
             if cache is not None:
+                if self.owned:  # the experts kt-kernel does not hold: the GPU's copies are their only form
+                    cache.save_copies(self.streamer.layers[self.layer_idx])
                 cache.finish_save(self._gpu_weights, self.gpu_experts)
 
     def load_quantized(self, cache_dir: str | os.PathLike) -> bool:
@@ -371,11 +373,18 @@ class RoutedExpertsCPU(nn.Module):
             if hot is None:
                 return False
             self._gpu_weights = hot
+        copies = None
+        if self.owned:  # the GPU's copies of the experts kt-kernel does not hold are in the cache too
+            copies = cache.load_copies(pin=self.streamer.device.type == "cuda")
+            if copies is None:
+                return False
         if cache.written_by_kt_kernel:  # kt-kernel only prints (and reads garbage) for a missing file: checked
             self._build_kernel({}, load_dir=cache.root)
         else:
             self._build_kernel(cache.load_prepared())
-        if self.streamer is not None:  # the cache holds kt-kernel's form only: the GPU's comes from the checkpoint
+        if copies is not None:
+            self.streamer.register(self.layer_idx, copies, self.top_k)
+        elif self.streamer is not None:  # extra copies (kt_gpu_prefill_tokens) come from the checkpoint
             self._keep_streamed_weights(*self.read_base_weights(self.stream_experts))
         log.debug("layer %d: %s experts loaded from %s", self.layer_idx, self.method, cache.dir)
         return True

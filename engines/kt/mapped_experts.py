@@ -46,17 +46,23 @@ def decode_experts(num_experts: int, held: int, cpu_bytes_per_expert: float, gpu
 
 # The kernels' read rate, H100 machine, 2026-11-26 (`python -m bench.mapped_experts`: 45.4-46.3 GB/s at 1-32 tokens).
 GPU_READ_BYTES_PER_S = 46e9
+# Methods whose kt-kernel classes computed correctly over any count of experts a split leaves them (1-40, checked on
+# the avx512_bf16 and avx2 builds); RAWINT4's kernel crashed the process for some counts (33 experts of 256 x 256,
+# 12, 13 and 20 of 128 x 64), and LLAMAFILE has no stream path.
+OWNABLE_METHODS = frozenset({"AMXINT8", "AMXINT4", "BF16", "FP8"})
 # Methods whose experts the GPU owns by default: those whose own form is as large as the int8 copies (4-bit ones
 # would take more host memory, 16-bit ones would lose precision).
 OWNED_BY_DEFAULT_BITS = 8
 
 
-def owned_experts(setting: int | None, bits: int, num_experts: int, top_k: int) -> int:
+def owned_experts(setting: int | None, method: str, bits: int, num_experts: int, top_k: int) -> int:
     """How many of a layer's experts (the first ones) the GPU owns, computing them in every call from int8
     copies in pinned host memory instead of kt-kernel (`kt_gpu_read_experts`): `setting`, or where it is None the
     decode balance of the two readers (kt-kernel reading `bits`-bit experts at CPU_EXPERT_BYTES_PER_S, the kernels
     int8 at GPU_READ_BYTES_PER_S) for 8-bit methods, none for others; kt-kernel keeps at least `top_k` experts (a
-    token's worth). 0 without Triton."""
+    token's worth). 0 without Triton, and for methods outside OWNABLE_METHODS."""
+    if method not in OWNABLE_METHODS:
+        return 0
     if setting is None:
         if bits != OWNED_BY_DEFAULT_BITS:
             return 0
