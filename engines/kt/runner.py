@@ -98,8 +98,9 @@ class KTModelRunner(ModelRunner):
                      "streams part of every step's experts to the GPU")
             return
         if largest < max_batch:
-            log.info("kt_use_cuda_graph: decode steps of %d sequences or more run without CUDA graphs, streaming "
-                     "part of their routed experts to the GPU (kt_gpu_prefill_tokens=%d)", streams_from, streams_from)
+            log.info("kt_use_cuda_graph: decode steps of %d sequences or more run without CUDA graphs: they stream "
+                     "part of their routed experts to the GPU (kt_gpu_prefill_tokens, or kt_gpu_read_experts past the "
+                     "calls its kernels take)", streams_from)
             max_batch = largest
         self.graphs = DecodeGraphs(self._decode_forward, device=self.embed_device, max_batch=max_batch,
                                    max_len=self.max_model_len, scratch_slot=self.scratch_slot, cache=self.cache,
