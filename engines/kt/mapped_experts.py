@@ -4,17 +4,19 @@ A decode step of a few sequences reads each chosen expert once; kt-kernel does t
 14 threads (`python -m bench.expert_floor`), and the GPU waits. The GPU has a path of its own to the same memory:
 a kernel can read pinned host memory through PCIe (unified addressing: the host address is valid on the device),
 without a copy issued from the host first, so it needs no host sync to learn which experts the router chose and
-fits inside a captured CUDA graph. Measured on an H100 machine (2026-11-26, `python -m bench.mapped_experts`):
-the kernels below read the experts at 46-47 GB/s, and kt-kernel computing half of a token's experts meanwhile
-slowed by 9% (0.55 -> 0.60 ms a V2-Lite layer), so both sides together read ~90 GB/s where kt-kernel alone
-reads ~50.
+fits inside a captured CUDA graph. Measured on an H100 machine (2026-11-26, bench/results/nvidia-h100-2026-11-26-
+mapped/): the kernels below read the experts at 46-47 GB/s, and kt-kernel computing half of a token's experts
+meanwhile slowed by 9% (0.55 -> 0.60 ms a V2-Lite layer), so both sides together read ~90 GB/s where kt-kernel
+alone reads ~50.
 
-So where a layer holds the int8 copies of its first experts that streamed prompt chunks read (`HostExperts`,
-engines/kt/expert_streaming.py), calls of up to `MAX_TOKENS` tokens on the stream path compute experts [0, n)
-here while kt-kernel computes the rest: n balances the two readers (`decode_experts`), at most the experts the
-layer holds copies of. Two Triton kernels per layer: gate and up (with SiLU) per (expert, block of rows), then
-down per (expert, block of outputs), each skipping experts no token chose, each reading an expert's rows once for
-all the tokens that chose it; the per-expert outputs are summed in a fixed order (deterministic).
+The GPU reads int8 copies of a layer's first experts (`HostExperts`, engines/kt/expert_streaming.py). By default
+(`kt_gpu_read_experts`, `owned_experts`) those experts are the GPU's alone: kt-kernel is built over the others, so
+host memory holds one copy of each expert, and every call computes them on the GPU (here up to `MAX_TOKENS` tokens,
+through the streamer's ring above). Where the copies are extra ones for streamed prompt chunks
+(`kt_gpu_prefill_tokens`), calls of up to `MAX_TOKENS` tokens read a share of them here instead (`decode_experts`).
+Two Triton kernels per layer: gate and up (with SiLU) per (expert, block of rows), then down per (expert, block of
+outputs), each skipping experts no token chose, each reading an expert's rows once for all the tokens that chose it;
+the outputs of a token's routing slots are summed in a fixed order (deterministic).
 """
 from __future__ import annotations
 
