@@ -41,7 +41,8 @@ class LayerCache:
     num_experts: int
     hidden_size: int
     intermediate_size: int
-    first_expert: int = 0  # the layer's expert that kt-kernel's expert 0 is (kt_gpu_read_experts: the GPU owns those before)
+    # the layer's expert that kt-kernel's expert 0 is (kt_gpu_read_experts: the GPU owns the ones before it)
+    first_expert: int = 0
 
     @property
     def dir(self) -> Path:

@@ -113,7 +113,8 @@ def _host_tensors(specs: list[tuple[tuple[int, ...], torch.dtype]], pin: bool
     if pin:
         cudart = torch.cuda.cudart()
         # portable and mapped: any GPU may read it, by copies or straight from a kernel (mapped_experts.py)
-        if int(cudart.cudaHostRegister(block.data_ptr(), total, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED)) != 0:
+        flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED
+        if int(cudart.cudaHostRegister(block.data_ptr(), total, flags)) != 0:
             raise RuntimeError(f"could not pin {total} bytes of host memory for the GPU's copies of experts; "
                                "kt_gpu_read_experts=0 (and no kt_gpu_prefill_tokens) keeps every expert in kt-kernel")
         unpin = partial(cudart.cudaHostUnregister, block.data_ptr())
