@@ -1,6 +1,7 @@
 """Experts the GPU reads from host memory (`kt_gpu_read_experts`, engines/kt/mapped_experts.py): the balance
 between the two readers, which calls take the path, and a layer whose first experts kt-kernel no longer holds,
-checked on the CPU (where the GPU side's arithmetic runs as plain torch). The kernels: tests/test_kt_gpu_mapped_experts.py."""
+checked on the CPU (where the GPU side's arithmetic runs as plain torch). The kernels:
+tests/test_kt_gpu_mapped_experts.py."""
 from __future__ import annotations
 
 from types import SimpleNamespace
