@@ -48,10 +48,10 @@ def decode_experts(num_experts: int, held: int, cpu_bytes_per_expert: float, gpu
 
 # The kernels' read rate, H100 machine, 2026-11-26 (`python -m bench.mapped_experts`: 45.4-46.3 GB/s at 1-32 tokens).
 GPU_READ_BYTES_PER_S = 46e9
-# Methods whose kt-kernel classes computed every count of experts tried (8-40, odd ones included; `code/expert_counts.py`
-# in bench/results/nvidia-h100-2026-11-26-mapped/, on the avx512_bf16 and avx2 builds); the avx512_bf16 build's RAWINT4
-# class crashed the process for some counts (33 experts of 256 x 256; 12, 13 and 20 of 128 x 64), and LLAMAFILE has
-# no stream path.
+# Methods whose kt-kernel classes computed every count of experts tried (8-40, odd ones included; code/expert_counts.py
+# in bench/results/nvidia-h100-2026-11-26-mapped/, avx512_bf16 and avx2 builds); the avx512_bf16 build's RAWINT4
+# class crashed the process for some counts (33 experts of 256 x 256; 12, 13 and 20 of 128 x 64), and LLAMAFILE
+# has no stream path.
 OWNABLE_METHODS = frozenset({"AMXINT8", "AMXINT4", "BF16", "FP8"})
 # Methods whose experts the GPU owns by default: those whose own form is as large as the int8 copies (4-bit ones
 # would take more host memory, 16-bit ones would lose precision).
