@@ -125,6 +125,9 @@ def _host_tensors(specs: list[tuple[tuple[int, ...], torch.dtype]], pin: bool
     return out, unpin
 
 
+COPY_TENSORS = ("gate_up", "gate_up_scale", "down", "down_scale")  # HostExperts' fields, as saved
+
+
 @dataclass(slots=True, weakref_slot=True)
 class HostExperts:
     """One layer's routed experts as the GPU side reads them: int8 with a float32 scale per output row."""
@@ -177,9 +180,6 @@ class HostExperts:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
-
-
-COPY_TENSORS = ("gate_up", "gate_up_scale", "down", "down_scale")  # HostExperts' fields, as saved
 
 
 @dataclass(slots=True)

@@ -75,6 +75,7 @@ def owned_experts(setting: int | None, method: str, bits: int, num_experts: int,
     return max(0, min(setting, num_experts - top_k))
 
 
+@functools.cache
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401
