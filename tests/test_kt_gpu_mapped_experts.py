@@ -88,6 +88,19 @@ def test_a_decode_call_captured_in_a_cuda_graph_replays_new_routing():
         assert_close(out.float().cpu(), layer(new_hidden, new_ids, new_weights).float().cpu())
 
 
+def test_decode_calls_queued_back_to_back_each_get_their_own_experts():
+    """Decode calls queue their copies, kt-kernel's task and the GPU's kernels without a host sync; calls queued
+    back to back, each freeing its inputs for the next to reuse and sharing the staging buffers and the kernels'
+    scratch, still each compute their own routing."""
+    layer = experts_layer(held=10)
+    layer.streamer.pcie_bytes_per_s = 1e12
+    assert layer.mapped_experts(2) == 10
+    outs = [layer(*(t.cuda() for t in routing(2, seed=seed))).clone() for seed in range(8)]
+    torch.cuda.synchronize()
+    for seed, out in enumerate(outs):
+        assert_close(out.float().cpu(), layer(*routing(2, seed=seed)).float().cpu())
+
+
 @pytest.mark.parametrize("tokens", [4, 100], ids=["decode-read-from-host", "chunk-streamed"])
 def test_a_layer_whose_first_experts_the_gpu_owns_equals_kt_kernel_computing_all(tokens):
     from engines.kt.experts_cpu import RoutedExpertsCPU
