@@ -42,7 +42,7 @@ def test_the_kernels_compute_the_experts_below_the_share_as_the_int8_reference(t
     assert_close(got, reference(host, hidden, ids, weights, below=11))
 
 
-def experts_layer(held: int | None = None, owned: int = 0):
+def experts_layer(held: int | None = None, owned: int = 0, read: int | None = None):
     from engines.kt.expert_streaming import ExpertStreamers
     from engines.kt.experts_cpu import RoutedExpertsCPU
 
@@ -50,7 +50,7 @@ def experts_layer(held: int | None = None, owned: int = 0):
     layer = RoutedExpertsCPU(layer_idx=91, num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I,
                              method="BF16", max_tokens=128, gpu_device="cuda", out_device="cuda",
                              streamer=ExpertStreamers(decode_from_host=True).for_device(torch.device("cuda")),
-                             stream_tokens=65, stream_experts=held, owned_experts=owned)
+                             stream_tokens=65, stream_experts=held, owned_experts=owned, read_experts=read)
     layer.load_weights(*layer_weights(1))
     return layer
 
@@ -66,8 +66,7 @@ def test_a_decode_call_splits_its_experts_with_kt_kernel_and_equals_the_cpu():
 
 
 def test_a_decode_call_captured_in_a_cuda_graph_replays_new_routing():
-    layer = experts_layer(held=10)
-    layer.streamer.pcie_bytes_per_s = 1e12  # the balance alone would give the GPU every expert
+    layer = experts_layer(held=10, read=10)  # every held expert, whatever the balance
     assert layer.mapped_experts(3) == 10
     hidden, ids, weights = (t.cuda() for t in routing(3))
     side = torch.cuda.Stream()
@@ -92,8 +91,7 @@ def test_decode_calls_queued_back_to_back_each_get_their_own_experts():
     """Decode calls queue their copies, kt-kernel's task and the GPU's kernels without a host sync; calls queued
     back to back, each freeing its inputs for the next to reuse and sharing the staging buffers and the kernels'
     scratch, still each compute their own routing."""
-    layer = experts_layer(held=10)
-    layer.streamer.pcie_bytes_per_s = 1e12
+    layer = experts_layer(held=10, read=10)
     assert layer.mapped_experts(2) == 10
     outs = [layer(*(t.cuda() for t in routing(2, seed=seed))).clone() for seed in range(8)]
     torch.cuda.synchronize()

@@ -32,7 +32,7 @@ from engines.kt.cpuinfer import check_thread_count, load_ext, shared_cpu_infer
 from engines.kt.expert_cache import LayerCache
 from engines.kt.expert_deferral import Deferred, ExpertDeferral, check_deferred, split_deferred
 from engines.kt.expert_streaming import ExpertStreamer, HostExperts, expert_copy_bytes
-from engines.kt.mapped_experts import MAPPED_SHARE_OF_COPY_RATE, OWNABLE_METHODS, decode_experts, owned_experts
+from engines.kt.mapped_experts import OWNABLE_METHODS, decode_experts, owned_experts
 from engines.kt.mapped_experts import MAX_TOKENS as MAPPED_MAX_TOKENS
 from engines.kt.expert_methods import (METHODS, ExpertsUnsupportedError, check_llamafile_type, default_pad_from,
                                        kernel_class, matrix_tokens, pads_to_matrix, quantize_fp8_blocks,
@@ -231,8 +231,12 @@ class RoutedExpertsCPU(nn.Module):
         self.kernel_experts = num_experts - self.owned
         if self.owned:
             self.stream_experts = self.owned
-        # decode calls' share of those (mapped_experts): as asked (kt_gpu_read_experts), else once measured
-        self._mapped_share = None if read_experts is None else min(read_experts, self.stream_experts)
+        # decode calls' share of those where they are extra copies (mapped_experts): as asked (kt_gpu_read_experts),
+        # else the two readers' balance
+        self._mapped_share = (decode_experts(num_experts, self.stream_experts,
+                                             3 * hidden_size * intermediate_size * METHODS[method].bits / 8,
+                                             expert_copy_bytes(hidden_size, intermediate_size))
+                              if read_experts is None else min(read_experts, self.stream_experts))
         # calls of `pad_from` tokens or more that kt-kernel would compute on its per-token vector path are padded
         # with expert-less rows up to its matrix path (expert_methods.py: `matrix_tokens`); 0: never; None: the
         # method's measured default
@@ -681,12 +685,6 @@ class RoutedExpertsCPU(nn.Module):
         if (mapped is None or self.layer_idx not in mapped.layers or not 0 < tokens <= MAPPED_MAX_TOKENS
                 or self.gpu_experts or self.deferral.active):
             return 0
-        if self._mapped_share is None:
-            weights = 3 * self.hidden_size * self.intermediate_size
-            self._mapped_share = decode_experts(
-                self.num_experts, self.stream_experts, weights * METHODS[self.method].bits / 8,
-                expert_copy_bytes(self.hidden_size, self.intermediate_size),
-                self.streamer.pcie_bytes_per_s * MAPPED_SHARE_OF_COPY_RATE)
         return self._mapped_share
 
     def _submit_streamed_only(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

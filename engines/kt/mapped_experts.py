@@ -32,13 +32,14 @@ from engines.kt.expert_streaming import CPU_EXPERT_BYTES_PER_S, HostExperts
 log = logging.getLogger("ktserve.engine.kt")
 
 MAX_TOKENS = 64  # calls of up to this many tokens (decode steps, short chunks) go through the kernels
-# The kernels' read rate over PCIe against a host-issued copy's on the same machine (H100, 2026-11-26: 46.1-47.3
-# against 53.9-54.3 GB/s): what the start-up copy measurement (`ExpertStreamer.pcie_bytes_per_s`) is scaled by.
-MAPPED_SHARE_OF_COPY_RATE = 0.86
+# The kernels' read rate, H100 machine, 2026-11-26 (`python -m bench.mapped_experts`: 45.4-46.3 GB/s at 1-32 tokens;
+# a host-issued copy read 53.9-54.3 GB/s there). Every share below is weighed with it.
+GPU_READ_BYTES_PER_S = 46e9
 
 
 def decode_experts(num_experts: int, held: int, cpu_bytes_per_expert: float, gpu_bytes_per_expert: float,
-                   gpu_bytes_per_s: float, cpu_bytes_per_s: float = CPU_EXPERT_BYTES_PER_S) -> int:
+                   gpu_bytes_per_s: float = GPU_READ_BYTES_PER_S, cpu_bytes_per_s: float = CPU_EXPERT_BYTES_PER_S
+                   ) -> int:
     """How many of a layer's experts (the first ones, at most `held`) the GPU reads from host memory in a decode
     step, so that both readers take about as long: each side's time grows with the experts it owns."""
     cpu = cpu_bytes_per_expert / cpu_bytes_per_s
@@ -46,8 +47,6 @@ def decode_experts(num_experts: int, held: int, cpu_bytes_per_expert: float, gpu
     return max(0, min(held, round(num_experts * cpu / (cpu + gpu))))
 
 
-# The kernels' read rate, H100 machine, 2026-11-26 (`python -m bench.mapped_experts`: 45.4-46.3 GB/s at 1-32 tokens).
-GPU_READ_BYTES_PER_S = 46e9
 # Methods whose kt-kernel classes computed every count of experts tried (8-40, odd ones included; code/expert_counts.py
 # in bench/results/nvidia-h100-2026-11-26-mapped/, avx512_bf16 and avx2 builds); the avx512_bf16 build's RAWINT4
 # class crashed the process for some counts (33 experts of 256 x 256; 12, 13 and 20 of 128 x 64), and LLAMAFILE
@@ -69,7 +68,7 @@ def owned_experts(setting: int | None, method: str, bits: int, num_experts: int,
     if setting is None:
         if bits != OWNED_BY_DEFAULT_BITS:
             return 0
-        setting = decode_experts(num_experts, num_experts, bits / 8, 1.0, GPU_READ_BYTES_PER_S)
+        setting = decode_experts(num_experts, num_experts, bits / 8, 1.0)
     if setting <= 0 or not triton_available():
         return 0
     return max(0, min(setting, num_experts - top_k))
