@@ -5,9 +5,9 @@ A decode step of a few sequences reads each chosen expert once; kt-kernel does t
 a kernel can read pinned host memory through PCIe (unified addressing: the host address is valid on the device),
 without a copy issued from the host first, so it needs no host sync to learn which experts the router chose and
 fits inside a captured CUDA graph. Measured on an H100 machine (2026-11-26, bench/results/nvidia-h100-2026-11-26-
-mapped/): the kernels below read the experts at 46-47 GB/s, and kt-kernel computing half of a token's experts
-meanwhile slowed by 9% (0.55 -> 0.60 ms a V2-Lite layer), so both sides together read ~90 GB/s where kt-kernel
-alone reads ~50.
+mapped/): the kernels below read the experts at 46-47 GB/s (50-51 since `down` reads longer rows), and
+kt-kernel computing half of a token's experts meanwhile slowed by 9% (0.55 -> 0.60 ms a V2-Lite layer), so both
+sides together read ~90 GB/s where kt-kernel alone reads ~50.
 
 The GPU reads int8 copies of a layer's first experts (`HostExperts`, engines/kt/expert_streaming.py). By default
 (`kt_gpu_read_experts`, `owned_experts`) those experts are the GPU's alone: kt-kernel is built over the others, so
@@ -32,9 +32,10 @@ from engines.kt.expert_streaming import CPU_EXPERT_BYTES_PER_S, HostExperts
 log = logging.getLogger("ktserve.engine.kt")
 
 MAX_TOKENS = 64  # calls of up to this many tokens (decode steps, short chunks) go through the kernels
-# The kernels' read rate, H100 machine, 2026-11-26 (`python -m bench.mapped_experts`: 45.4-46.3 GB/s at 1-32 tokens;
-# a host-issued copy read 53.9-54.3 GB/s there). Every share below is weighed with it.
-GPU_READ_BYTES_PER_S = 46e9
+# The kernels' read rate, alone, H100 machine, 2026-11-26: 50.3-51.0 GB/s for each kernel at 1 and 16 tokens
+# (bench/results/nvidia-h100-2026-11-26-fork/tune/; a host-issued copy read 53.9-54.3 GB/s on such machines). Every
+# share below is weighed with it, as kt-kernel's side is with its own rate alone (CPU_EXPERT_BYTES_PER_S).
+GPU_READ_BYTES_PER_S = 50e9
 
 
 def decode_experts(num_experts: int, held: int, cpu_bytes_per_expert: float, gpu_bytes_per_expert: float,
@@ -211,11 +212,15 @@ def _kernels():
     return triton, gate_up, down
 
 
-BLOCK_R, BLOCK_H, BLOCK_O, BLOCK_I = 32, 128, 32, 64
+# Each program reads rows of BLOCK_H (gate, up) or BLOCK_I (down) contiguous bytes at a time: `down` read 42 GB/s
+# with 64-byte rows and 50 with 128 (bench/results/nvidia-h100-2026-11-26-fork/tune/: every block size, warp count
+# and pipeline depth tried; `gate_up` was within 1% of its best as it stands).
+BLOCK_R, BLOCK_H, BLOCK_O, BLOCK_I = 32, 128, 32, 128
 
 
 @dataclass(slots=True)
 class _Layer:
+    host: HostExperts  # kept: its memory is unpinned when it goes, and the views below would then read nothing
     gate_up: torch.Tensor  # device views of the host copies (int8)
     down: torch.Tensor
     gate_up_scale: torch.Tensor  # the scales, on the device (a few hundred KB a layer)
@@ -235,8 +240,9 @@ class MappedExperts:
 
     def register(self, layer: int, host: HostExperts, top_k: int) -> None:
         _, two_i, hidden = host.gate_up.shape
-        self.layers[layer] = _Layer(device_view(host.gate_up, self.device), device_view(host.down, self.device),
-                                    host.gate_up_scale.to(self.device), host.down_scale.to(self.device))
+        self.layers[layer] = _Layer(host, device_view(host.gate_up, self.device),
+                                    device_view(host.down, self.device), host.gate_up_scale.to(self.device),
+                                    host.down_scale.to(self.device))
         h, part = MAX_TOKENS * top_k * two_i // 2, MAX_TOKENS * top_k * hidden
         if self._h is None or self._h.numel() < h or self._part.numel() < part:
             self._h = torch.empty(h, dtype=torch.bfloat16, device=self.device)
