@@ -42,6 +42,23 @@ def test_the_kernels_compute_the_experts_below_the_share_as_the_int8_reference(t
     assert_close(got, reference(host, hidden, ids, weights, below=11))
 
 
+def test_registered_copies_stay_readable_after_the_caller_drops_them():
+    """A HostExperts unpins its memory when it goes; the kernels must not read memory no longer pinned."""
+    import gc
+
+    from engines.kt.mapped_experts import MappedExperts
+
+    host = host_copies(held=16)
+    hidden, ids, weights = routing(3)
+    want = reference(host, hidden, ids, weights, below=11)
+    mapped = MappedExperts(torch.device("cuda"))
+    mapped.register(7, host, TOP_K)
+    del host
+    gc.collect()
+    got = mapped.compute(7, hidden.cuda(), ids.cuda(), weights.cuda(), experts=11).cpu()
+    assert_close(got, want)
+
+
 def experts_layer(held: int | None = None, owned: int = 0, read: int | None = None):
     from engines.kt.expert_streaming import ExpertStreamers
     from engines.kt.experts_cpu import RoutedExpertsCPU
