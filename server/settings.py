@@ -108,7 +108,7 @@ class Settings(BaseModel):
               "straight from pinned host memory in decode steps (and streaming them for longer prompt chunks), while "
               "kt-kernel computes the rest and no longer holds these: host memory stays one copy of the experts. "
               "Needs the layer's output on a GPU and Triton. Default: the balance of the two readers for 8-bit "
-              "methods (31 of V2-Lite's 64 for AMXINT8), none for others (int8 copies would take more memory than "
+              "methods (32 of V2-Lite's 64 for AMXINT8), none for others (int8 copies would take more memory than "
               "INT4 experts and lose BF16's precision; RAWINT4 and LLAMAFILE are never split); 0: off. With "
               "kt_gpu_prefill_tokens: how many of the streamed copies decode steps read that way", ge=0)
     kt_expert_pad_from: int | None = engine_setting(
