@@ -32,7 +32,8 @@ def _layers(method: str, count: int, streamers, threads: int | None) -> list:
         layer = RoutedExpertsCPU(layer_idx=i, num_experts=EXPERTS, top_k=TOP_K, hidden_size=HIDDEN,
                                  intermediate_size=INTER, method=method, threads=threads, max_tokens=MAX_TOKENS,
                                  gpu_device="cuda", out_device="cuda", streamer=streamers.for_device(
-                                     torch.device("cuda")), stream_tokens=MAX_TOKENS + 1)  # no ring streaming
+                                     torch.device("cuda")), stream_tokens=MAX_TOKENS + 1,  # no ring streaming
+                                 read_experts=None)  # decode calls read the balanced share of the copies
         weights = [torch.randn(EXPERTS, *shape, dtype=torch.bfloat16, device="cuda").mul_(0.02).cpu()
                    for shape in ((INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER))]
         layer.load_weights(*weights)
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if max(sizes) > MAX_TOKENS:
         p.error(f"--tokens: calls of at most {MAX_TOKENS} tokens go through the mapped experts")
-    layers = _layers(args.method, args.layers, ExpertStreamers(decode_from_host=True), args.threads)
+    layers = _layers(args.method, args.layers, ExpertStreamers(), args.threads)
     mapped = layers[0].streamer.mapped
     if mapped is None:
         raise SystemExit("Triton is not installed: the GPU cannot read the experts from host memory")

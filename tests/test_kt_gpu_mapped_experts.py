@@ -66,7 +66,7 @@ def experts_layer(held: int | None = None, owned: int = 0, read: int | None = No
     torch.manual_seed(0)
     layer = RoutedExpertsCPU(layer_idx=91, num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I,
                              method="BF16", max_tokens=128, gpu_device="cuda", out_device="cuda",
-                             streamer=ExpertStreamers(decode_from_host=True).for_device(torch.device("cuda")),
+                             streamer=ExpertStreamers().for_device(torch.device("cuda")),
                              stream_tokens=65, stream_experts=held, owned_experts=owned, read_experts=read)
     layer.load_weights(*layer_weights(1))
     return layer

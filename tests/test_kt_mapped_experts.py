@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engines.kt.expert_streaming import ExpertStreamer, ExpertStreamers
+from engines.kt.expert_streaming import ExpertStreamer, ExpertStreamers, HostExperts
 from engines.kt.mapped_experts import MAX_TOKENS, decode_experts
 from server.settings import load_settings
 
@@ -33,6 +33,7 @@ def test_the_gpu_never_takes_more_experts_than_the_layer_holds_copies_of():
 def layer_with(streamer, **kwargs):
     from engines.kt.experts_cpu import RoutedExpertsCPU
 
+    kwargs.setdefault("read_experts", None)  # the balance, as the engine asks by default
     return RoutedExpertsCPU(layer_idx=3, num_experts=16, top_k=4, hidden_size=128, intermediate_size=64,
                             method="BF16", max_tokens=128, streamer=streamer, stream_tokens=256, **kwargs)
 
@@ -63,7 +64,23 @@ def test_no_mapped_share_without_the_setting_a_registered_layer_or_with_hot_expe
 
 
 def test_streamers_read_from_host_memory_only_on_cuda_devices():
-    assert ExpertStreamers(decode_from_host=True).for_device(torch.device("cpu")).mapped is None
+    from test_kt_expert_streaming import E, H, I, TOP_K, layer_weights
+
+    streamer = ExpertStreamers().for_device(torch.device("cpu"))
+    streamer.register(0, HostExperts.quantize(*layer_weights(0)), TOP_K, read_from_host=True)
+    assert (streamer.layers[0].held, streamer.mapped) == (E, None)
+
+
+def test_operators_built_outside_the_engine_read_nothing_from_host_memory_unless_asked():
+    from engines.kt.operators import OperatorOptions
+
+    from engines.kt.experts_cpu import RoutedExpertsCPU
+
+    assert OperatorOptions().gpu_read_experts == 0
+    plain = RoutedExpertsCPU(layer_idx=3, num_experts=16, top_k=4, hidden_size=128, intermediate_size=64,
+                             method="BF16", max_tokens=128, streamer=mapped_streamer(), stream_tokens=256)
+    assert plain.mapped_experts(1) == 0
+    assert layer_with(mapped_streamer(), read_experts=0).mapped_experts(1) == 0
 
 
 def test_the_setting_defaults_to_the_balance_and_zero_turns_it_off():

@@ -18,7 +18,7 @@ import torch
 
 from engines.base import EngineConfig, ModelInfo, engine_options
 from engines.kt.cpuinfer import WorkerIsolation
-from engines.kt.expert_streaming import ExpertStreamers, expert_copy_bytes, experts_within
+from engines.kt.expert_streaming import expert_copy_bytes, experts_within
 from engines.kt.experts_cpu import RoutedExpertsCPU
 from engines.kt.flashinfer_mla import attention_for
 from engines.kt.kv_cache import LatentKVCache
@@ -156,7 +156,6 @@ class KTEngine(LLMEngine):
                                   methods={m: c.method for m, c in choices.items()}, checkpoint=str(model_path),
                                   gpu_prefill_tokens=kt.kt_gpu_prefill_tokens if stream_experts != 0 else 0,
                                   gpu_prefill_experts=stream_experts, expert_pad_from=kt.kt_expert_pad_from,
-                                  streamers=ExpertStreamers(decode_from_host=kt.kt_gpu_read_experts != 0),
                                   gpu_read_experts=kt.kt_gpu_read_experts)
         apply_placement(model, placement, config, options)
         gpu = any(d.startswith("cuda") for d in placement.devices.values())

@@ -208,8 +208,8 @@ class ExpertStreamer:
     layers: dict[int, HostExperts] = field(default_factory=dict)
     stats: StreamStats = field(default_factory=StreamStats)
     pcie_bytes_per_s: float | None = None  # measured when the first layer registers
-    # decode steps' share of the held experts, read by the GPU from host memory (engines/kt/mapped_experts.py);
-    # None: off
+    # the kernels that let decode steps read held experts straight from host memory (engines/kt/mapped_experts.py),
+    # set up when the first layer registers copies to be read so; None: none do
     mapped: "MappedExperts | None" = None
 
     def __post_init__(self) -> None:
@@ -220,8 +220,10 @@ class ExpertStreamer:
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     # ------------------------------------------------------------------------------------------ set-up
-    def register(self, layer: int, host: HostExperts, top_k: int = 8) -> None:
-        """Keep `layer`'s copies; `top_k` (the router's) sizes the scratch of decode steps reading them."""
+    def register(self, layer: int, host: HostExperts, top_k: int = 8, read_from_host: bool = False) -> None:
+        """Keep `layer`'s copies. With `read_from_host`, decode steps may also read them straight from host memory
+        (engines/kt/mapped_experts.py: on a CUDA device, where Triton is installed); `top_k` (the router's) sizes
+        those steps' scratch."""
         if host.held == 0:
             raise ValueError(f"streamed experts of layer {layer}: the copy holds no expert")
         self.layers[layer] = host
@@ -229,7 +231,11 @@ class ExpertStreamer:
             self._build_ring(host)
         if self.pcie_bytes_per_s is None:
             self.pcie_bytes_per_s = self._measure_copy(host)
-        if self.mapped is not None:
+        if read_from_host and self.mapped is None and self.device.type == "cuda":
+            from engines.kt.mapped_experts import MappedExperts, triton_available
+
+            self.mapped = MappedExperts(self.device) if triton_available() else None
+        if read_from_host and self.mapped is not None:
             self.mapped.register(layer, host, top_k)
 
     def _build_ring(self, host: HostExperts) -> None:
@@ -375,22 +381,15 @@ class ExpertStreamer:
 
 
 class ExpertStreamers:
-    """One model's streamers, one per GPU its expert layers send output to (OperatorOptions.streamers). With
-    `decode_from_host`, each streamer on a CUDA device also lets decode steps read its held experts from host
-    memory (engines/kt/mapped_experts.py), where Triton is installed."""
+    """One model's streamers, one per GPU its expert layers send output to (OperatorOptions.streamers)."""
 
-    def __init__(self, decode_from_host: bool = False) -> None:
+    def __init__(self) -> None:
         self._by_device: dict[torch.device, ExpertStreamer] = {}
-        self.decode_from_host = decode_from_host
 
     def for_device(self, device: torch.device) -> ExpertStreamer:
         found = self._by_device.get(device)
         if found is None:
-            from engines.kt.mapped_experts import MappedExperts, triton_available
-
-            mapped = (MappedExperts(device) if self.decode_from_host and device.type == "cuda"
-                      and triton_available() else None)
-            found = self._by_device[device] = ExpertStreamer(device, mapped=mapped)
+            found = self._by_device[device] = ExpertStreamer(device)
         return found
 
     def active(self) -> list[ExpertStreamer]:

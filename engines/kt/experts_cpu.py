@@ -200,7 +200,7 @@ class RoutedExpertsCPU(nn.Module):
                  checkpoint: str | None = None, staging: SharedStaging | None = None, deferred: Any = 0,
                  deferral: ExpertDeferral | None = None, streamer: ExpertStreamer | None = None,
                  stream_tokens: int = 0, stream_experts: int | None = None, pad_from: int | None = None,
-                 owned_experts: int = 0, read_experts: int | None = None):
+                 owned_experts: int = 0, read_experts: int | None = 0):
         super().__init__()
         method = str(method).upper()
         _check_config(method, layer_idx=layer_idx, num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
@@ -231,12 +231,14 @@ class RoutedExpertsCPU(nn.Module):
         self.kernel_experts = num_experts - self.owned
         if self.owned:
             self.stream_experts = self.owned
-        # decode calls' share of those where they are extra copies (mapped_experts): as asked (kt_gpu_read_experts),
-        # else the two readers' balance
+        # decode calls' share of those where they are extra copies (mapped_experts): as asked (kt_gpu_read_experts;
+        # 0: none), None: the two readers' balance
         self._mapped_share = (decode_experts(num_experts, self.stream_experts,
                                              3 * hidden_size * intermediate_size * METHODS[method].bits / 8,
                                              expert_copy_bytes(hidden_size, intermediate_size))
                               if read_experts is None else min(read_experts, self.stream_experts))
+        # whether the GPU reads this layer's copies straight from host memory in decode calls (mapped_experts)
+        self._reads_from_host = bool(self.owned or self._mapped_share)
         # calls of `pad_from` tokens or more that kt-kernel would compute on its per-token vector path are padded
         # with expert-less rows up to its matrix path (expert_methods.py: `matrix_tokens`); 0: never; None: the
         # method's measured default
@@ -275,7 +277,7 @@ class RoutedExpertsCPU(nn.Module):
         # the experts the GPU owns (kt_gpu_read_experts): only beside a plain CPU-expert layer whose output is
         # on a GPU, and not while duplicate copies stream (kt_gpu_prefill_tokens)
         owned, deferred = 0, check_deferred(n_deferred_experts, config.num_experts_per_tok)
-        if on_gpu and options.streamers.decode_from_host and not options.gpu_prefill_tokens and not gpu_experts \
+        if on_gpu and options.gpu_read_experts != 0 and not options.gpu_prefill_tokens and not gpu_experts \
                 and not deferred:
             owned = owned_experts(options.gpu_read_experts, method, METHODS[method].bits, num_experts,
                                   config.num_experts_per_tok)
@@ -387,7 +389,7 @@ class RoutedExpertsCPU(nn.Module):
         else:
             self._build_kernel(cache.load_prepared())
         if copies is not None:
-            self.streamer.register(self.layer_idx, copies, self.top_k)
+            self.streamer.register(self.layer_idx, copies, self.top_k, read_from_host=self._reads_from_host)
         elif self.streamer is not None:  # extra copies (kt_gpu_prefill_tokens) come from the checkpoint
             self._keep_streamed_weights(*self.read_base_weights(self.stream_experts))
         log.debug("layer %d: %s experts loaded from %s", self.layer_idx, self.method, cache.dir)
@@ -418,7 +420,7 @@ class RoutedExpertsCPU(nn.Module):
             device, held = self.streamer.device, self.stream_experts
             host = HostExperts.quantize(gate[:held], up[:held], down[:held], work_device=device,
                                         pin=device.type == "cuda")
-            self.streamer.register(self.layer_idx, host, self.top_k)
+            self.streamer.register(self.layer_idx, host, self.top_k, read_from_host=self._reads_from_host)
 
     def _prepare_weights(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> dict[str, Any]:
         """bf16 [E, ...] weights -> what the method's kernel reads: {"gate": ..., ...} (plus "<m>_scale")."""

@@ -55,8 +55,8 @@ class OperatorOptions:
     expert_pad_from: int | None = None
     streamers: ExpertStreamers = field(default_factory=ExpertStreamers, compare=False, repr=False)
     # how many of each layer's experts the GPU reads from host memory (kt_gpu_read_experts, mapped_experts.py);
-    # None: the balance of the two readers
-    gpu_read_experts: int | None = None
+    # None: the balance of the two readers; 0: none (operators built outside the engine, unless they ask)
+    gpu_read_experts: int | None = 0
 
     def method_for(self, requested: str | None) -> str:
         wanted = normalize_method(requested or DEFAULT_METHOD, "method")
