@@ -111,6 +111,12 @@ class Settings(BaseModel):
               "methods (32 of V2-Lite's 64 for AMXINT8), none for others (int8 copies would take more memory than "
               "INT4 experts and lose BF16's precision; RAWINT4 and LLAMAFILE are never split); 0: off. With "
               "kt_gpu_prefill_tokens: how many of the streamed copies decode steps read that way", ge=0)
+    kt_gpu_resident_experts: int = engine_setting(
+        0, "how many of each MoE layer's experts (the first ones) the GPU keeps in its own memory as int8 copies and "
+           "computes in every call, before the ones it reads from host memory (kt_gpu_read_experts balances the "
+           "rest): GPU memory for decode speed, one expert's copy a layer each (8.7 MB for V2-Lite, 26 layers). "
+           "Needs the layer's output on a GPU and Triton; kt-kernel keeps at least a token's worth of experts; "
+           "0: none", ge=0)
     kt_expert_pad_from: int | None = engine_setting(
         None, "expert calls of at least this many tokens (decode steps of that many sequences) that kt-kernel would "
               "compute on its per-token vector path are padded with empty rows up to its matrix path; 0: never; "

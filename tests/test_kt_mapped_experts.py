@@ -63,11 +63,11 @@ def test_no_mapped_share_without_the_setting_a_registered_layer_or_with_hot_expe
     assert layer_with(mapped_streamer(), gpu_experts=[15]).mapped_experts(1) == 0
 
 
-def test_streamers_read_from_host_memory_only_on_cuda_devices():
+def test_streamers_read_copies_in_place_only_on_cuda_devices():
     from test_kt_expert_streaming import E, H, I, TOP_K, layer_weights
 
     streamer = ExpertStreamers().for_device(torch.device("cpu"))
-    streamer.register(0, HostExperts.quantize(*layer_weights(0)), TOP_K, read_from_host=True)
+    streamer.register(0, HostExperts.quantize(*layer_weights(0)), TOP_K, read_in_place=True)
     assert (streamer.layers[0].held, streamer.mapped) == (E, None)
 
 
@@ -131,6 +131,52 @@ def test_a_layer_whose_first_experts_the_gpu_owns_equals_kt_kernel_computing_all
     assert_close(owned(hidden, ids, weights).float(), plain(hidden, ids, weights).float())
 
 
+@pytest.mark.parametrize("resident", [3, 7], ids=["some", "all"])
+def test_owned_experts_kept_in_gpu_memory_compute_what_kt_kernel_computing_all_does(resident):
+    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from test_kt_expert_streaming import E, H, I, TOP_K, assert_close, layer_weights, routing
+
+    owned = owned_layer(7, resident_experts=resident)  # the CPU stands in for GPU memory here
+    owned.load_weights(*layer_weights(0))
+    plain = RoutedExpertsCPU(layer_idx=5, num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I,
+                             method="BF16", max_tokens=64)
+    plain.load_weights(*layer_weights(0))
+    streamer = owned.streamer
+    assert (streamer.resident_experts(5), streamer.layers[5].held, streamer.held(5)) == (resident, 7 - resident, 7)
+    hidden, ids, weights = routing(12)
+    assert_close(owned(hidden, ids, weights).float(), plain(hidden, ids, weights).float())
+
+
+def test_resident_experts_are_at_most_the_experts_the_gpu_owns():
+    with pytest.raises(ValueError, match=r"resident_experts of layer 5 must lie in 0..7"):
+        owned_layer(7, resident_experts=8)
+
+
+@pytest.mark.parametrize(("setting", "method", "resident"), [
+    (0, "AMXINT8", 0), (10, "AMXINT8", 10), (10, "AMXINT4", 10), (10, "BF16", 10), (10, "RAWINT4", 0),
+    (58, "AMXINT8", 58)], ids=["off", "int8", "int4", "bf16", "never-rawint4", "kt-kernel-keeps-a-tokens-worth"])
+def test_how_many_experts_stay_in_gpu_memory(monkeypatch, setting, method, resident):
+    import engines.kt.mapped_experts as mapped
+
+    monkeypatch.setattr(mapped, "triton_available", lambda: True)
+    assert mapped.resident_experts(setting, method, 64, top_k=6) == resident
+
+
+def test_asking_more_experts_in_gpu_memory_than_kt_kernel_can_spare_names_the_setting_and_the_limit(monkeypatch):
+    import engines.kt.mapped_experts as mapped
+
+    monkeypatch.setattr(mapped, "triton_available", lambda: True)
+    with pytest.raises(ValueError, match=r"kt_gpu_resident_experts=59: .* at most 58"):
+        mapped.resident_experts(59, "AMXINT8", 64, top_k=6)
+    monkeypatch.setattr(mapped, "triton_available", lambda: False)
+    assert mapped.resident_experts(10, "AMXINT8", 64, top_k=6) == 0
+
+
+def test_the_resident_setting_defaults_to_none():
+    assert load_settings(None, env={}).kt_gpu_resident_experts == 0
+    assert load_settings(None, env={"KTSERVE_KT_GPU_RESIDENT_EXPERTS": "16"}).kt_gpu_resident_experts == 16
+
+
 def test_routing_past_the_models_experts_is_refused_in_the_models_numbering():
     from test_kt_expert_streaming import E, layer_weights, routing
 
@@ -147,10 +193,10 @@ def test_an_owned_layers_weight_cache_holds_both_parts_and_no_other_split_takes_
 
     from engines.kt.experts_cpu import RoutedExpertsCPU
 
-    def fp8_layer(owned: int) -> RoutedExpertsCPU:  # a cacheable method every build runs; sizes of 128
+    def fp8_layer(owned: int, resident: int = 0) -> RoutedExpertsCPU:  # cacheable on every build; sizes of 128
         return RoutedExpertsCPU(layer_idx=5, num_experts=20, top_k=4, hidden_size=128, intermediate_size=128,
                                 method="FP8", max_tokens=64, streamer=ExpertStreamer(torch.device("cpu")),
-                                stream_tokens=MAX_TOKENS + 1, owned_experts=owned)
+                                stream_tokens=MAX_TOKENS + 1, owned_experts=owned, resident_experts=resident)
 
     g = torch.Generator().manual_seed(0)
     layer = fp8_layer(7)
@@ -163,6 +209,19 @@ def test_an_owned_layers_weight_cache_holds_both_parts_and_no_other_split_takes_
     ids = torch.stack([torch.randperm(20, generator=g)[:4] for _ in range(6)])
     weights = torch.rand(6, 4, generator=g)
     assert torch.equal(cached(hidden, ids, weights), layer(hidden, ids, weights))
+    # the same copies, the first 3 kept in GPU memory (the CPU here): the file holds every owned expert
+    resident = fp8_layer(7, resident=3)
+    assert resident.load_quantized(tmp_path)
+    assert (resident.streamer.resident_experts(5), resident.streamer.layers[5].held) == (3, 4)
+    assert torch.equal(resident(hidden, ids, weights), layer(hidden, ids, weights))
+    # and copies saved from such a split hold both parts, in order
+    other = tmp_path / "saved-with-resident"
+    g.manual_seed(0)
+    fp8_layer(7, resident=3).load_weights(*(torch.randn(20, 128, 128, generator=g) * 0.05 for _ in range(3)),
+                                          cache_dir=other)
+    reloaded = fp8_layer(7)
+    assert reloaded.load_quantized(other)
+    assert torch.equal(reloaded(hidden, ids, weights), layer(hidden, ids, weights))
     assert not fp8_layer(6).load_quantized(tmp_path)
     next(tmp_path.glob("_layer_5/ktserve-gpu-copies.safetensors")).unlink()
     assert not fp8_layer(7).load_quantized(tmp_path)

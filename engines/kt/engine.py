@@ -156,7 +156,8 @@ class KTEngine(LLMEngine):
                                   methods={m: c.method for m, c in choices.items()}, checkpoint=str(model_path),
                                   gpu_prefill_tokens=kt.kt_gpu_prefill_tokens if stream_experts != 0 else 0,
                                   gpu_prefill_experts=stream_experts, expert_pad_from=kt.kt_expert_pad_from,
-                                  gpu_read_experts=kt.kt_gpu_read_experts)
+                                  gpu_read_experts=kt.kt_gpu_read_experts,
+                                  gpu_resident_experts=kt.kt_gpu_resident_experts)
         apply_placement(model, placement, config, options)
         gpu = any(d.startswith("cuda") for d in placement.devices.values())
         dtype = resolve_dtype(cfg.dtype, torch.device("cuda" if gpu else "cpu"))
@@ -184,7 +185,7 @@ class KTEngine(LLMEngine):
             else:
                 log.info("kt_use_cuda_graph: no GPU in the placement; decode runs without CUDA graphs")
         _log_streamed_experts(options, options.gpu_prefill_tokens, cfg.chunk_size)
-        mapped = _log_read_experts(model, kt.kt_gpu_read_experts)
+        mapped, resident = _log_read_experts(model, kt.kt_gpu_read_experts, kt.kt_gpu_resident_experts)
         if cpu_experts and all_on_gpus:
             # every thread but kt-kernel's workers is GPU-side work (launching, sampling, the stream callbacks)
             if kt.kt_isolate_workers:
@@ -212,6 +213,7 @@ class KTEngine(LLMEngine):
             details["gpu_prefill_copy_gbps"] = f"{min(s.pcie_bytes_per_s for s in streaming) / 1e9:.1f}"
             details["gpu_prefill_experts"] = str(min(h.held for s in streaming for h in s.layers.values()))
         details["gpu_read_experts"] = str(mapped)
+        details["gpu_resident_experts"] = str(resident)
         if self._isolation.spare:
             details["server_thread_cores"] = ",".join(map(str, sorted(self._isolation.spare)))
         if padded:
@@ -276,32 +278,51 @@ def _streamed_expert_count(kt: KTOptions, model: Any, config: Any) -> int | None
     return count
 
 
-def _log_read_experts(model: torch.nn.Module, setting: int | None) -> int:
-    """Say how many of each expert layer's experts the GPU reads from host memory in decode steps, and why none
-    where it reads none (kt_gpu_read_experts); the fewest of any layer."""
+def _log_read_experts(model: torch.nn.Module, setting: int | None, resident_setting: int = 0) -> tuple[int, int]:
+    """Say how many of each expert layer's experts the GPU computes in decode steps, where they lie, and why none
+    where it computes none (kt_gpu_read_experts, kt_gpu_resident_experts); the fewest of any layer, and of those
+    the fewest in GPU memory."""
     layers = [m for m in model.modules() if isinstance(m, RoutedExpertsCPU)]
     on_gpu = [m for m in layers if m.gpu_device.type == "cuda"]
     shares = [m.mapped_experts(1) for m in on_gpu if m.streamer is not None]
     if not on_gpu:
-        return 0
+        if resident_setting:
+            log.warning("kt_gpu_resident_experts=%d: no CPU-expert layer sends its output to a GPU here, so every "
+                        "expert stays with kt-kernel", resident_setting)
+        return 0, 0
+    resident = min(m.resident for m in on_gpu)
     if shares and max(shares) > 0:
         owned = sorted({m.owned for m in on_gpu})
-        how = ("they live only as int8 copies in pinned host memory, kt-kernel holds the others" if owned != [0]
+        how = ("they live only as int8 copies, kt-kernel holds the others" if owned != [0]
                else "from the streamed copies (kt_gpu_prefill_tokens)")
-        log.info("decode steps of up to %d sequences: the GPU computes experts [0, %s) of each MoE layer reading them "
-                 "straight from host memory while kt-kernel computes the rest; %s (kt_gpu_read_experts)",
-                 MAPPED_MAX_TOKENS, "/".join(map(str, sorted(set(shares)))), how)
-        return min(shares)
-    if setting == 0:
+        where = "them straight from host memory"
+        if resident:
+            where = (f"experts [0, {resident}) from GPU memory ({_resident_bytes(on_gpu) / 1e9:.1f} GB, "
+                     f"kt_gpu_resident_experts)" + (", the others straight from host memory"
+                                                    if min(shares) > resident else ""))
+        log.info("decode steps of up to %d sequences: the GPU computes experts [0, %s) of each MoE layer reading %s "
+                 "while kt-kernel computes the rest; %s (kt_gpu_read_experts)",
+                 MAPPED_MAX_TOKENS, "/".join(map(str, sorted(set(shares)))), where, how)
+        if resident_setting and not resident:
+            log.warning("kt_gpu_resident_experts=%d: none kept in GPU memory beside duplicate copies "
+                        "(kt_gpu_prefill_tokens)", resident_setting)
+        return min(shares), resident
+    if setting == 0 and not resident_setting:
         why = "kt_gpu_read_experts=0"
     elif not triton_available():
         why = "Triton is not installed"
-    elif setting is None:
+    elif setting is None and not resident_setting:
         why = "by default the GPU takes experts of 8-bit methods only (kt_gpu_read_experts=N asks anyway)"
     else:
         why = "the layers keep hot experts, defer experts, or run RAWINT4 or LLAMAFILE"
-    log.info("decode steps compute every routed expert with kt-kernel: %s", why)
-    return 0
+    (log.warning if resident_setting else log.info)("decode steps compute every routed expert with kt-kernel: %s", why)
+    return 0, 0
+
+
+def _resident_bytes(layers: list[RoutedExpertsCPU]) -> int:
+    """GPU memory the layers' resident experts take (kt_gpu_resident_experts)."""
+    return sum(m.streamer.resident[m.layer_idx].nbytes for m in layers
+               if m.streamer is not None and m.layer_idx in m.streamer.resident)
 
 
 def _log_streamed_experts(options: OperatorOptions, tokens: int, chunk_size: int) -> None:

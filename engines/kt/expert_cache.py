@@ -4,7 +4,8 @@ Quantizing a layer's experts dominates a cold start; with a cache folder the fir
 form and later loads read it back. kt-kernel writes the AMX forms itself, under its own per-layer folder
 ("<PREFIX>_<mat>_<expert>_<bytes>Byte_..."); the forms quantized in torch (FP8, RAWINT4) are saved here as one
 safetensors file per layer; hot experts' weights (kept on the GPU in torch) go beside them, and so do the GPU's int8
-copies of the experts kt-kernel does not hold (`first_expert`, kt_gpu_read_experts). A manifest, written
+copies of the experts kt-kernel does not hold (`first_expert`, kt_gpu_read_experts and kt_gpu_resident_experts: one
+file, whichever memory each expert lies in). A manifest, written
 last, says what the folder holds: a load reads it back only when the manifest matches this layer's method,
 shape, kt-kernel build and layout, and every file it names is there."""
 from __future__ import annotations
@@ -103,16 +104,20 @@ class LayerCache:
 
         return load_file(str(self._files()[0]))
 
-    def save_copies(self, copies: "HostExperts") -> None:
-        """Write the GPU's int8 copies of the experts before `first_expert` (kt_gpu_read_experts)."""
+    def save_copies(self, copies: "HostExperts", resident: "HostExperts | None" = None) -> None:
+        """Write the GPU's int8 copies of the experts before `first_expert` (kt_gpu_read_experts): those in host
+        memory, after the first ones `resident` keeps in GPU memory (kt_gpu_resident_experts)."""
         from safetensors.torch import save_file
 
         self.dir.mkdir(parents=True, exist_ok=True)
-        save_file(copies.named(), str(self._copies_path()))
+        parts = [resident.named(), copies.named()] if resident is not None else [copies.named()]
+        save_file({name: torch.cat([p[name].cpu() for p in parts]) for name in parts[0]}, str(self._copies_path()))
 
-    def load_copies(self, pin: bool) -> "HostExperts | None":
-        """The GPU's copies `save_copies` wrote, in host memory (page-locked when `pin`); None when the file
-        does not hold `first_expert` experts of this shape."""
+    def load_copies(self, pin: bool, resident: int = 0, device: torch.device | str = "cpu"
+                    ) -> "tuple[HostExperts | None, HostExperts] | None":
+        """The GPU's copies `save_copies` wrote: the first `resident` experts in `device`'s memory (None where
+        there are none), the others in host memory (page-locked when `pin`); None when the file does not hold
+        `first_expert` experts of this shape."""
         from safetensors import safe_open
 
         from engines.kt.expert_streaming import COPY_TENSORS, HostExperts
@@ -122,12 +127,18 @@ class LayerCache:
         except OSError:
             return None
         with saved:
-            copies = HostExperts.empty(self.first_expert, self.intermediate_size, self.hidden_size, pin=pin)
+            copies = HostExperts.empty(self.first_expert - resident, self.intermediate_size, self.hidden_size,
+                                       pin=pin)
+            first = HostExperts.empty(resident, self.intermediate_size, self.hidden_size) if resident else None
             for name, tensor in zip(COPY_TENSORS, copies.tensors()):
-                if name not in saved.keys() or tuple(saved.get_slice(name).get_shape()) != tuple(tensor.shape):
+                if name not in saved.keys() or (tuple(saved.get_slice(name).get_shape())
+                                                != (self.first_expert, *tensor.shape[1:])):
                     return None
-                tensor.copy_(saved.get_tensor(name))
-        return copies
+                rows = saved.get_slice(name)
+                tensor.copy_(rows[resident:])
+                if first is not None:
+                    first.named()[name].copy_(rows[:resident])
+        return (None if first is None else first.to(device)), copies
 
     def finish_save(self, hot: tuple[torch.Tensor, ...] | None, hot_experts: list[int]) -> None:
         """Write the hot experts' weights (gate, up, down stacked over `hot_experts`), then the manifest."""

@@ -160,11 +160,15 @@ class HostExperts:
         tensors, unpin = _host_tensors([((experts, 2 * intermediate, hidden), torch.int8),
                                         ((experts, 2 * intermediate), torch.float32),
                                         ((experts, hidden, intermediate), torch.int8),
-                                        ((experts, hidden), torch.float32)], pin)
+                                        ((experts, hidden), torch.float32)], pin and experts > 0)
         host = cls(*tensors)
         if unpin is not None:  # the memory stays pinned as long as this object holds it
             weakref.finalize(host, unpin)
         return host
+
+    def to(self, device: torch.device | str) -> "HostExperts":
+        """These copies in `device`'s memory (a GPU's own: kt_gpu_resident_experts)."""
+        return HostExperts(*(t.to(device) for t in self.tensors()))
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.gate_up, self.gate_up_scale, self.down, self.down_scale
@@ -205,7 +209,10 @@ class ExpertStreamer:
     stream. A model's layers run one after another on one stream, so they share one streamer (per device)."""
 
     device: torch.device
+    # each layer's copies in host memory: its experts [resident, held), numbered from 0 here
     layers: dict[int, HostExperts] = field(default_factory=dict)
+    # each layer's first experts kept in the device's memory instead (kt_gpu_resident_experts): [0, resident)
+    resident: dict[int, HostExperts] = field(default_factory=dict)
     stats: StreamStats = field(default_factory=StreamStats)
     pcie_bytes_per_s: float | None = None  # measured when the first layer registers
     # the kernels that let decode steps read held experts straight from host memory (engines/kt/mapped_experts.py),
@@ -220,23 +227,39 @@ class ExpertStreamer:
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     # ------------------------------------------------------------------------------------------ set-up
-    def register(self, layer: int, host: HostExperts, top_k: int = 8, read_from_host: bool = False) -> None:
-        """Keep `layer`'s copies. With `read_from_host`, decode steps may also read them straight from host memory
+    def register(self, layer: int, host: HostExperts, top_k: int = 8, read_in_place: bool = False,
+                 resident: HostExperts | None = None) -> None:
+        """Keep `layer`'s copies: `host` in host memory, after the first experts `resident` keeps in the device's.
+        With `read_in_place`, decode steps may also read them on the GPU straight from where they lie
         (engines/kt/mapped_experts.py: on a CUDA device, where Triton is installed); `top_k` (the router's) sizes
         those steps' scratch."""
-        if host.held == 0:
+        if host.held == 0 and (resident is None or resident.held == 0):
             raise ValueError(f"streamed experts of layer {layer}: the copy holds no expert")
         self.layers[layer] = host
+        if resident is not None and resident.held:
+            self.resident[layer] = resident
+        else:
+            self.resident.pop(layer, None)
         if not self._ring:
-            self._build_ring(host)
-        if self.pcie_bytes_per_s is None:
+            self._build_ring(host if host.held else resident)
+        if self.pcie_bytes_per_s is None and host.held:
             self.pcie_bytes_per_s = self._measure_copy(host)
-        if read_from_host and self.mapped is None and self.device.type == "cuda":
+        if read_in_place and self.mapped is None and self.device.type == "cuda":
             from engines.kt.mapped_experts import MappedExperts, triton_available
 
             self.mapped = MappedExperts(self.device) if triton_available() else None
-        if read_from_host and self.mapped is not None:
-            self.mapped.register(layer, host, top_k)
+        if read_in_place and self.mapped is not None:
+            self.mapped.register(layer, host, top_k, resident=self.resident.get(layer))
+
+    def resident_experts(self, layer: int) -> int:
+        """How many of `layer`'s first experts lie in the device's memory."""
+        found = self.resident.get(layer)
+        return 0 if found is None else found.held
+
+    def held(self, layer: int) -> int:
+        """How many of `layer`'s experts (the first ones) this streamer holds copies of; 0 for another layer."""
+        host = self.layers.get(layer)
+        return 0 if host is None else self.resident_experts(layer) + host.held
 
     def _build_ring(self, host: HostExperts) -> None:
         cuda = self.device.type == "cuda"
@@ -275,11 +298,11 @@ class ExpertStreamer:
         """Experts [0, n) of `layer` (of its `num_experts`) the GPU takes for a chunk of `tokens`: the balance
         of `split_experts`, at most the experts the layer holds copies of."""
         host = self.layers.get(layer)
-        if host is None:
+        if host is None or not host.held:
             return 0
         gpu_bytes = (host.gate_up.nbytes + host.down.nbytes) // host.held * num_experts
         n = split_experts(tokens, top_k, num_experts, cpu_bytes, gpu_bytes, self.pcie_bytes_per_s, method)
-        return min(n, host.held)
+        return min(n, self.held(layer))
 
     # ------------------------------------------------------------------------------------------ compute
     @torch.no_grad()
@@ -288,9 +311,9 @@ class ExpertStreamer:
         """sum over the routed experts below `experts` of weight * expert(hidden), float32 [T, H] on the device;
         queued on the current stream (one host sync: the per-expert token counts)."""
         tokens, top_k = topk_ids.shape
-        if experts > self.layers[layer].held:
+        if experts > self.held(layer):
             raise ValueError(f"streamed experts of layer {layer}: {experts} asked for, copies of "
-                             f"{self.layers[layer].held} held")
+                             f"{self.held(layer)} held")
         flat = topk_ids.reshape(-1).to(self.device)
         key = torch.where((flat >= 0) & (flat < experts), flat, experts)  # the CPU's share sorts last
         order = key.argsort(stable=True)
@@ -305,14 +328,24 @@ class ExpertStreamer:
         if taken == 0:
             return out
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        starts = range(0, experts, self.group)
-        plan = [(layer, s, min(self.group, experts - s)) for s in starts]
+        # experts [0, resident) are read where they lie; the others come through the ring, in groups numbered
+        # within the layer's host copies
+        resident = min(self.resident_experts(layer), experts)
+        starts = range(resident, experts, self.group)
+        plan = [(layer, s - resident, min(self.group, experts - s)) for s in starts]
         following = min((k for k in self.layers if k > layer), default=None)
         if following is not None:  # the next layer most likely takes the same share of the next chunk-layer
             plan += [(following, s, n) for _, s, n in plan[:RING] if s + n <= self.layers[following].held]
         self._keep_prefetched(plan)
         filled = len(self._queue)
+        while filled < len(plan) and len(self._queue) < RING:  # in flight while the resident experts compute
+            self._fill(plan[filled])
+            filled += 1
         offset = 0
+        for start in range(0, resident, self.group):
+            n = min(self.group, resident - start)
+            group = tuple(t[start:start + n] for t in self.resident[layer].tensors())
+            offset = self._compute_group(group, counts[start:start + n], x, y, offset)
         for start, n in ((s, n) for _, s, n in plan[:len(starts)]):
             while filled < len(plan) and len(self._queue) < RING:
                 self._fill(plan[filled])
@@ -320,7 +353,8 @@ class ExpertStreamer:
             slot = self._queue.popleft()
             if stream is not None:
                 stream.wait_event(slot.ready)
-            offset = self._compute_group(slot, counts[start:start + n], x, y, offset)
+            first = resident + start
+            offset = self._compute_group(slot.tensors, counts[first:first + n], x, y, offset)
             if stream is not None:
                 slot.free.record(stream)
         while filled < len(plan) and len(self._queue) < RING:  # prefetch the next layer's first groups
@@ -332,11 +366,12 @@ class ExpertStreamer:
         self.stats.experts += experts
         return out
 
-    def _compute_group(self, slot: _Slot, counts: list[int], x: torch.Tensor, y: torch.Tensor,
-                       offset: int) -> int:
-        """Experts of `slot` over their rows of the sorted tokens `x`, into `y`, from row `offset` on (the
-        experts in order, each over its rows rounded up to ROW_ALIGN); the offset after them."""
-        gate_up_q, gate_up_s, down_q, down_s = slot.tensors
+    def _compute_group(self, tensors: tuple[torch.Tensor, ...], counts: list[int], x: torch.Tensor,
+                       y: torch.Tensor, offset: int) -> int:
+        """The experts of `tensors` (as HostExperts.tensors(), on the device: a ring slot or resident copies)
+        over their rows of the sorted tokens `x`, into `y`, from row `offset` on (the experts in order, each over
+        its rows rounded up to ROW_ALIGN); the offset after them."""
+        gate_up_q, gate_up_s, down_q, down_s = tensors
         n = len(counts)
         gate_up, down = self._gate_up[:n], self._down[:n]
         gate_up.copy_(gate_up_q[:n])

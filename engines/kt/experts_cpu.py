@@ -32,7 +32,7 @@ from engines.kt.cpuinfer import check_thread_count, load_ext, shared_cpu_infer
 from engines.kt.expert_cache import LayerCache
 from engines.kt.expert_deferral import Deferred, ExpertDeferral, check_deferred, split_deferred
 from engines.kt.expert_streaming import ExpertStreamer, HostExperts, expert_copy_bytes
-from engines.kt.mapped_experts import OWNABLE_METHODS, decode_experts, owned_experts
+from engines.kt.mapped_experts import OWNABLE_METHODS, decode_experts, owned_experts, resident_experts
 from engines.kt.mapped_experts import MAX_TOKENS as MAPPED_MAX_TOKENS
 from engines.kt.expert_methods import (METHODS, ExpertsUnsupportedError, check_llamafile_type, default_pad_from,
                                        kernel_class, matrix_tokens, pads_to_matrix, quantize_fp8_blocks,
@@ -200,7 +200,7 @@ class RoutedExpertsCPU(nn.Module):
                  checkpoint: str | None = None, staging: SharedStaging | None = None, deferred: Any = 0,
                  deferral: ExpertDeferral | None = None, streamer: ExpertStreamer | None = None,
                  stream_tokens: int = 0, stream_experts: int | None = None, pad_from: int | None = None,
-                 owned_experts: int = 0, read_experts: int | None = 0):
+                 owned_experts: int = 0, read_experts: int | None = 0, resident_experts: int = 0):
         super().__init__()
         method = str(method).upper()
         _check_config(method, layer_idx=layer_idx, num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
@@ -228,6 +228,11 @@ class RoutedExpertsCPU(nn.Module):
         # experts [0, owned) live only as those copies, computed on the GPU in every call; kt-kernel holds the
         # others (as its experts 0..kernel_experts-1) and never sees these (kt_gpu_read_experts)
         self.owned = self._check_owned(owned_experts)
+        # of those, [0, resident) lie in the GPU's memory instead of pinned host memory (kt_gpu_resident_experts)
+        if not 0 <= resident_experts <= self.owned:
+            raise ValueError(f"resident_experts of layer {layer_idx} must lie in 0..{self.owned} (the experts the "
+                             f"GPU owns), got {resident_experts}")
+        self.resident = resident_experts
         self.kernel_experts = num_experts - self.owned
         if self.owned:
             self.stream_experts = self.owned
@@ -237,8 +242,8 @@ class RoutedExpertsCPU(nn.Module):
                                              3 * hidden_size * intermediate_size * METHODS[method].bits / 8,
                                              expert_copy_bytes(hidden_size, intermediate_size))
                               if read_experts is None else min(read_experts, self.stream_experts))
-        # whether the GPU reads this layer's copies straight from host memory in decode calls (mapped_experts)
-        self._reads_from_host = bool(self.owned or self._mapped_share)
+        # whether decode calls read this layer's copies on the GPU where they lie, host or GPU memory (mapped_experts)
+        self._read_in_place = bool(self.owned or self._mapped_share)
         # calls of `pad_from` tokens or more that kt-kernel would compute on its per-token vector path are padded
         # with expert-less rows up to its matrix path (expert_methods.py: `matrix_tokens`); 0: never; None: the
         # method's measured default
@@ -276,11 +281,15 @@ class RoutedExpertsCPU(nn.Module):
         method, on_gpu = options.method_for(method), torch.device(device).type == "cuda"
         # the experts the GPU owns (kt_gpu_read_experts): only beside a plain CPU-expert layer whose output is
         # on a GPU, and not while duplicate copies stream (kt_gpu_prefill_tokens)
-        owned, deferred = 0, check_deferred(n_deferred_experts, config.num_experts_per_tok)
-        if on_gpu and options.gpu_read_experts != 0 and not options.gpu_prefill_tokens and not gpu_experts \
-                and not deferred:
-            owned = owned_experts(options.gpu_read_experts, method, METHODS[method].bits, num_experts,
-                                  config.num_experts_per_tok)
+        owned, resident, deferred = 0, 0, check_deferred(n_deferred_experts, config.num_experts_per_tok)
+        if on_gpu and (options.gpu_read_experts != 0 or options.gpu_resident_experts) \
+                and not options.gpu_prefill_tokens and not gpu_experts and not deferred:
+            # the first experts in GPU memory (kt_gpu_resident_experts), the next ones read from host memory
+            resident = resident_experts(options.gpu_resident_experts, method, num_experts,
+                                        config.num_experts_per_tok)
+            owned = resident + (owned_experts(options.gpu_read_experts, method, METHODS[method].bits,
+                                              num_experts - resident, config.num_experts_per_tok)
+                                if options.gpu_read_experts != 0 else 0)
         streams = on_gpu and (options.gpu_prefill_tokens or owned)
         return cls(layer_idx=layer_index(name), num_experts=num_experts, top_k=config.num_experts_per_tok,
                    hidden_size=config.hidden_size, intermediate_size=config.moe_intermediate_size, method=method,
@@ -291,7 +300,7 @@ class RoutedExpertsCPU(nn.Module):
                    (MAPPED_MAX_TOKENS + 1 if owned else 0),
                    stream_experts=options.gpu_prefill_experts, pad_from=options.expert_pad_from,
                    streamer=options.streamers.for_device(torch.device(device)) if streams else None,
-                   owned_experts=owned, read_experts=options.gpu_read_experts)
+                   owned_experts=owned, read_experts=options.gpu_read_experts, resident_experts=resident)
 
     # ------------------------------------------------------ what expert LoRA needs (engines/lora/cpu_experts.py)
     def sft_kernel(self) -> tuple[type, Any] | None:
@@ -362,7 +371,8 @@ class RoutedExpertsCPU(nn.Module):
             self._build_kernel(prepared, save_dir=cache.root if cache and cache.written_by_kt_kernel else None)
             if cache is not None:
                 if self.owned:  # the experts kt-kernel does not hold: the GPU's copies are their only form
-                    cache.save_copies(self.streamer.layers[self.layer_idx])
+                    cache.save_copies(self.streamer.layers[self.layer_idx],
+                                      self.streamer.resident.get(self.layer_idx))
                 cache.finish_save(self._gpu_weights, self.gpu_experts)
 
     def load_quantized(self, cache_dir: str | os.PathLike) -> bool:
@@ -381,7 +391,8 @@ class RoutedExpertsCPU(nn.Module):
             self._gpu_weights = hot
         copies = None
         if self.owned:  # the GPU's copies of the experts kt-kernel does not hold are in the cache too
-            copies = cache.load_copies(pin=self.streamer.device.type == "cuda")
+            device = self.streamer.device
+            copies = cache.load_copies(pin=device.type == "cuda", resident=self.resident, device=device)
             if copies is None:
                 return False
         if cache.written_by_kt_kernel:  # kt-kernel only prints (and reads garbage) for a missing file: checked
@@ -389,7 +400,9 @@ class RoutedExpertsCPU(nn.Module):
         else:
             self._build_kernel(cache.load_prepared())
         if copies is not None:
-            self.streamer.register(self.layer_idx, copies, self.top_k, read_from_host=self._reads_from_host)
+            resident, host = copies
+            self.streamer.register(self.layer_idx, host, self.top_k, read_in_place=self._read_in_place,
+                                   resident=resident)
         elif self.streamer is not None:  # extra copies (kt_gpu_prefill_tokens) come from the checkpoint
             self._keep_streamed_weights(*self.read_base_weights(self.stream_experts))
         log.debug("layer %d: %s experts loaded from %s", self.layer_idx, self.method, cache.dir)
@@ -417,10 +430,13 @@ class RoutedExpertsCPU(nn.Module):
 
     def _keep_streamed_weights(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         if self.streamer is not None:
-            device, held = self.streamer.device, self.stream_experts
-            host = HostExperts.quantize(gate[:held], up[:held], down[:held], work_device=device,
+            device, held, first = self.streamer.device, self.stream_experts, self.resident
+            host = HostExperts.quantize(gate[first:held], up[first:held], down[first:held], work_device=device,
                                         pin=device.type == "cuda")
-            self.streamer.register(self.layer_idx, host, self.top_k, read_from_host=self._reads_from_host)
+            resident = (HostExperts.quantize(gate[:first], up[:first], down[:first], work_device=device).to(device)
+                        if first else None)
+            self.streamer.register(self.layer_idx, host, self.top_k, read_in_place=self._read_in_place,
+                                   resident=resident)
 
     def _prepare_weights(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> dict[str, Any]:
         """bf16 [E, ...] weights -> what the method's kernel reads: {"gate": ..., ...} (plus "<m>_scale")."""

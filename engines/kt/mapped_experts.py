@@ -75,6 +75,18 @@ def owned_experts(setting: int | None, method: str, bits: int, num_experts: int,
     return max(0, min(setting, num_experts - top_k))
 
 
+def resident_experts(setting: int, method: str, num_experts: int, top_k: int) -> int:
+    """How many of a layer's experts (the first ones) the GPU keeps in its own memory and computes in every call
+    (`kt_gpu_resident_experts`): `setting`, 0 without Triton and for methods outside OWNABLE_METHODS. kt-kernel
+    keeps at least `top_k` experts (a token's worth): asking for more is an error."""
+    if setting <= 0 or method not in OWNABLE_METHODS or not triton_available():
+        return 0
+    if setting > num_experts - top_k:
+        raise ValueError(f"kt_gpu_resident_experts={setting}: kt-kernel keeps at least a token's {top_k} of a layer's "
+                         f"{num_experts} experts, so at most {num_experts - top_k} can stay in GPU memory")
+    return setting
+
+
 @functools.cache
 def triton_available() -> bool:
     try:
@@ -140,11 +152,12 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def gate_up(x_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, tokens, H: tl.constexpr, I: tl.constexpr,
+    def gate_up(x_ptr, ids_ptr, w_ptr, wr_ptr, resident, s_ptr, h_ptr, tokens, H: tl.constexpr, I: tl.constexpr,
                 K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
                 K_P: tl.constexpr):
         """h[t, k, rows] = silu(x[t] . gate[e, rows]) * (x[t] . up[e, rows]) for the tokens t that chose e
-        (in their slot k)."""
+        (in their slot k); experts below `resident` are read from `wr_ptr` (GPU memory), the others from
+        `w_ptr` (host memory), numbered from `resident` there."""
         e = tl.program_id(0)
         t = tl.arange(0, BLOCK_T)
         k = tl.arange(0, K_P)
@@ -157,7 +170,10 @@ def _kernels():
         slot = tl.sum(tl.where(hit, k[None, :], 0), axis=1)  # a token picks an expert at most once
         r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         rows = r < I
-        base = w_ptr + e.to(tl.int64) * (2 * I * H)
+        if e < resident:
+            base = wr_ptr + e.to(tl.int64) * (2 * I * H)
+        else:
+            base = w_ptr + (e - resident).to(tl.int64) * (2 * I * H)
         acc_g = tl.zeros((BLOCK_T, BLOCK_R), tl.float32)
         acc_u = tl.zeros((BLOCK_T, BLOCK_R), tl.float32)
         for h0 in range(0, H, BLOCK_H):
@@ -176,11 +192,11 @@ def _kernels():
                  mask=chose[:, None] & rows[None, :])
 
     @triton.jit
-    def down(h_ptr, ids_ptr, wt_ptr, w_ptr, s_ptr, part_ptr, tokens, H: tl.constexpr, I: tl.constexpr,
-             K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
+    def down(h_ptr, ids_ptr, wt_ptr, w_ptr, wr_ptr, resident, s_ptr, part_ptr, tokens, H: tl.constexpr,
+             I: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
              K_P: tl.constexpr):
         """part[t, k, outs] = weight(t, k) * (h[t, k] . down[e, outs]) for the tokens t that chose e in slot k
-        (the other slots stay as they were: zeros)."""
+        (the other slots stay as they were: zeros); experts below `resident` from `wr_ptr`, as in gate_up."""
         e = tl.program_id(0)
         t = tl.arange(0, BLOCK_T)
         k = tl.arange(0, K_P)
@@ -195,7 +211,10 @@ def _kernels():
         slot = tl.sum(tl.where(hit, k[None, :], 0), axis=1)
         o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
         outs = o < H
-        base = w_ptr + e.to(tl.int64) * (H * I)
+        if e < resident:
+            base = wr_ptr + e.to(tl.int64) * (H * I)
+        else:
+            base = w_ptr + (e - resident).to(tl.int64) * (H * I)
         acc = tl.zeros((BLOCK_T, BLOCK_O), tl.float32)
         for i0 in range(0, I, BLOCK_I):
             cols = i0 + tl.arange(0, BLOCK_I)
@@ -221,28 +240,49 @@ BLOCK_R, BLOCK_H, BLOCK_O, BLOCK_I = 32, 128, 32, 128
 @dataclass(slots=True)
 class _Layer:
     host: HostExperts  # kept: its memory is unpinned when it goes, and the views below would then read nothing
-    gate_up: torch.Tensor  # device views of the host copies (int8)
+    gate_up: torch.Tensor  # device views of the host copies (int8): experts [resident, held)
     down: torch.Tensor
-    gate_up_scale: torch.Tensor  # the scales, on the device (a few hundred KB a layer)
+    resident: int  # experts [0, resident) lie in GPU memory (kt_gpu_resident_experts)
+    resident_gate_up: torch.Tensor  # those (int8, on the device; the host views where there are none)
+    resident_down: torch.Tensor
+    gate_up_scale: torch.Tensor  # every held expert's scales, on the device (a few hundred KB a layer)
     down_scale: torch.Tensor
+
+    @property
+    def held(self) -> int:
+        return self.resident + self.host.held
 
 
 class MappedExperts:
-    """The GPU side of decode steps on `device`: each registered layer's host copies, viewed from the device,
-    and the scratch the kernels write, per token and routing slot (allocated once for the largest layer, so that
-    captured graphs keep their addresses)."""
+    """The GPU side of decode steps on `device`: each registered layer's host copies, viewed from the device
+    (and its first experts where they lie in GPU memory), and the scratch the kernels write, per token and
+    routing slot (allocated once for the largest layer, so that captured graphs keep their addresses)."""
 
     def __init__(self, device: torch.device):
-        self.device = torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda": the current device, as tensors name it
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.layers: dict[int, _Layer] = {}
         self._h: torch.Tensor | None = None  # bf16, [MAX_TOKENS, top_k, I] of the largest layer
         self._part: torch.Tensor | None = None  # float32, [MAX_TOKENS, top_k, H] of the largest layer
 
-    def register(self, layer: int, host: HostExperts, top_k: int) -> None:
-        _, two_i, hidden = host.gate_up.shape
-        self.layers[layer] = _Layer(host, device_view(host.gate_up, self.device),
-                                    device_view(host.down, self.device), host.gate_up_scale.to(self.device),
-                                    host.down_scale.to(self.device))
+    def register(self, layer: int, host: HostExperts, top_k: int, resident: HostExperts | None = None) -> None:
+        """Read `layer`'s `host` copies from where they lie, after the first experts `resident` (on this device)."""
+        parts = [p for p in (resident, host) if p is not None and p.held]
+        if not parts:
+            raise ValueError(f"mapped experts of layer {layer}: the copies hold no expert")
+        if resident is not None and resident.held and resident.gate_up.device != self.device:
+            raise ValueError(f"mapped experts of layer {layer}: resident copies on {resident.gate_up.device}, "
+                             f"the kernels run on {self.device}")
+        gate_up, down = ((device_view(host.gate_up, self.device), device_view(host.down, self.device))
+                         if host.held else (parts[0].gate_up, parts[0].down))  # never read: every expert resident
+        count = resident.held if resident is not None else 0
+        self.layers[layer] = _Layer(host, gate_up, down, count, parts[0].gate_up if count else gate_up,
+                                    parts[0].down if count else down,
+                                    torch.cat([p.gate_up_scale.to(self.device) for p in parts]),
+                                    torch.cat([p.down_scale.to(self.device) for p in parts]))
+        _, two_i, hidden = parts[0].gate_up.shape
         h, part = MAX_TOKENS * top_k * two_i // 2, MAX_TOKENS * top_k * hidden
         if self._h is None or self._h.numel() < h or self._part.numel() < part:
             self._h = torch.empty(h, dtype=torch.bfloat16, device=self.device)
@@ -257,7 +297,7 @@ class MappedExperts:
         if tokens > MAX_TOKENS:
             raise ValueError(f"mapped experts take calls of at most {MAX_TOKENS} tokens, got {tokens}")
         copy = self.layers[layer]
-        held, two_i, size = copy.gate_up.shape
+        held, (_, two_i, size) = copy.held, copy.resident_gate_up.shape
         if not 0 < experts <= held:
             raise ValueError(f"mapped experts of layer {layer}: {experts} asked for, copies of {held} held")
         inter = two_i // 2
@@ -271,9 +311,9 @@ class MappedExperts:
         k_p = triton.next_power_of_2(top_k)
         with torch.cuda.device(self.device):
             gate_up[(experts, triton.cdiv(inter, BLOCK_R))](
-                x, ids, copy.gate_up, copy.gate_up_scale, self._h, tokens, size, inter, top_k,
-                block_t, BLOCK_R, BLOCK_H, k_p)
+                x, ids, copy.gate_up, copy.resident_gate_up, copy.resident, copy.gate_up_scale, self._h, tokens,
+                size, inter, top_k, block_t, BLOCK_R, BLOCK_H, k_p)
             down[(experts, triton.cdiv(size, BLOCK_O))](
-                self._h, ids, weights, copy.down, copy.down_scale, part, tokens, size, inter, top_k,
-                block_t, BLOCK_O, BLOCK_I, k_p)
+                self._h, ids, weights, copy.down, copy.resident_down, copy.resident, copy.down_scale, part, tokens,
+                size, inter, top_k, block_t, BLOCK_O, BLOCK_I, k_p)
         return part.sum(1)

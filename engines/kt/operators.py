@@ -57,6 +57,8 @@ class OperatorOptions:
     # how many of each layer's experts the GPU reads from host memory (kt_gpu_read_experts, mapped_experts.py);
     # None: the balance of the two readers; 0: none (operators built outside the engine, unless they ask)
     gpu_read_experts: int | None = 0
+    # how many of each layer's experts (the first ones) the GPU keeps in its own memory (kt_gpu_resident_experts)
+    gpu_resident_experts: int = 0
 
     def method_for(self, requested: str | None) -> str:
         wanted = normalize_method(requested or DEFAULT_METHOD, "method")
