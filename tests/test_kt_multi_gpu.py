@@ -162,19 +162,25 @@ class Served:
     layer_inputs: dict[int, set[str]] = field(default_factory=dict)
     head_inputs: set[str] = field(default_factory=set)
     graphs_captured: bool = False
-    # MoE layer -> (experts the GPU reads from host memory, the device whose kernels read them)
-    read_experts: dict[int, tuple[int, str]] = field(default_factory=dict)
+    # MoE layer -> (experts the GPU computes, how many of them lie in GPU memory, the device whose kernels read
+    # them: where the resident ones lie too)
+    read_experts: dict[int, tuple[int, int, str]] = field(default_factory=dict)
 
 
-def serve_and_observe(model_dir: Path, tokenizer, rule_file: Path, cuda_graph: bool, method: str) -> Served:
+def serve_and_observe(model_dir: Path, tokenizer, rule_file: Path, cuda_graph: bool, method: str,
+                      resident: int) -> Served:
     from engines.kt.experts_cpu import RoutedExpertsCPU
 
     running = start_server(model_dir, engine="ktransformers", kt_method=method, kt_optimize_rule=str(rule_file),
-                           kt_use_cuda_graph=cuda_graph)
+                           kt_use_cuda_graph=cuda_graph, kt_gpu_resident_experts=resident)
     try:
         runner = running.engine._runner
-        read_experts = {m.layer_idx: (m.owned, str(m.streamer.device)) for m in runner.model.modules()
-                        if isinstance(m, RoutedExpertsCPU) and m.owned and m.layer_idx in m.streamer.mapped.layers}
+        read_experts = {}
+        for m in runner.model.modules():
+            if isinstance(m, RoutedExpertsCPU) and m.owned and m.layer_idx in m.streamer.mapped.layers:
+                kept = m.streamer.resident.get(m.layer_idx)
+                assert kept is None or kept.gate_up.device == m.streamer.mapped.device
+                read_experts[m.layer_idx] = (m.owned, m.resident, str(m.streamer.mapped.device))
         layer_inputs: dict[int, set[str]] = {}
         head_inputs: set[str] = set()
         hooks = [layer.input_layernorm.register_forward_pre_hook(
@@ -210,16 +216,17 @@ def on_one_gpu(rule_file: Path, folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def served(demo_model_dir, tokenizer, tmp_path_factory):
-    """served(rule_file, one_gpu=False, cuda_graph=False, method="BF16") -> Served, each configuration started
-    once."""
+    """served(rule_file, one_gpu=False, cuda_graph=False, method="BF16", resident=0) -> Served, each configuration
+    started once."""
     seen: dict[tuple, Served] = {}
     folder = tmp_path_factory.mktemp("rules")
 
-    def get(rule_file: Path, one_gpu: bool = False, cuda_graph: bool = False, method: str = "BF16") -> Served:
-        key = (rule_file, one_gpu, cuda_graph, method)
+    def get(rule_file: Path, one_gpu: bool = False, cuda_graph: bool = False, method: str = "BF16",
+            resident: int = 0) -> Served:
+        key = (rule_file, one_gpu, cuda_graph, method, resident)
         if key not in seen:
             path = on_one_gpu(rule_file, folder) if one_gpu else rule_file
-            seen[key] = serve_and_observe(demo_model_dir, tokenizer, path, cuda_graph, method)
+            seen[key] = serve_and_observe(demo_model_dir, tokenizer, path, cuda_graph, method, resident)
         return seen[key]
     return get
 
@@ -257,16 +264,20 @@ def test_split_over_two_gpus_decodes_the_one_gpu_greedy_tokens(served, vocabular
 
 @pytest.mark.gpu
 @needs_two_gpus
-def test_experts_the_gpus_read_from_host_memory_are_read_by_their_layers_gpu_and_match_one_gpu(served):
+@pytest.mark.parametrize(("resident", "owned"), [(0, 8), (4, 10)], ids=["host-memory", "some-in-gpu-memory"])
+def test_experts_the_gpus_read_from_host_memory_are_read_by_their_layers_gpu_and_match_one_gpu(served, resident,
+                                                                                              owned):
     # AMXINT8: by default each MoE layer's first experts are computed by the GPU its output goes to, from
-    # copies in pinned host memory (kt_gpu_read_experts); a split model has such a reader on each GPU
-    split = served(OURS_2GPU, method="AMXINT8")
-    single = served(OURS_2GPU, one_gpu=True, method="AMXINT8")
+    # copies in pinned host memory (kt_gpu_read_experts: 8 of the demo's 16), or the first 4 from that GPU's
+    # own memory and the balance of the other 12 from host memory (kt_gpu_resident_experts=4); a split model
+    # has such a reader on each GPU
+    split = served(OURS_2GPU, method="AMXINT8", resident=resident)
+    single = served(OURS_2GPU, one_gpu=True, method="AMXINT8", resident=resident)
     moe_layers = sorted(single.read_experts)
-    assert moe_layers and {owned for owned, _ in single.read_experts.values()} == {8}  # 8 of the demo's 16
-    assert split.read_experts == {i: (8, split.layer_devices[i]) for i in moe_layers}
-    assert {device for _, device in split.read_experts.values()} == {"cuda:0", "cuda:1"}
-    assert_same_logprobs(split, single, "AMXINT8, experts read from host memory")
+    assert moe_layers and set(single.read_experts.values()) == {(owned, resident, "cuda:0")}
+    assert split.read_experts == {i: (owned, resident, split.layer_devices[i]) for i in moe_layers}
+    assert {device for *_, device in split.read_experts.values()} == {"cuda:0", "cuda:1"}
+    assert_same_logprobs(split, single, f"AMXINT8, {resident} of {owned} experts in GPU memory")
     assert split.greedy == single.greedy
 
 
