@@ -17,6 +17,9 @@ weights travel in groups of `GROUP` experts through a ring of `RING` GPU buffers
 computes one group the next ones are in flight, and the last groups of a layer prefetch the next layer's
 first. One host sync per layer (the per-expert token counts) bounds the Python side.
 
+A layer's first experts may lie in the GPU's memory instead (`ExpertStreamer.resident`, kt_gpu_resident_experts):
+a chunk computes those where they lie while the ring brings the others.
+
 Everything here also runs on the CPU (no streams, plain copies), which is how the tests check its arithmetic
 and its buffer ring where there is no GPU.
 """

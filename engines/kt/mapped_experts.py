@@ -17,6 +17,10 @@ through the streamer's ring above). Where the copies are extra ones for streamed
 Two Triton kernels per layer: gate and up (with SiLU) per (expert, block of rows), then down per (expert, block of
 outputs), each skipping experts no token chose, each reading an expert's rows once for all the tokens that chose it;
 the outputs of a token's routing slots are summed in a fixed order (deterministic).
+
+With `kt_gpu_resident_experts` the first of the GPU's experts lie in its own memory instead (`resident_experts`):
+the kernels take a second base pointer and read experts below that count from it, the others through PCIe, so a
+token's bytes from host DRAM shrink by what moved.
 """
 from __future__ import annotations
 
@@ -275,11 +279,13 @@ class MappedExperts:
         if resident is not None and resident.held and resident.gate_up.device != self.device:
             raise ValueError(f"mapped experts of layer {layer}: resident copies on {resident.gate_up.device}, "
                              f"the kernels run on {self.device}")
-        gate_up, down = ((device_view(host.gate_up, self.device), device_view(host.down, self.device))
-                         if host.held else (parts[0].gate_up, parts[0].down))  # never read: every expert resident
         count = resident.held if resident is not None else 0
-        self.layers[layer] = _Layer(host, gate_up, down, count, parts[0].gate_up if count else gate_up,
-                                    parts[0].down if count else down,
+        # a kernel reads one of the two per expert; where a layer has no experts of one kind, the other's
+        # tensors stand in (never read)
+        gate_up, down = ((device_view(host.gate_up, self.device), device_view(host.down, self.device))
+                         if host.held else (resident.gate_up, resident.down))
+        kept_gate_up, kept_down = (resident.gate_up, resident.down) if count else (gate_up, down)
+        self.layers[layer] = _Layer(host, gate_up, down, count, kept_gate_up, kept_down,
                                     torch.cat([p.gate_up_scale.to(self.device) for p in parts]),
                                     torch.cat([p.down_scale.to(self.device) for p in parts]))
         _, two_i, hidden = parts[0].gate_up.shape
