@@ -19,6 +19,7 @@ import torch
 from engines.base import EngineConfig, ModelInfo, engine_options
 from engines.kt.cpuinfer import WorkerIsolation
 from engines.kt.expert_streaming import expert_copy_bytes, experts_within
+from engines.kt.expert_methods import METHODS
 from engines.kt.experts_cpu import RoutedExpertsCPU
 from engines.kt.flashinfer_mla import attention_for
 from engines.kt.kv_cache import LatentKVCache
@@ -306,6 +307,10 @@ def _log_read_experts(model: torch.nn.Module, setting: int | None, resident_sett
         if resident_setting and not resident:
             log.warning("kt_gpu_resident_experts=%d: none kept in GPU memory beside duplicate copies "
                         "(kt_gpu_prefill_tokens)", resident_setting)
+        coarser = sorted({m.method for m in on_gpu if m.resident and METHODS[m.method].bits > 8})
+        if coarser:
+            log.info("the experts the GPU owns are int8 copies, coarser than the %s weights kt-kernel computes the "
+                     "others from", "/".join(coarser))
         return min(shares), resident
     if setting == 0 and not resident_setting:
         why = "kt_gpu_read_experts=0"
