@@ -307,7 +307,7 @@ def _log_read_experts(model: torch.nn.Module, setting: int | None, resident_sett
         if resident_setting and not resident:
             log.warning("kt_gpu_resident_experts=%d: none kept in GPU memory beside duplicate copies "
                         "(kt_gpu_prefill_tokens)", resident_setting)
-        coarser = sorted({m.method for m in on_gpu if m.resident and METHODS[m.method].bits > 8})
+        coarser = sorted({m.method for m in on_gpu if m.owned and METHODS[m.method].bits > 8})
         if coarser:
             log.info("the experts the GPU owns are int8 copies, coarser than the %s weights kt-kernel computes the "
                      "others from", "/".join(coarser))
