@@ -298,8 +298,9 @@ def _log_read_experts(model: torch.nn.Module, setting: int | None, resident_sett
                else "from the streamed copies (kt_gpu_prefill_tokens)")
         where = "them straight from host memory"
         if resident:
-            where = (f"experts [0, {resident}) from GPU memory ({_resident_bytes(on_gpu) / 1e9:.1f} GB, "
-                     f"kt_gpu_resident_experts)" + (", the others straight from host memory"
+            size = _resident_bytes(on_gpu)
+            size_text = f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.0f} MB"
+            where = (f"experts [0, {resident}) from GPU memory ({size_text}, kt_gpu_resident_experts)" + (", the others straight from host memory"
                                                     if min(shares) > resident else ""))
         log.info("decode steps of up to %d sequences: the GPU computes experts [0, %s) of each MoE layer reading %s "
                  "while kt-kernel computes the rest; %s (kt_gpu_read_experts)",
