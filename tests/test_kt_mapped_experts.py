@@ -147,6 +147,19 @@ def test_owned_experts_kept_in_gpu_memory_compute_what_kt_kernel_computing_all_d
     assert_close(owned(hidden, ids, weights).float(), plain(hidden, ids, weights).float())
 
 
+def test_a_streamer_whose_experts_all_lie_in_gpu_memory_builds_no_copy_ring():
+    """The ring's buffers (three groups of experts) would take GPU memory that nothing fills."""
+    from test_kt_expert_streaming import layer_weights, routing
+
+    owned = owned_layer(7, resident_experts=7)
+    owned.load_weights(*layer_weights(0))
+    assert owned.streamer.ring_bytes() == 0
+    owned(*routing(12))  # a chunk computes them where they lie
+    mixed = owned_layer(7, resident_experts=3)
+    mixed.load_weights(*layer_weights(0))
+    assert mixed.streamer.ring_bytes() > 0
+
+
 def test_resident_experts_are_at_most_the_experts_the_gpu_owns():
     with pytest.raises(ValueError, match=r"resident_experts of layer 5 must lie in 0..7"):
         owned_layer(7, resident_experts=8)

@@ -224,7 +224,9 @@ class ExpertStreamer:
 
     def __post_init__(self) -> None:
         self._ring: list[_Slot] = []
-        self.group = GROUP  # experts per copy; set when the ring is built
+        self.group = GROUP  # experts per copy; set when the first layer registers
+        self._gate_up: torch.Tensor | None = None  # the group being computed, in bf16 (`_build_scratch`)
+        self._down: torch.Tensor | None = None
         self._next = 0  # the ring slot the next copy fills
         self._queue: deque[_Slot] = deque()  # filled (or filling) slots not yet computed, oldest first
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -243,8 +245,10 @@ class ExpertStreamer:
             self.resident[layer] = resident
         else:
             self.resident.pop(layer, None)
-        if not self._ring:
-            self._build_ring(host if host.held else resident)
+        if self._gate_up is None:
+            self._build_scratch(host if host.held else resident)
+        if not self._ring and host.held:  # no ring where every expert so far lies in the device's memory
+            self._build_ring(host)
         if self.pcie_bytes_per_s is None and host.held:
             self.pcie_bytes_per_s = self._measure_copy(host)
         if read_in_place and self.mapped is None and self.device.type == "cuda":
@@ -264,18 +268,24 @@ class ExpertStreamer:
         host = self.layers.get(layer)
         return 0 if host is None else self.resident_experts(layer) + host.held
 
+    def ring_bytes(self) -> int:
+        """GPU memory the copy ring's buffers take (0 before a layer with copies in host memory registers)."""
+        return sum(t.numel() * t.element_size() for slot in self._ring for t in slot.tensors)
+
+    def _build_scratch(self, copies: HostExperts) -> None:
+        """The group size and the bf16 form of the group being computed (int8 values are exact in bf16)."""
+        self.group = min(GROUP, copies.held)  # experts per copy (fewer where a layer holds fewer)
+        _, two_i, h = copies.gate_up.shape
+        self._gate_up = torch.empty(self.group, two_i, h, dtype=torch.bfloat16, device=self.device)
+        self._down = torch.empty(self.group, h, two_i // 2, dtype=torch.bfloat16, device=self.device)
+
     def _build_ring(self, host: HostExperts) -> None:
         cuda = self.device.type == "cuda"
-        self.group = min(GROUP, host.held)  # experts per copy (fewer where a layer holds fewer)
         for _ in range(RING):
             tensors = tuple(torch.empty((self.group, *t.shape[1:]), dtype=t.dtype, device=self.device)
                             for t in host.tensors())
             self._ring.append(_Slot(tensors, torch.cuda.Event() if cuda else None,
                                     torch.cuda.Event() if cuda else None))
-        _, two_i, h = host.gate_up.shape
-        # the bf16 form of the group being computed (int8 values are exact in bf16)
-        self._gate_up = torch.empty(self.group, two_i, h, dtype=torch.bfloat16, device=self.device)
-        self._down = torch.empty(self.group, h, two_i // 2, dtype=torch.bfloat16, device=self.device)
 
     def _measure_copy(self, host: HostExperts) -> float:
         """Host-to-GPU bytes per second of one group's copy (the second of two; the first warms up)."""
