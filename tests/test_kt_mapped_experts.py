@@ -64,7 +64,7 @@ def test_no_mapped_share_without_the_setting_a_registered_layer_or_with_hot_expe
 
 
 def test_streamers_read_copies_in_place_only_on_cuda_devices():
-    from test_kt_expert_streaming import E, H, I, TOP_K, layer_weights
+    from test_kt_expert_streaming import E, TOP_K, layer_weights
 
     streamer = ExpertStreamers().for_device(torch.device("cpu"))
     streamer.register(0, HostExperts.quantize(*layer_weights(0)), TOP_K, read_in_place=True)
@@ -72,9 +72,8 @@ def test_streamers_read_copies_in_place_only_on_cuda_devices():
 
 
 def test_operators_built_outside_the_engine_read_nothing_from_host_memory_unless_asked():
-    from engines.kt.operators import OperatorOptions
-
     from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.operators import OperatorOptions
 
     assert OperatorOptions().gpu_read_experts == 0
     plain = RoutedExpertsCPU(layer_idx=3, num_experts=16, top_k=4, hidden_size=128, intermediate_size=64,
@@ -185,7 +184,7 @@ def test_asking_more_experts_in_gpu_memory_than_kt_kernel_can_spare_names_the_se
     assert mapped.resident_experts(10, "AMXINT8", 64, top_k=6) == 0
 
 
-def test_the_resident_setting_defaults_to_none():
+def test_the_resident_setting_defaults_to_no_experts_and_reads_its_environment_variable():
     assert load_settings(None, env={}).kt_gpu_resident_experts == 0
     assert load_settings(None, env={"KTSERVE_KT_GPU_RESIDENT_EXPERTS": "16"}).kt_gpu_resident_experts == 16
 
