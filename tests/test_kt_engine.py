@@ -153,6 +153,17 @@ def test_streamed_experts_without_a_gpu_say_so_and_serve_from_the_cpu(demo_model
         running.stop()
 
 
+def test_experts_asked_into_gpu_memory_without_a_gpu_say_so_and_serve_from_the_cpu(demo_model_dir, caplog):
+    with caplog.at_level("WARNING", logger="ktserve.engine.kt"):
+        running = start_server(demo_model_dir, engine="ktransformers", kt_method="BF16", kt_gpu_resident_experts=4)
+    try:
+        assert "kt_gpu_resident_experts=4: no CPU-expert layer sends its output to a GPU" in caplog.text
+        assert running.engine.info.details["gpu_resident_experts"] == "0"
+        assert prompt_logprobs(running, LONG_TEXT[:300]).token_logprobs[1] < 0
+    finally:
+        running.stop()
+
+
 def test_a_streaming_budget_too_small_for_one_expert_says_so_and_serves_from_the_cpu(demo_model_dir, caplog):
     with caplog.at_level("WARNING", logger="ktserve.engine.kt"):
         running = start_server(demo_model_dir, engine="ktransformers", kt_method="BF16", kt_gpu_prefill_tokens=16,

@@ -48,6 +48,14 @@ def test_a_gpu_expert_share_that_is_not_a_whole_number_of_experts_is_refused_nam
     assert load_settings(None, env={"KTSERVE_KT_GPU_READ_EXPERTS": "24"}).kt_gpu_read_experts == 24
 
 
+def test_a_negative_or_fractional_count_of_experts_in_gpu_memory_is_refused_naming_the_key():
+    with pytest.raises(SettingsError,
+                       match=r"kt_gpu_resident_experts \(from command line\): .*greater than or equal to 0"):
+        load_settings(None, cli={"kt_gpu_resident_experts": -4}, env={})
+    with pytest.raises(SettingsError, match=r"kt_gpu_resident_experts \(from environment\): .*valid integer"):
+        load_settings(None, env={"KTSERVE_KT_GPU_RESIDENT_EXPERTS": "2.5"})
+
+
 def test_a_streamed_experts_budget_that_is_not_positive_is_refused_naming_the_key():
     with pytest.raises(SettingsError, match=r"kt_gpu_prefill_memory \(from command line\): .*greater than 0"):
         load_settings(None, cli={"kt_gpu_prefill_memory": 0}, env={})
