@@ -7,36 +7,45 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engines.kt.expert_streaming import (CPU_EXPERT_BYTES_PER_S, GROUP, RING, ExpertStreamer, HostExperts,
-                                         expert_copy_bytes, experts_within, split_experts)
+from engines.kt.expert_streaming import (CPU_EXPERT_BYTES_PER_S, GROUP, INT4_GROUP, RING, ExpertStreamer,
+                                         HostExperts, dequantize_int4, expert_copy_bytes, experts_within,
+                                         split_experts)
 
 E, I, H, TOP_K = 20, 64, 128, 4  # 20 experts: two full groups of 8 and a partial one
 
 
-def layer_weights(seed: int) -> tuple[torch.Tensor, ...]:
+def layer_weights(seed: int, hidden: int = H, inter: int = I) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(E, *shape, generator=g) * 0.1 for shape in ((I, H), (I, H), (H, I)))
+    return tuple(torch.randn(E, *shape, generator=g) * 0.1 for shape in ((inter, hidden), (inter, hidden),
+                                                                         (hidden, inter)))
 
 
-def routing(tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def routing(tokens: int, seed: int = 0, hidden_size: int = H) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(tokens, H, generator=g).bfloat16()
+    hidden = torch.randn(tokens, hidden_size, generator=g).bfloat16()
     ids = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(tokens)])
     ids[0, -1] = -1  # an empty slot contributes nothing
     return hidden, ids, torch.rand(tokens, TOP_K, generator=g)
 
 
+def weights_of(host: HostExperts) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 gate_up and down weights a copy stands for (int8 or int4)."""
+    if host.bits == 4:
+        return (dequantize_int4(host.gate_up, host.gate_up_scale, host.hidden).float(),
+                dequantize_int4(host.down, host.down_scale, host.intermediate).float())
+    return host.gate_up.float() * host.gate_up_scale.unsqueeze(-1), host.down.float() * host.down_scale.unsqueeze(-1)
+
+
 def reference(host: HostExperts, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
               below: int) -> torch.Tensor:
-    """float32 sum over the experts below `below`, from the int8 weights the streamer reads."""
-    gate_up = host.gate_up.float() * host.gate_up_scale.unsqueeze(-1)
-    down = host.down.float() * host.down_scale.unsqueeze(-1)
-    out = torch.zeros(hidden.shape[0], H)
+    """float32 sum over the experts below `below`, from the quantized weights the streamer reads."""
+    gate_up, down = weights_of(host)
+    out = torch.zeros(hidden.shape[0], host.hidden)
     for t in range(hidden.shape[0]):
         for k in range(TOP_K):
             e = int(ids[t, k])
             if 0 <= e < below:
-                gate, up = (hidden[t].float() @ gate_up[e].T).split(I)
+                gate, up = (hidden[t].float() @ gate_up[e].T).split(host.intermediate)
                 out[t] += weights[t, k] * ((F.silu(gate) * up) @ down[e].T)
     return out
 
@@ -46,11 +55,11 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert (actual - expected).norm() <= 2e-2 * expected.norm(), float((actual - expected).norm() / expected.norm())
 
 
-def streamer_with(*layers: int, held: int = E) -> ExpertStreamer:
-    """A streamer over these layers, each keeping copies of its first `held` experts."""
+def streamer_with(*layers: int, held: int = E, bits: int = 8) -> ExpertStreamer:
+    """A streamer over these layers, each keeping `bits`-bit copies of its first `held` experts."""
     streamer = ExpertStreamer(torch.device("cpu"))
     for layer in layers:
-        streamer.register(layer, HostExperts.quantize(*(w[:held] for w in layer_weights(layer))))
+        streamer.register(layer, HostExperts.quantize(*(w[:held] for w in layer_weights(layer)), bits=bits))
     return streamer
 
 
@@ -60,6 +69,39 @@ def test_int8_rows_reproduce_the_weights_within_half_a_step():
     restored = host.down.float() * host.down_scale.unsqueeze(-1)
     assert host.down.dtype == torch.int8 and host.gate_up.shape == (E, 2 * I, H)
     assert ((restored - down).abs() <= host.down_scale.unsqueeze(-1) / 2 + 1e-7).all()
+
+
+def test_int4_copies_reproduce_the_weights_within_half_a_step_of_their_group():
+    gate, up, down = layer_weights(0)
+    host = HostExperts.quantize(gate, up, down, bits=4)
+    assert (host.bits, host.hidden, host.intermediate) == (4, H, I)
+    step = host.down_scale.float().transpose(-1, -2).repeat_interleave(INT4_GROUP, -1)[..., :I]
+    # half a step, and the bf16 rounding of a weight of up to 7 steps (half a unit of bf16's 8 bits: 2^-8 of it)
+    assert ((weights_of(host)[1] - down).abs() <= step / 2 + 7 * step * 2 ** -8 + 1e-7).all()
+
+
+def test_int4_copies_hold_a_rows_two_groups_of_each_block_in_the_low_and_high_nibbles():
+    """The GPU kernels read a block of 128 bytes and multiply its low nibbles by the block's first group."""
+    row = torch.arange(2 * INT4_GROUP, dtype=torch.float32).remainder(15).sub(7)  # -7..7, one step = 1
+    row[0] = 7  # both groups' largest magnitude is 7: a scale of exactly 1
+    host = HostExperts.quantize(row.view(1, 1, -1), row.view(1, 1, -1), torch.ones(1, 2 * INT4_GROUP, 1), bits=4)
+    packed = host.gate_up[0, 0]
+    assert packed.shape == (INT4_GROUP,) and host.gate_up_scale[0, :, 0].tolist() == [1.0, 1.0]
+    assert torch.equal((packed & 15).float() - 8, row[:INT4_GROUP])
+    assert torch.equal((packed >> 4).float() - 8, row[INT4_GROUP:])
+
+
+def test_int4_copies_take_about_half_the_host_memory_of_int8_ones():
+    int4, int8 = expert_copy_bytes(2048, 1408, bits=4), expert_copy_bytes(2048, 1408)
+    assert 0.5 < int4 / int8 < 0.6  # a V2-Lite expert: 1,408 padded to 1,536 in `down`, plus the group scales
+    assert HostExperts.empty(3, 1408, 2048, bits=4).nbytes == 3 * int4
+
+
+def test_streamed_int4_copies_compute_the_weighted_sum_of_every_expert():
+    streamer = streamer_with(3, bits=4)
+    hidden, ids, weights = routing(37)
+    out = streamer.compute(3, hidden, ids, weights, E)
+    assert_close(out, reference(streamer.layers[3], hidden, ids, weights, E))
 
 
 def test_streamed_experts_compute_the_weighted_sum_of_every_expert():

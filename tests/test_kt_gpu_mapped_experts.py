@@ -14,10 +14,11 @@ pytestmark = [pytest.mark.gpu,
 
 
 
-def host_copies(held: int):
+def host_copies(held: int, bits: int = 8, first: int = 0):
+    """Pinned `bits`-bit copies of experts [first, held) of layer_weights(0)."""
     from engines.kt.expert_streaming import HostExperts
 
-    return HostExperts.quantize(*(w[:held] for w in layer_weights(0)), work_device="cuda", pin=True)
+    return HostExperts.quantize(*(w[first:held] for w in layer_weights(0)), bits=bits, work_device="cuda", pin=True)
 
 
 def test_a_device_view_reads_the_pinned_host_memory_it_covers():
@@ -58,6 +59,23 @@ def test_the_kernels_read_experts_in_gpu_memory_and_the_rest_from_host_memory_as
     assert_close(got, reference(whole, hidden, ids, weights, below=11))
 
 
+@pytest.mark.parametrize("resident", [0, 4, 16], ids=["in-host-memory", "some-in-gpu-memory", "all-in-gpu-memory"])
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+def test_the_int4_kernels_compute_the_experts_below_the_share_as_the_int4_reference(tokens, resident):
+    """4-bit methods' copies: packed rows (here padded: 128 and 64 weights to blocks of 256) and group scales read
+    where they lie, host or GPU memory."""
+    from engines.kt.expert_streaming import HostExperts
+    from engines.kt.mapped_experts import MappedExperts
+
+    whole = host_copies(held=16, bits=4)
+    first = HostExperts(*(t[:resident] for t in whole.tensors())).to("cuda") if resident else None
+    mapped = MappedExperts(torch.device("cuda"))
+    mapped.register(7, host_copies(held=16, bits=4, first=resident), TOP_K, resident=first)
+    hidden, ids, weights = routing(tokens)
+    got = mapped.compute(7, hidden.cuda(), ids.cuda(), weights.cuda(), experts=11).cpu()
+    assert_close(got, reference(whole, hidden, ids, weights, below=11))
+
+
 def test_registered_copies_stay_readable_after_the_caller_drops_them():
     """A HostExperts unpins its memory when it goes; the kernels must not read memory no longer pinned."""
     import gc
@@ -75,17 +93,18 @@ def test_registered_copies_stay_readable_after_the_caller_drops_them():
     assert_close(got, want)
 
 
-def experts_layer(held: int | None = None, owned: int = 0, read: int | None = None, resident: int = 0):
+def experts_layer(held: int | None = None, owned: int = 0, read: int | None = None, resident: int = 0,
+                  method: str = "BF16", hidden: int = H, inter: int = I):
     from engines.kt.expert_streaming import ExpertStreamers
     from engines.kt.experts_cpu import RoutedExpertsCPU
 
     torch.manual_seed(0)
-    layer = RoutedExpertsCPU(layer_idx=91, num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I,
-                             method="BF16", max_tokens=128, gpu_device="cuda", out_device="cuda",
+    layer = RoutedExpertsCPU(layer_idx=91, num_experts=E, top_k=TOP_K, hidden_size=hidden, intermediate_size=inter,
+                             method=method, max_tokens=128, gpu_device="cuda", out_device="cuda",
                              streamer=ExpertStreamers().for_device(torch.device("cuda")),
                              stream_tokens=65, stream_experts=held, owned_experts=owned, read_experts=read,
                              resident_experts=resident)
-    layer.load_weights(*layer_weights(1))
+    layer.load_weights(*layer_weights(1, hidden, inter))
     return layer
 
 
@@ -151,34 +170,84 @@ def test_a_layer_whose_first_experts_the_gpu_owns_equals_kt_kernel_computing_all
     assert_close(got, plain(hidden, ids, weights).float())
 
 
-def test_int8_servers_whose_gpu_owns_experts_agree_with_kt_kernel_alone(demo_model_dir):
+@pytest.mark.parametrize("resident", [0, 3], ids=["in-host-memory", "some-in-gpu-memory"])
+@pytest.mark.parametrize("tokens", [4, 100], ids=["decode-read-in-place", "chunk-streamed"])
+def test_a_4_bit_layer_computes_the_experts_the_gpu_owns_from_their_int4_copies(tokens, resident):
+    """AMXINT4: kt-kernel computes the others as it would have (checked against a layer holding every expert, the
+    owned ones zeroed: their products vanish), the GPU the owned ones as their int4 copies say."""
+    from engines.kt.expert_methods import unavailable_reason
+    from engines.kt.expert_streaming import HostExperts
+    from engines.kt.experts_cpu import RoutedExpertsCPU
+
+    if unavailable_reason("AMXINT4") is not None:
+        pytest.skip(f"AMXINT4: {unavailable_reason('AMXINT4')}")
+    hidden_size, inter = 256, 128  # AMXINT4 takes multiples of 128
+    owned = experts_layer(owned=7, resident=resident, method="AMXINT4", hidden=hidden_size, inter=inter)
+    assert owned.streamer.layers[91].bits == 4 and owned.streamer.resident_experts(91) == resident
+    weights_in = layer_weights(1, hidden_size, inter)
+    rest = RoutedExpertsCPU(layer_idx=92, num_experts=E, top_k=TOP_K, hidden_size=hidden_size,
+                            intermediate_size=inter, method="AMXINT4", max_tokens=128)
+    rest.load_weights(*(torch.cat([torch.zeros_like(w[:7]), w[7:]]) for w in weights_in))
+    copies = HostExperts.quantize(*(w[:7] for w in weights_in), bits=4)
+    hidden, ids, weights = routing(tokens, hidden_size=hidden_size)
+    got = owned(hidden.cuda(), ids.cuda(), weights.cuda()).float().cpu()
+    assert_close(got, rest(hidden, ids, weights).float() + reference(copies, hidden, ids, weights, below=7))
+
+
+def serve_demo(model_dir, **settings) -> tuple[str, list[float], list[float]]:
+    """The demo model served with these settings: "owned/resident" experts of a layer, the logprobs of a prompt of
+    a few hundred tokens (one chunk: the GPU's experts streamed through the ring) and of 16 greedy decode steps
+    (replayed from CUDA graphs: the GPU's experts read by the mapped kernels)."""
     from conftest import start_server
-    from test_kt_gpu import GPU_MEDIAN_LOGPROB_DIFF, TEXT
+    from test_kt_gpu import TEXT
 
-    def serve(**settings) -> tuple[str, list[float], list[float]]:
-        running = start_server(demo_model_dir, engine="ktransformers", kt_method="AMXINT8", **settings)
-        try:
-            client, model = running.openai(), running.engine.info.id
-            # a prompt of a few hundred tokens: one chunk, the GPU's experts streamed through the ring
-            prompt = client.completions.create(model=model, prompt=TEXT[:1200], max_tokens=0, echo=True, logprobs=0)
-            # then decode steps replayed from CUDA graphs: the GPU's experts read by the mapped kernels
-            decode = client.completions.create(model=model, prompt=TEXT[:200], max_tokens=16, temperature=0,
-                                               logprobs=0, extra_body={"ignore_eos": True})
-            details = running.engine.info.details
-            return (f'{details["gpu_read_experts"]}/{details["gpu_resident_experts"]}',
-                    prompt.choices[0].logprobs.token_logprobs[1:], decode.choices[0].logprobs.token_logprobs)
-        finally:
-            running.stop()
+    running = start_server(model_dir, engine="ktransformers", **settings)
+    try:
+        client, model = running.openai(), running.engine.info.id
+        prompt = client.completions.create(model=model, prompt=TEXT[:1200], max_tokens=0, echo=True, logprobs=0)
+        decode = client.completions.create(model=model, prompt=TEXT[:200], max_tokens=16, temperature=0,
+                                           logprobs=0, extra_body={"ignore_eos": True})
+        details = running.engine.info.details
+        return (f'{details["gpu_read_experts"]}/{details["gpu_resident_experts"]}',
+                prompt.choices[0].logprobs.token_logprobs[1:], decode.choices[0].logprobs.token_logprobs)
+    finally:
+        running.stop()
 
-    off, prompt_alone, decode_alone = serve(kt_gpu_read_experts=0)
+
+def median_diff(a: list[float], b: list[float]) -> float:
+    diffs = sorted(abs(x - y) for x, y in zip(a, b))
+    return diffs[len(diffs) // 2]
+
+
+def test_int8_servers_whose_gpu_owns_experts_agree_with_kt_kernel_alone(demo_model_dir):
+    from test_kt_gpu import GPU_MEDIAN_LOGPROB_DIFF
+
+    off, prompt_alone, decode_alone = serve_demo(demo_model_dir, kt_method="AMXINT8", kt_gpu_read_experts=0)
     assert off == "0/0"
     # the balance for 16 experts, int8 on both sides; then 4 kept in GPU memory and the balance of the other 12
     for settings, owned in (({}, "8/0"), ({"kt_gpu_resident_experts": 4}, "10/4")):
-        split, prompt, decode = serve(**settings)
+        split, prompt, decode = serve_demo(demo_model_dir, kt_method="AMXINT8", **settings)
         assert split == owned
-        diffs = sorted(abs(a - b) for a, b in zip(prompt, prompt_alone))
         same = next((k for k, (a, b) in enumerate(zip(decode, decode_alone)) if abs(a - b) > 0.5), len(decode))
-        print(json.dumps({"owned/resident": split, "prompt_positions": len(diffs),
-                          "prompt_median_diff": diffs[len(diffs) // 2], "decode_same_positions": same}))
-        assert len(diffs) > 100 and diffs[len(diffs) // 2] < GPU_MEDIAN_LOGPROB_DIFF
+        print(json.dumps({"owned/resident": split, "prompt_positions": len(prompt),
+                          "prompt_median_diff": median_diff(prompt, prompt_alone), "decode_same_positions": same}))
+        assert len(prompt) > 100 and median_diff(prompt, prompt_alone) < GPU_MEDIAN_LOGPROB_DIFF
         assert same >= 4
+
+
+def test_int4_servers_whose_gpu_owns_experts_stay_as_close_to_bf16_as_kt_kernel_alone(demo_model_dir):
+    """The experts the GPU owns are its own int4 copies (a scale per 128 weights), not kt-kernel's AMXINT4 form:
+    the served model must stay as faithful to the 16-bit one as kt-kernel computing every expert is."""
+    from engines.kt.expert_methods import unavailable_reason
+
+    if unavailable_reason("AMXINT4") is not None:
+        pytest.skip(f"AMXINT4: {unavailable_reason('AMXINT4')}")
+    _, prompt_bf16, _ = serve_demo(demo_model_dir, kt_method="BF16", kt_gpu_read_experts=0)
+    off, prompt_alone, decode_alone = serve_demo(demo_model_dir, kt_method="AMXINT4", kt_gpu_read_experts=0)
+    split, prompt, decode = serve_demo(demo_model_dir, kt_method="AMXINT4")
+    assert (off, split) == ("0/0", "8/0")  # by default the balance, as for 8-bit methods
+    alone, owned = median_diff(prompt_alone, prompt_bf16), median_diff(prompt, prompt_bf16)
+    print(json.dumps({"prompt_positions": len(prompt), "kt_kernel_alone_vs_bf16": alone, "owned_vs_bf16": owned,
+                      "owned_vs_kt_kernel_alone": median_diff(prompt, prompt_alone)}))
+    assert len(prompt) > 100 and owned <= 1.5 * alone
+    assert len(decode) == len(decode_alone) == 16

@@ -88,9 +88,9 @@ def test_the_setting_defaults_to_the_balance_and_zero_turns_it_off():
 
 
 @pytest.mark.parametrize(("setting", "method", "bits", "owned"), [
-    (None, "AMXINT8", 8, 32), (None, "FP8", 8, 32), (None, "AMXINT4", 4, 0), (20, "AMXINT4", 4, 20),
+    (None, "AMXINT8", 8, 32), (None, "FP8", 8, 32), (None, "AMXINT4", 4, 32), (20, "AMXINT4", 4, 20),
     (None, "BF16", 16, 0), (0, "AMXINT8", 8, 0), (5, "BF16", 16, 5), (99, "AMXINT8", 8, 58), (20, "RAWINT4", 4, 0)],
-    ids=["int8-balance", "fp8-balance", "int4-not-by-default", "asked-for-int4", "bf16-not-by-default", "off",
+    ids=["int8-balance", "fp8-balance", "int4-balance-of-int4-copies", "asked-for-int4", "bf16-not-by-default", "off",
          "asked-for-bf16", "kt-kernel-keeps-a-tokens-worth", "never-rawint4"])
 def test_how_many_experts_the_gpu_owns(monkeypatch, setting, method, bits, owned):
     import engines.kt.mapped_experts as mapped
@@ -237,6 +237,36 @@ def test_an_owned_layers_weight_cache_holds_both_parts_and_no_other_split_takes_
     assert not fp8_layer(6).load_quantized(tmp_path)
     next(tmp_path.glob("_layer_5/ktserve-gpu-copies.safetensors")).unlink()
     assert not fp8_layer(7).load_quantized(tmp_path)
+
+
+def test_the_gpu_side_of_a_4_bit_layer_holds_int4_copies_and_of_others_int8():
+    from engines.kt.experts_cpu import RoutedExpertsCPU
+
+    def layer(method: str) -> RoutedExpertsCPU:
+        return RoutedExpertsCPU(layer_idx=5, num_experts=20, top_k=4, hidden_size=128, intermediate_size=128,
+                                method=method, max_tokens=64)
+
+    from engines.kt.expert_methods import available_methods
+
+    widths = {"AMXINT4": 4, "RAWINT4": 4, "AMXINT8": 8, "FP8": 8, "BF16": 8}  # the AMX ones where this build has them
+    here = [m for m in widths if m in available_methods()]
+    assert "RAWINT4" in here and "BF16" in here
+    assert {m: layer(m).copy_bits for m in here} == {m: widths[m] for m in here}
+
+
+def test_cached_copies_of_the_other_width_are_not_read(tmp_path):
+    """A cache written when 4-bit layers' copies were int8 (or the other way round) is quantized again."""
+    from engines.kt.expert_cache import LayerCache
+    from test_kt_expert_streaming import layer_weights
+
+    cache = LayerCache(tmp_path, 5, "AMXINT4", 13, hidden_size=128, intermediate_size=64, first_expert=7)
+    int4 = HostExperts.quantize(*(w[:7] for w in layer_weights(0)), bits=4)
+    cache.save_copies(int4)
+    _, loaded = cache.load_copies(pin=False, bits=4)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.tensors(), int4.tensors()))
+    assert cache.load_copies(pin=False, bits=8) is None
+    cache.save_copies(HostExperts.quantize(*(w[:7] for w in layer_weights(0))))
+    assert cache.load_copies(pin=False, bits=4) is None
 
 
 @pytest.mark.parametrize(("kwargs", "why"), [

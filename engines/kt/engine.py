@@ -18,7 +18,7 @@ import torch
 
 from engines.base import EngineConfig, ModelInfo, engine_options
 from engines.kt.cpuinfer import WorkerIsolation
-from engines.kt.expert_streaming import expert_copy_bytes, experts_within
+from engines.kt.expert_streaming import copy_bits, expert_copy_bytes, experts_within
 from engines.kt.expert_methods import METHODS
 from engines.kt.experts_cpu import RoutedExpertsCPU
 from engines.kt.flashinfer_mla import attention_for
@@ -152,7 +152,8 @@ class KTEngine(LLMEngine):
         placement = plan_placement(model, rules, default_device="cpu",
                                    fold=_fold_devices(rules, rule_file, kt.kt_strict_placement))
         choices = _expert_methods(placement, kt.kt_method, rule_file, config)
-        stream_experts = _streamed_expert_count(kt, model, config)
+        stream_experts = _streamed_expert_count(kt, model, config,
+                                                max(copy_bits(METHODS[c.method].bits) for c in choices.values()))
         options = OperatorOptions(max_tokens=cfg.chunk_size + cfg.max_concurrent, cpu_threads=kt.cpu_infer,
                                   methods={m: c.method for m, c in choices.items()}, checkpoint=str(model_path),
                                   gpu_prefill_tokens=kt.kt_gpu_prefill_tokens if stream_experts != 0 else 0,
@@ -260,9 +261,9 @@ class KTEngine(LLMEngine):
             raise ValueError(f"model: the checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
 
 
-def _streamed_expert_count(kt: KTOptions, model: Any, config: Any) -> int | None:
-    """How many of each layer's experts keep streamed copies: as many as kt_gpu_prefill_memory holds over the
-    model's expert layers (0: none, streaming off, said why), None: every expert (no budget)."""
+def _streamed_expert_count(kt: KTOptions, model: Any, config: Any, bits: int = 8) -> int | None:
+    """How many of each layer's experts keep streamed copies (`bits`-bit ones): as many as kt_gpu_prefill_memory
+    holds over the model's expert layers (0: none, streaming off, said why), None: every expert (no budget)."""
     if kt.kt_gpu_prefill_memory is None:
         return None
     if not kt.kt_gpu_prefill_tokens:
@@ -271,11 +272,11 @@ def _streamed_expert_count(kt: KTOptions, model: Any, config: Any) -> int | None
     layers = sum(1 for name, _ in model.named_modules() if name.endswith(".mlp.experts"))
     num_experts = getattr(config, "n_routed_experts", None) or config.num_experts
     count = experts_within(kt.kt_gpu_prefill_memory * 1e9, layers, num_experts, config.hidden_size,
-                           config.moe_intermediate_size)
+                           config.moe_intermediate_size, bits)
     if count == 0:
         log.warning("kt_gpu_prefill_memory=%g GB holds no expert's copy for each of %d layers (one takes %.1f MB a "
                     "layer): every expert stays on the CPU", kt.kt_gpu_prefill_memory, layers,
-                    expert_copy_bytes(config.hidden_size, config.moe_intermediate_size) / 1e6)
+                    expert_copy_bytes(config.hidden_size, config.moe_intermediate_size, bits) / 1e6)
     return count
 
 
@@ -294,7 +295,8 @@ def _log_read_experts(model: torch.nn.Module, setting: int | None, resident_sett
     resident = min(m.resident for m in on_gpu)
     if shares and max(shares) > 0:
         owned = sorted({m.owned for m in on_gpu})
-        how = ("they live only as int8 copies, kt-kernel holds the others" if owned != [0]
+        forms = "/".join(sorted({f"int{m.copy_bits}" for m in on_gpu if m.streamer is not None}))
+        how = (f"they live only as {forms} copies, kt-kernel holds the others" if owned != [0]
                else "from the streamed copies (kt_gpu_prefill_tokens)")
         where = "them straight from host memory"
         if resident:
@@ -318,7 +320,7 @@ def _log_read_experts(model: torch.nn.Module, setting: int | None, resident_sett
     elif not triton_available():
         why = "Triton is not installed"
     elif setting is None and not resident_setting:
-        why = "by default the GPU takes experts of 8-bit methods only (kt_gpu_read_experts=N asks anyway)"
+        why = "by default the GPU takes experts of 8- and 4-bit methods only (kt_gpu_read_experts=N asks anyway)"
     else:
         why = "the layers keep hot experts, defer experts, or run RAWINT4 or LLAMAFILE"
     (log.warning if resident_setting else log.info)("decode steps compute every routed expert with kt-kernel: %s", why)
@@ -343,9 +345,10 @@ def _log_streamed_experts(options: OperatorOptions, tokens: int, chunk_size: int
     for s in streamers:
         pinned = sum(h.nbytes for h in s.layers.values())
         held = sorted({h.held for h in s.layers.values()})
+        forms = "/".join(sorted({f"int{h.bits}" for h in s.layers.values()}))
         log.info("prompt chunks of >= %d tokens and decode steps of >= %d sequences compute part of the routed "
                  "experts of %d layers on %s (at most the first %s of each layer's, whose copies are kept), streamed "
-                 "at %.1f GB/s from %.1f GB of pinned int8 copies; a long chunk copies them all, %.2f s, once per "
+                 "at %.1f GB/s from %.1f GB of pinned %s copies; a long chunk copies them all, %.2f s, once per "
                  "chunk of up to chunk_size=%d tokens (larger chunks amortize it: docs/performance.md)", tokens,
                  tokens, len(s.layers), s.device, "/".join(map(str, held)), s.pcie_bytes_per_s / 1e9, pinned / 1e9,
-                 pinned / s.pcie_bytes_per_s, chunk_size)
+                 forms, pinned / s.pcie_bytes_per_s, chunk_size)

@@ -3,8 +3,8 @@
 Quantizing a layer's experts dominates a cold start; with a cache folder the first load writes the quantized
 form and later loads read it back. kt-kernel writes the AMX forms itself, under its own per-layer folder
 ("<PREFIX>_<mat>_<expert>_<bytes>Byte_..."); the forms quantized in torch (FP8, RAWINT4) are saved here as one
-safetensors file per layer; hot experts' weights (kept on the GPU in torch) go beside them, and so do the GPU's int8
-copies of the experts kt-kernel does not hold (`first_expert`, kt_gpu_read_experts and kt_gpu_resident_experts: one
+safetensors file per layer; hot experts' weights (kept on the GPU in torch) go beside them, and so do the GPU's
+copies (int8, int4 for 4-bit methods) of the experts kt-kernel does not hold (`first_expert`, kt_gpu_read_experts and kt_gpu_resident_experts: one
 file, whichever memory each expert lies in). A manifest, written
 last, says what the folder holds: a load reads it back only when the manifest matches this layer's method,
 shape, kt-kernel build and layout, and every file it names is there."""
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 FORMAT = 2
 KT_FILES = {"AMXINT8": ("INT8", 8), "AMXINT4": ("INT4", 4)}  # method -> kt-kernel's file prefix, bits
 MATRICES = ("gate", "up", "down")
+_SAFETENSORS_DTYPES = {torch.int8: "I8", torch.uint8: "U8", torch.float32: "F32", torch.bfloat16: "BF16"}
 
 
 def build_info() -> dict[str, str]:
@@ -105,7 +106,7 @@ class LayerCache:
         return load_file(str(self._files()[0]))
 
     def save_copies(self, copies: "HostExperts", resident: "HostExperts | None" = None) -> None:
-        """Write the GPU's int8 copies of the experts before `first_expert` (kt_gpu_read_experts): those in host
+        """Write the GPU's copies of the experts before `first_expert` (kt_gpu_read_experts): those in host
         memory, after the first ones `resident` keeps in GPU memory (kt_gpu_resident_experts)."""
         from safetensors.torch import save_file
 
@@ -113,11 +114,11 @@ class LayerCache:
         parts = [resident.named(), copies.named()] if resident is not None else [copies.named()]
         save_file({name: torch.cat([p[name].cpu() for p in parts]) for name in parts[0]}, str(self._copies_path()))
 
-    def load_copies(self, pin: bool, resident: int = 0, device: torch.device | str = "cpu"
+    def load_copies(self, pin: bool, resident: int = 0, device: torch.device | str = "cpu", bits: int = 8
                     ) -> "tuple[HostExperts | None, HostExperts] | None":
-        """The GPU's copies `save_copies` wrote: the first `resident` experts in `device`'s memory (None where
-        there are none), the others in host memory (page-locked when `pin`); None when the file does not hold
-        `first_expert` experts of this shape."""
+        """The GPU's `bits`-bit copies `save_copies` wrote: the first `resident` experts in `device`'s memory (None
+        where there are none), the others in host memory (page-locked when `pin`); None when the file does not
+        hold `first_expert` experts of this shape and form."""
         from safetensors import safe_open
 
         from engines.kt.expert_streaming import COPY_TENSORS, HostExperts
@@ -128,13 +129,16 @@ class LayerCache:
             return None
         with saved:
             copies = HostExperts.empty(self.first_expert - resident, self.intermediate_size, self.hidden_size,
-                                       pin=pin)
-            first = HostExperts.empty(resident, self.intermediate_size, self.hidden_size) if resident else None
+                                       bits=bits, pin=pin)
+            first = (HostExperts.empty(resident, self.intermediate_size, self.hidden_size, bits=bits)
+                     if resident else None)
             for name, tensor in zip(COPY_TENSORS, copies.tensors()):
-                if name not in saved.keys() or (tuple(saved.get_slice(name).get_shape())
-                                                != (self.first_expert, *tensor.shape[1:])):
+                if name not in saved.keys():
                     return None
                 rows = saved.get_slice(name)
+                if (tuple(rows.get_shape()) != (self.first_expert, *tensor.shape[1:])
+                        or rows.get_dtype() != _SAFETENSORS_DTYPES[tensor.dtype]):
+                    return None
                 tensor.copy_(rows[resident:])
                 if first is not None:
                     first.named()[name].copy_(rows[:resident])

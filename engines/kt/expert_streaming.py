@@ -8,9 +8,10 @@ of at least `kt_gpu_prefill_tokens` tokens splits each layer's experts: experts 
 and computed there while kt-kernel computes the rest on the CPU, both at once. `ExpertStreamer.split` picks n
 so that both sides take about as long (`split_experts`).
 
-The GPU side reads its own copy of the experts: int8 with a float32 scale per output row (`HostExperts`), in
-host memory pinned in place (cudaHostRegister, so no power-of-two rounding of torch's pinned allocator). That
-costs one byte per expert weight of host memory on top of kt-kernel's own form, the reason this is opt-in; with
+The GPU side reads its own copy of the experts (`HostExperts`): int8 with a float32 scale per output row, or for
+4-bit methods int4 with a bf16 scale per 128 weights of a row (`copy_bits`), in host memory pinned in place
+(cudaHostRegister, so no power-of-two rounding of torch's pinned allocator). That costs as many bytes as those
+copies hold of host memory on top of kt-kernel's own form, the reason this is opt-in; with
 `kt_gpu_prefill_memory` each layer keeps copies of only its first experts, as many as the budget holds
 (`experts_within`), and the GPU's share of a chunk is capped there: the time saved shrinks with the budget. The
 weights travel in groups of `GROUP` experts through a ring of `RING` GPU buffers on a copy stream: while the GPU
@@ -67,16 +68,39 @@ CPU_TOKEN_EXPERTS_PER_S_BY_METHOD = {"FP8": 512 * 6 * 26 / 3.69}
 ALL_ON_GPU_SHARE = 0.75
 
 
-def expert_copy_bytes(hidden: int, intermediate: int) -> int:
-    """Host bytes of one expert's copy: int8 gate, up and down, and a float32 scale per output row."""
-    return 3 * hidden * intermediate + (2 * intermediate + hidden) * 4
+# The 4-bit copies: a bf16 scale per INT4_GROUP weights of a row; a row is packed in blocks of 2 * INT4_GROUP
+# weights, 128 bytes each, weight j of a block in the low nibble of the block's byte j and weight INT4_GROUP + j in
+# its high nibble, so a kernel reading a block's bytes gets two whole groups without shuffling them; rows are padded
+# with zeros to whole blocks.
+INT4_GROUP = 128
+INT4_BLOCK = 2 * INT4_GROUP
 
 
-def experts_within(budget_bytes: float, layers: int, num_experts: int, hidden: int, intermediate: int) -> int:
+def copy_bits(method_bits: int) -> int:
+    """The bits of the GPU's copies for a method of `method_bits`-bit weights: 4 for 4-bit methods (as small as
+    kt-kernel's form), 8 for the others."""
+    return 4 if method_bits <= 4 else 8
+
+
+def _padded(cols: int) -> int:
+    return -(-cols // INT4_BLOCK) * INT4_BLOCK
+
+
+def expert_copy_bytes(hidden: int, intermediate: int, bits: int = 8) -> int:
+    """Host bytes of one expert's copy: int8 gate, up and down with a float32 scale per output row, or with
+    `bits` = 4 the packed int4 rows with their bf16 group scales."""
+    if bits == 8:
+        return 3 * hidden * intermediate + (2 * intermediate + hidden) * 4
+    gate_up, down = 2 * intermediate * _padded(hidden), hidden * _padded(intermediate)
+    return (gate_up + down) // 2 + (gate_up + down) // INT4_GROUP * 2
+
+
+def experts_within(budget_bytes: float, layers: int, num_experts: int, hidden: int, intermediate: int,
+                   bits: int = 8) -> int:
     """How many of each layer's experts (the first ones) `layers` layers can keep copies of in `budget_bytes`."""
     if layers <= 0:
         return num_experts
-    return min(num_experts, int(budget_bytes // (layers * expert_copy_bytes(hidden, intermediate))))
+    return min(num_experts, int(budget_bytes // (layers * expert_copy_bytes(hidden, intermediate, bits))))
 
 
 def split_experts(tokens: int, top_k: int, num_experts: int, cpu_bytes: int, gpu_bytes: int,
@@ -97,6 +121,27 @@ def _quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = weight.float()
     scale = w.abs().amax(dim=-1).clamp_min(1e-12) / 127
     return torch.round(w / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8), scale
+
+
+def _quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., rows, cols] -> (uint8 [..., rows, padded / 2], bf16 [..., padded / INT4_GROUP, rows]): symmetric int4
+    per group of INT4_GROUP weights of a row, stored as value + 8, packed as INT4_BLOCK describes; the scales of a
+    group lie together for all rows (a kernel reads a block of rows' scales at once)."""
+    *lead, rows, cols = weight.shape
+    w = F.pad(weight.float(), (0, _padded(cols) - cols)).reshape(*lead, rows, -1, INT4_GROUP)
+    scale = (w.abs().amax(-1, keepdim=True) / 7).clamp_min(1e-12).bfloat16()
+    q = (torch.round(w / scale.float()).clamp_(-7, 7) + 8).to(torch.uint8).reshape(*lead, rows, -1, 2, INT4_GROUP)
+    packed = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(*lead, rows, -1)
+    return packed, scale.squeeze(-1).transpose(-1, -2).contiguous()
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, cols: int) -> torch.Tensor:
+    """The bf16 weights [..., rows, cols] of `_quantize_int4`'s packed rows and scales."""
+    *lead, rows, half = packed.shape
+    blocks = packed.reshape(*lead, rows, half // INT4_GROUP, 1, INT4_GROUP)
+    q = torch.cat([blocks & 15, blocks >> 4], dim=-2).reshape(*lead, rows, -1, INT4_GROUP).to(torch.bfloat16) - 8
+    w = q * scale.transpose(-1, -2).unsqueeze(-1)
+    return w.reshape(*lead, rows, -1)[..., :cols]
 
 
 
@@ -133,37 +178,48 @@ COPY_TENSORS = ("gate_up", "gate_up_scale", "down", "down_scale")  # HostExperts
 
 @dataclass(slots=True, weakref_slot=True)
 class HostExperts:
-    """One layer's routed experts as the GPU side reads them: int8 with a float32 scale per output row."""
+    """One layer's routed experts as the GPU side reads them: int8 with a float32 scale per output row, or (4-bit
+    copies) int4 packed two to a byte with a bf16 scale per INT4_GROUP weights of a row (`_quantize_int4`)."""
 
-    gate_up: torch.Tensor  # int8 [E, 2I, H]: gate rows, then up rows
-    gate_up_scale: torch.Tensor  # float32 [E, 2I]
-    down: torch.Tensor  # int8 [E, H, I]
-    down_scale: torch.Tensor  # float32 [E, H]
+    gate_up: torch.Tensor  # int8 [E, 2I, H]: gate rows, then up rows; 4-bit: uint8 [E, 2I, padded H / 2]
+    gate_up_scale: torch.Tensor  # float32 [E, 2I]; 4-bit: bf16 [E, padded H / INT4_GROUP, 2I]
+    down: torch.Tensor  # int8 [E, H, I]; 4-bit: uint8 [E, H, padded I / 2]
+    down_scale: torch.Tensor  # float32 [E, H]; 4-bit: bf16 [E, padded I / INT4_GROUP, H]
 
     @classmethod
-    def quantize(cls, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
+    def quantize(cls, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *, bits: int = 8,
                  work_device: torch.device | str = "cpu", pin: bool = False) -> "HostExperts":
-        """From the checkpoint's gate/up [E, I, H] and down [E, H, I]; quantized one expert at a time on
-        `work_device` (a GPU does a V2-Lite layer in well under a second) into host memory."""
+        """From the checkpoint's gate/up [E, I, H] and down [E, H, I], as `bits`-bit copies (8 or 4); quantized one
+        expert at a time on `work_device` (a GPU does a V2-Lite layer in well under a second) into host memory."""
         E, I, H = gate.shape
-        host = cls.empty(E, I, H, pin=pin)
+        host = cls.empty(E, I, H, bits=bits, pin=pin)
+        quantize = _quantize_rows if bits == 8 else _quantize_int4
         for e in range(E):
             gu = torch.cat([gate[e], up[e]]).to(work_device)
-            q, s = _quantize_rows(gu)
+            q, s = quantize(gu)
             host.gate_up[e].copy_(q)
             host.gate_up_scale[e].copy_(s)
-            q, s = _quantize_rows(down[e].to(work_device))
+            q, s = quantize(down[e].to(work_device))
             host.down[e].copy_(q)
             host.down_scale[e].copy_(s)
         return host
 
     @classmethod
-    def empty(cls, experts: int, intermediate: int, hidden: int, *, pin: bool = False) -> "HostExperts":
-        """Uninitialized copies of `experts` experts, in one host allocation (page-locked when `pin`)."""
-        tensors, unpin = _host_tensors([((experts, 2 * intermediate, hidden), torch.int8),
-                                        ((experts, 2 * intermediate), torch.float32),
-                                        ((experts, hidden, intermediate), torch.int8),
-                                        ((experts, hidden), torch.float32)], pin and experts > 0)
+    def empty(cls, experts: int, intermediate: int, hidden: int, *, bits: int = 8,
+              pin: bool = False) -> "HostExperts":
+        """Uninitialized `bits`-bit copies (8 or 4) of `experts` experts, in one host allocation (page-locked when
+        `pin`)."""
+        if bits not in (4, 8):
+            raise ValueError(f"the GPU's copies of experts are 8- or 4-bit, not {bits}-bit")
+        if bits == 8:
+            specs = [((experts, 2 * intermediate, hidden), torch.int8), ((experts, 2 * intermediate), torch.float32),
+                     ((experts, hidden, intermediate), torch.int8), ((experts, hidden), torch.float32)]
+        else:
+            h, i = _padded(hidden), _padded(intermediate)
+            specs = [((experts, 2 * intermediate, h // 2), torch.uint8),
+                     ((experts, h // INT4_GROUP, 2 * intermediate), torch.bfloat16),
+                     ((experts, hidden, i // 2), torch.uint8), ((experts, i // INT4_GROUP, hidden), torch.bfloat16)]
+        tensors, unpin = _host_tensors(specs, pin and experts > 0)
         host = cls(*tensors)
         if unpin is not None:  # the memory stays pinned as long as this object holds it
             weakref.finalize(host, unpin)
@@ -183,6 +239,18 @@ class HostExperts:
     def held(self) -> int:
         """How many experts (the layer's first ones) this copy holds."""
         return self.gate_up.shape[0]
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.gate_up.dtype == torch.uint8 else 8
+
+    @property
+    def hidden(self) -> int:
+        return self.down.shape[1]
+
+    @property
+    def intermediate(self) -> int:
+        return self.gate_up.shape[1] // 2
 
     @property
     def nbytes(self) -> int:
@@ -273,11 +341,12 @@ class ExpertStreamer:
         return sum(t.numel() * t.element_size() for slot in self._ring for t in slot.tensors)
 
     def _build_scratch(self, copies: HostExperts) -> None:
-        """The group size and the bf16 form of the group being computed (int8 values are exact in bf16)."""
+        """The group size and the bf16 form of the group being computed (int8 values are exact in bf16; 4-bit
+        copies are scaled into it)."""
         self.group = min(GROUP, copies.held)  # experts per copy (fewer where a layer holds fewer)
-        _, two_i, h = copies.gate_up.shape
-        self._gate_up = torch.empty(self.group, two_i, h, dtype=torch.bfloat16, device=self.device)
-        self._down = torch.empty(self.group, h, two_i // 2, dtype=torch.bfloat16, device=self.device)
+        h, i = copies.hidden, copies.intermediate
+        self._gate_up = torch.empty(self.group, 2 * i, h, dtype=torch.bfloat16, device=self.device)
+        self._down = torch.empty(self.group, h, i, dtype=torch.bfloat16, device=self.device)
 
     def _build_ring(self, host: HostExperts) -> None:
         cuda = self.device.type == "cuda"
@@ -387,17 +456,27 @@ class ExpertStreamer:
         gate_up_q, gate_up_s, down_q, down_s = tensors
         n = len(counts)
         gate_up, down = self._gate_up[:n], self._down[:n]
-        gate_up.copy_(gate_up_q[:n])
-        down.copy_(down_q[:n])
-        gate_up_s, down_s = gate_up_s[:n].to(torch.bfloat16), down_s[:n].to(torch.bfloat16)
-        inter = down.shape[2]
+        hidden, inter = down.shape[1], down.shape[2]
+        if gate_up_q.dtype == torch.uint8:  # 4-bit: the scales go into the bf16 weights
+            gate_up.copy_(dequantize_int4(gate_up_q[:n], gate_up_s[:n], hidden))
+            down.copy_(dequantize_int4(down_q[:n], down_s[:n], inter))
+            gate_up_s = down_s = None
+        else:  # int8: the row scales multiply the products
+            gate_up.copy_(gate_up_q[:n])
+            down.copy_(down_q[:n])
+            gate_up_s, down_s = gate_up_s[:n].to(torch.bfloat16), down_s[:n].to(torch.bfloat16)
         for j, count in enumerate(counts):
             if count == 0:
                 continue
             rows = slice(offset, offset + -(-count // ROW_ALIGN) * ROW_ALIGN)
-            h = (x[rows] @ gate_up[j].T) * gate_up_s[j]
+            h = x[rows] @ gate_up[j].T
+            if gate_up_s is not None:
+                h *= gate_up_s[j]
             act = F.silu(h[:, :inter]) * h[:, inter:]
-            torch.mul(act @ down[j].T, down_s[j], out=y[rows])
+            if down_s is None:
+                torch.matmul(act, down[j].T, out=y[rows])
+            else:
+                torch.mul(act @ down[j].T, down_s[j], out=y[rows])
             offset += count
         return offset
 

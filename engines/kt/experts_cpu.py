@@ -31,7 +31,7 @@ from engines.kt.attention import layer_index
 from engines.kt.cpuinfer import check_thread_count, load_ext, shared_cpu_infer
 from engines.kt.expert_cache import LayerCache
 from engines.kt.expert_deferral import Deferred, ExpertDeferral, check_deferred, split_deferred
-from engines.kt.expert_streaming import ExpertStreamer, HostExperts, expert_copy_bytes
+from engines.kt.expert_streaming import ExpertStreamer, HostExperts, copy_bits, expert_copy_bytes
 from engines.kt.mapped_experts import OWNABLE_METHODS, decode_experts, owned_experts, resident_experts
 from engines.kt.mapped_experts import MAX_TOKENS as MAPPED_MAX_TOKENS
 from engines.kt.expert_methods import (METHODS, ExpertsUnsupportedError, check_llamafile_type, default_pad_from,
@@ -233,6 +233,7 @@ class RoutedExpertsCPU(nn.Module):
             raise ValueError(f"resident_experts of layer {layer_idx} must lie in 0..{self.owned} (the experts the "
                              f"GPU owns), got {resident_experts}")
         self.resident = resident_experts
+        self.copy_bits = copy_bits(METHODS[method].bits)  # of the GPU side's copies: int4 for 4-bit methods
         self.kernel_experts = num_experts - self.owned
         if self.owned:
             self.stream_experts = self.owned
@@ -240,7 +241,7 @@ class RoutedExpertsCPU(nn.Module):
         # 0: none), None: the two readers' balance
         self._mapped_share = (decode_experts(num_experts, self.stream_experts,
                                              3 * hidden_size * intermediate_size * METHODS[method].bits / 8,
-                                             expert_copy_bytes(hidden_size, intermediate_size))
+                                             expert_copy_bytes(hidden_size, intermediate_size, self.copy_bits))
                               if read_experts is None else min(read_experts, self.stream_experts))
         # whether decode calls read this layer's copies on the GPU where they lie, host or GPU memory (mapped_experts)
         self._read_in_place = bool(self.owned or self._mapped_share)
@@ -392,7 +393,8 @@ class RoutedExpertsCPU(nn.Module):
         copies = None
         if self.owned:  # the GPU's copies of the experts kt-kernel does not hold are in the cache too
             device = self.streamer.device
-            copies = cache.load_copies(pin=device.type == "cuda", resident=self.resident, device=device)
+            copies = cache.load_copies(pin=device.type == "cuda", resident=self.resident, device=device,
+                                       bits=self.copy_bits)
             if copies is None:
                 return False
         if cache.written_by_kt_kernel:  # kt-kernel only prints (and reads garbage) for a missing file: checked
@@ -431,10 +433,10 @@ class RoutedExpertsCPU(nn.Module):
     def _keep_streamed_weights(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         if self.streamer is not None:
             device, held, first = self.streamer.device, self.stream_experts, self.resident
-            host = HostExperts.quantize(gate[first:held], up[first:held], down[first:held], work_device=device,
-                                        pin=device.type == "cuda")
-            resident = (HostExperts.quantize(gate[:first], up[:first], down[:first], work_device=device).to(device)
-                        if first else None)
+            host = HostExperts.quantize(gate[first:held], up[first:held], down[first:held], bits=self.copy_bits,
+                                        work_device=device, pin=device.type == "cuda")
+            resident = (HostExperts.quantize(gate[:first], up[:first], down[:first], bits=self.copy_bits,
+                                             work_device=device).to(device) if first else None)
             self.streamer.register(self.layer_idx, host, self.top_k, read_in_place=self._read_in_place,
                                    resident=resident)
 

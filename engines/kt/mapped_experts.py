@@ -9,7 +9,8 @@ mapped/): the kernels below read the experts at 46-47 GB/s (50-51 since `down` r
 kt-kernel computing half of a token's experts meanwhile slowed by 9% (0.55 -> 0.60 ms a V2-Lite layer), so both
 sides together read ~90 GB/s where kt-kernel alone reads ~50.
 
-The GPU reads int8 copies of a layer's first experts (`HostExperts`, engines/kt/expert_streaming.py). By default
+The GPU reads int8 copies of a layer's first experts (`HostExperts`, engines/kt/expert_streaming.py), int4 ones for
+4-bit methods (a second pair of kernels unpacks them, their group scales read beside them). By default
 (`kt_gpu_read_experts`, `owned_experts`) those experts are the GPU's alone: kt-kernel is built over the others, so
 host memory holds one copy of each expert, and every call computes them on the GPU (here up to `MAX_TOKENS` tokens,
 through the streamer's ring above). Where the copies are extra ones for streamed prompt chunks
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.kt.expert_streaming import CPU_EXPERT_BYTES_PER_S, HostExperts
+from engines.kt.expert_streaming import CPU_EXPERT_BYTES_PER_S, INT4_GROUP, HostExperts, copy_bits
 
 log = logging.getLogger("ktserve.engine.kt")
 
@@ -57,23 +58,22 @@ def decode_experts(num_experts: int, held: int, cpu_bytes_per_expert: float, gpu
 # class crashed the process for some counts (33 experts of 256 x 256; 12, 13 and 20 of 128 x 64), and LLAMAFILE
 # has no stream path.
 OWNABLE_METHODS = frozenset({"AMXINT8", "AMXINT4", "BF16", "FP8"})
-# Methods whose experts the GPU owns by default: those whose own form is as large as the int8 copies (4-bit ones
-# would take more host memory, 16-bit ones would lose precision).
-OWNED_BY_DEFAULT_BITS = 8
 
 
 def owned_experts(setting: int | None, method: str, bits: int, num_experts: int, top_k: int) -> int:
-    """How many of a layer's experts (the first ones) the GPU owns, computing them in every call from int8
-    copies in pinned host memory instead of kt-kernel (`kt_gpu_read_experts`): `setting`, or where it is None the
-    decode balance of the two readers (kt-kernel reading `bits`-bit experts at CPU_EXPERT_BYTES_PER_S, the kernels
-    int8 at GPU_READ_BYTES_PER_S) for 8-bit methods, none for others; kt-kernel keeps at least `top_k` experts (a
-    token's worth). 0 without Triton, and for methods outside OWNABLE_METHODS."""
+    """How many of a layer's experts (the first ones) the GPU owns, computing them in every call from its copies
+    (int8, or int4 for 4-bit methods: `copy_bits`) in pinned host memory instead of kt-kernel
+    (`kt_gpu_read_experts`): `setting`, or where it is None the decode balance of the two readers (kt-kernel
+    reading `bits`-bit experts at CPU_EXPERT_BYTES_PER_S, the kernels the copies at GPU_READ_BYTES_PER_S) for
+    methods whose copies are as precise as their own form (8- and 4-bit ones: host memory still holds each expert
+    once, at its size), none for 16-bit ones (their copies would lose precision); kt-kernel keeps at least `top_k`
+    experts (a token's worth). 0 without Triton, and for methods outside OWNABLE_METHODS."""
     if method not in OWNABLE_METHODS:
         return 0
     if setting is None:
-        if bits != OWNED_BY_DEFAULT_BITS:
+        if copy_bits(bits) != bits:
             return 0
-        setting = decode_experts(num_experts, num_experts, bits / 8, 1.0)
+        setting = decode_experts(num_experts, num_experts, bits / 8, copy_bits(bits) / 8)
     if setting <= 0 or not triton_available():
         return 0
     return max(0, min(setting, num_experts - top_k))
@@ -122,7 +122,7 @@ class _DLManagedTensor(ctypes.Structure):
 _DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
 _DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER)]
 _DL_CUDA = 2
-_DL_DTYPES = {torch.int8: (0, 8), torch.float32: (2, 32), torch.bfloat16: (4, 16)}
+_DL_DTYPES = {torch.int8: (0, 8), torch.uint8: (1, 8), torch.float32: (2, 32), torch.bfloat16: (4, 16)}
 
 
 @_DELETER
@@ -232,7 +232,100 @@ def _kernels():
         tl.store(part_ptr + (t[:, None] * K + slot[:, None]) * H + o[None, :], acc * scale[None, :] * weight[:, None],
                  mask=chose[:, None] & outs[None, :])
 
-    return triton, gate_up, down
+    @triton.jit
+    def _int4_dot(acc, xb_lo, xb_hi, packed, s_lo, s_hi):
+        """acc + x . w^T over one packed block: its low nibbles are the block's first group of weights, its high
+        nibbles the second, each group scaled by its own row scales."""
+        lo = ((packed & 15).to(tl.int32) - 8).to(tl.bfloat16)
+        hi = ((packed >> 4).to(tl.int32) - 8).to(tl.bfloat16)
+        return (acc + tl.dot(xb_lo, tl.trans(lo)) * s_lo.to(tl.float32)[None, :]
+                + tl.dot(xb_hi, tl.trans(hi)) * s_hi.to(tl.float32)[None, :])
+
+    @triton.jit
+    def gate_up4(x_ptr, ids_ptr, w_ptr, wr_ptr, s_ptr, sr_ptr, resident, h_ptr, tokens, H: tl.constexpr,
+                 HP: tl.constexpr, I: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+                 G: tl.constexpr, K_P: tl.constexpr):
+        """gate_up over 4-bit copies: rows of HP / 2 bytes (H padded to whole blocks of 2G weights), scales
+        [HP / G, 2I] per expert; experts below `resident` (weights and scales) from `wr_ptr` and `sr_ptr`."""
+        e = tl.program_id(0)
+        t = tl.arange(0, BLOCK_T)
+        k = tl.arange(0, K_P)
+        ids = tl.load(ids_ptr + t[:, None] * K + k[None, :], mask=(t[:, None] < tokens) & (k[None, :] < K),
+                      other=-1)
+        hit = ids == e
+        chose = tl.sum(hit.to(tl.int32), axis=1) > 0
+        if tl.max(chose.to(tl.int32), axis=0) == 0:
+            return
+        slot = tl.sum(tl.where(hit, k[None, :], 0), axis=1)
+        r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rows = r < I
+        if e < resident:
+            base = wr_ptr + e.to(tl.int64) * (2 * I * HP // 2)
+            sbase = sr_ptr + e.to(tl.int64) * (HP // G * 2 * I)
+        else:
+            base = w_ptr + (e - resident).to(tl.int64) * (2 * I * HP // 2)
+            sbase = s_ptr + (e - resident).to(tl.int64) * (HP // G * 2 * I)
+        acc_g = tl.zeros((BLOCK_T, BLOCK_R), tl.float32)
+        acc_u = tl.zeros((BLOCK_T, BLOCK_R), tl.float32)
+        j = tl.arange(0, G)
+        for h0 in range(0, HP, 2 * G):
+            lo_in, hi_in = h0 + j < H, h0 + G + j < H
+            x_lo = tl.load(x_ptr + t[:, None] * H + (h0 + j)[None, :], mask=chose[:, None] & lo_in[None, :],
+                           other=0.0)
+            x_hi = tl.load(x_ptr + t[:, None] * H + (h0 + G + j)[None, :], mask=chose[:, None] & hi_in[None, :],
+                           other=0.0)
+            byte = h0 // 2 + j
+            wg = tl.load(base + r[:, None] * (HP // 2) + byte[None, :], mask=rows[:, None], other=8)
+            wu = tl.load(base + (I + r[:, None]) * (HP // 2) + byte[None, :], mask=rows[:, None], other=8)
+            g0 = h0 // G
+            acc_g = _int4_dot(acc_g, x_lo, x_hi, wg, tl.load(sbase + g0 * 2 * I + r, mask=rows, other=0.0),
+                              tl.load(sbase + (g0 + 1) * 2 * I + r, mask=rows, other=0.0))
+            acc_u = _int4_dot(acc_u, x_lo, x_hi, wu, tl.load(sbase + g0 * 2 * I + I + r, mask=rows, other=0.0),
+                              tl.load(sbase + (g0 + 1) * 2 * I + I + r, mask=rows, other=0.0))
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(h_ptr + (t[:, None] * K + slot[:, None]) * I + r[None, :], act.to(tl.bfloat16),
+                 mask=chose[:, None] & rows[None, :])
+
+    @triton.jit
+    def down4(h_ptr, ids_ptr, wt_ptr, w_ptr, wr_ptr, s_ptr, sr_ptr, resident, part_ptr, tokens, H: tl.constexpr,
+              I: tl.constexpr, IP: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr,
+              G: tl.constexpr, K_P: tl.constexpr):
+        """down over 4-bit copies: rows of IP / 2 bytes, scales [IP / G, H] per expert; as gate_up4."""
+        e = tl.program_id(0)
+        t = tl.arange(0, BLOCK_T)
+        k = tl.arange(0, K_P)
+        routed = (t[:, None] < tokens) & (k[None, :] < K)
+        ids = tl.load(ids_ptr + t[:, None] * K + k[None, :], mask=routed, other=-1)
+        wts = tl.load(wt_ptr + t[:, None] * K + k[None, :], mask=routed, other=0.0)
+        hit = ids == e
+        chose = tl.sum(hit.to(tl.int32), axis=1) > 0
+        if tl.max(chose.to(tl.int32), axis=0) == 0:
+            return
+        weight = tl.sum(tl.where(hit, wts, 0.0), axis=1)
+        slot = tl.sum(tl.where(hit, k[None, :], 0), axis=1)
+        o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+        outs = o < H
+        if e < resident:
+            base = wr_ptr + e.to(tl.int64) * (H * IP // 2)
+            sbase = sr_ptr + e.to(tl.int64) * (IP // G * H)
+        else:
+            base = w_ptr + (e - resident).to(tl.int64) * (H * IP // 2)
+            sbase = s_ptr + (e - resident).to(tl.int64) * (IP // G * H)
+        acc = tl.zeros((BLOCK_T, BLOCK_O), tl.float32)
+        j = tl.arange(0, G)
+        row = h_ptr + (t[:, None] * K + slot[:, None]) * I
+        for i0 in range(0, IP, 2 * G):
+            lo_in, hi_in = i0 + j < I, i0 + G + j < I
+            h_lo = tl.load(row + (i0 + j)[None, :], mask=chose[:, None] & lo_in[None, :], other=0.0)
+            h_hi = tl.load(row + (i0 + G + j)[None, :], mask=chose[:, None] & hi_in[None, :], other=0.0)
+            wd = tl.load(base + o[:, None] * (IP // 2) + (i0 // 2 + j)[None, :], mask=outs[:, None], other=8)
+            g0 = i0 // G
+            acc = _int4_dot(acc, h_lo, h_hi, wd, tl.load(sbase + g0 * H + o, mask=outs, other=0.0),
+                            tl.load(sbase + (g0 + 1) * H + o, mask=outs, other=0.0))
+        tl.store(part_ptr + (t[:, None] * K + slot[:, None]) * H + o[None, :], acc * weight[:, None],
+                 mask=chose[:, None] & outs[None, :])
+
+    return triton, gate_up, down, gate_up4, down4
 
 
 # Each program reads rows of BLOCK_H (gate, up) or BLOCK_I (down) contiguous bytes at a time: `down` read 42 GB/s
@@ -244,13 +337,20 @@ BLOCK_R, BLOCK_H, BLOCK_O, BLOCK_I = 32, 128, 32, 128
 @dataclass(slots=True)
 class _Layer:
     host: HostExperts  # kept: its memory is unpinned when it goes, and the views below would then read nothing
-    gate_up: torch.Tensor  # device views of the host copies (int8): experts [resident, held)
+    gate_up: torch.Tensor  # device views of the host copies (int8, or packed int4): experts [resident, held)
     down: torch.Tensor
     resident: int  # experts [0, resident) lie in GPU memory (kt_gpu_resident_experts)
-    resident_gate_up: torch.Tensor  # those (int8, on the device; the host views where there are none)
+    resident_gate_up: torch.Tensor  # those (on the device; the host views where there are none)
     resident_down: torch.Tensor
-    gate_up_scale: torch.Tensor  # every held expert's scales, on the device (a few hundred KB a layer)
+    # int8: every held expert's row scales, on the device (a few hundred KB a layer); int4: the host experts'
+    # group scales, viewed from the device as their weights are (a V3 layer's would take ~90 MB of GPU memory)
+    gate_up_scale: torch.Tensor
     down_scale: torch.Tensor
+    resident_gate_up_scale: torch.Tensor  # int4: the resident experts' group scales (stand-ins where none)
+    resident_down_scale: torch.Tensor
+    bits: int
+    hidden: int
+    intermediate: int
 
     @property
     def held(self) -> int:
@@ -279,17 +379,20 @@ class MappedExperts:
         if resident is not None and resident.held and resident.gate_up.device != self.device:
             raise ValueError(f"mapped experts of layer {layer}: resident copies on {resident.gate_up.device}, "
                              f"the kernels run on {self.device}")
+        if len({p.bits for p in parts}) > 1:
+            raise ValueError(f"mapped experts of layer {layer}: resident and host copies of different bits")
         count = resident.held if resident is not None else 0
         # a kernel reads one of the two per expert; where a layer has no experts of one kind, the other's
         # tensors stand in (never read)
-        gate_up, down = ((device_view(host.gate_up, self.device), device_view(host.down, self.device))
-                         if host.held else (resident.gate_up, resident.down))
-        kept_gate_up, kept_down = (resident.gate_up, resident.down) if count else (gate_up, down)
-        self.layers[layer] = _Layer(host, gate_up, down, count, kept_gate_up, kept_down,
-                                    torch.cat([p.gate_up_scale.to(self.device) for p in parts]),
-                                    torch.cat([p.down_scale.to(self.device) for p in parts]))
-        _, two_i, hidden = parts[0].gate_up.shape
-        h, part = MAX_TOKENS * top_k * two_i // 2, MAX_TOKENS * top_k * hidden
+        viewed = tuple(device_view(t, self.device) for t in host.tensors()) if host.held else resident.tensors()
+        kept = resident.tensors() if count else viewed
+        gate_up, gate_up_scale, down, down_scale = viewed
+        if parts[0].bits == 8:  # the row scales of every held expert move to the device
+            gate_up_scale = torch.cat([p.gate_up_scale.to(self.device) for p in parts])
+            down_scale = torch.cat([p.down_scale.to(self.device) for p in parts])
+        self.layers[layer] = _Layer(host, gate_up, down, count, kept[0], kept[2], gate_up_scale, down_scale,
+                                    kept[1], kept[3], parts[0].bits, parts[0].hidden, parts[0].intermediate)
+        h, part = MAX_TOKENS * top_k * parts[0].intermediate, MAX_TOKENS * top_k * parts[0].hidden
         if self._h is None or self._h.numel() < h or self._part.numel() < part:
             self._h = torch.empty(h, dtype=torch.bfloat16, device=self.device)
             self._part = torch.empty(part, dtype=torch.float32, device=self.device)
@@ -303,23 +406,32 @@ class MappedExperts:
         if tokens > MAX_TOKENS:
             raise ValueError(f"mapped experts take calls of at most {MAX_TOKENS} tokens, got {tokens}")
         copy = self.layers[layer]
-        held, (_, two_i, size) = copy.held, copy.resident_gate_up.shape
+        held, size, inter = copy.held, copy.hidden, copy.intermediate
         if not 0 < experts <= held:
             raise ValueError(f"mapped experts of layer {layer}: {experts} asked for, copies of {held} held")
-        inter = two_i // 2
         x = hidden.to(self.device, torch.bfloat16).contiguous()
         ids = topk_ids.to(self.device, torch.int64).contiguous()
         weights = topk_weights.to(self.device, torch.float32).contiguous()
         part = self._part[:tokens * top_k * size].view(tokens, top_k, size)
         part.zero_()  # the slots of experts the GPU does not own stay zero
-        triton, gate_up, down = _kernels()
+        triton, gate_up, down, gate_up4, down4 = _kernels()
         block_t = max(16, triton.next_power_of_2(tokens))
         k_p = triton.next_power_of_2(top_k)
         with torch.cuda.device(self.device):
-            gate_up[(experts, triton.cdiv(inter, BLOCK_R))](
-                x, ids, copy.gate_up, copy.resident_gate_up, copy.resident, copy.gate_up_scale, self._h, tokens,
-                size, inter, top_k, block_t, BLOCK_R, BLOCK_H, k_p)
-            down[(experts, triton.cdiv(size, BLOCK_O))](
-                self._h, ids, weights, copy.down, copy.resident_down, copy.resident, copy.down_scale, part, tokens,
-                size, inter, top_k, block_t, BLOCK_O, BLOCK_I, k_p)
+            if copy.bits == 8:
+                gate_up[(experts, triton.cdiv(inter, BLOCK_R))](
+                    x, ids, copy.gate_up, copy.resident_gate_up, copy.resident, copy.gate_up_scale, self._h, tokens,
+                    size, inter, top_k, block_t, BLOCK_R, BLOCK_H, k_p)
+                down[(experts, triton.cdiv(size, BLOCK_O))](
+                    self._h, ids, weights, copy.down, copy.resident_down, copy.resident, copy.down_scale, part,
+                    tokens, size, inter, top_k, block_t, BLOCK_O, BLOCK_I, k_p)
+            else:
+                gate_up4[(experts, triton.cdiv(inter, BLOCK_R))](
+                    x, ids, copy.gate_up, copy.resident_gate_up, copy.gate_up_scale, copy.resident_gate_up_scale,
+                    copy.resident, self._h, tokens, size, copy.gate_up.shape[2] * 2, inter, top_k, block_t, BLOCK_R,
+                    INT4_GROUP, k_p)
+                down4[(experts, triton.cdiv(size, BLOCK_O))](
+                    self._h, ids, weights, copy.down, copy.resident_down, copy.down_scale,
+                    copy.resident_down_scale, copy.resident, part, tokens, size, inter, copy.down.shape[2] * 2,
+                    top_k, block_t, BLOCK_O, INT4_GROUP, k_p)
         return part.sum(1)
