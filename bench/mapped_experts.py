@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
         layer.submit(x, ids, w)
         layer.sync()
 
-    expert_bytes = 3 * HIDDEN * INTER
+    copies = layers[0].streamer.layers[layers[0].layer_idx]
+    expert_bytes = copies.nbytes / copies.held  # int8, or int4 for 4-bit methods, with their scales
     for tokens in sizes:
         calls = _calls(tokens, args.calls, seed=tokens)
         row = summary["ms_per_layer"][str(tokens)] = {}

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from engines.kt.mapped_experts import MAX_TOKENS
 from test_kt_expert_streaming import E, H, I, TOP_K, assert_close, layer_weights, reference, routing
 
 pytestmark = [pytest.mark.gpu,
@@ -31,7 +32,7 @@ def test_a_device_view_reads_the_pinned_host_memory_it_covers():
     assert int(view[2, 5, 7]) == 99
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 64])
+@pytest.mark.parametrize("tokens", [1, 5, 64, 128])
 def test_the_kernels_compute_the_experts_below_the_share_as_the_int8_reference(tokens):
     from engines.kt.mapped_experts import MappedExperts
 
@@ -44,7 +45,7 @@ def test_the_kernels_compute_the_experts_below_the_share_as_the_int8_reference(t
 
 
 @pytest.mark.parametrize("resident", [4, 16], ids=["some-in-gpu-memory", "all-in-gpu-memory"])
-@pytest.mark.parametrize("tokens", [1, 64])
+@pytest.mark.parametrize("tokens", [1, 128])
 def test_the_kernels_read_experts_in_gpu_memory_and_the_rest_from_host_memory_as_the_int8_reference(tokens, resident):
     from engines.kt.expert_streaming import HostExperts
     from engines.kt.mapped_experts import MappedExperts
@@ -60,7 +61,7 @@ def test_the_kernels_read_experts_in_gpu_memory_and_the_rest_from_host_memory_as
 
 
 @pytest.mark.parametrize("resident", [0, 4, 16], ids=["in-host-memory", "some-in-gpu-memory", "all-in-gpu-memory"])
-@pytest.mark.parametrize("tokens", [1, 5, 64])
+@pytest.mark.parametrize("tokens", [1, 5, 128])
 def test_the_int4_kernels_compute_the_experts_below_the_share_as_the_int4_reference(tokens, resident):
     """4-bit methods' copies: packed rows (here padded: 128 and 64 weights to blocks of 256) and group scales read
     where they lie, host or GPU memory."""
@@ -100,7 +101,7 @@ def experts_layer(held: int | None = None, owned: int = 0, read: int | None = No
 
     torch.manual_seed(0)
     layer = RoutedExpertsCPU(layer_idx=91, num_experts=E, top_k=TOP_K, hidden_size=hidden, intermediate_size=inter,
-                             method=method, max_tokens=128, gpu_device="cuda", out_device="cuda",
+                             method=method, max_tokens=256, gpu_device="cuda", out_device="cuda",
                              streamer=ExpertStreamers().for_device(torch.device("cuda")),
                              stream_tokens=65, stream_experts=held, owned_experts=owned, read_experts=read,
                              resident_experts=resident)
@@ -155,23 +156,28 @@ def test_decode_calls_queued_back_to_back_each_get_their_own_experts():
 
 
 @pytest.mark.parametrize("resident", [0, 3, 7], ids=["in-host-memory", "some-in-gpu-memory", "all-in-gpu-memory"])
-@pytest.mark.parametrize("tokens", [4, 100], ids=["decode-read-in-place", "chunk-streamed"])
+@pytest.mark.parametrize("tokens", [4, 100, 200], ids=["decode-read-in-place", "short-chunk-read-in-place",
+                                                       "chunk-streamed"])
 def test_a_layer_whose_first_experts_the_gpu_owns_equals_kt_kernel_computing_all(tokens, resident):
     from engines.kt.experts_cpu import RoutedExpertsCPU
 
     owned = experts_layer(owned=7, resident=resident)
     assert (owned.streamer.resident_experts(91), owned.streamer.layers[91].held) == (resident, 7 - resident)
     plain = RoutedExpertsCPU(layer_idx=92, num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I,
-                             method="BF16", max_tokens=128)
+                             method="BF16", max_tokens=256)
     plain.load_weights(*layer_weights(1))
     assert owned.kernel_experts == E - 7
     hidden, ids, weights = routing(tokens)
+    streamed_before = owned.streamer.stats.chunks
     got = owned(hidden.cuda(), ids.cuda(), weights.cuda()).float().cpu()
     assert_close(got, plain(hidden, ids, weights).float())
+    # calls of up to MAX_TOKENS read the experts in place, longer ones bring them through the ring
+    assert owned.streamer.stats.chunks - streamed_before == (tokens > MAX_TOKENS)
 
 
 @pytest.mark.parametrize("resident", [0, 3], ids=["in-host-memory", "some-in-gpu-memory"])
-@pytest.mark.parametrize("tokens", [4, 100], ids=["decode-read-in-place", "chunk-streamed"])
+@pytest.mark.parametrize("tokens", [4, 100, 200], ids=["decode-read-in-place", "short-chunk-read-in-place",
+                                                       "chunk-streamed"])
 def test_a_4_bit_layer_computes_the_experts_the_gpu_owns_from_their_int4_copies(tokens, resident):
     """AMXINT4: kt-kernel computes the others as it would have (checked against a layer holding every expert, the
     owned ones zeroed: their products vanish), the GPU the owned ones as their int4 copies say."""
@@ -186,7 +192,7 @@ def test_a_4_bit_layer_computes_the_experts_the_gpu_owns_from_their_int4_copies(
     assert owned.streamer.layers[91].bits == 4 and owned.streamer.resident_experts(91) == resident
     weights_in = layer_weights(1, hidden_size, inter)
     rest = RoutedExpertsCPU(layer_idx=92, num_experts=E, top_k=TOP_K, hidden_size=hidden_size,
-                            intermediate_size=inter, method="AMXINT4", max_tokens=128)
+                            intermediate_size=inter, method="AMXINT4", max_tokens=256)
     rest.load_weights(*(torch.cat([torch.zeros_like(w[:7]), w[7:]]) for w in weights_in))
     copies = HostExperts.quantize(*(w[:7] for w in weights_in), bits=4)
     hidden, ids, weights = routing(tokens, hidden_size=hidden_size)

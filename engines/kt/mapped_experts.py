@@ -36,7 +36,14 @@ from engines.kt.expert_streaming import CPU_EXPERT_BYTES_PER_S, INT4_GROUP, Host
 
 log = logging.getLogger("ktserve.engine.kt")
 
-MAX_TOKENS = 64  # calls of up to this many tokens (decode steps, short chunks) go through the kernels
+# Calls of up to this many tokens (decode steps, short chunks) go through the kernels, longer ones through the
+# streamer's ring (engines/kt/expert_streaming.py). The kernels are bound by reading the experts, so a call of 128
+# tokens costs them what one of 64 does (H100 machine, 2026-11-27, `python -m bench.mapped_experts --tokens 64,128`
+# with this at 128, every V2-Lite expert on the GPU: AMXINT4's int4 copies 6.70 / 6.57 ms a layer, AMXINT8's int8
+# 10.94 / 11.34), while the ring's per-expert matrix products from Python and its host sync per layer made a
+# 128-token chunk slower split than in kt-kernel alone (the cached-prefix TTFT, 1,920 of 2,048 tokens cached, with
+# AMXINT4: 0.216 s split through the ring, 0.169 s all in kt-kernel, 0.122 s split through the kernels).
+MAX_TOKENS = 128
 # The kernels' read rate, alone, H100 machine, 2026-11-26: 50.3-51.0 GB/s for each kernel at 1 and 16 tokens
 # (bench/results/nvidia-h100-2026-11-26-fork/tune/; a host-issued copy read 53.9-54.3 GB/s on such machines). Every
 # share below is weighed with it, as kt-kernel's side is with its own rate alone (CPU_EXPERT_BYTES_PER_S).
@@ -368,8 +375,8 @@ class MappedExperts:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.layers: dict[int, _Layer] = {}
-        self._h: torch.Tensor | None = None  # bf16, [MAX_TOKENS, top_k, I] of the largest layer
-        self._part: torch.Tensor | None = None  # float32, [MAX_TOKENS, top_k, H] of the largest layer
+        self._h: torch.Tensor | None = None  # bf16, [MAX_TOKENS, top_k, I] of the largest layer (V3: 4 MB)
+        self._part: torch.Tensor | None = None  # float32, [MAX_TOKENS, top_k, H] of the largest layer (V3: 29 MB)
 
     def register(self, layer: int, host: HostExperts, top_k: int, resident: HostExperts | None = None) -> None:
         """Read `layer`'s `host` copies from where they lie, after the first experts `resident` (on this device)."""
