@@ -181,6 +181,9 @@ class KTEngine(LLMEngine):
         if cpu_experts:
             self.torch_threads = _torch_threads(kt.cpu_infer, all_on_gpus)
             torch.set_num_threads(self.torch_threads)
+        for streamer in options.streamers.active():
+            if streamer.mapped is not None:
+                streamer.mapped.warm_up()
         if kt.kt_use_cuda_graph:
             if gpu:
                 runner.capture_decode_graphs(cfg.max_concurrent)

@@ -162,7 +162,10 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # Each kernel is compiled once per block of tokens (BLOCK_T) and form: the token count and the resident
+    # experts are left out of Triton's specialization on integer values (1, multiples of 16), which would compile
+    # another variant for each kind of batch size the first time it comes (`MappedExperts.warm_up`).
+    @triton.jit(do_not_specialize=["tokens", "resident"])
     def gate_up(x_ptr, ids_ptr, w_ptr, wr_ptr, resident, s_ptr, h_ptr, tokens, H: tl.constexpr, I: tl.constexpr,
                 K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
                 K_P: tl.constexpr):
@@ -202,7 +205,7 @@ def _kernels():
         tl.store(h_ptr + (t[:, None] * K + slot[:, None]) * I + r[None, :], act.to(tl.bfloat16),
                  mask=chose[:, None] & rows[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["tokens", "resident"])
     def down(h_ptr, ids_ptr, wt_ptr, w_ptr, wr_ptr, resident, s_ptr, part_ptr, tokens, H: tl.constexpr,
              I: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
              K_P: tl.constexpr):
@@ -248,7 +251,7 @@ def _kernels():
         return (acc + tl.dot(xb_lo, tl.trans(lo)) * s_lo.to(tl.float32)[None, :]
                 + tl.dot(xb_hi, tl.trans(hi)) * s_hi.to(tl.float32)[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["tokens", "resident"])
     def gate_up4(x_ptr, ids_ptr, w_ptr, wr_ptr, s_ptr, sr_ptr, resident, h_ptr, tokens, H: tl.constexpr,
                  HP: tl.constexpr, I: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
                  G: tl.constexpr, K_P: tl.constexpr):
@@ -293,7 +296,7 @@ def _kernels():
         tl.store(h_ptr + (t[:, None] * K + slot[:, None]) * I + r[None, :], act.to(tl.bfloat16),
                  mask=chose[:, None] & rows[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["tokens", "resident"])
     def down4(h_ptr, ids_ptr, wt_ptr, w_ptr, wr_ptr, s_ptr, sr_ptr, resident, part_ptr, tokens, H: tl.constexpr,
               I: tl.constexpr, IP: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr,
               G: tl.constexpr, K_P: tl.constexpr):
@@ -377,6 +380,22 @@ class MappedExperts:
         self.layers: dict[int, _Layer] = {}
         self._h: torch.Tensor | None = None  # bf16, [MAX_TOKENS, top_k, I] of the largest layer (V3: 4 MB)
         self._part: torch.Tensor | None = None  # float32, [MAX_TOKENS, top_k, H] of the largest layer (V3: 29 MB)
+        self._top_k = 0
+
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """Compile the kernels for each size of token block they take (calls of up to 16, 32, 64 and MAX_TOKENS
+        tokens) and each form of copies registered, before a request waits for it: a first compile took ~2 s on
+        the GPU machine (the first 128-token prompt tail after start: 2.17 s instead of 0.11). Triton keeps them on
+        disk for the next start."""
+        shapes = {(c.bits, c.hidden, c.intermediate): layer for layer, c in self.layers.items()}
+        for (_, hidden, _), layer in shapes.items():
+            tokens = 16
+            while tokens <= MAX_TOKENS:  # routed nowhere: the kernels compile, launch and return at once
+                ids = torch.full((tokens, self._top_k), -1, dtype=torch.int64, device=self.device)
+                self.compute(layer, torch.zeros(tokens, hidden, dtype=torch.bfloat16, device=self.device), ids,
+                             torch.zeros(tokens, self._top_k, device=self.device), self.layers[layer].held)
+                tokens *= 2
 
     def register(self, layer: int, host: HostExperts, top_k: int, resident: HostExperts | None = None) -> None:
         """Read `layer`'s `host` copies from where they lie, after the first experts `resident` (on this device)."""
@@ -399,6 +418,7 @@ class MappedExperts:
             down_scale = torch.cat([p.down_scale.to(self.device) for p in parts])
         self.layers[layer] = _Layer(host, gate_up, down, count, kept[0], kept[2], gate_up_scale, down_scale,
                                     kept[1], kept[3], parts[0].bits, parts[0].hidden, parts[0].intermediate)
+        self._top_k = max(self._top_k, top_k)
         h, part = MAX_TOKENS * top_k * parts[0].intermediate, MAX_TOKENS * top_k * parts[0].hidden
         if self._h is None or self._h.numel() < h or self._part.numel() < part:
             self._h = torch.empty(h, dtype=torch.bfloat16, device=self.device)
