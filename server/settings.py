@@ -98,23 +98,27 @@ class Settings(BaseModel):
     kt_gpu_prefill_tokens: int = engine_setting(
         0, "prompt chunks of at least this many tokens, and decode steps of at least this many sequences (run "
            "without CUDA graphs), compute part of each layer's routed experts on the GPU, streaming int8 copies "
-           "of them from pinned host memory (one more byte of host memory per expert weight); 0: off", ge=0)
+           "(int4 for 4-bit methods) of them from pinned host memory (one more byte, or half a byte, of host memory "
+           "per expert weight); 0: off", ge=0)
     kt_gpu_prefill_memory: float | None = engine_setting(
-        None, "GB of host memory the streamed experts' int8 copies may take (kt_gpu_prefill_tokens): each layer keeps "
+        None, "GB of host memory the streamed experts' copies may take (kt_gpu_prefill_tokens): each layer keeps "
               "copies of as many of its first experts as fit, and the GPU takes at most those; default: every expert",
         gt=0)
     kt_gpu_read_experts: int | None = engine_setting(
-        None, "how many of each MoE layer's experts (the first ones) the GPU computes, reading their int8 copies "
-              "straight from pinned host memory in decode steps (and streaming them for longer prompt chunks), while "
-              "kt-kernel computes the rest and no longer holds these: host memory stays one copy of the experts. "
-              "Needs the layer's output on a GPU and Triton. Default: the balance of the two readers for 8-bit "
-              "methods (32 of V2-Lite's 64 for AMXINT8), none for others (int8 copies would take more memory than "
-              "INT4 experts and lose BF16's precision; RAWINT4 and LLAMAFILE are never split); 0: off. With "
+        None, "how many of each MoE layer's experts (the first ones) the GPU computes, reading their copies (int8, "
+              "int4 for 4-bit methods) straight from pinned host memory in calls of up to 128 tokens (and streaming "
+              "them for longer prompt chunks), while kt-kernel computes the rest and no longer holds these: host "
+              "memory stays one copy of the experts. Needs the layer's output on a GPU and Triton. Default: the "
+              "balance of the two readers for 8- and 4-bit methods (32 of V2-Lite's 64 for AMXINT8 and AMXINT4), "
+              "none for 16-bit ones (int8 copies would lose BF16's precision; RAWINT4 and LLAMAFILE are never "
+              "split); 0: off. With "
               "kt_gpu_prefill_tokens: how many of the streamed copies decode steps read that way", ge=0)
     kt_gpu_resident_experts: int = engine_setting(
-        0, "how many of each MoE layer's experts (the first ones) the GPU keeps in its own memory as int8 copies and "
+        0, "how many of each MoE layer's experts (the first ones) the GPU keeps in its own memory as copies (int8, "
+           "int4 for 4-bit methods) and "
            "computes in every call, before the ones it reads from host memory (kt_gpu_read_experts balances the "
-           "rest): GPU memory for decode speed, one expert's copy a layer each (8.7 MB for V2-Lite, 26 layers). "
+           "rest): GPU memory for decode speed, one expert's copy a layer each (8.7 MB in int8 for V2-Lite, 26 "
+           "layers). "
            "Needs the layer's output on a GPU and Triton; kt-kernel keeps at least a token's worth of experts; "
            "0: none", ge=0)
     kt_expert_pad_from: int | None = engine_setting(
