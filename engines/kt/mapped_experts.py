@@ -165,6 +165,17 @@ def _kernels():
     # Each kernel is compiled once per block of tokens (BLOCK_T) and form: the token count and the resident
     # experts are left out of Triton's specialization on integer values (1, multiples of 16), which would compile
     # another variant for each kind of batch size the first time it comes (`MappedExperts.warm_up`).
+    @triton.jit
+    def _chosen(ids_ptr, tokens, e, K: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr):
+        """Of a call's tokens (rows of `ids_ptr`, K routing slots each): the (token, slot) pairs that chose expert
+        e, the tokens that chose it, and in which slot (a token picks an expert at most once)."""
+        t = tl.arange(0, BLOCK_T)
+        k = tl.arange(0, K_P)
+        ids = tl.load(ids_ptr + t[:, None] * K + k[None, :], mask=(t[:, None] < tokens) & (k[None, :] < K),
+                      other=-1)
+        hit = ids == e
+        return hit, tl.sum(hit.to(tl.int32), axis=1) > 0, tl.sum(tl.where(hit, k[None, :], 0), axis=1)
+
     @triton.jit(do_not_specialize=["tokens", "resident"])
     def gate_up(x_ptr, ids_ptr, w_ptr, wr_ptr, resident, s_ptr, h_ptr, tokens, H: tl.constexpr, I: tl.constexpr,
                 K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -174,14 +185,9 @@ def _kernels():
         `w_ptr` (host memory), numbered from `resident` there."""
         e = tl.program_id(0)
         t = tl.arange(0, BLOCK_T)
-        k = tl.arange(0, K_P)
-        ids = tl.load(ids_ptr + t[:, None] * K + k[None, :], mask=(t[:, None] < tokens) & (k[None, :] < K),
-                      other=-1)
-        hit = ids == e
-        chose = tl.sum(hit.to(tl.int32), axis=1) > 0
+        _, chose, slot = _chosen(ids_ptr, tokens, e, K, BLOCK_T, K_P)
         if tl.max(chose.to(tl.int32), axis=0) == 0:
             return
-        slot = tl.sum(tl.where(hit, k[None, :], 0), axis=1)  # a token picks an expert at most once
         r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         rows = r < I
         if e < resident:
@@ -213,16 +219,11 @@ def _kernels():
         (the other slots stay as they were: zeros); experts below `resident` from `wr_ptr`, as in gate_up."""
         e = tl.program_id(0)
         t = tl.arange(0, BLOCK_T)
-        k = tl.arange(0, K_P)
-        routed = (t[:, None] < tokens) & (k[None, :] < K)
-        ids = tl.load(ids_ptr + t[:, None] * K + k[None, :], mask=routed, other=-1)
-        wts = tl.load(wt_ptr + t[:, None] * K + k[None, :], mask=routed, other=0.0)
-        hit = ids == e
-        chose = tl.sum(hit.to(tl.int32), axis=1) > 0
+        hit, chose, slot = _chosen(ids_ptr, tokens, e, K, BLOCK_T, K_P)
         if tl.max(chose.to(tl.int32), axis=0) == 0:
             return
-        weight = tl.sum(tl.where(hit, wts, 0.0), axis=1)
-        slot = tl.sum(tl.where(hit, k[None, :], 0), axis=1)
+        k = tl.arange(0, K_P)
+        weight = tl.sum(tl.load(wt_ptr + t[:, None] * K + k[None, :], mask=hit, other=0.0), axis=1)
         o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
         outs = o < H
         if e < resident:
@@ -259,14 +260,9 @@ def _kernels():
         [HP / G, 2I] per expert; experts below `resident` (weights and scales) from `wr_ptr` and `sr_ptr`."""
         e = tl.program_id(0)
         t = tl.arange(0, BLOCK_T)
-        k = tl.arange(0, K_P)
-        ids = tl.load(ids_ptr + t[:, None] * K + k[None, :], mask=(t[:, None] < tokens) & (k[None, :] < K),
-                      other=-1)
-        hit = ids == e
-        chose = tl.sum(hit.to(tl.int32), axis=1) > 0
+        _, chose, slot = _chosen(ids_ptr, tokens, e, K, BLOCK_T, K_P)
         if tl.max(chose.to(tl.int32), axis=0) == 0:
             return
-        slot = tl.sum(tl.where(hit, k[None, :], 0), axis=1)
         r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         rows = r < I
         if e < resident:
@@ -303,16 +299,11 @@ def _kernels():
         """down over 4-bit copies: rows of IP / 2 bytes, scales [IP / G, H] per expert; as gate_up4."""
         e = tl.program_id(0)
         t = tl.arange(0, BLOCK_T)
-        k = tl.arange(0, K_P)
-        routed = (t[:, None] < tokens) & (k[None, :] < K)
-        ids = tl.load(ids_ptr + t[:, None] * K + k[None, :], mask=routed, other=-1)
-        wts = tl.load(wt_ptr + t[:, None] * K + k[None, :], mask=routed, other=0.0)
-        hit = ids == e
-        chose = tl.sum(hit.to(tl.int32), axis=1) > 0
+        hit, chose, slot = _chosen(ids_ptr, tokens, e, K, BLOCK_T, K_P)
         if tl.max(chose.to(tl.int32), axis=0) == 0:
             return
-        weight = tl.sum(tl.where(hit, wts, 0.0), axis=1)
-        slot = tl.sum(tl.where(hit, k[None, :], 0), axis=1)
+        k = tl.arange(0, K_P)
+        weight = tl.sum(tl.load(wt_ptr + t[:, None] * K + k[None, :], mask=hit, other=0.0), axis=1)
         o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
         outs = o < H
         if e < resident:
