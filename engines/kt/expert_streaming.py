@@ -10,8 +10,8 @@ so that both sides take about as long (`split_experts`).
 
 The GPU side reads its own copy of the experts (`HostExperts`): int8 with a float32 scale per output row, or for
 4-bit methods int4 with a bf16 scale per 128 weights of a row (`copy_bits`), in host memory pinned in place
-(cudaHostRegister, so no power-of-two rounding of torch's pinned allocator). That costs as many bytes as those
-copies hold of host memory on top of kt-kernel's own form, the reason this is opt-in; with
+(cudaHostRegister, so no power-of-two rounding of torch's pinned allocator). Those copies take host memory on top
+of kt-kernel's own form (a byte per expert weight in int8, about half that in int4), the reason this is opt-in; with
 `kt_gpu_prefill_memory` each layer keeps copies of only its first experts, as many as the budget holds
 (`experts_within`), and the GPU's share of a chunk is capped there: the time saved shrinks with the budget. The
 weights travel in groups of `GROUP` experts through a ring of `RING` GPU buffers on a copy stream: while the GPU
@@ -457,9 +457,9 @@ class ExpertStreamer:
         n = len(counts)
         gate_up, down = self._gate_up[:n], self._down[:n]
         hidden, inter = down.shape[1], down.shape[2]
-        if gate_up_q.dtype == torch.uint8:  # 4-bit: the scales go into the bf16 weights
-            gate_up.copy_(dequantize_int4(gate_up_q[:n], gate_up_s[:n], hidden))
-            down.copy_(dequantize_int4(down_q[:n], down_s[:n], inter))
+        four_bit = gate_up_q.dtype == torch.uint8
+        if four_bit:  # the scales go into the bf16 weights, below
+            scales = gate_up_s, down_s
             gate_up_s = down_s = None
         else:  # int8: the row scales multiply the products
             gate_up.copy_(gate_up_q[:n])
@@ -468,6 +468,9 @@ class ExpertStreamer:
         for j, count in enumerate(counts):
             if count == 0:
                 continue
+            if four_bit:  # an expert at a time: a whole group's temporaries would take ~0.5 GB each for V3
+                gate_up[j].copy_(dequantize_int4(gate_up_q[j], scales[0][j], hidden))
+                down[j].copy_(dequantize_int4(down_q[j], scales[1][j], inter))
             rows = slice(offset, offset + -(-count // ROW_ALIGN) * ROW_ALIGN)
             h = x[rows] @ gate_up[j].T
             if gate_up_s is not None:
