@@ -86,13 +86,25 @@ def _padded(cols: int) -> int:
     return -(-cols // INT4_BLOCK) * INT4_BLOCK
 
 
+def _copy_specs(experts: int, intermediate: int, hidden: int, bits: int
+                ) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shapes and dtypes of `HostExperts`' tensors (gate_up, its scales, down, its scales) for `experts` experts."""
+    if bits == 8:
+        return [((experts, 2 * intermediate, hidden), torch.int8), ((experts, 2 * intermediate), torch.float32),
+                ((experts, hidden, intermediate), torch.int8), ((experts, hidden), torch.float32)]
+    if bits == 4:
+        h, i = _padded(hidden), _padded(intermediate)
+        return [((experts, 2 * intermediate, h // 2), torch.uint8),
+                ((experts, h // INT4_GROUP, 2 * intermediate), torch.bfloat16),
+                ((experts, hidden, i // 2), torch.uint8), ((experts, i // INT4_GROUP, hidden), torch.bfloat16)]
+    raise ValueError(f"the GPU's copies of experts are 8- or 4-bit, not {bits}-bit")
+
+
 def expert_copy_bytes(hidden: int, intermediate: int, bits: int = 8) -> int:
     """Host bytes of one expert's copy: int8 gate, up and down with a float32 scale per output row, or with
     `bits` = 4 the packed int4 rows with their bf16 group scales."""
-    if bits == 8:
-        return 3 * hidden * intermediate + (2 * intermediate + hidden) * 4
-    gate_up, down = 2 * intermediate * _padded(hidden), hidden * _padded(intermediate)
-    return (gate_up + down) // 2 + (gate_up + down) // INT4_GROUP * 2
+    return sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+               for shape, dtype in _copy_specs(1, intermediate, hidden, bits))
 
 
 def experts_within(budget_bytes: float, layers: int, num_experts: int, hidden: int, intermediate: int,
@@ -209,17 +221,7 @@ class HostExperts:
               pin: bool = False) -> "HostExperts":
         """Uninitialized `bits`-bit copies (8 or 4) of `experts` experts, in one host allocation (page-locked when
         `pin`)."""
-        if bits not in (4, 8):
-            raise ValueError(f"the GPU's copies of experts are 8- or 4-bit, not {bits}-bit")
-        if bits == 8:
-            specs = [((experts, 2 * intermediate, hidden), torch.int8), ((experts, 2 * intermediate), torch.float32),
-                     ((experts, hidden, intermediate), torch.int8), ((experts, hidden), torch.float32)]
-        else:
-            h, i = _padded(hidden), _padded(intermediate)
-            specs = [((experts, 2 * intermediate, h // 2), torch.uint8),
-                     ((experts, h // INT4_GROUP, 2 * intermediate), torch.bfloat16),
-                     ((experts, hidden, i // 2), torch.uint8), ((experts, i // INT4_GROUP, hidden), torch.bfloat16)]
-        tensors, unpin = _host_tensors(specs, pin and experts > 0)
+        tensors, unpin = _host_tensors(_copy_specs(experts, intermediate, hidden, bits), pin and experts > 0)
         host = cls(*tensors)
         if unpin is not None:  # the memory stays pinned as long as this object holds it
             weakref.finalize(host, unpin)
@@ -457,29 +459,26 @@ class ExpertStreamer:
         n = len(counts)
         gate_up, down = self._gate_up[:n], self._down[:n]
         hidden, inter = down.shape[1], down.shape[2]
-        four_bit = gate_up_q.dtype == torch.uint8
-        if four_bit:  # the scales go into the bf16 weights, below
-            scales = gate_up_s, down_s
-            gate_up_s = down_s = None
-        else:  # int8: the row scales multiply the products
+        int8 = gate_up_q.dtype == torch.int8  # exact in bf16, its row scales multiply the products
+        if int8:
             gate_up.copy_(gate_up_q[:n])
             down.copy_(down_q[:n])
             gate_up_s, down_s = gate_up_s[:n].to(torch.bfloat16), down_s[:n].to(torch.bfloat16)
         for j, count in enumerate(counts):
             if count == 0:
                 continue
-            if four_bit:  # an expert at a time: a whole group's temporaries would take ~0.5 GB each for V3
-                gate_up[j].copy_(dequantize_int4(gate_up_q[j], scales[0][j], hidden))
-                down[j].copy_(dequantize_int4(down_q[j], scales[1][j], inter))
+            if not int8:  # int4, scaled into the bf16 weights an expert at a time (a group's temporaries: ~0.5 GB each for V3)
+                gate_up[j].copy_(dequantize_int4(gate_up_q[j], gate_up_s[j], hidden))
+                down[j].copy_(dequantize_int4(down_q[j], down_s[j], inter))
             rows = slice(offset, offset + -(-count // ROW_ALIGN) * ROW_ALIGN)
             h = x[rows] @ gate_up[j].T
-            if gate_up_s is not None:
+            if int8:
                 h *= gate_up_s[j]
             act = F.silu(h[:, :inter]) * h[:, inter:]
-            if down_s is None:
-                torch.matmul(act, down[j].T, out=y[rows])
-            else:
+            if int8:
                 torch.mul(act @ down[j].T, down_s[j], out=y[rows])
+            else:
+                torch.matmul(act, down[j].T, out=y[rows])
             offset += count
         return offset
 
