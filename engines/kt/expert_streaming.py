@@ -467,7 +467,7 @@ class ExpertStreamer:
         for j, count in enumerate(counts):
             if count == 0:
                 continue
-            if not int8:  # int4, scaled into the bf16 weights an expert at a time (a group's temporaries: ~0.5 GB each for V3)
+            if not int8:  # int4, scaled into bf16 an expert at a time (a group's temporaries: ~0.5 GB each for V3)
                 gate_up[j].copy_(dequantize_int4(gate_up_q[j], gate_up_s[j], hidden))
                 down[j].copy_(dequantize_int4(down_q[j], down_s[j], inter))
             rows = slice(offset, offset + -(-count // ROW_ALIGN) * ROW_ALIGN)
