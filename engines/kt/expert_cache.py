@@ -4,9 +4,9 @@ Quantizing a layer's experts dominates a cold start; with a cache folder the fir
 form and later loads read it back. kt-kernel writes the AMX forms itself, under its own per-layer folder
 ("<PREFIX>_<mat>_<expert>_<bytes>Byte_..."); the forms quantized in torch (FP8, RAWINT4) are saved here as one
 safetensors file per layer; hot experts' weights (kept on the GPU in torch) go beside them, and so do the GPU's
-copies (int8, int4 for 4-bit methods) of the experts kt-kernel does not hold (`first_expert`, kt_gpu_read_experts and kt_gpu_resident_experts: one
-file, whichever memory each expert lies in). A manifest, written
-last, says what the folder holds: a load reads it back only when the manifest matches this layer's method,
+copies (int8, int4 for 4-bit methods) of the experts kt-kernel does not hold (`first_expert`, kt_gpu_read_experts
+and kt_gpu_resident_experts: one file, whichever memory each expert lies in). A manifest, written last, says what
+the folder holds: a load reads it back only when the manifest matches this layer's method,
 shape, kt-kernel build and layout, and every file it names is there."""
 from __future__ import annotations
 
