@@ -12,8 +12,8 @@ first, each bounded in work and in time, rewriting bench.json after each one and
               each in a fresh child process (the worker pool is fixed per process)
     avx2      batch-1 decode under KT_KERNEL_CPU_VARIANT=avx2 (no AMX: what EPYC Milan users get) with the
               method the rules choose there, in a child process (kt-kernel picks its build at import)
-    ttft      time to first token (and TPOT right after) per prompt length, AMXINT8
-    http      1..32 concurrent streaming clients through uvicorn + the openai client, AMXINT8
+    ttft      time to first token (and TPOT right after) per prompt length, AMXINT8 (--primary picks)
+    http      1..32 concurrent streaming clients through uvicorn + the openai client, AMXINT8 (--primary picks)
     load      load time with the pre-quantized weight cache (kt_weight_cache), when the engine supports it
     hf        our huggingface engine, whole model on the GPU
     offload   transformers + accelerate offload (device_map="auto", GPU capped), the usual baseline
@@ -21,7 +21,8 @@ first, each bounded in work and in time, rewriting bench.json after each one and
               whose first 1,920 tokens are cached, and concurrent streaming clients at long contexts
               (bench/attention.py; `python -m bench.attention` runs it alone)
 
-The AMXINT8 engine loaded for `decode` serves `ttft` and `http` too. See bench/README.md."""
+The primary method's engine (AMXINT8 unless --primary names another) loaded for `decode` serves `ttft` and `http`
+too, and `threads`, `load` and `attention` run that method. See bench/README.md."""
 from __future__ import annotations
 
 import os
@@ -89,6 +90,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--writers", type=int, default=4, help="threads writing checkpoint shards")
     p.add_argument("--methods", help=f"comma-separated KT methods for the decode phase, of: "
                    f"{','.join(KT_METHODS + (RULES,))} (default: {','.join(KT_METHODS)}; {RULES}: the rules choose)")
+    p.add_argument("--primary", choices=KT_METHODS, default=PRIMARY,
+                   help=f"the KT method of the ttft, http, threads, load and attention phases (default {PRIMARY}); "
+                        "it decodes first and its engine serves ttft and http")
     p.add_argument("--rules", help="the KT engine's kt_optimize_rule (a shipped file name or a path; default: the "
                    "engine picks by model), e.g. DeepSeek-V2-Lite-defer.yaml for expert deferral")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
@@ -174,10 +178,11 @@ class Bench:
         self.log_path = self.out / "engines.log"
         meta = {**environment(self.threads), "shape": self.shape.name, "quick": args.quick,
                 "budget": fig(self.budget, "s"), "phases_selected": list(args.phases), "rules": args.rules,
-                "gpu_prefill_tokens": args.gpu_prefill_tokens, "chunk_size": args.chunk_size,
+                "gpu_prefill_tokens": args.gpu_prefill_tokens, "chunk_size": args.chunk_size, "primary": args.primary,
                 "settings": args.settings}
         self.results = Results(self.out, meta)
         self.kt = None  # the loaded KT EngineRun; its label is the experts method
+        self.primary: str = args.primary
         self.vocab = self.shape.config["vocab_size"]
         self.methods = self._methods()
         self.steps = self._steps()
@@ -197,13 +202,13 @@ class Bench:
         phases = self.args.phases
         methods = self.args.methods
         steps = ["baseline"] if "baseline" in phases else []
-        if "decode" in phases and PRIMARY in methods:
-            steps.append(f"decode:{PRIMARY}")
+        if "decode" in phases and self.primary in methods:
+            steps.append(f"decode:{self.primary}")
         # ttft and http right after decode: the three share one loaded engine; the child runs of threads and
         # avx2 need its memory, so they come after
         steps += [p for p in ("ttft", "http", "threads", "avx2") if p in phases]
         if "decode" in phases:
-            steps += [f"decode:{m}" for m in methods if m != PRIMARY]
+            steps += [f"decode:{m}" for m in methods if m != self.primary]
         # attention last: its two engines and long-context rounds take longest, and the baselines come first
         return steps + [p for p in ("load", "hf", "offload", "attention") if p in phases]
 
@@ -212,10 +217,10 @@ class Bench:
         if step == "load" and not weight_cache_wired():
             return 1.0
         extra = 0.0
-        if step in ("ttft", "http") and f"decode:{PRIMARY}" not in self.steps:
-            extra = e[f"decode:{PRIMARY}"]  # the engine is loaded by this phase instead
+        if step in ("ttft", "http") and f"decode:{self.primary}" not in self.steps:
+            extra = e[f"decode:{self.primary}"]  # the engine is loaded by this phase instead
         if step == "threads":  # one child run per other thread count: imports, load, decode
-            return len(self.sweep_threads()) * (e["imports"] + e[f"decode:{PRIMARY}"])
+            return len(self.sweep_threads()) * (e["imports"] + e[f"decode:{self.primary}"])
         if step == "avx2" or step == f"decode:{RULES}":  # BF16 on the avx2 kernel: slower than AMX
             return e.get("avx2") or e["imports"] + e["decode:BF16"] * 1.5
         return e.get(step, 30) + extra
@@ -350,7 +355,7 @@ class Bench:
         entry["decode"] = run.decode(self.plan.decode_prompt, self.plan.decode_tokens, self.vocab, deadline,
                                      self.ceiling(method))
         entry["memory"] = self._memory()
-        if method != PRIMARY or not {"ttft", "http"} & set(self.steps):
+        if method != self.primary or not {"ttft", "http"} & set(self.steps):
             self.close_engines()
 
     def _child_decode(self, method: str, threads: int | None, deadline: float, env: dict | None = None) -> dict:
@@ -367,11 +372,11 @@ class Bench:
         section = self.results.section("thread_sweep")
         # the default too runs in a child: set against the parent's own decode (which follows the checkpoint build),
         # 15 workers in a child read 24% faster than 14 in the parent on one H200, and fresh runs of both did not
-        section.update({"method": PRIMARY, "default_threads": self.threads,
+        section.update({"method": self.primary, "default_threads": self.threads,
                         "note": "every thread count ran in a fresh child process"})
         for threads in self.sweep_threads():
             try:
-                section[str(threads)] = self._child_decode(PRIMARY, threads, deadline)
+                section[str(threads)] = self._child_decode(self.primary, threads, deadline)
             except RuntimeError as exc:
                 section[str(threads)] = {"failed": str(exc)}
             self.results.save()
@@ -383,9 +388,9 @@ class Bench:
     def step_ttft(self, deadline: float) -> None:
         from bench.engine_runs import ttft_points
 
-        run = self.kt_engine(PRIMARY)
+        run = self.kt_engine(self.primary)
         points = ttft_points(run, self.plan.ttft_prompts, self.plan.ttft_decode_tokens, self.vocab, deadline)
-        self.results["ttft"] = {"method": PRIMARY, "chunk_size": run.engine.config.chunk_size,
+        self.results["ttft"] = {"method": self.primary, "chunk_size": run.engine.config.chunk_size,
                                 "decode_tokens_after": self.plan.ttft_decode_tokens, "points": points,
                                 "not_reached": [n for n in self.plan.ttft_prompts
                                                 if n not in {p["prompt_tokens"] for p in points}]}
@@ -394,13 +399,13 @@ class Bench:
         from bench.bandwidth import with_decode_ceiling
         from bench.http_load import run_clients, serving
 
-        run = self.kt_engine(PRIMARY)
+        run = self.kt_engine(self.primary)
         with serving(run.engine, str(self.model_dir)) as url:
             res = run_clients(url, run.engine.info.id, self.plan, self.vocab, max(5.0, deadline - time.perf_counter()),
                               self.args.client_temperature, self.args.client_top_p)
         res["rounds"] = with_decode_ceiling(res.get("rounds", []), self.shape, self.results.get("cpu_bandwidth"),
-                                            PRIMARY)
-        self.results["http"] = {"method": PRIMARY, "prompt_tokens": self.plan.http_prompt,
+                                            self.primary)
+        self.results["http"] = {"method": self.primary, "prompt_tokens": self.plan.http_prompt,
                                 "max_tokens": self.plan.http_tokens, "temperature": self.args.client_temperature,
                                 "top_p": self.args.client_top_p, "client": "openai.AsyncOpenAI, streaming "
                                 "completions, separate process", **res}
@@ -411,9 +416,10 @@ class Bench:
 
         self.close_engines()  # one engine per backend, each with its own KV cache
         p = self.plan
-        rounds = Rounds(p.attention_contexts, p.attention_clients, p.attention_tokens, p.http_round_timeout, PRIMARY)
+        rounds = Rounds(p.attention_contexts, p.attention_clients, p.attention_tokens, p.http_round_timeout,
+                        self.primary)
         section = self.results["attention"] = {
-            "method": PRIMARY, "clients": p.attention_clients, "output_tokens": p.attention_tokens,
+            "method": self.primary, "clients": p.attention_clients, "output_tokens": p.attention_tokens,
             "shared_tail_tokens": TAIL, "cached_prefix_of": f"{CACHED_PREFIX} of {CACHED_PROMPT} tokens",
             "backends": {}}
         for backend in ("flashinfer", "torch"):
@@ -427,7 +433,7 @@ class Bench:
         from bench.engine_runs import EngineRun
 
         cold = {m: e.get("load_time") for m, e in (self.results.get("kt") or {}).items()}
-        section = {"cold_load_time": cold, "method": PRIMARY}
+        section = {"cold_load_time": cold, "method": self.primary}
         self.results["load"] = section
         if not weight_cache_wired():
             section.update(status="not supported", reason="engines/kt/engine.py and loader.py do not read "
@@ -438,14 +444,15 @@ class Bench:
         cache = self.model_dir.with_name(self.model_dir.name + "-kt-cache")
         shutil.rmtree(cache, ignore_errors=True)
         try:
-            first = EngineRun("ktransformers", self.kt_config(PRIMARY, kt_weight_cache=str(cache)), self.log_path)
+            config = self.kt_config(self.primary, kt_weight_cache=str(cache))
+            first = EngineRun("ktransformers", config, self.log_path)
             first.close()
             size = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file()) if cache.exists() else 0
             section["cold_load_with_cache_write_time"] = fig(first.load_time, "s")
             if not size:
                 section.update(status="not supported", reason="kt_weight_cache given, but nothing was written")
                 return
-            second = EngineRun("ktransformers", self.kt_config(PRIMARY, kt_weight_cache=str(cache)), self.log_path)
+            second = EngineRun("ktransformers", config, self.log_path)
             second.close()
             section.update(status="supported", cache_size=fig(size / 1e9, "GB"),
                            cold_load_time=fig(first.load_time, "s", note="writes the cache"),
@@ -496,8 +503,8 @@ class Bench:
         if phase == "decode" and self.methods.get(method):
             self.results.phase(step, "skipped", 0.0, expected, reason=self.methods[method])
             return
-        if phase in ("threads", "ttft", "http", "attention", "load") and self.methods.get(PRIMARY):
-            self.results.phase(step, "skipped", 0.0, expected, reason=self.methods[PRIMARY])
+        if phase in ("threads", "ttft", "http", "attention", "load") and self.methods.get(self.primary):
+            self.results.phase(step, "skipped", 0.0, expected, reason=self.methods[self.primary])
             return
         absent = missing(*NEEDS.get(phase, ()))
         if absent:

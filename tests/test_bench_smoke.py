@@ -166,6 +166,16 @@ def test_bench_run_refuses_client_sampling_the_api_would_refuse(flag, value):
     assert done.returncode == 2 and f"{flag}: " in done.stderr
 
 
+def test_the_primary_method_decodes_first_and_serves_the_ttft_and_http_phases(tmp_path):
+    from bench.run import Bench, parse_args
+
+    args = parse_args(["--primary", "AMXINT4", "--only", "decode,ttft,http", "--out", str(tmp_path),
+                       "--model-dir", str(tmp_path / "model")])
+    bench = Bench(args, 0.0)
+    assert bench.steps == ["decode:AMXINT4", "ttft", "http", "decode:AMXINT8", "decode:BF16"]
+    assert bench.results["meta"]["primary"] == "AMXINT4"
+
+
 @pytest.mark.slow
 def test_tiny_quick_attention_phase_times_a_cached_prefix_and_a_round_per_backend(tmp_path):
     backends = tiny_quick_run(tmp_path, "attention")["attention"]["backends"]
