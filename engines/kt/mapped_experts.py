@@ -176,6 +176,23 @@ def _kernels():
         hit = ids == e
         return hit, tl.sum(hit.to(tl.int32), axis=1) > 0, tl.sum(tl.where(hit, k[None, :], 0), axis=1)
 
+    @triton.jit
+    def _expert(host_ptr, resident_ptr, resident, e, size):
+        """Where expert e's `size` elements start: experts below `resident` lie in GPU memory (`resident_ptr`),
+        the others in host memory (`host_ptr`), numbered from `resident` there."""
+        if e < resident:
+            start = resident_ptr + e.to(tl.int64) * size
+        else:
+            start = host_ptr + (e - resident).to(tl.int64) * size
+        return start
+
+    @triton.jit
+    def _slot_weights(wt_ptr, hit, K: tl.constexpr, BLOCK_T: tl.constexpr, K_P: tl.constexpr):
+        """Each token's routing weight for the expert of its `hit` slot (0 for the tokens that did not choose it)."""
+        t = tl.arange(0, BLOCK_T)
+        k = tl.arange(0, K_P)
+        return tl.sum(tl.load(wt_ptr + t[:, None] * K + k[None, :], mask=hit, other=0.0), axis=1)
+
     @triton.jit(do_not_specialize=["tokens", "resident"])
     def gate_up(x_ptr, ids_ptr, w_ptr, wr_ptr, resident, s_ptr, h_ptr, tokens, H: tl.constexpr, I: tl.constexpr,
                 K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -190,10 +207,7 @@ def _kernels():
             return
         r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         rows = r < I
-        if e < resident:
-            base = wr_ptr + e.to(tl.int64) * (2 * I * H)
-        else:
-            base = w_ptr + (e - resident).to(tl.int64) * (2 * I * H)
+        base = _expert(w_ptr, wr_ptr, resident, e, 2 * I * H)
         acc_g = tl.zeros((BLOCK_T, BLOCK_R), tl.float32)
         acc_u = tl.zeros((BLOCK_T, BLOCK_R), tl.float32)
         for h0 in range(0, H, BLOCK_H):
@@ -222,14 +236,10 @@ def _kernels():
         hit, chose, slot = _chosen(ids_ptr, tokens, e, K, BLOCK_T, K_P)
         if tl.max(chose.to(tl.int32), axis=0) == 0:
             return
-        k = tl.arange(0, K_P)
-        weight = tl.sum(tl.load(wt_ptr + t[:, None] * K + k[None, :], mask=hit, other=0.0), axis=1)
+        weight = _slot_weights(wt_ptr, hit, K, BLOCK_T, K_P)
         o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
         outs = o < H
-        if e < resident:
-            base = wr_ptr + e.to(tl.int64) * (H * I)
-        else:
-            base = w_ptr + (e - resident).to(tl.int64) * (H * I)
+        base = _expert(w_ptr, wr_ptr, resident, e, H * I)
         acc = tl.zeros((BLOCK_T, BLOCK_O), tl.float32)
         for i0 in range(0, I, BLOCK_I):
             cols = i0 + tl.arange(0, BLOCK_I)
@@ -265,12 +275,8 @@ def _kernels():
             return
         r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         rows = r < I
-        if e < resident:
-            base = wr_ptr + e.to(tl.int64) * (2 * I * HP // 2)
-            sbase = sr_ptr + e.to(tl.int64) * (HP // G * 2 * I)
-        else:
-            base = w_ptr + (e - resident).to(tl.int64) * (2 * I * HP // 2)
-            sbase = s_ptr + (e - resident).to(tl.int64) * (HP // G * 2 * I)
+        base = _expert(w_ptr, wr_ptr, resident, e, 2 * I * HP // 2)
+        sbase = _expert(s_ptr, sr_ptr, resident, e, HP // G * 2 * I)
         acc_g = tl.zeros((BLOCK_T, BLOCK_R), tl.float32)
         acc_u = tl.zeros((BLOCK_T, BLOCK_R), tl.float32)
         j = tl.arange(0, G)
@@ -302,16 +308,11 @@ def _kernels():
         hit, chose, slot = _chosen(ids_ptr, tokens, e, K, BLOCK_T, K_P)
         if tl.max(chose.to(tl.int32), axis=0) == 0:
             return
-        k = tl.arange(0, K_P)
-        weight = tl.sum(tl.load(wt_ptr + t[:, None] * K + k[None, :], mask=hit, other=0.0), axis=1)
+        weight = _slot_weights(wt_ptr, hit, K, BLOCK_T, K_P)
         o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
         outs = o < H
-        if e < resident:
-            base = wr_ptr + e.to(tl.int64) * (H * IP // 2)
-            sbase = sr_ptr + e.to(tl.int64) * (IP // G * H)
-        else:
-            base = w_ptr + (e - resident).to(tl.int64) * (H * IP // 2)
-            sbase = s_ptr + (e - resident).to(tl.int64) * (IP // G * H)
+        base = _expert(w_ptr, wr_ptr, resident, e, H * IP // 2)
+        sbase = _expert(s_ptr, sr_ptr, resident, e, IP // G * H)
         acc = tl.zeros((BLOCK_T, BLOCK_O), tl.float32)
         j = tl.arange(0, G)
         row = h_ptr + (t[:, None] * K + slot[:, None]) * I
