@@ -186,17 +186,21 @@ def attention_lines(data: dict) -> list[str]:
 
 
 def host_memory_lines(data: dict) -> list[str]:
-    """Host memory of the thread sweep's engines against the bytes of their experts. Those engines ran alone in a
-    fresh process; the main process's RSS (kt.<METHOD>.memory) also holds what earlier phases left (the
-    checkpoint build, the bandwidth buffers, engines that stopped), so it says little about the engine's own."""
+    """Host memory of the engines that ran alone in a fresh process (the thread sweep's, and the decodes of the
+    methods other than the primary) against the bytes of their experts. The main process's RSS
+    (kt.<METHOD>.memory) also holds what earlier phases left (the checkpoint build, the bandwidth buffers, engines
+    that stopped), so it says little about the engine's own."""
     sweep = data.get("thread_sweep") or {}
-    experts = _v(data, "cpu_bandwidth", "expert_bytes", sweep.get("method") or "")
+    runs = [(sweep.get("method"), f"{k} threads", v)
+            for k, v in sorted(((k, v) for k, v in sweep.items() if k.isdigit()), key=lambda kv: int(kv[0]))]
+    runs += [(method, "decode", v) for method, v in (data.get("kt") or {}).items()]
     lines = []
-    for threads, r in sorted(((k, v) for k, v in sweep.items() if k.isdigit()), key=lambda kv: int(kv[0])):
+    for method, what, r in runs:
         rss = _v(r, "memory", "host_rss")
+        experts = _v(data, "cpu_bandwidth", "expert_bytes", method or "")
         if rss is None or not experts or "child" not in r:
-            continue  # a decode of the main process (results of older runs)
-        lines.append(f"host memory, kt {sweep['method']} alone in a fresh process ({threads} threads): "
+            continue  # a decode of the main process
+        lines.append(f"host memory, kt {method} alone in a fresh process ({what}): "
                      f"{rss:.2f} GB after decoding, peak {_fmt(_v(r, 'memory_after_load', 'host_rss_peak'), '.2f')} GB "
                      f"while loading; the experts are {experts:.2f} GB: {rss / experts:.2f}x")
     return lines

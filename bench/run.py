@@ -7,7 +7,8 @@ first, each bounded in work and in time, rewriting bench.json after each one and
 
     baseline  CPU copy bandwidth and the decode ceiling it implies per expert format
     decode    KT engine, batch-1 decode after a prompt: AMXINT8 first, then AMXINT4 and BF16 (--methods picks),
-              with where each step's time goes (GPU, CPU experts, the stall on them, the rest)
+              each of those in a fresh child process, with where each step's time goes (GPU, CPU experts, the
+              stall on them, the rest)
     threads   the AMXINT8 decode again at the default and other kt-kernel thread counts (default - 2, default + 1),
               each in a fresh child process (the worker pool is fixed per process)
     avx2      batch-1 decode under KT_KERNEL_CPU_VARIANT=avx2 (no AMX: what EPYC Milan users get) with the
@@ -90,9 +91,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--writers", type=int, default=4, help="threads writing checkpoint shards")
     p.add_argument("--methods", help=f"comma-separated KT methods for the decode phase, of: "
                    f"{','.join(KT_METHODS + (RULES,))} (default: {','.join(KT_METHODS)}; {RULES}: the rules choose)")
-    p.add_argument("--primary", choices=KT_METHODS, default=PRIMARY,
+    p.add_argument("--primary", choices=KT_METHODS + (RULES,), default=PRIMARY,
                    help=f"the KT method of the ttft, http, threads, load and attention phases (default {PRIMARY}); "
-                        "it decodes first and its engine serves ttft and http")
+                        "it decodes first, in this process, and its engine serves ttft and http")
     p.add_argument("--rules", help="the KT engine's kt_optimize_rule (a shipped file name or a path; default: the "
                    "engine picks by model), e.g. DeepSeek-V2-Lite-defer.yaml for expert deferral")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
@@ -107,9 +108,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--client-top-p", type=float, default=1.0, metavar="P",
                    help="the streaming clients' top_p (default 1: off; chat clients often send 0.9-0.95)")
     p.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE",
-                   help="another ktransformers engine setting for the KT engines this process loads (not the child "
-                        "runs of threads and avx2), VALUE read as JSON where it parses, e.g. kt_isolate_workers=false; "
-                        "repeatable")
+                   help="another ktransformers engine setting for the KT engines of every phase but threads and avx2 "
+                        "(the other methods' decodes get it in their child processes), VALUE read as JSON where it "
+                        "parses, e.g. kt_isolate_workers=false; repeatable")
     args = p.parse_args(argv)
     args.settings = engine_settings(p, args.setting)
     if not 0.0 <= args.client_temperature <= 2.0:
@@ -350,6 +351,10 @@ class Bench:
         self.results["cpu_bandwidth"] = measure_cpu_bandwidth(self.shape, self.threads, self.plan.bandwidth_bytes)
 
     def step_decode(self, method: str, deadline: float) -> None:
+        if method != self.primary:  # alone in a fresh process, as a server runs it (bench/child_runs.py)
+            self.results.section("kt")[method] = self._child_decode(method, self.args.threads, deadline,
+                                                                    settings=self.args.settings)
+            return
         run = self.kt_engine(method)
         entry = self.results.section("kt", method)
         entry["decode"] = run.decode(self.plan.decode_prompt, self.plan.decode_tokens, self.vocab, deadline,
@@ -358,7 +363,8 @@ class Bench:
         if method != self.primary or not {"ttft", "http"} & set(self.steps):
             self.close_engines()
 
-    def _child_decode(self, method: str, threads: int | None, deadline: float, env: dict | None = None) -> dict:
+    def _child_decode(self, method: str, threads: int | None, deadline: float, env: dict | None = None,
+                      settings: dict | None = None) -> dict:
         from bench.child_runs import child_decode
 
         self.close_engines()  # the child needs the memory
@@ -366,7 +372,7 @@ class Bench:
                             log_path=self.out / "children.log", method=method, threads=threads,
                             cuda_graph=self.cuda_graph, rules=self.args.rules, deadline=deadline, env=env,
                             gpu_prefill_tokens=self.args.gpu_prefill_tokens,
-                            chunk_size=self.args.chunk_size)
+                            chunk_size=self.args.chunk_size, settings=settings)
 
     def step_threads(self, deadline: float) -> None:
         section = self.results.section("thread_sweep")

@@ -73,6 +73,18 @@ def test_host_memory_is_reported_from_the_fresh_process_runs_against_the_experts
     assert "fresh process (12 threads)" in line and "16.12 GB" in line and "1.12x" in line
 
 
+def test_host_memory_is_reported_for_the_decodes_that_ran_in_a_child_process():
+    from bench.report import host_memory_lines
+
+    gb = lambda v: {"value": v, "unit": "GB"}  # noqa: E731
+    data = {"cpu_bandwidth": {"expert_bytes": {"AMXINT8": gb(14.39), "AMXINT4": gb(7.20)}},
+            "kt": {"AMXINT8": {"memory": {"host_rss": gb(30.0)}},  # the primary: the main process
+                   "AMXINT4": {"memory": {"host_rss": gb(9.42)}, "child": {"exit": 0},
+                               "memory_after_load": {"host_rss_peak": gb(15.8)}}}}
+    (line,) = host_memory_lines(data)
+    assert line.startswith("host memory, kt AMXINT4 alone in a fresh process (decode): 9.42 GB") and "1.31x" in line
+
+
 
 def test_child_runs_decode_under_the_parents_rule_file(tmp_path, monkeypatch):
     from bench import child_runs
@@ -95,6 +107,27 @@ def test_child_runs_decode_under_the_parents_rule_file(tmp_path, monkeypatch):
     assert "--rules" not in default
 
 
+def test_child_runs_decode_with_the_parents_engine_settings(tmp_path, monkeypatch):
+    from bench import child_runs
+    from bench.run import parse_args
+
+    commands = []
+
+    def child(cmd, **kwargs):
+        commands.append(cmd)
+        result = {"kt": {"AMXINT4": {"decode": {"tok_s": 1.0}}}, "phases": {}, "meta": {}}
+        (Path(cmd[cmd.index("--out") + 1]) / "bench.json").write_text(json.dumps(result))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(child_runs.subprocess, "run", child)
+    settings = {"kt_gpu_read_experts": 38, "kt_isolate_workers": False, "attention_backend": "torch"}
+    child_runs.child_decode(shape="tiny", quick=True, model_dir=tmp_path, log_path=tmp_path / "children.log",
+                            method="AMXINT4", threads=None, cuda_graph=True, rules=None, deadline=float("inf"),
+                            settings=settings)
+    (cmd,) = commands
+    assert parse_args(cmd[cmd.index("bench.run") + 1:]).settings == settings  # what the child's engine gets
+
+
 def tiny_quick_run(tmp_path: Path, phases: str, *extra: str) -> dict:
     """bench.run on the tiny shape, quick, in a subprocess (`extra`: more of its arguments); its bench.json."""
     require_kt_kernel()
@@ -111,18 +144,27 @@ def tiny_quick_run(tmp_path: Path, phases: str, *extra: str) -> dict:
 
 @pytest.mark.slow
 def test_tiny_quick_run_writes_decode_and_http_figures_with_units(tmp_path):
-    data = tiny_quick_run(tmp_path, "decode,http", "--client-temperature", "0.7", "--client-top-p", "0.9")
+    require_kt_kernel()
+    from engines.kt.expert_methods import available_methods
+
+    methods = ("AMXINT8", "AMXINT4", "BF16")
+    here = [m for m in methods if m in available_methods()]  # avx2 builds have no AMX classes
+    primary = here[0]
+    data = tiny_quick_run(tmp_path, "decode,http", "--methods", ",".join(methods) + ",rules", "--primary", primary,
+                          "--client-temperature", "0.7", "--client-top-p", "0.9")
 
     assert {"date", "torch", "kt_kernel", "kt_cpu_threads", "cpu"} <= set(data["meta"])
     assert {name: p["status"] for name, p in data["phases"].items()} == {
-        "model": "ok", "decode:AMXINT8": "ok", "http": "ok", "decode:AMXINT4": "ok", "decode:BF16": "ok"}
-    for method in ("AMXINT8", "AMXINT4", "BF16"):
+        "model": "ok", "http": "ok", "decode:rules": "ok",
+        **{f"decode:{m}": "ok" if m in here else "skipped" for m in methods}}
+    for method in [*here, "rules"]:
         result = data["kt"][method]
         assert result["load_time"]["unit"] == "s" and result["load_time"]["value"] > 0
         assert result["decode"]["decode_throughput"]["unit"] == "tok/s"
         assert result["decode"]["decode_throughput"]["value"] > 0
         assert result["decode"]["output_tokens"] == 8
         assert result["memory"]["host_rss_peak"]["unit"] == "GB"
+        assert ("child" in result) == (method != primary)  # the others decode alone in a fresh process
     rounds = data["http"]["rounds"]
     assert [r["concurrency"] for r in rounds] == [1, 4]
     for r in rounds:
