@@ -352,8 +352,11 @@ class Bench:
 
     def step_decode(self, method: str, deadline: float) -> None:
         if method != self.primary:  # alone in a fresh process, as a server runs it (bench/child_runs.py)
-            self.results.section("kt")[method] = self._child_decode(method, self.args.threads, deadline,
-                                                                    settings=self.args.settings)
+            entry = self._child_decode(method, self.args.threads, deadline, settings=self.args.settings)
+            rate, ceiling = (entry["decode"].get("decode_throughput") or {}).get("value"), self.ceiling(method)
+            if rate and ceiling:  # the child measured no bandwidth: this run's baseline's ceiling
+                entry["decode"]["fraction_of_ceiling"] = fig(rate / ceiling, "fraction", ceiling_tok_s=ceiling)
+            self.results.section("kt")[method] = entry
             return
         run = self.kt_engine(method)
         entry = self.results.section("kt", method)

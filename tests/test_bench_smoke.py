@@ -218,6 +218,24 @@ def test_the_primary_method_decodes_first_and_serves_the_ttft_and_http_phases(tm
     assert bench.results["meta"]["primary"] == "AMXINT4"
 
 
+def test_a_method_decoded_in_a_child_is_set_against_this_runs_ceiling(tmp_path, monkeypatch):
+    from bench.run import Bench, parse_args
+
+    bench = Bench(parse_args(["--only", "baseline,decode", "--methods", "AMXINT4", "--out", str(tmp_path),
+                              "--model-dir", str(tmp_path / "model"), "--setting", "kt_gpu_read_experts=38"]), 0.0)
+    bench.results["cpu_bandwidth"] = {"ceiling": {"AMXINT4": {"value": 80.0, "unit": "tok/s"}}}
+    asked = {}
+
+    def child(method, threads, deadline, env=None, settings=None):
+        asked.update(method=method, settings=settings)
+        return {"decode": {"decode_throughput": {"value": 60.0, "unit": "tok/s"}}, "child": {"exit": 0}}
+
+    monkeypatch.setattr(bench, "_child_decode", child)
+    bench.step_decode("AMXINT4", float("inf"))
+    assert asked == {"method": "AMXINT4", "settings": {"kt_gpu_read_experts": 38}}
+    assert bench.results["kt"]["AMXINT4"]["decode"]["fraction_of_ceiling"]["value"] == 0.75
+
+
 @pytest.mark.slow
 def test_tiny_quick_attention_phase_times_a_cached_prefix_and_a_round_per_backend(tmp_path):
     backends = tiny_quick_run(tmp_path, "attention")["attention"]["backends"]
