@@ -156,7 +156,6 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, cols: int) -> tor
     return w.reshape(*lead, rows, -1)[..., :cols]
 
 
-
 def _host_tensors(specs: list[tuple[tuple[int, ...], torch.dtype]], pin: bool
                   ) -> tuple[list[torch.Tensor], Callable[[], None] | None]:
     """Tensors of these shapes and dtypes laid out in one host allocation, page-locked where it lies when
