@@ -77,6 +77,20 @@ def test_the_int4_kernels_compute_the_experts_below_the_share_as_the_int4_refere
     assert_close(got, reference(whole, hidden, ids, weights, below=11))
 
 
+@pytest.mark.parametrize("rows, cols", [(2816, 2048), (2048, 1408), (64, 128)],
+                         ids=["v2-lite-gate-up", "v2-lite-down-padded", "one-block-padded"])
+def test_int4_copies_unpack_on_the_gpu_to_the_weights_torch_unpacks(rows, cols):
+    """The ring's chunks scale a group's int4 experts into bf16 with one kernel a matrix: the same bits as
+    `dequantize_int4`, every block and group of a row, padded columns left out."""
+    from engines.kt.expert_streaming import _quantize_int4, dequantize_int4
+    from engines.kt.mapped_experts import dequantize_int4_into
+
+    packed, scale = _quantize_int4(torch.randn(3, rows, cols, device="cuda") * 0.02)
+    out = torch.full((3, rows, cols), float("nan"), dtype=torch.bfloat16, device="cuda")
+    dequantize_int4_into(out, packed, scale)
+    assert torch.equal(out, dequantize_int4(packed, scale, cols))
+
+
 def test_registered_copies_stay_readable_after_the_caller_drops_them():
     """A HostExperts unpins its memory when it goes; the kernels must not read memory no longer pinned."""
     import gc

@@ -327,7 +327,45 @@ def _kernels():
         tl.store(part_ptr + (t[:, None] * K + slot[:, None]) * H + o[None, :], acc * weight[:, None],
                  mask=chose[:, None] & outs[None, :])
 
-    return triton, gate_up, down, gate_up4, down4
+    @triton.jit(do_not_specialize=["rows", "cols"])
+    def unpack4(q_ptr, s_ptr, out_ptr, rows, cols, HP: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr):
+        """out[e, rows, :cols] = the bf16 weights of expert e's 4-bit copy: rows of HP / 2 packed bytes, scales
+        [HP / G, rows] per expert (as `dequantize_int4`)."""
+        e = tl.program_id(0)
+        r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        inside = r < rows
+        q_base = q_ptr + e.to(tl.int64) * rows * (HP // 2)
+        s_base = s_ptr + e.to(tl.int64) * (HP // G) * rows
+        o_base = out_ptr + e.to(tl.int64) * rows * cols
+        j = tl.arange(0, G)
+        for h0 in range(0, HP, 2 * G):
+            packed = tl.load(q_base + r[:, None] * (HP // 2) + (h0 // 2 + j)[None, :], mask=inside[:, None],
+                             other=8)
+            s_lo = tl.load(s_base + (h0 // G) * rows + r, mask=inside, other=0.0).to(tl.float32)
+            s_hi = tl.load(s_base + (h0 // G + 1) * rows + r, mask=inside, other=0.0).to(tl.float32)
+            lo = ((packed & 15).to(tl.int32) - 8).to(tl.float32) * s_lo[:, None]
+            hi = ((packed >> 4).to(tl.int32) - 8).to(tl.float32) * s_hi[:, None]
+            tl.store(o_base + r[:, None] * cols + (h0 + j)[None, :], lo.to(tl.bfloat16),
+                     mask=inside[:, None] & (h0 + j < cols)[None, :])
+            tl.store(o_base + r[:, None] * cols + (h0 + G + j)[None, :], hi.to(tl.bfloat16),
+                     mask=inside[:, None] & (h0 + G + j < cols)[None, :])
+
+    return triton, gate_up, down, gate_up4, down4, unpack4
+
+
+def dequantize_int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`out` [n, rows, cols] (bf16, contiguous, on a GPU) = `dequantize_int4` of each of the n experts' packed rows
+    [n, rows, HP / 2] and scales [n, HP / G, rows], in one launch, with no temporaries: torch took ~7 kernels per
+    matrix and expert (a V2-Lite layer at 2,048 tokens with every expert through the ring, one H200 machine: 19.7
+    ms with torch's, 9.5 with this; int8 copies 11.8 on an H100)."""
+    n, rows, half = packed.shape
+    if out.shape[:2] != (n, rows) or not out.is_contiguous() or out.dtype != torch.bfloat16:
+        raise ValueError(f"dequantize_int4_into: out {tuple(out.shape)} {out.dtype} for packed {tuple(packed.shape)}")
+    triton, *_, unpack4 = _kernels()
+    with torch.cuda.device(out.device):
+        unpack4[(n, triton.cdiv(rows, BLOCK_R))](packed.contiguous(), scale.contiguous(), out, rows, out.shape[2],
+                                                 half * 2, INT4_GROUP, BLOCK_R)
+    return out
 
 
 # Each program reads rows of BLOCK_H (gate, up) or BLOCK_I (down) contiguous bytes at a time: `down` read 42 GB/s
@@ -433,7 +471,7 @@ class MappedExperts:
         weights = topk_weights.to(self.device, torch.float32).contiguous()
         part = self._part[:tokens * top_k * size].view(tokens, top_k, size)
         part.zero_()  # the slots of experts the GPU does not own stay zero
-        triton, gate_up, down, gate_up4, down4 = _kernels()
+        triton, gate_up, down, gate_up4, down4, _ = _kernels()
         block_t = max(16, triton.next_power_of_2(tokens))
         k_p = triton.next_power_of_2(top_k)
         with torch.cuda.device(self.device):
