@@ -5,7 +5,8 @@ and kt-kernel's CPU build (picked at import; `KT_KERNEL_CPU_VARIANT` forces a lo
 and the avx2 run each start `python -m bench.run --only decode` in a child process on the same checkpoint, and
 take the `kt` section of the child's bench.json. The decode of each method but the primary runs in one too: in
 the main process it followed the primary's engine and the other children, and read slower than alone (one H200
-machine, 2026-11-27: AMXINT4 52.1 tok/s there, 59.4 in a fresh process). The child's output goes to children.log in the results folder.
+machine, 2026-11-27: AMXINT4 52.1 tok/s there, 59.4 in a fresh process). The child's output goes to children.log
+in the results folder.
 """
 from __future__ import annotations
 
