@@ -7,8 +7,8 @@ first, each bounded in work and in time, rewriting bench.json after each one and
 
     baseline  CPU copy bandwidth and the decode ceiling it implies per expert format
     decode    KT engine, batch-1 decode after a prompt: AMXINT8 (the primary) first, then AMXINT4 and BF16
-              (--methods picks), each of those in a fresh child process, with where each step's time goes (GPU, CPU experts, the
-              stall on them, the rest)
+              (--methods picks), each of those in a fresh child process, with where each step's time goes (GPU,
+              CPU experts, the stall on them, the rest)
     threads   the AMXINT8 decode again at the default and other kt-kernel thread counts (default - 2, default + 1),
               each in a fresh child process (the worker pool is fixed per process)
     avx2      batch-1 decode under KT_KERNEL_CPU_VARIANT=avx2 (no AMX: what EPYC Milan users get) with the

@@ -164,8 +164,8 @@ _TINY_QUICK = replace(
     _TINY, decode_prompt=32, decode_tokens=8, ttft_prompts=(32, 128), ttft_decode_tokens=4, http_levels=(1, 4),
     http_prompt=32, http_tokens=8, attention_contexts=(128,), attention_clients=2, attention_tokens=4,
     offload_prompt=32, offload_tokens=4, bandwidth_bytes=64 * MiB, budget=120,
-    estimates={"build": 4, "imports": 10, "baseline": 2, "decode:AMXINT8": 5, "ttft": 3, "http": 8, "decode:AMXINT4": 15,
-               "decode:BF16": 15, "attention": 35, "load": 10, "hf": 6, "offload": 6})
+    estimates={"build": 4, "imports": 10, "baseline": 2, "decode:AMXINT8": 5, "ttft": 3, "http": 8,
+               "decode:AMXINT4": 15, "decode:BF16": 15, "attention": 35, "load": 10, "hf": 6, "offload": 6})
 
 SHAPES = {
     "v2-lite": Shape("v2-lite", V2_LITE_CONFIG, _V2_LITE, _V2_LITE_QUICK),
