@@ -296,6 +296,13 @@ class ExpertStreamer:
         self.group = GROUP  # experts per copy; set when the first layer registers
         self._gate_up: torch.Tensor | None = None  # the group being computed, in bf16 (`_build_scratch`)
         self._down: torch.Tensor | None = None
+        # int4 copies into that bf16 form: a group by one Triton kernel a matrix on a GPU (mapped_experts.py), else
+        # an expert at a time by torch (a group's temporaries would take ~0.5 GB each for V3)
+        self._unpack_int4 = None
+        if self.device.type == "cuda":
+            from engines.kt.mapped_experts import dequantize_int4_into, triton_available
+
+            self._unpack_int4 = dequantize_int4_into if triton_available() else None
         self._next = 0  # the ring slot the next copy fills
         self._queue: deque[_Slot] = deque()  # filled (or filling) slots not yet computed, oldest first
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -459,24 +466,18 @@ class ExpertStreamer:
         gate_up, down = self._gate_up[:n], self._down[:n]
         hidden, inter = down.shape[1], down.shape[2]
         int8 = gate_up_q.dtype == torch.int8  # exact in bf16, its row scales multiply the products
-        # int4 on a GPU: the whole group scaled into bf16 by one kernel a matrix (mapped_experts.py); elsewhere an
-        # expert at a time by torch (a group's temporaries would take ~0.5 GB each for V3)
-        unpacked = False
-        if not int8 and gate_up.is_cuda:
-            from engines.kt.mapped_experts import dequantize_int4_into, triton_available
-
-            unpacked = triton_available()
+        per_expert = not int8 and self._unpack_int4 is None
         if int8:
             gate_up.copy_(gate_up_q[:n])
             down.copy_(down_q[:n])
             gate_up_s, down_s = gate_up_s[:n].to(torch.bfloat16), down_s[:n].to(torch.bfloat16)
-        elif unpacked:
-            dequantize_int4_into(gate_up, gate_up_q[:n], gate_up_s[:n])
-            dequantize_int4_into(down, down_q[:n], down_s[:n])
+        elif not per_expert:
+            self._unpack_int4(gate_up, gate_up_q[:n], gate_up_s[:n])
+            self._unpack_int4(down, down_q[:n], down_s[:n])
         for j, count in enumerate(counts):
             if count == 0:
                 continue
-            if not int8 and not unpacked:
+            if per_expert:
                 gate_up[j].copy_(dequantize_int4(gate_up_q[j], gate_up_s[j], hidden))
                 down[j].copy_(dequantize_int4(down_q[j], down_s[j], inter))
             rows = slice(offset, offset + -(-count // ROW_ALIGN) * ROW_ALIGN)
