@@ -236,6 +236,14 @@ def test_a_method_decoded_in_a_child_is_set_against_this_runs_ceiling(tmp_path, 
     assert bench.results["kt"]["AMXINT4"]["decode"]["fraction_of_ceiling"]["value"] == 0.75
 
 
+def test_bench_run_refuses_a_primary_method_it_does_not_know(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "bench.run", "--primary", "INT3", "--out", str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT)
+    assert done.returncode == 2 and "argument --primary: invalid choice: 'INT3'" in done.stderr
+    assert not any(tmp_path.iterdir())  # refused before anything was built
+
+
 @pytest.mark.slow
 def test_tiny_quick_attention_phase_times_a_cached_prefix_and_a_round_per_backend(tmp_path):
     backends = tiny_quick_run(tmp_path, "attention")["attention"]["backends"]
