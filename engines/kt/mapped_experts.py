@@ -10,7 +10,7 @@ kt-kernel computing half of a token's experts meanwhile slowed by 9% (0.55 -> 0.
 sides together read ~90 GB/s where kt-kernel alone reads ~50.
 
 The GPU reads int8 copies of a layer's first experts (`HostExperts`, engines/kt/expert_streaming.py), int4 ones for
-4-bit methods (a second pair of kernels unpacks them, their group scales read beside them). By default
+4-bit methods (the same kernels, compiled apart for that form, unpack them and read their group scales beside them). By default
 (`kt_gpu_read_experts`, `owned_experts`) those experts are the GPU's alone: kt-kernel is built over the others, so
 host memory holds one copy of each expert, and every call computes them on the GPU (here up to `MAX_TOKENS` tokens,
 through the streamer's ring above). Where the copies are extra ones for streamed prompt chunks
@@ -193,66 +193,6 @@ def _kernels():
         k = tl.arange(0, K_P)
         return tl.sum(tl.load(wt_ptr + t[:, None] * K + k[None, :], mask=hit, other=0.0), axis=1)
 
-    @triton.jit(do_not_specialize=["tokens", "resident"])
-    def gate_up(x_ptr, ids_ptr, w_ptr, wr_ptr, resident, s_ptr, h_ptr, tokens, H: tl.constexpr, I: tl.constexpr,
-                K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                K_P: tl.constexpr):
-        """h[t, k, rows] = silu(x[t] . gate[e, rows]) * (x[t] . up[e, rows]) for the tokens t that chose e
-        (in their slot k); experts below `resident` are read from `wr_ptr` (GPU memory), the others from
-        `w_ptr` (host memory), numbered from `resident` there."""
-        e = tl.program_id(0)
-        t = tl.arange(0, BLOCK_T)
-        _, chose, slot = _chosen(ids_ptr, tokens, e, K, BLOCK_T, K_P)
-        if tl.max(chose.to(tl.int32), axis=0) == 0:
-            return
-        r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-        rows = r < I
-        base = _expert(w_ptr, wr_ptr, resident, e, 2 * I * H)
-        acc_g = tl.zeros((BLOCK_T, BLOCK_R), tl.float32)
-        acc_u = tl.zeros((BLOCK_T, BLOCK_R), tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
-            inside = cols < H
-            xb = tl.load(x_ptr + t[:, None] * H + cols[None, :], mask=chose[:, None] & inside[None, :], other=0.0)
-            w_mask = rows[:, None] & inside[None, :]
-            wg = tl.load(base + r[:, None] * H + cols[None, :], mask=w_mask, other=0).to(tl.bfloat16)
-            wu = tl.load(base + (I + r[:, None]) * H + cols[None, :], mask=w_mask, other=0).to(tl.bfloat16)
-            acc_g += tl.dot(xb, tl.trans(wg))
-            acc_u += tl.dot(xb, tl.trans(wu))
-        g = acc_g * tl.load(s_ptr + e * (2 * I) + r, mask=rows, other=0.0)[None, :]
-        u = acc_u * tl.load(s_ptr + e * (2 * I) + I + r, mask=rows, other=0.0)[None, :]
-        act = g / (1.0 + tl.exp(-g)) * u
-        tl.store(h_ptr + (t[:, None] * K + slot[:, None]) * I + r[None, :], act.to(tl.bfloat16),
-                 mask=chose[:, None] & rows[None, :])
-
-    @triton.jit(do_not_specialize=["tokens", "resident"])
-    def down(h_ptr, ids_ptr, wt_ptr, w_ptr, wr_ptr, resident, s_ptr, part_ptr, tokens, H: tl.constexpr,
-             I: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
-             K_P: tl.constexpr):
-        """part[t, k, outs] = weight(t, k) * (h[t, k] . down[e, outs]) for the tokens t that chose e in slot k
-        (the other slots stay as they were: zeros); experts below `resident` from `wr_ptr`, as in gate_up."""
-        e = tl.program_id(0)
-        t = tl.arange(0, BLOCK_T)
-        hit, chose, slot = _chosen(ids_ptr, tokens, e, K, BLOCK_T, K_P)
-        if tl.max(chose.to(tl.int32), axis=0) == 0:
-            return
-        weight = _slot_weights(wt_ptr, hit, K, BLOCK_T, K_P)
-        o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
-        outs = o < H
-        base = _expert(w_ptr, wr_ptr, resident, e, H * I)
-        acc = tl.zeros((BLOCK_T, BLOCK_O), tl.float32)
-        for i0 in range(0, I, BLOCK_I):
-            cols = i0 + tl.arange(0, BLOCK_I)
-            inside = cols < I
-            hb = tl.load(h_ptr + (t[:, None] * K + slot[:, None]) * I + cols[None, :],
-                         mask=chose[:, None] & inside[None, :], other=0.0)
-            wd = tl.load(base + o[:, None] * I + cols[None, :], mask=outs[:, None] & inside[None, :],
-                         other=0).to(tl.bfloat16)
-            acc += tl.dot(hb, tl.trans(wd))
-        scale = tl.load(s_ptr + e * H + o, mask=outs, other=0.0)
-        tl.store(part_ptr + (t[:, None] * K + slot[:, None]) * H + o[None, :], acc * scale[None, :] * weight[:, None],
-                 mask=chose[:, None] & outs[None, :])
-
     @triton.jit
     def _int4_dot(acc, xb_lo, xb_hi, packed, s_lo, s_hi):
         """acc + x . w^T over one packed block: its low nibbles are the block's first group of weights, its high
@@ -262,12 +202,17 @@ def _kernels():
         return (acc + tl.dot(xb_lo, tl.trans(lo)) * s_lo.to(tl.float32)[None, :]
                 + tl.dot(xb_hi, tl.trans(hi)) * s_hi.to(tl.float32)[None, :])
 
+    # Both kernels take int8 copies (BITS = 8: rows of H or I bytes, a float32 scale per row of every held expert,
+    # on the device at `s_ptr`) or 4-bit ones (BITS = 4: rows of HP / 2 or IP / 2 packed bytes, the input width
+    # padded to whole blocks of 2G weights, group scales [HP / G, rows] per expert beside the weights: the resident
+    # experts' at `sr_ptr`). Experts below `resident` are read from `wr_ptr` (GPU memory), the others from `w_ptr`
+    # (host memory), numbered from `resident` there.
     @triton.jit(do_not_specialize=["tokens", "resident"])
-    def gate_up4(x_ptr, ids_ptr, w_ptr, wr_ptr, s_ptr, sr_ptr, resident, h_ptr, tokens, H: tl.constexpr,
-                 HP: tl.constexpr, I: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-                 G: tl.constexpr, K_P: tl.constexpr):
-        """gate_up over 4-bit copies: rows of HP / 2 bytes (H padded to whole blocks of 2G weights), scales
-        [HP / G, 2I] per expert; experts below `resident` (weights and scales) from `wr_ptr` and `sr_ptr`."""
+    def gate_up(x_ptr, ids_ptr, w_ptr, wr_ptr, s_ptr, sr_ptr, resident, h_ptr, tokens, H: tl.constexpr,
+                HP: tl.constexpr, I: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_H: tl.constexpr, G: tl.constexpr, K_P: tl.constexpr, BITS: tl.constexpr):
+        """h[t, k, rows] = silu(x[t] . gate[e, rows]) * (x[t] . up[e, rows]) for the tokens t that chose e
+        (in their slot k)."""
         e = tl.program_id(0)
         t = tl.arange(0, BLOCK_T)
         _, chose, slot = _chosen(ids_ptr, tokens, e, K, BLOCK_T, K_P)
@@ -275,34 +220,50 @@ def _kernels():
             return
         r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         rows = r < I
-        base = _expert(w_ptr, wr_ptr, resident, e, 2 * I * HP // 2)
-        sbase = _expert(s_ptr, sr_ptr, resident, e, HP // G * 2 * I)
         acc_g = tl.zeros((BLOCK_T, BLOCK_R), tl.float32)
         acc_u = tl.zeros((BLOCK_T, BLOCK_R), tl.float32)
-        j = tl.arange(0, G)
-        for h0 in range(0, HP, 2 * G):
-            lo_in, hi_in = h0 + j < H, h0 + G + j < H
-            x_lo = tl.load(x_ptr + t[:, None] * H + (h0 + j)[None, :], mask=chose[:, None] & lo_in[None, :],
-                           other=0.0)
-            x_hi = tl.load(x_ptr + t[:, None] * H + (h0 + G + j)[None, :], mask=chose[:, None] & hi_in[None, :],
-                           other=0.0)
-            byte = h0 // 2 + j
-            wg = tl.load(base + r[:, None] * (HP // 2) + byte[None, :], mask=rows[:, None], other=8)
-            wu = tl.load(base + (I + r[:, None]) * (HP // 2) + byte[None, :], mask=rows[:, None], other=8)
-            g0 = h0 // G
-            acc_g = _int4_dot(acc_g, x_lo, x_hi, wg, tl.load(sbase + g0 * 2 * I + r, mask=rows, other=0.0),
-                              tl.load(sbase + (g0 + 1) * 2 * I + r, mask=rows, other=0.0))
-            acc_u = _int4_dot(acc_u, x_lo, x_hi, wu, tl.load(sbase + g0 * 2 * I + I + r, mask=rows, other=0.0),
-                              tl.load(sbase + (g0 + 1) * 2 * I + I + r, mask=rows, other=0.0))
+        if BITS == 8:
+            base = _expert(w_ptr, wr_ptr, resident, e, 2 * I * H)
+            for h0 in range(0, H, BLOCK_H):
+                cols = h0 + tl.arange(0, BLOCK_H)
+                inside = cols < H
+                xb = tl.load(x_ptr + t[:, None] * H + cols[None, :], mask=chose[:, None] & inside[None, :],
+                             other=0.0)
+                w_mask = rows[:, None] & inside[None, :]
+                wg = tl.load(base + r[:, None] * H + cols[None, :], mask=w_mask, other=0).to(tl.bfloat16)
+                wu = tl.load(base + (I + r[:, None]) * H + cols[None, :], mask=w_mask, other=0).to(tl.bfloat16)
+                acc_g += tl.dot(xb, tl.trans(wg))
+                acc_u += tl.dot(xb, tl.trans(wu))
+            acc_g *= tl.load(s_ptr + e * (2 * I) + r, mask=rows, other=0.0)[None, :]
+            acc_u *= tl.load(s_ptr + e * (2 * I) + I + r, mask=rows, other=0.0)[None, :]
+        else:
+            base = _expert(w_ptr, wr_ptr, resident, e, 2 * I * HP // 2)
+            sbase = _expert(s_ptr, sr_ptr, resident, e, HP // G * 2 * I)
+            j = tl.arange(0, G)
+            for h0 in range(0, HP, 2 * G):
+                lo_in, hi_in = h0 + j < H, h0 + G + j < H
+                x_lo = tl.load(x_ptr + t[:, None] * H + (h0 + j)[None, :], mask=chose[:, None] & lo_in[None, :],
+                               other=0.0)
+                x_hi = tl.load(x_ptr + t[:, None] * H + (h0 + G + j)[None, :],
+                               mask=chose[:, None] & hi_in[None, :], other=0.0)
+                byte = h0 // 2 + j
+                wg = tl.load(base + r[:, None] * (HP // 2) + byte[None, :], mask=rows[:, None], other=8)
+                wu = tl.load(base + (I + r[:, None]) * (HP // 2) + byte[None, :], mask=rows[:, None], other=8)
+                g0 = h0 // G
+                acc_g = _int4_dot(acc_g, x_lo, x_hi, wg, tl.load(sbase + g0 * 2 * I + r, mask=rows, other=0.0),
+                                  tl.load(sbase + (g0 + 1) * 2 * I + r, mask=rows, other=0.0))
+                acc_u = _int4_dot(acc_u, x_lo, x_hi, wu, tl.load(sbase + g0 * 2 * I + I + r, mask=rows, other=0.0),
+                                  tl.load(sbase + (g0 + 1) * 2 * I + I + r, mask=rows, other=0.0))
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         tl.store(h_ptr + (t[:, None] * K + slot[:, None]) * I + r[None, :], act.to(tl.bfloat16),
                  mask=chose[:, None] & rows[None, :])
 
     @triton.jit(do_not_specialize=["tokens", "resident"])
-    def down4(h_ptr, ids_ptr, wt_ptr, w_ptr, wr_ptr, s_ptr, sr_ptr, resident, part_ptr, tokens, H: tl.constexpr,
-              I: tl.constexpr, IP: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr,
-              G: tl.constexpr, K_P: tl.constexpr):
-        """down over 4-bit copies: rows of IP / 2 bytes, scales [IP / G, H] per expert; as gate_up4."""
+    def down(h_ptr, ids_ptr, wt_ptr, w_ptr, wr_ptr, s_ptr, sr_ptr, resident, part_ptr, tokens, H: tl.constexpr,
+             I: tl.constexpr, IP: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr,
+             BLOCK_I: tl.constexpr, G: tl.constexpr, K_P: tl.constexpr, BITS: tl.constexpr):
+        """part[t, k, outs] = weight(t, k) * (h[t, k] . down[e, outs]) for the tokens t that chose e in slot k
+        (the other slots stay as they were: zeros)."""
         e = tl.program_id(0)
         t = tl.arange(0, BLOCK_T)
         hit, chose, slot = _chosen(ids_ptr, tokens, e, K, BLOCK_T, K_P)
@@ -311,19 +272,30 @@ def _kernels():
         weight = _slot_weights(wt_ptr, hit, K, BLOCK_T, K_P)
         o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
         outs = o < H
-        base = _expert(w_ptr, wr_ptr, resident, e, H * IP // 2)
-        sbase = _expert(s_ptr, sr_ptr, resident, e, IP // G * H)
         acc = tl.zeros((BLOCK_T, BLOCK_O), tl.float32)
-        j = tl.arange(0, G)
         row = h_ptr + (t[:, None] * K + slot[:, None]) * I
-        for i0 in range(0, IP, 2 * G):
-            lo_in, hi_in = i0 + j < I, i0 + G + j < I
-            h_lo = tl.load(row + (i0 + j)[None, :], mask=chose[:, None] & lo_in[None, :], other=0.0)
-            h_hi = tl.load(row + (i0 + G + j)[None, :], mask=chose[:, None] & hi_in[None, :], other=0.0)
-            wd = tl.load(base + o[:, None] * (IP // 2) + (i0 // 2 + j)[None, :], mask=outs[:, None], other=8)
-            g0 = i0 // G
-            acc = _int4_dot(acc, h_lo, h_hi, wd, tl.load(sbase + g0 * H + o, mask=outs, other=0.0),
-                            tl.load(sbase + (g0 + 1) * H + o, mask=outs, other=0.0))
+        if BITS == 8:
+            base = _expert(w_ptr, wr_ptr, resident, e, H * I)
+            for i0 in range(0, I, BLOCK_I):
+                cols = i0 + tl.arange(0, BLOCK_I)
+                inside = cols < I
+                hb = tl.load(row + cols[None, :], mask=chose[:, None] & inside[None, :], other=0.0)
+                wd = tl.load(base + o[:, None] * I + cols[None, :], mask=outs[:, None] & inside[None, :],
+                             other=0).to(tl.bfloat16)
+                acc += tl.dot(hb, tl.trans(wd))
+            acc *= tl.load(s_ptr + e * H + o, mask=outs, other=0.0)[None, :]
+        else:
+            base = _expert(w_ptr, wr_ptr, resident, e, H * IP // 2)
+            sbase = _expert(s_ptr, sr_ptr, resident, e, IP // G * H)
+            j = tl.arange(0, G)
+            for i0 in range(0, IP, 2 * G):
+                lo_in, hi_in = i0 + j < I, i0 + G + j < I
+                h_lo = tl.load(row + (i0 + j)[None, :], mask=chose[:, None] & lo_in[None, :], other=0.0)
+                h_hi = tl.load(row + (i0 + G + j)[None, :], mask=chose[:, None] & hi_in[None, :], other=0.0)
+                wd = tl.load(base + o[:, None] * (IP // 2) + (i0 // 2 + j)[None, :], mask=outs[:, None], other=8)
+                g0 = i0 // G
+                acc = _int4_dot(acc, h_lo, h_hi, wd, tl.load(sbase + g0 * H + o, mask=outs, other=0.0),
+                                tl.load(sbase + (g0 + 1) * H + o, mask=outs, other=0.0))
         tl.store(part_ptr + (t[:, None] * K + slot[:, None]) * H + o[None, :], acc * weight[:, None],
                  mask=chose[:, None] & outs[None, :])
 
@@ -350,7 +322,7 @@ def _kernels():
             tl.store(o_base + r[:, None] * cols + (h0 + G + j)[None, :], hi.to(tl.bfloat16),
                      mask=inside[:, None] & (h0 + G + j < cols)[None, :])
 
-    return triton, gate_up, down, gate_up4, down4, unpack4
+    return triton, gate_up, down, unpack4
 
 
 def dequantize_int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -471,24 +443,19 @@ class MappedExperts:
         weights = topk_weights.to(self.device, torch.float32).contiguous()
         part = self._part[:tokens * top_k * size].view(tokens, top_k, size)
         part.zero_()  # the slots of experts the GPU does not own stay zero
-        triton, gate_up, down, gate_up4, down4, _ = _kernels()
+        triton, gate_up, down, _ = _kernels()
         block_t = max(16, triton.next_power_of_2(tokens))
         k_p = triton.next_power_of_2(top_k)
+        # int8: rows as wide as the matrices, every expert's row scales at `*_scale`; int4: padded packed rows
+        # (two weights a byte), the resident experts' group scales apart
+        hp, ip = ((size, inter) if copy.bits == 8 else (copy.gate_up.shape[2] * 2, copy.down.shape[2] * 2))
         with torch.cuda.device(self.device):
-            if copy.bits == 8:
-                gate_up[(experts, triton.cdiv(inter, BLOCK_R))](
-                    x, ids, copy.gate_up, copy.resident_gate_up, copy.resident, copy.gate_up_scale, self._h, tokens,
-                    size, inter, top_k, block_t, BLOCK_R, BLOCK_H, k_p)
-                down[(experts, triton.cdiv(size, BLOCK_O))](
-                    self._h, ids, weights, copy.down, copy.resident_down, copy.resident, copy.down_scale, part,
-                    tokens, size, inter, top_k, block_t, BLOCK_O, BLOCK_I, k_p)
-            else:
-                gate_up4[(experts, triton.cdiv(inter, BLOCK_R))](
-                    x, ids, copy.gate_up, copy.resident_gate_up, copy.gate_up_scale, copy.resident_gate_up_scale,
-                    copy.resident, self._h, tokens, size, copy.gate_up.shape[2] * 2, inter, top_k, block_t, BLOCK_R,
-                    INT4_GROUP, k_p)
-                down4[(experts, triton.cdiv(size, BLOCK_O))](
-                    self._h, ids, weights, copy.down, copy.resident_down, copy.down_scale,
-                    copy.resident_down_scale, copy.resident, part, tokens, size, inter, copy.down.shape[2] * 2,
-                    top_k, block_t, BLOCK_O, INT4_GROUP, k_p)
+            gate_up[(experts, triton.cdiv(inter, BLOCK_R))](
+                x, ids, copy.gate_up, copy.resident_gate_up, copy.gate_up_scale, copy.resident_gate_up_scale,
+                copy.resident, self._h, tokens, size, hp, inter, top_k, block_t, BLOCK_R, BLOCK_H, INT4_GROUP, k_p,
+                copy.bits)
+            down[(experts, triton.cdiv(size, BLOCK_O))](
+                self._h, ids, weights, copy.down, copy.resident_down, copy.down_scale, copy.resident_down_scale,
+                copy.resident, part, tokens, size, inter, ip, top_k, block_t, BLOCK_O, BLOCK_I, INT4_GROUP, k_p,
+                copy.bits)
         return part.sum(1)
