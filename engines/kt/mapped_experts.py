@@ -10,12 +10,12 @@ kt-kernel computing half of a token's experts meanwhile slowed by 9% (0.55 -> 0.
 sides together read ~90 GB/s where kt-kernel alone reads ~50.
 
 The GPU reads int8 copies of a layer's first experts (`HostExperts`, engines/kt/expert_streaming.py), int4 ones for
-4-bit methods (the same kernels, compiled apart for that form, unpack them and read their group scales beside them). By default
-(`kt_gpu_read_experts`, `owned_experts`) those experts are the GPU's alone: kt-kernel is built over the others, so
-host memory holds one copy of each expert, and every call computes them on the GPU (here up to `MAX_TOKENS` tokens,
+4-bit methods (the same kernels, compiled apart for that form, unpack them and read their group scales beside them). By
+default (`kt_gpu_read_experts`, `owned_experts`) those experts are the GPU's alone: kt-kernel is built over the others,
+so host memory holds one copy of each expert, and every call computes them on the GPU (here up to `MAX_TOKENS` tokens,
 through the streamer's ring above). Where the copies are extra ones for streamed prompt chunks
-(`kt_gpu_prefill_tokens`), calls of up to `MAX_TOKENS` tokens read a share of them here instead (`decode_experts`).
-Two Triton kernels per layer: gate and up (with SiLU) per (expert, block of rows), then down per (expert, block of
+(`kt_gpu_prefill_tokens`), calls of up to `MAX_TOKENS` tokens read a share of them here instead (`decode_experts`). Two
+Triton kernels per layer: gate and up (with SiLU) per (expert, block of rows), then down per (expert, block of
 outputs), each skipping experts no token chose, each reading an expert's rows once for all the tokens that chose it;
 the outputs of a token's routing slots are summed in a fixed order (deterministic).
 
