@@ -305,8 +305,9 @@ def _log_read_experts(model: torch.nn.Module, setting: int | None, resident_sett
         if resident:
             size = _resident_bytes(on_gpu)
             size_text = f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.0f} MB"
-            where = (f"experts [0, {resident}) from GPU memory ({size_text}, kt_gpu_resident_experts)" + (", the others straight from host memory"
-                                                    if min(shares) > resident else ""))
+            where = f"experts [0, {resident}) from GPU memory ({size_text}, kt_gpu_resident_experts)"
+            if min(shares) > resident:
+                where += ", the others straight from host memory"
         log.info("decode steps of up to %d sequences: the GPU computes experts [0, %s) of each MoE layer reading %s "
                  "while kt-kernel computes the rest; %s (kt_gpu_read_experts)",
                  MAPPED_MAX_TOKENS, "/".join(map(str, sorted(set(shares)))), where, how)
