@@ -85,7 +85,6 @@ def test_host_memory_is_reported_for_the_decodes_that_ran_in_a_child_process():
     assert line.startswith("host memory, kt AMXINT4 alone in a fresh process (decode): 9.42 GB") and "1.31x" in line
 
 
-
 def test_child_runs_decode_under_the_parents_rule_file(tmp_path, monkeypatch):
     from bench import child_runs
 
