@@ -104,8 +104,6 @@ async def embed(request: Request):
     if body.dimensions is not None:
         raise APIError(400, "'dimensions' is not supported: this server returns the model's full-size embeddings",
                        param="dimensions")
-    if not body.inputs():
-        raise APIError(400, "'input' is an empty list", param="input")
     started = time.perf_counter_ns()
     vectors, tokens = await request.app.state.embeddings.embed(
         model_name(body.model), list(body.inputs()), truncate=body.truncate)
