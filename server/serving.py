@@ -38,6 +38,14 @@ async def encode(tokenizer: Any, text: str, **kwargs: Any) -> list[int]:
     return await asyncio.to_thread(tokenizer.encode, text, **kwargs)
 
 
+async def encode_all(tokenizer: Any, texts: list[str], **kwargs: Any) -> list[list[int]]:
+    """`encode()` of each text; off the event loop, in one go, when they are long together (thousands of
+    short texts block the loop as long as one long one)."""
+    if sum(map(len, texts)) < OFF_LOOP_CHARACTERS:
+        return [tokenizer.encode(t, **kwargs) for t in texts]
+    return await asyncio.to_thread(lambda: [tokenizer.encode(t, **kwargs) for t in texts])
+
+
 def resolve_adapter(engine: Engine, model: str | None) -> str | None:
     """The `model` field selects the base model (None or its id) or a loaded adapter by name — it is only
     ever a name, never a path that would be opened."""

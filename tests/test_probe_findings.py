@@ -13,29 +13,13 @@ import threading
 import httpx
 import pytest
 
-from conftest import start_server
-from lora_helpers import make_peft_adapter
+from conftest import PROBE_KEY as KEY
+from conftest import PROBE_MAX_CONCURRENT as MAX_CONCURRENT
+from conftest import PROBE_MAX_QUEUE as MAX_QUEUE
 
-KEY = "sk-probe-3c9d1e"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-MAX_CONCURRENT, MAX_QUEUE = 2, 4
-
-
-@pytest.fixture(scope="module")
-def adapter_root(tmp_path_factory, reference_model):
-    root = tmp_path_factory.mktemp("probe-adapters")
-    make_peft_adapter(reference_model, "attn", root / "good")
-    return root
-
-
-@pytest.fixture(scope="module")
-def probe(demo_model_dir, adapter_root):
-    running = start_server(demo_model_dir, api_key=KEY, adapter_roots=[str(adapter_root)], max_model_len=64,
-                           max_concurrent=MAX_CONCURRENT, max_queue=MAX_QUEUE)
-    yield running
-    running.stop()
 
 
 def post(server, path, body=None, *, content: bytes | None = None, headers=None) -> httpx.Response:
