@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from conftest import PROBE_KEY
-from helpers import forward_logprobs
+from helpers import assert_error, forward_logprobs
+from lora_helpers import adapter_variant
 
 AUTH = {"Authorization": f"Bearer {PROBE_KEY}"}
 CHAT = "/v1/chat/completions"
@@ -28,15 +29,6 @@ def post(server, path, body=None, *, content=None, headers=AUTH, timeout=120.0) 
         if content is not None:
             return http.post(path, content=content, headers={"content-type": "application/json"})
         return http.post(path, json=body)
-
-
-def openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert r.status_code == status, r.text[:500]
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    if param is not None:
-        assert error["param"] == param, error
-    return error
 
 
 def ollama_error(r: httpx.Response, status: int) -> str:
@@ -97,14 +89,14 @@ def test_an_ollama_route_without_the_key_is_401_in_ollamas_shape(probe):
 @pytest.mark.parametrize("body", [b"{not json", b"[" * 100_000, b'{"prompt": "\\ud800"}'],
                          ids=["syntax", "deep", "surrogate"])
 def test_a_malformed_body_without_the_key_is_401_not_a_description_of_the_body(probe, path, body):
-    error = openai_error(post(probe, path, content=body, headers={}), 401)
+    error = assert_error(post(probe, path, content=body, headers={}), 401)
     assert error["type"] == "authentication_error"
 
 
 def test_a_tool_whose_parameters_are_not_a_json_schema_is_400_even_with_tool_choice_auto(probe):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]
     r = post(probe, CHAT, {"messages": [{"role": "user", "content": "hi"}], "tools": tools, "tool_choice": "auto"})
-    assert "not a valid JSON schema" in openai_error(r, 400, "tools[0].function.parameters")["message"]
+    assert "not a valid JSON schema" in assert_error(r, 400, "tools[0].function.parameters")["message"]
     still_serving(probe)
 
 
@@ -112,7 +104,7 @@ def test_api_embed_takes_at_most_2048_inputs_like_v1_embeddings(probe):
     r = post(probe, "/api/embed", {"model": probe.engine.info.id, "input": ["x"] * 3000})
     assert "at most 2048" in ollama_error(r, 400)
     r = post(probe, "/v1/embeddings", {"input": ["x"] * 3000})
-    assert "at most 2048" in openai_error(r, 400, "input")["message"]
+    assert "at most 2048" in assert_error(r, 400, "input")["message"]
 
 
 @pytest.mark.parametrize("body,param", [
@@ -121,20 +113,12 @@ def test_api_embed_takes_at_most_2048_inputs_like_v1_embeddings(probe):
     ({"input": [{"role": "wizard", "content": "x"}]}, None),
 ], ids=["too-long", "max-output-tokens", "bad-role"])
 def test_responses_errors_name_the_responses_fields(probe, body, param):
-    error = openai_error(post(probe, "/v1/responses", body), 400, param)
+    error = assert_error(post(probe, "/v1/responses", body), 400, param)
     assert "messages" not in error["message"] and "max_tokens" not in error["message"]
     assert "messages" not in (error["param"] or "") and (error["param"] or "input").startswith(("input", "max_"))
 
 
 # ------------------------------------------------------------------------------------ 6: adapter configs
-def _variant(adapter_root, name: str, change) -> str:
-    target = adapter_root / name
-    if not target.exists():
-        shutil.copytree(adapter_root / "good", target)
-        change(target)
-    return str(target)
-
-
 def _set_config(**values):
     def change(d):
         config = json.loads((d / "adapter_config.json").read_text())
@@ -167,8 +151,8 @@ BAD_CONFIGS = {
 @pytest.mark.parametrize("case", list(BAD_CONFIGS))
 def test_an_adapter_with_an_impossible_value_is_400_naming_it(probe, adapter_root, case):
     change, named = BAD_CONFIGS[case]
-    path = _variant(adapter_root, case, change)
-    error = openai_error(post(probe, "/v1/load_lora_adapter", {"lora_name": case, "lora_path": path}), 400,
+    path = adapter_variant(adapter_root, case, change)
+    error = assert_error(post(probe, "/v1/load_lora_adapter", {"lora_name": case, "lora_path": path}), 400,
                          "lora_path")
     assert named in error["message"], error
     if case.endswith("-weight"):
@@ -201,7 +185,7 @@ def test_an_adapter_file_that_links_outside_the_root_is_refused_naming_it(probe,
                                                                           linked):
     name = "links-out-" + linked.split(".")[0]
     path = _linked_out(adapter_root, name, linked, outside_adapter / linked)
-    error = openai_error(post(probe, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}), 400,
+    error = assert_error(post(probe, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}), 400,
                          "lora_path")
     assert linked in error["message"] and "outside the adapter roots" in error["message"]
     with probe.http(headers=AUTH) as http:
@@ -210,7 +194,7 @@ def test_an_adapter_file_that_links_outside_the_root_is_refused_naming_it(probe,
 
 def test_an_adapter_config_linked_to_etc_passwd_is_never_read(probe, adapter_root):
     path = _linked_out(adapter_root, "config-to-passwd", "adapter_config.json", "/etc/passwd")
-    error = openai_error(post(probe, "/v1/load_lora_adapter", {"lora_name": "passwd", "lora_path": path}), 400)
+    error = assert_error(post(probe, "/v1/load_lora_adapter", {"lora_name": "passwd", "lora_path": path}), 400)
     assert "outside the adapter roots" in error["message"] and "root:" not in error["message"]
 
 
@@ -224,7 +208,7 @@ def test_a_fifo_among_an_adapters_files_is_400_at_once_naming_it(probe, adapter_
             (directory / fifo).unlink()
         os.mkfifo(directory / fifo)
     r = post(probe, "/v1/load_lora_adapter", {"lora_name": directory.name, "lora_path": str(directory)}, timeout=30)
-    error = openai_error(r, 400, "lora_path")
+    error = assert_error(r, 400, "lora_path")
     assert fifo in error["message"] and "not a regular file" in error["message"]
 
 
