@@ -21,7 +21,9 @@ from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 import json
-from typing import Any, AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Literal, Mapping, TypeVar
+from typing import (
+    Any, AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Literal, Mapping, Sequence, TypeVar,
+)
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -300,6 +302,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...] = ()
     has_value_head: bool = False
     size_bytes: int = 0  # the weights as stored in the model directory
+    parameter_count: int = 0  # their elements (safetensors checkpoints; 0 when not known)
     gpu_bytes: int = 0  # of it, what the engine holds in GPU memory
     details: dict[str, str] = field(default_factory=dict)  # engine facts worth showing (/version)
 
@@ -402,10 +405,12 @@ class Engine(ABC):
     def list_adapters(self) -> list[AdapterInfo]:
         return [] if self._adapters is None else self._adapters.list()
 
-    def load_adapter(self, name: str, path: str) -> AdapterInfo:
+    def load_adapter(self, name: str, path: str, roots: Sequence[str] = ()) -> AdapterInfo:
+        """Read and install the adapter at `path`. With `roots` (runtime loading), every file it opens must
+        resolve inside one of them. Blocking: call it off the event loop."""
         if self._adapters is None:
             raise UnsupportedError(self._no_adapters_reason())
-        return self._adapters.load(name, path)
+        return self._adapters.load(name, path, roots)
 
     def unload_adapter(self, name: str) -> None:
         if self._adapters is None:

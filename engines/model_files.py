@@ -81,3 +81,24 @@ def weights_size(model_path: str | Path) -> int:
     if not path.is_dir():
         return 0
     return sum(f.stat().st_size for f in path.iterdir() if f.suffix in WEIGHT_SUFFIXES and f.is_file())
+
+
+def parameter_count(model_path: str | Path) -> int:
+    """Elements of every tensor in a model directory's safetensors shards, read from their headers alone
+    (Ollama's `parameter_size`); 0 when the weights are in another format."""
+    import json
+    import math
+    import struct
+
+    path = Path(model_path)
+    if not path.is_dir():
+        return 0
+    total = 0
+    for shard in sorted(path.glob("*.safetensors")):
+        if not shard.is_file():
+            continue
+        with open(shard, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        total += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+    return total

@@ -23,7 +23,7 @@ from server.completions.router import router as completions_router
 from server.completions.serving import CompletionServing
 from server.embeddings.router import router as embeddings_router
 from server.embeddings.serving import EmbeddingServing
-from server.errors import RequestTooLarge, error_body, install_error_handlers
+from server.errors import RequestTooLarge, install_error_handlers, to_api_error, wire_error
 from server.health import router as health_router
 from server.metrics import Metrics
 from server.metrics import router as metrics_router
@@ -55,7 +55,7 @@ class BodySizeLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._refuse(send)
+            return await self._refuse(scope, send)
         seen = 0
 
         async def limited_receive():
@@ -70,13 +70,14 @@ class BodySizeLimit:
         try:
             await self.app(scope, limited_receive, send)
         except RequestTooLarge:
-            await self._refuse(send)
+            await self._refuse(scope, send)
 
-    async def _refuse(self, send: Send) -> None:
+    async def _refuse(self, scope: Scope, send: Send) -> None:
         import json
-        body = json.dumps(error_body(f"request body larger than {self.limit} bytes", "invalid_request_error",
-                                     code="request_too_large")).encode()
-        await send({"type": "http.response.start", "status": 413,
+        error = RequestTooLarge(self.limit)
+        content, status, _ = wire_error(scope["path"], to_api_error(error))
+        body = json.dumps(content).encode()
+        await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 
@@ -111,7 +112,7 @@ def create_app(settings: Settings, engine: Engine, *, load_engine: bool = True) 
     app.state.drain = Drain(settings.graceful_timeout)
     app.state.metrics = Metrics(engine)
     _add_serving(app, settings, engine)
-    install_error_handlers(app)
+    install_error_handlers(app, body_gate=require_api_key)
     key_required = [Depends(require_api_key)]
     if settings.api_key:
         app.add_api_route("/openapi.json", app.openapi, include_in_schema=False, dependencies=key_required)

@@ -47,9 +47,21 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, type: str, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type, param, code), status_code=status, headers=headers)
+# Ollama's routes live under this prefix; everything they answer, errors included, is in Ollama's shape.
+OLLAMA_PREFIX = "/api/"
+
+
+def wire_error(path: str, err: APIError) -> tuple[dict[str, Any], int, dict[str, str] | None]:
+    """(body, status, headers) of `err` as the API at `path` words errors: Ollama's `{"error": "..."}` under
+    /api/, OpenAI's error object everywhere else."""
+    if path.startswith(OLLAMA_PREFIX):
+        return {"error": err.message}, err.status, err.headers
+    return error_body(err.message, err.type, err.param, err.code), err.status, err.headers
+
+
+def error_answer(request: Request, err: APIError) -> JSONResponse:
+    body, status, headers = wire_error(request.url.path, err)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def to_api_error(exc: Exception) -> APIError:
@@ -66,6 +78,8 @@ def to_api_error(exc: Exception) -> APIError:
         return APIError(503, str(exc), type="service_unavailable", headers={"Retry-After": "5"})
     if isinstance(exc, UnsupportedError):
         return APIError(400, str(exc), code="unsupported")
+    if isinstance(exc, StarletteHTTPException) and exc.status_code < 500:  # e.g. RequestTooLarge, read in a route
+        return APIError(exc.status_code, str(exc.detail), code=getattr(exc, "code", None), headers=exc.headers)
     log.exception("unexpected error", exc_info=exc)
     return APIError(500, "internal server error", type="internal_error")
 
@@ -141,21 +155,31 @@ def unparsable_body(cause: BaseException | None) -> APIError:
     raise cause or RuntimeError("the request body could not be read")  # a bug: answered as one 500
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, body_gate: Callable[[Request], None] | None = None) -> None:
+    """`body_gate` (the API-key check) runs before a body's parse error is reported: FastAPI reads the body
+    before it runs a route's dependencies, and a client without the key learns nothing about the body."""
+
+    def gated(request: Request, err: APIError) -> JSONResponse:
+        if body_gate is not None:
+            try:
+                body_gate(request)
+            except APIError as refused:
+                return error_answer(request, refused)
+        return error_answer(request, err)
+
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc, _body_model(request))
-        return error_response(400, message, "invalid_request_error", param)
+        return gated(request, APIError(400, message, param=param))
 
     @app.exception_handler(APIError)
     async def _api(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+        return error_answer(request, exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400 and exc.detail == BODY_PARSE_FAILED:
-            err = unparsable_body(exc.__cause__)
-            return error_response(err.status, err.message, err.type, err.param, err.code)
+            return gated(request, unparsable_body(exc.__cause__))
         kind = {404: "not_found_error", 405: "invalid_request_error", 401: "authentication_error"}
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if (exc.status_code, message) in ((404, "Not Found"), (405, "Method Not Allowed")):
@@ -165,12 +189,12 @@ def install_error_handlers(app: FastAPI) -> None:
                 return answer
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
-        return error_response(exc.status_code, message, kind.get(exc.status_code, "invalid_request_error"),
-                              code=getattr(exc, "code", None), headers=getattr(exc, "headers", None))
+        return error_answer(request, APIError(exc.status_code, message, type=kind.get(exc.status_code,
+                                              "invalid_request_error"), code=getattr(exc, "code", None),
+                                              headers=getattr(exc, "headers", None)))
 
     async def _engine(request: Request, exc: Exception) -> JSONResponse:
-        err = to_api_error(exc)
-        return error_response(err.status, err.message, err.type, err.param, err.code, err.headers)
+        return error_answer(request, to_api_error(exc))
 
     # Any other exception is a bug: server.middleware.RequestTracking answers it, once, as a 500.
     for engine_error in (InvalidRequestError, NotFoundError, QueueFullError, EngineUnavailableError,

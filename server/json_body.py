@@ -3,15 +3,20 @@
 A lone surrogate escape (`"\\ud800"`) is valid JSON but not valid Unicode: no tokenizer can encode it, and
 nothing downstream should have to care. `decode()` refuses it with a 400 naming the field that holds it.
 FastAPI decodes bodies itself with `request.json()`; `CheckedJSONRoute` hands its routes a request whose
-`json()` is `decode()`. The Ollama routes, which read their own bodies, call `decode()` directly."""
+`json()` is `decode()`. The Ollama routes, which read their own bodies, call `decode_body()` directly.
+
+Large bodies are decoded, and large answers encoded, on a worker thread (`decode_body`, `json_answer`):
+parsing and walking megabytes of JSON is pure Python, and on the event loop it would hold up every other
+request — `/health` included — for as long as it takes."""
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, Callable
 
 from fastapi import Request
 from fastapi.routing import APIRoute
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from server.errors import APIError
 
@@ -57,10 +62,27 @@ def decode(body: bytes) -> Any:
     return data
 
 
+# Bodies of at least this many bytes are decoded on a worker thread (a 64 KiB body decodes in about 1 ms).
+OFF_LOOP_BYTES = 65_536
+
+
+async def decode_body(body: bytes) -> Any:
+    """`decode(body)`, on a worker thread when the body is large."""
+    if len(body) < OFF_LOOP_BYTES:
+        return decode(body)
+    return await asyncio.to_thread(decode, body)
+
+
+async def json_answer(content: Any, status_code: int = 200) -> Response:
+    """`content` (plain JSON values) as a JSON response rendered on a worker thread: for answers that can be
+    megabytes (token lists, embeddings), which FastAPI would otherwise encode on the event loop."""
+    return await asyncio.to_thread(JSONResponse, content, status_code)
+
+
 class CheckedJSONRequest(Request):
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            self._json = decode(await self.body())
+            self._json = await decode_body(await self.body())
         return self._json
 
 

@@ -8,7 +8,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Protocol, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, Sequence, TypeVar
 
 from fastapi import Request
 from sse_starlette.sse import EventSourceResponse
@@ -19,6 +19,7 @@ from engines.base import (
 )
 from server.tracking import RequestTracker, TrackedHandle
 
+T = TypeVar("T")
 DISCONNECT_POLL_SECONDS = 0.25
 SHUTTING_DOWN = "the server is shutting down"  # said when a shutdown output carries no message of its own
 # Prompts at least this long are tokenized on a worker thread: the tokenizers library releases the GIL, so a
@@ -35,6 +36,14 @@ async def encode(tokenizer: Any, text: str, **kwargs: Any) -> list[int]:
     if len(text) < OFF_LOOP_CHARACTERS:
         return tokenizer.encode(text, **kwargs)
     return await asyncio.to_thread(tokenizer.encode, text, **kwargs)
+
+
+async def encode_all(tokenizer: Any, texts: list[str], **kwargs: Any) -> list[list[int]]:
+    """`encode()` of each text; off the event loop, in one go, when they are long together (thousands of
+    short texts block the loop as long as one long one)."""
+    if sum(map(len, texts)) < OFF_LOOP_CHARACTERS:
+        return [tokenizer.encode(t, **kwargs) for t in texts]
+    return await asyncio.to_thread(lambda: [tokenizer.encode(t, **kwargs) for t in texts])
 
 
 def resolve_adapter(engine: Engine, model: str | None) -> str | None:
@@ -122,18 +131,32 @@ async def collect(request: Request, tracker: RequestTracker, handles: Sequence[C
     """Wait for every choice, cancelling the engine work if the client disconnects or time runs out."""
     from server.errors import APIError
 
-    results = asyncio.gather(*(h.result() for h in handles))
+    try:
+        outputs = await while_connected(request, tracker, asyncio.gather(*(h.result() for h in handles)), timeout)
+    except BaseException:
+        cancel_all(handles)
+        raise
+    shutdown = next((o for o in outputs if o.server_shutdown), None)
+    if shutdown is not None:
+        raise APIError(503, shutdown.error or SHUTTING_DOWN, type="service_unavailable",
+                       code="server_shutdown", headers={"Retry-After": "5"})
+    return outputs
+
+
+async def while_connected(request: Request, tracker: RequestTracker, work: Awaitable[T],
+                          timeout: float | None) -> T:
+    """The result of `work`, for as long as the client waits for it: 499 once the client has gone (polled
+    every DISCONNECT_POLL_SECONDS), 408 past `timeout`. Either way `work` is cancelled, and whatever it
+    submitted to the engine should be cancelled by it (or by the caller)."""
+    from server.errors import APIError
+
+    task = asyncio.ensure_future(work)
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while True:
-            done, _ = await asyncio.wait({results}, timeout=DISCONNECT_POLL_SECONDS)
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
             if done:
-                outputs = results.result()
-                shutdown = next((o for o in outputs if o.server_shutdown), None)
-                if shutdown is not None:
-                    raise APIError(503, shutdown.error or SHUTTING_DOWN, type="service_unavailable",
-                                   code="server_shutdown", headers={"Retry-After": "5"})
-                return outputs
+                return task.result()
             if await request.is_disconnected():
                 # An answer nobody will read, logged as 499 (nginx's "client closed request"). Raising
                 # CancelledError instead would make uvicorn log a traceback for every client that gives up.
@@ -145,10 +168,9 @@ async def collect(request: Request, tracker: RequestTracker, handles: Sequence[C
                 raise APIError(408, f"the request did not finish within {timeout:g} seconds",
                                type="timeout_error", code="request_timeout")
     finally:
-        if not results.done():
-            results.cancel()
-            results.add_done_callback(_retrieve)  # else asyncio logs the cancelled gather's exception
-            cancel_all(handles)
+        if not task.done():
+            task.cancel()
+            task.add_done_callback(_retrieve)  # else asyncio logs the cancelled task's exception
 
 
 def _retrieve(future: asyncio.Future) -> None:

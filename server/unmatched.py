@@ -11,7 +11,7 @@ from fastapi.responses import RedirectResponse, Response
 from starlette.routing import Match
 
 from server.auth import require_api_key
-from server.errors import APIError, error_response
+from server.errors import APIError, error_answer
 
 
 def unmatched_route(request: Request) -> Response | None:
@@ -19,7 +19,7 @@ def unmatched_route(request: Request) -> Response | None:
     try:
         require_api_key(request)
     except APIError as err:
-        return error_response(err.status, err.message, err.type, err.param, err.code, err.headers)
+        return error_answer(request, err)
     other = _slash_twin(request)
     if other is None:
         return None

@@ -39,3 +39,13 @@ def require_kt_kernel() -> None:
         load_ext()
     except ImportError as exc:
         pytest.skip(f"kt-kernel does not load on this CPU: {exc}", allow_module_level=True)
+
+
+def assert_error(r, status: int, param: str | None = None) -> dict:
+    """`r` is OpenAI error JSON with `status` (and `param`, when given); its error object."""
+    assert r.status_code == status, r.text[:500]
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error

@@ -116,3 +116,14 @@ def write_value_head(directory: Path, hidden: int, seed: int = 1) -> tuple[torch
     weight, bias = torch.randn(1, hidden, generator=gen) * 0.1, torch.randn(1, generator=gen)
     save_file({"v_head.summary.weight": weight, "v_head.summary.bias": bias}, str(directory / "value_head.safetensors"))
     return weight, bias
+
+
+def adapter_variant(root: Path, name: str, change) -> str:
+    """A copy of the adapter `root / "good"` at `root / name`, changed by `change(directory)` (made once)."""
+    import shutil
+
+    target = root / name
+    if not target.exists():
+        shutil.copytree(root / "good", target)
+        change(target)
+    return str(target)

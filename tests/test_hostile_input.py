@@ -24,6 +24,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.generation.modes import GenerationMode
 
 from conftest import start_server
+from helpers import assert_error
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -51,15 +52,6 @@ def post(server, path, **kwargs) -> httpx.Response:
 
 def post_raw(server, path, body: bytes) -> httpx.Response:
     return post(server, path, content=body, headers={"content-type": "application/json"})
-
-
-def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert response.status_code == status, response.text[:500]
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    if param is not None:
-        assert error["param"] == param, error
-    return error
 
 
 def assert_still_serving(server) -> None:

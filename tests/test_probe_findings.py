@@ -7,35 +7,20 @@ import ctypes
 import json
 import logging
 import os
-import shutil
 import threading
 
 import httpx
 import pytest
 
-from conftest import start_server
-from lora_helpers import make_peft_adapter
+from conftest import PROBE_KEY as KEY
+from conftest import PROBE_MAX_CONCURRENT as MAX_CONCURRENT
+from conftest import PROBE_MAX_QUEUE as MAX_QUEUE
+from helpers import assert_error
+from lora_helpers import adapter_variant
 
-KEY = "sk-probe-3c9d1e"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-MAX_CONCURRENT, MAX_QUEUE = 2, 4
-
-
-@pytest.fixture(scope="module")
-def adapter_root(tmp_path_factory, reference_model):
-    root = tmp_path_factory.mktemp("probe-adapters")
-    make_peft_adapter(reference_model, "attn", root / "good")
-    return root
-
-
-@pytest.fixture(scope="module")
-def probe(demo_model_dir, adapter_root):
-    running = start_server(demo_model_dir, api_key=KEY, adapter_roots=[str(adapter_root)], max_model_len=64,
-                           max_concurrent=MAX_CONCURRENT, max_queue=MAX_QUEUE)
-    yield running
-    running.stop()
 
 
 def post(server, path, body=None, *, content: bytes | None = None, headers=None) -> httpx.Response:
@@ -43,15 +28,6 @@ def post(server, path, body=None, *, content: bytes | None = None, headers=None)
         if content is not None:
             return http.post(path, content=content, headers={"content-type": "application/json"})
         return http.post(path, json=body)
-
-
-def assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert r.status_code == status, r.text[:500]
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    if param is not None:
-        assert error["param"] == param, error
-    return error
 
 
 # ------------------------------------------------------------------------------------ lone surrogates
@@ -114,14 +90,6 @@ def test_a_lora_path_with_a_component_over_255_characters_is_400(probe, adapter_
     assert_error(load(probe, "long", adapter_root / ("x" * 300) / "adapter"), 400, "lora_path")
 
 
-def _broken(root, name: str, change) -> str:
-    target = root / name
-    if not target.exists():
-        shutil.copytree(root / "good", target)
-        change(target)
-    return str(target)
-
-
 def _config(d, value) -> None:
     (d / "adapter_config.json").write_text(json.dumps(value))
 
@@ -151,7 +119,7 @@ BROKEN = {
 
 @pytest.mark.parametrize("case", list(BROKEN))
 def test_a_broken_adapter_file_is_400_and_its_name_stays_free(probe, adapter_root, case):
-    path = _broken(adapter_root, case, BROKEN[case])
+    path = adapter_variant(adapter_root, case, BROKEN[case])
     error = assert_error(load(probe, case, path), 400, "lora_path")
     assert path in error["message"] or case in error["message"]
     assert case not in served(probe)

@@ -130,12 +130,13 @@ def test_an_impossible_tool_choice_is_a_400_naming_it(scripted, body):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
 
 
-def test_a_named_tool_choice_makes_the_demo_model_call_that_function(server):
+def test_a_named_tool_choice_makes_the_demo_model_call_that_function_and_finish_with_stop(server):
+    """As OpenAI and vLLM answer a call the request forced by name: finish_reason "stop"."""
     choice = server.openai().chat.completions.create(
         model=server.engine.info.id, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=1.0, seed=5,
         max_tokens=60).choices[0]
-    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    assert choice.finish_reason == "stop" and len(choice.message.tool_calls) == 1
     call = choice.message.tool_calls[0]
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMS)

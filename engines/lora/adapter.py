@@ -17,6 +17,14 @@ class AdapterFormatError(InvalidRequestError):
         super().__init__(message, param="lora_path")
 
 
+def finite(tensor: torch.Tensor, source: str) -> torch.Tensor:
+    """`tensor`, refused naming `source` when it holds NaN or an infinity: one would spoil every reply the
+    adapter writes."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise AdapterFormatError(f"{source} holds NaN or infinite values")
+    return tensor
+
+
 @dataclass(slots=True)
 class LoraWeight:
     """The update `scale * B @ A` of one linear weight `[out, in]`: A `[r, in]`, B `[out, r]`."""

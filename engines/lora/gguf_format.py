@@ -3,13 +3,15 @@ tensors `blk.N.<name>.weight.lora_a` `[r, in]` and `.lora_b` `[out, r]` (3-D `[E
 for the routed experts), scale `adapter.lora.alpha / r` (1 when alpha is 0, as llama.cpp applies it)."""
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from engines.lora.adapter import AdapterFormatError, ExpertLora, LoraAdapter, LoraWeight
+from engines.lora.adapter import AdapterFormatError, ExpertLora, LoraAdapter, LoraWeight, finite
+from engines.lora.files import AdapterFiles
 
 # llama.cpp's DeepSeek tensor names -> the transformers module under model.layers.N
 MODULES = {
@@ -41,18 +43,18 @@ def _tensor(t) -> torch.Tensor:
     return torch.from_numpy(data.astype(np.float32, copy=False).copy())
 
 
-def read(path: Path) -> LoraAdapter:
-    from engines.lora.formats import regular_file
-
-    regular_file(path)  # a FIFO named x.gguf would block the reader for ever
+def read(path: Path, files: AdapterFiles = AdapterFiles()) -> LoraAdapter:
+    real = files.open_path(path)  # a FIFO named x.gguf would block the reader for ever
     try:
         from gguf import GGUFReader
-        reader = GGUFReader(str(path))
+        reader = GGUFReader(str(real))
     except Exception as exc:  # gguf raises ValueError / struct errors for files that are not GGUF
         raise AdapterFormatError(f"{path} is not a readable GGUF file: {exc}") from None
     if _field(reader, "general.type") not in (None, "adapter") or _field(reader, "adapter.type") not in (None, "lora"):
         raise AdapterFormatError(f"{path} is a GGUF {_field(reader, 'general.type')} file, not a LoRA adapter")
     alpha = float(_field(reader, "adapter.lora.alpha") or 0.0)
+    if not math.isfinite(alpha) or alpha < 0:
+        raise AdapterFormatError(f"{path}: adapter.lora.alpha is {alpha}; it must be finite and not negative")
     parts: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
     unknown = []
     for t in reader.tensors:
@@ -60,7 +62,7 @@ def read(path: Path) -> LoraAdapter:
         if match is None or match["name"] not in (*MODULES, *EXPERTS, *DERIVED_FROM_KV_B):
             unknown.append(t.name)
             continue
-        parts.setdefault((int(match["layer"]), match["name"]), {})[match["ab"]] = (t.name, _tensor(t))
+        parts.setdefault((int(match["layer"]), match["name"]), {})[match["ab"]] = (t.name, finite(_tensor(t), t.name))
     if unknown:
         raise AdapterFormatError(f"{path}: {len(unknown)} tensors have no counterpart in a DeepSeek model this "
                                  f"server can apply LoRA to, e.g. {', '.join(unknown[:5])}")

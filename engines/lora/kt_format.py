@@ -3,27 +3,30 @@ fine-tuned with kt-kernel's SFT experts. Keys `layers.{i}.experts.{gate,up,down}
 B `[E, out, r]`; scale `lora_alpha / r` from `adapter_config.json`, as kt-kernel's SFT kernels apply it."""
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
-from engines.lora.adapter import AdapterFormatError, ExpertLora, LoraAdapter
+from engines.lora.adapter import AdapterFormatError, ExpertLora, LoraAdapter, finite
+from engines.lora.files import AdapterFiles
 
 FILE = "fused_expert_lora.safetensors"
 _KEY = re.compile(r"^(?:.*\.)?layers\.(?P<layer>\d+)\.(?:mlp\.)?experts\.(?P<proj>gate|up|down)_lora_(?P<ab>[ab])$")
 
 
-def read_into(adapter: LoraAdapter, directory: Path) -> None:
+def read_into(adapter: LoraAdapter, directory: Path, files: AdapterFiles = AdapterFiles()) -> None:
     """Add the fused-expert LoRA of `directory` (if it has one) to `adapter`."""
     path = directory / FILE
-    if not path.is_file():
+    if not files.has(path):
         return
     from safetensors.torch import load_file
 
-    config = json.loads((directory / "adapter_config.json").read_text())
+    from engines.lora.peft_format import adapter_config
+
+    config = adapter_config(directory, files)
     parts: dict[tuple[int, str], dict[str, tuple[str, object]]] = {}
     unknown = []
-    for key, tensor in load_file(str(path)).items():
+    for key, tensor in load_file(str(files.open_path(path))).items():
+        finite(tensor, f"{path}: {key}")
         match = _KEY.match(key)
         if match is None:
             unknown.append(key)

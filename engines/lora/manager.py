@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from engines.base import AdapterInfo, InvalidRequestError, NotFoundError
 from engines.lora.adapter import LoraAdapter, ValueHead
@@ -42,8 +42,9 @@ class AdapterManager:
         with self._lock:
             return self._visible[name].nbytes
 
-    def load(self, name: str, path: str) -> AdapterInfo:
-        """Read, check and install an adapter. Blocking; call it off the event loop."""
+    def load(self, name: str, path: str, roots: Sequence[str] = ()) -> AdapterInfo:
+        """Read, check and install an adapter (its files confined to `roots` when given). Blocking; call it
+        off the event loop."""
         if not name or name == self._base_id:
             raise InvalidRequestError(f"an adapter cannot be named {name!r}", param="lora_name")
         with self._lock:
@@ -52,7 +53,7 @@ class AdapterManager:
                                           param="lora_name")
             self._busy_names.add(name)
         try:
-            adapter = read_adapter(path)
+            adapter = read_adapter(path, roots)
             prepared = self.modules.prepare(adapter)
             self._run_on_engine(lambda: self.modules.install(name, prepared))
             info = AdapterInfo(name=name, path=str(path), created=int(time.time()), size_bytes=prepared.nbytes)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from engines.lora.adapter import AdapterFormatError, ExpertLora, LoraAdapter, LoraWeight
+from engines.lora.adapter import AdapterFormatError, ExpertLora, LoraAdapter, LoraWeight, finite
+from engines.lora.files import AdapterFiles
 
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 _FUSED_EXPERTS = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.mlp\.experts)(?:\.base_layer)*$")
@@ -96,43 +97,64 @@ class PerExpertLora:
         return {self.proj: ExpertLora(a, b, 1.0, any_w.source)}
 
 
-def _config(directory: Path) -> dict:
+def adapter_config(directory: Path, files: AdapterFiles = AdapterFiles()) -> dict:
+    """`adapter_config.json`, its values checked: a rank or alpha that is not a positive finite number, or
+    a flag that is not a boolean, is refused naming the field."""
+    path = directory / "adapter_config.json"
     try:
-        config = json.loads((directory / "adapter_config.json").read_text())
+        config = json.loads(files.open_path(path).read_text())
     except (OSError, ValueError) as exc:
-        raise AdapterFormatError(f"{directory}/adapter_config.json cannot be read: {exc}") from None
+        raise AdapterFormatError(f"{path} cannot be read: {exc}") from None
+    if not isinstance(config, dict):
+        raise AdapterFormatError(f"{path} is not a JSON object")
     peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
         raise AdapterFormatError(f"{directory}: PEFT type {peft_type} is not supported; only LoRA adapters are")
     for option, name in _UNSUPPORTED_OPTIONS.items():
         if config.get(option):
             raise AdapterFormatError(f"{directory}: {name} adapters ({option}: true) are not supported")
+    if "r" in config and not _positive(config["r"], integer=True):
+        raise AdapterFormatError(f"{path}: 'r' is {config['r']!r}; it must be a positive integer")
+    alphas = {"lora_alpha": config.get("lora_alpha", 1),
+              **{f"alpha_pattern.{k}": v for k, v in (config.get("alpha_pattern") or {}).items()}}
+    for field, value in alphas.items():
+        if not _positive(value):
+            raise AdapterFormatError(f"{path}: '{field}' is {value!r}; it must be a positive finite number")
+    if not isinstance(config.get("use_rslora", False), bool):
+        raise AdapterFormatError(f"{path}: 'use_rslora' is {config['use_rslora']!r}; it must be true or false")
     return config
 
 
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+def _positive(value: object, integer: bool = False) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        return False
+    return math.isfinite(value) and value > 0
+
+
+def _tensors(directory: Path, files: AdapterFiles) -> dict[str, torch.Tensor]:
     safe, binary = directory / "adapter_model.safetensors", directory / "adapter_model.bin"
-    if safe.is_file():
+    if files.has(safe):
         from safetensors.torch import load_file
-        return load_file(str(safe))
-    if binary.is_file():
-        return torch.load(binary, map_location="cpu", weights_only=True)
-    if (directory / "fused_expert_lora.safetensors").is_file():
+        return load_file(str(files.open_path(safe)))
+    if files.has(binary):
+        return torch.load(files.open_path(binary), map_location="cpu", weights_only=True)
+    if files.has(directory / "fused_expert_lora.safetensors"):
         return {}
     raise AdapterFormatError(f"{directory} has adapter_config.json but no adapter_model.safetensors or "
                              f"adapter_model.bin")
 
 
-def read(directory: Path) -> LoraAdapter:
-    config = _config(directory)
+def read(directory: Path, files: AdapterFiles = AdapterFiles()) -> LoraAdapter:
+    config = adapter_config(directory, files)
     scaling = Scaling(float(config.get("lora_alpha", config.get("r", 8))),
                       {k: float(v) for k, v in (config.get("alpha_pattern") or {}).items()},
-                      bool(config.get("use_rslora", False)))
+                      config.get("use_rslora", False))
     pairs: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
     unknown: list[str] = []
-    for key, tensor in _tensors(directory).items():
+    for key, tensor in _tensors(directory, files).items():
         if key.startswith("v_head."):
             continue  # a value head saved with the adapter; value_head.read looks for its own file
+        finite(tensor, f"{directory}: {key}")
         match = _LORA_KEY.match(normalize_key(key))
         if match is None:
             unknown.append(key)

@@ -22,7 +22,7 @@ from engines.base import (
     Engine, EngineConfig, EngineStats, EngineUnavailableError, GenerationOutput, GenerationRequest, Grammar,
     InvalidRequestError, ModelInfo, RequestHandle, UnsupportedError,
 )
-from engines.model_files import weights_size
+from engines.model_files import parameter_count, weights_size
 from engines.runtime.detokenizer import IncrementalDetokenizer
 from engines.runtime.embeddings import EmbeddingQueue
 from engines.runtime.model_runner import ModelRunner, ScheduledChunk
@@ -81,6 +81,7 @@ class LLMEngine(Engine):
     def start(self) -> None:
         self._runner, self._tokenizer, self._info = self._load()
         self._info.size_bytes = weights_size(self.config.model_path)
+        self._info.parameter_count = parameter_count(self.config.model_path)
         self._info.gpu_bytes = self._runner.gpu_bytes()
         self._sampler = Sampler(self._tokenizer, self._info.eos_token_ids)
         self._scheduler = Scheduler(self._runner, max_running=self.config.max_concurrent,

@@ -63,7 +63,7 @@ class AdapterServing:
 
         def run() -> None:
             try:
-                future.set_result(self.engine.load_adapter(name, path))
+                future.set_result(self.engine.load_adapter(name, path, self.roots))
             except BaseException as exc:  # handed to the waiting request
                 future.set_exception(exc)
 

@@ -34,9 +34,10 @@ class ChatReply:
 
 class ChatOutputParser:
     def __init__(self, reasoning: DeepSeekR1ReasoningParser | None, tools: DeepSeekV3ToolParser | None,
-                 prefix: str = ""):
+                 prefix: str = "", calls_finish: str = "tool_calls"):
         self._reasoning = reasoning
         self._tools = tools
+        self._calls_finish = calls_finish  # a reply of complete calls ends with this reason
         self._prefix = prefix  # text the reply starts with that the model did not write (kt_force_think)
         self._content_text: list[str] = []  # content as it was before tool-call parsing
 
@@ -64,10 +65,11 @@ class ChatOutputParser:
         return ChatDelta(split.reasoning, out.content, out.calls)
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
-        """"tool_calls" when the model ended its turn after complete calls; the engine's reason otherwise."""
+        """`calls_finish` ("tool_calls") when the model ended its turn after complete calls; the engine's
+        reason otherwise."""
         calls = self._tools.calls if self._tools is not None else []
         if engine_reason == "stop" and calls and all(c.complete for c in calls):
-            return "tool_calls"
+            return self._calls_finish
         return engine_reason
 
     def reply(self, text: str, engine_reason: str | None) -> ChatReply:

@@ -42,6 +42,21 @@ class FunctionDefinition(OpenAIRequest):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _a_json_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Checked whatever `tool_choice` is: a schema the server cannot read is refused before the model
+        sees it, not only when a forced call would compile it."""
+        if value is not None:
+            from jsonschema import Draft202012Validator, SchemaError
+            try:
+                Draft202012Validator.check_schema(value)
+            except SchemaError as exc:
+                raise ValueError(f"not a valid JSON schema: {exc.message}") from None
+            except RecursionError:
+                raise ValueError("the JSON schema is nested too deeply") from None
+        return value
+
 
 class Tool(OpenAIRequest):
     type: Literal["function"] = "function"

@@ -16,7 +16,7 @@ from engines.base import Engine, GenerationOutput, SamplingParams, TokenLogprob
 from server.chat.constraints import request_grammar
 from server.chat.output import ChatDelta, ChatOutputParser, ChatReply, join_deltas
 from server.chat.prompt import Prompt, render_prompt
-from server.chat.protocol import ChatCompletionRequest
+from server.chat.protocol import ChatCompletionRequest, NamedToolChoice
 from server.chat.tool_calls import DeepSeekV3ToolParser
 from server.errors import APIError
 from server.protocol import check_max_tokens, usage
@@ -63,12 +63,15 @@ class ChatPlan:
     options: ChatOptions
     starts_in_reasoning: bool
     parse_tools: bool
+    named_tool: bool = False  # tool_choice names the function to call
 
     def output_parser(self) -> ChatOutputParser:
         reasoning = reasoning_parser(self.options.reasoning_parser, self.starts_in_reasoning)
         # without a parser, a reply whose thinking the server opened still shows that opening
         prefix = THINK_START + "\n" if self.options.force_think and reasoning is None else ""
-        return ChatOutputParser(reasoning, DeepSeekV3ToolParser() if self.parse_tools else None, prefix)
+        # a call of the function the request named ends with "stop", as OpenAI and vLLM answer it
+        return ChatOutputParser(reasoning, DeepSeekV3ToolParser() if self.parse_tools else None, prefix,
+                                calls_finish="stop" if self.named_tool else "tool_calls")
 
 
 @dataclass(slots=True)
@@ -100,7 +103,8 @@ class ChatServing:
                   for i in range(req.n)]
         plan = ChatPlan(new_id("chatcmpl"), req.model or engine.info.id, adapter, prompt.token_ids, params, options,
                         starts_in_reasoning=prompt.opens_reasoning,
-                        parse_tools=req.effective_tool_choice != "none")
+                        parse_tools=req.effective_tool_choice != "none",
+                        named_tool=isinstance(req.effective_tool_choice, NamedToolChoice))
         grammar = request_grammar(req, engine.tokenizer)
         if grammar is not None:
             if options.reasoning_parser and prompt.opens_reasoning:  # constrain only after </think>

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import codecs
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -66,22 +67,47 @@ def best_candidates(outputs: list[GenerationOutput], plans: list, candidates: in
     return kept_outputs, kept_plans
 
 
+@dataclass(frozen=True, slots=True)
+class PromptIds:
+    """A prompt's token ids, of which the first `added` are what the server put before the client's text
+    (the tokenizer's BOS): the model sees them, an echo does not."""
+
+    ids: list[int]
+    added: int = 0
+
+    @property
+    def shown(self) -> list[int]:
+        return self.ids[self.added:]
+
+
 class CompletionServing:
     def __init__(self, engine: Engine, request_timeout: float | None = None):
         self.engine = engine
         self.request_timeout = request_timeout
+        self._prefix: list[int] | None = None
 
-    async def _tokenize(self, prompt: str | list[int], index: int) -> list[int]:
+    async def _tokenize(self, prompt: str | list[int], index: int) -> PromptIds:
         tokenizer = self.engine.tokenizer
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty", param="prompt")
-            return await encode(tokenizer, prompt)
+            ids = await encode(tokenizer, prompt)
+            added = self._added_before_text()
+            return PromptIds(ids, len(added) if ids[:len(added)] == added else 0)
         vocab = len(tokenizer)
         if any(t >= vocab for t in prompt):
             raise InvalidRequestError(f"prompt {index} has token ids outside the vocabulary (size {vocab})",
                                       param="prompt")
-        return prompt
+        return PromptIds(prompt)
+
+    def _added_before_text(self) -> list[int]:
+        """The special tokens the tokenizer puts before a text (DeepSeek's BOS), found once."""
+        if self._prefix is None:
+            tokenizer = self.engine.tokenizer
+            full, bare = tokenizer.encode("a"), tokenizer.encode("a", add_special_tokens=False)
+            start = next((k for k in range(len(full)) if full[k:k + len(bare)] == bare), 0)
+            self._prefix = full[:start]
+        return self._prefix
 
     async def create(self, req: CompletionRequest, raw: Request):
         engine = self.engine
@@ -101,16 +127,17 @@ class CompletionServing:
         # ranking best_of candidates needs each sampled token's logprob, shown only when asked for
         logprobs = 0 if candidates != req.n and req.logprobs is None else req.logprobs
         handles: list[ChoiceHandle] = []
-        plans: list[list[int]] = []
+        plans: list[PromptIds] = []
         try:
-            for p_index, ids in enumerate(prompts):
+            for p_index, prompt in enumerate(prompts):
+                ids = prompt.ids
                 max_tokens = check_max_tokens(req.max_tokens, 16, len(ids), limit, "prompt")
                 prompt_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
                 params = [req.sampling_params(max_tokens=max_tokens, logprobs=logprobs,
                                               prompt_logprobs=prompt_lp, vocab_size=vocab, choice=c)
                           for c in range(candidates)]
                 handles += submit_choices(engine, tracker, ids, params, adapter, f"{request_id}-{p_index}")
-                plans += [ids] * candidates
+                plans += [prompt] * candidates
         except Exception:
             cancel_all(handles)
             raise
@@ -123,13 +150,13 @@ class CompletionServing:
             outputs, plans = best_candidates(outputs, plans, candidates, req.n)
         return self._response(req, request_id, model, outputs, plans, generated)
 
-    def _echo_text(self, ids: list[int]) -> str:
-        return self.engine.tokenizer.decode(ids, skip_special_tokens=True)
+    def _echo_text(self, prompt: PromptIds) -> str:
+        return self.engine.tokenizer.decode(prompt.shown, skip_special_tokens=True)
 
     def _special(self) -> set[int]:
         return set(self.engine.tokenizer.all_special_ids)
 
-    def _choice(self, req: CompletionRequest, index: int, out: GenerationOutput, prompt: list[int]) -> dict:
+    def _choice(self, req: CompletionRequest, index: int, out: GenerationOutput, prompt: PromptIds) -> dict:
         text = out.text
         logprobs = None
         if req.echo:
@@ -143,10 +170,15 @@ class CompletionServing:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason,
                 "stop_reason": out.stop_reason}
 
-    def _prompt_entries(self, prompt: list[int], out: GenerationOutput) -> list[TokenLogprob]:
-        """The prompt's logprob entries; the first token has no context, so its logprob is null."""
-        text = self._token(prompt[0])
-        first = TokenLogprob(token_id=prompt[0], token=text, logprob=None, bytes=list(text.encode()))  # type: ignore[arg-type]
+    def _prompt_entries(self, prompt: PromptIds, out: GenerationOutput) -> list[TokenLogprob]:
+        """The logprob entries of the prompt the client sent. Its first token has no context (logprob null)
+        unless the server put a BOS before it: that one is not echoed, and the first token's logprob is
+        the model's given the BOS — so `token_logprobs` lines up with the client's own tokenization of its
+        text (what lm-eval slices by)."""
+        if prompt.added:
+            return list((out.prompt_logprobs or [])[prompt.added:])  # type: ignore[arg-type]
+        text = self._token(prompt.ids[0])
+        first = TokenLogprob(token_id=prompt.ids[0], token=text, logprob=None, bytes=list(text.encode()))  # type: ignore[arg-type]
         return [first] + list((out.prompt_logprobs or [None])[1:])  # type: ignore[list-item]
 
     def _token(self, token_id: int) -> str:
@@ -158,7 +190,7 @@ class CompletionServing:
             if out.finish_reason == "error":
                 raise APIError(500, out.error or "generation failed", type="internal_error")
         choices = [self._choice(req, i, out, plans[i]) for i, out in enumerate(outputs)]
-        n_prompt = sum(len(p) for p in plans[::req.n])
+        n_prompt = sum(len(p.ids) for p in plans[::req.n])
         cached = sum(o.cached_tokens for o in outputs[::req.n])
         return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
                 "choices": choices, "usage": usage(n_prompt, generated, cached)}
@@ -199,5 +231,5 @@ class CompletionServing:
                               "timeout_error", "request_timeout")
             return
         if include_usage:
-            n_prompt = sum(len(p) for p in plans[::req.n])
+            n_prompt = sum(len(p.ids) for p in plans[::req.n])
             yield chunk([], usage(n_prompt, sum(completion_tokens), sum(cached_tokens[::req.n])))

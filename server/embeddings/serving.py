@@ -7,10 +7,13 @@ import array
 import base64
 import sys
 
+from starlette.responses import Response
+
 from engines.base import Engine, InvalidRequestError
 from server.embeddings.protocol import EmbeddingRequest
 from server.errors import APIError
-from server.serving import encode, resolve_adapter
+from server.json_body import json_answer
+from server.serving import encode_all, resolve_adapter
 
 
 def base64_floats(vector: list[float]) -> str:
@@ -31,21 +34,17 @@ class EmbeddingServing:
         them naming the input."""
         tokenizer = self.engine.tokenizer
         vocab = len(tokenizer)
-        out = []
         for i, item in enumerate(inputs):
-            if isinstance(item, str):
-                if not item:
-                    raise InvalidRequestError(f"input {i} is an empty string", param="input")
-                ids = await encode(tokenizer, item)
-            else:
-                if not item:
-                    raise InvalidRequestError(f"input {i} is an empty list of token ids", param="input")
-                if max(item) >= vocab:
-                    raise InvalidRequestError(f"input {i} has token ids outside the vocabulary (size {vocab})",
-                                              param="input")
-                ids = item
-            out.append(ids[:self.engine.info.max_model_len] if truncate else ids)
-        return out
+            if not item:
+                kind = "an empty string" if isinstance(item, str) else "an empty list of token ids"
+                raise InvalidRequestError(f"input {i} is {kind}", param="input")
+            if not isinstance(item, str) and max(item) >= vocab:
+                raise InvalidRequestError(f"input {i} has token ids outside the vocabulary (size {vocab})",
+                                          param="input")
+        texts = [item for item in inputs if isinstance(item, str)]
+        encoded = iter(await encode_all(tokenizer, texts))
+        out = [next(encoded) if isinstance(item, str) else item for item in inputs]
+        return [ids[:self.engine.info.max_model_len] for ids in out] if truncate else out
 
     async def embed(self, model: str | None, inputs: list[str | list[int]], *, truncate: bool = False
                     ) -> tuple[list[list[float]], int]:
@@ -54,7 +53,7 @@ class EmbeddingServing:
         prompts = await self.token_ids(inputs, truncate=truncate)
         return await self.engine.embed(prompts, adapter), sum(map(len, prompts))
 
-    async def create(self, req: EmbeddingRequest) -> dict:
+    async def create(self, req: EmbeddingRequest) -> Response:
         if req.dimensions is not None:
             raise APIError(400, "'dimensions' is not supported: this server returns the model's full-size "
                                 "embeddings (its hidden size); leave it out", param="dimensions", code="unsupported")
@@ -62,5 +61,5 @@ class EmbeddingServing:
         as_base64 = req.encoding_format == "base64"
         data = [{"object": "embedding", "index": i, "embedding": base64_floats(v) if as_base64 else v}
                 for i, v in enumerate(vectors)]
-        return {"object": "list", "data": data, "model": req.model or self.engine.info.id,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        return await json_answer({"object": "list", "data": data, "model": req.model or self.engine.info.id,
+                                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})

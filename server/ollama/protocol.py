@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from server.chat.protocol import ChatCompletionRequest
+from server.embeddings.protocol import MAX_INPUTS
 from server.errors import checked
+from server.protocol import check_prompt_batch
 
 # The Ollama API level these routes follow; clients compare it against the features they need.
 OLLAMA_API_VERSION = "0.6.2"
@@ -109,7 +111,7 @@ class GenerateRequest(GenerationFields):
 
 class EmbedRequest(OllamaModel):
     model: str
-    input: str | list[str]
+    input: Annotated[str | list[str], AfterValidator(lambda v: check_prompt_batch(v, "input", MAX_INPUTS))]
     truncate: bool = True  # cut inputs longer than the context to it (Ollama's default), else refuse them
     dimensions: int | None = None
 

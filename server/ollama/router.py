@@ -10,9 +10,9 @@ from typing import Any, Awaitable, Callable, TypeVar
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
-from engines.base import NotFoundError
+from engines.base import ModelInfo, NotFoundError
 from server.errors import unparsable_body
-from server.json_body import decode
+from server.json_body import decode_body, json_answer
 from server.errors import APIError
 from server.ollama.protocol import (
     OLLAMA_API_VERSION, ChatRequest, EmbeddingsRequest, EmbedRequest, GenerateRequest, ShowRequest, checked,
@@ -27,7 +27,7 @@ NEVER_EXPIRES = "2318-11-23T00:00:00Z"  # models are never unloaded while the se
 
 async def parse(request: Request, model: type[Body]) -> Body:
     try:
-        data = decode(await request.body() or b"{}")
+        data = await decode_body(await request.body() or b"{}")
     except (ValueError, RecursionError) as exc:  # not JSON, nested too deeply, not UTF-8
         raise unparsable_body(exc) from None
     return checked(lambda: model.model_validate(data))
@@ -62,12 +62,10 @@ async def ps(request: Request):
     for as long as the server runs."""
     engine = request.app.state.engine
     info = engine.info
-    base = {**model_entry(request, info.id), "size": info.size_bytes, "size_vram": info.gpu_bytes,
-            "expires_at": NEVER_EXPIRES, "context_length": info.max_model_len}
-    adapters = [{**model_entry(request, a.name), "size": a.size_bytes, "size_vram": 0, "expires_at": NEVER_EXPIRES,
-                 "context_length": info.max_model_len,
-                 "details": {**details(info.architecture), "parent_model": tagged(info.id), "format": "lora"}}
-                for a in engine.list_adapters()]
+    base = {**model_entry(request, info.id), "size_vram": info.gpu_bytes, "expires_at": NEVER_EXPIRES,
+            "context_length": info.max_model_len}
+    adapters = [{**model_entry(request, a.name), "size_vram": 0, "expires_at": NEVER_EXPIRES,
+                 "context_length": info.max_model_len} for a in engine.list_adapters()]
     return {"models": [base, *adapters]}
 
 
@@ -80,7 +78,7 @@ async def show(request: Request):
     engine = request.app.state.engine
     info = engine.info
     return {"modelfile": "", "parameters": "", "template": engine.tokenizer.chat_template or "",
-            "details": details(info.architecture), "capabilities": ["completion", "tools"],
+            "details": details(info), "capabilities": ["completion", "tools"],
             "model_info": {"general.architecture": info.architecture, "general.context_length": info.max_model_len,
                            "ktserve.engine": info.engine}}
 
@@ -104,13 +102,11 @@ async def embed(request: Request):
     if body.dimensions is not None:
         raise APIError(400, "'dimensions' is not supported: this server returns the model's full-size embeddings",
                        param="dimensions")
-    if not body.inputs():
-        raise APIError(400, "'input' is an empty list", param="input")
     started = time.perf_counter_ns()
     vectors, tokens = await request.app.state.embeddings.embed(
         model_name(body.model), list(body.inputs()), truncate=body.truncate)
-    return {"model": tagged(body.model), "embeddings": vectors, "total_duration": time.perf_counter_ns() - started,
-            "load_duration": 0, "prompt_eval_count": tokens}
+    return await json_answer({"model": tagged(body.model), "embeddings": vectors, "load_duration": 0,
+                              "total_duration": time.perf_counter_ns() - started, "prompt_eval_count": tokens})
 
 
 @router.post("/embeddings")
@@ -128,13 +124,33 @@ def served_names(request: Request) -> list[str]:
     return [engine.info.id] + [a.name for a in engine.list_adapters()]
 
 
-def details(architecture: str) -> dict[str, Any]:
-    return {"parent_model": "", "format": "safetensors", "family": architecture, "families": [architecture],
-            "parameter_size": "", "quantization_level": ""}
+def details(info: ModelInfo) -> dict[str, Any]:
+    return {"parent_model": "", "format": "safetensors", "family": info.architecture,
+            "families": [info.architecture], "parameter_size": human_number(info.parameter_count),
+            "quantization_level": ""}
+
+
+def human_number(n: int) -> str:
+    """A parameter count as Ollama writes it: 16B, 15.7B, 494.03M, 12K ("" when not known)."""
+    if n <= 0:
+        return ""
+    for scale, suffix, decimals in ((10**9, "B", 1), (10**6, "M", 2), (10**3, "K", 0)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.0f}{suffix}" if value == int(value) or suffix == "K" else f"{value:.{decimals}f}{suffix}"
+    return str(n)
 
 
 def model_entry(request: Request, name: str) -> dict[str, Any]:
-    info = request.app.state.engine.info
+    """A served model as /api/tags and /api/ps list it: the base model, or an adapter (its parent the base
+    model, its size the adapter's own)."""
+    engine = request.app.state.engine
+    info = engine.info
     modified = datetime.fromtimestamp(info.created).astimezone().isoformat()
-    return {"name": tagged(name), "model": tagged(name), "modified_at": modified, "size": 0,
-            "digest": "", "details": details(info.architecture)}
+    entry = {"name": tagged(name), "model": tagged(name), "modified_at": modified, "size": info.size_bytes,
+             "digest": "", "details": details(info)}
+    adapter = next((a for a in engine.list_adapters() if a.name == name and name != info.id), None)
+    if adapter is not None:
+        entry["size"] = adapter.size_bytes
+        entry["details"] = {**entry["details"], "parent_model": tagged(info.id), "format": "lora"}
+    return entry

@@ -15,17 +15,19 @@ from server.chat.output import ChatDelta, ChatReply
 from server.chat.prompt import Prompt, render_prompt
 from server.chat.protocol import ChatCompletionRequest
 from server.chat.serving import ChatOptions, ChatPlan, ChatServing
-from server.errors import APIError, to_api_error
+from server.errors import OLLAMA_PREFIX, APIError, to_api_error, wire_error
 from server.ollama.protocol import ChatRequest, GenerateRequest, tagged, timestamp
 from server.reasoning import prompt_opens_reasoning
-from server.serving import ChoiceHandle, Event, Framing, StreamError, cancel_all, encode, stream_response
-from server.tracking import RequestTracker, tracker_of
+from server.serving import (
+    ChoiceHandle, Event, Framing, StreamError, cancel_all, encode, stream_response, while_connected,
+)
+from server.tracking import tracker_of
 
 
 def ollama_error(exc: Exception) -> JSONResponse:
     """Ollama's error body, `{"error": "..."}`, with the status the OpenAI routes would give."""
-    err = to_api_error(exc)
-    return JSONResponse({"error": err.message}, status_code=err.status, headers=err.headers)
+    body, status, headers = wire_error(OLLAMA_PREFIX, to_api_error(exc))
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class Timing:
@@ -83,7 +85,7 @@ class OllamaServing:
 
     async def chat_reply(self, body: ChatRequest, raw: Request):
         plan = await self.chat.plan(body.openai(), ChatOptions.of(raw))
-        return await self._run(plan, tracker_of(raw), body.stream, chat=True)
+        return await self._run(plan, raw, body.stream, chat=True)
 
     async def generate(self, body: GenerateRequest, raw: Request):
         req = body.openai()
@@ -92,7 +94,7 @@ class OllamaServing:
         if body.raw or body.context:
             prompt = await self._raw_prompt(body, req, options)
         plan = await self.chat.plan(req, options, prompt)
-        return await self._run(plan, tracker_of(raw), body.stream, chat=False)
+        return await self._run(plan, raw, body.stream, chat=False)
 
     async def _raw_prompt(self, body: GenerateRequest, req: ChatCompletionRequest, options: ChatOptions) -> Prompt:
         """`raw` sends the prompt as it is; `context` (the ids a previous reply returned) goes before it."""
@@ -105,12 +107,14 @@ class OllamaServing:
             ids = await encode(tokenizer, text)  # as /v1/completions encodes a prompt
         return Prompt(ids, text, prompt_opens_reasoning(text))
 
-    async def _run(self, plan: ChatPlan, tracker: RequestTracker, stream: bool, chat: bool):
+    async def _run(self, plan: ChatPlan, raw: Request, stream: bool, chat: bool):
         timing = Timing()
+        tracker = tracker_of(raw)
         handles = self.chat.submit(plan, tracker)
         if stream:
             return stream_response(tracker, self._stream(plan, handles, timing, chat), handles, NDJSON)
-        reply, output_ids, eval_count = await self._whole(plan, handles, timing)
+        # a client that leaves ends the generation, as on the OpenAI routes (the stream ends with its response)
+        reply, output_ids, eval_count = await while_connected(raw, tracker, self._whole(plan, handles, timing), None)
         body = self._head(plan)
         if chat:
             message: dict[str, Any] = {"role": "assistant", "content": reply.content or ""}

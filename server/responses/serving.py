@@ -2,6 +2,7 @@
 one, and its reply — whole, or delta by delta — becomes the response's output items (output.py)."""
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, AsyncIterator, Sequence
 
@@ -26,6 +27,17 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
                                   param="background")
 
 
+# A request runs as a chat completion; what the chat path refuses is worded in this API's field names.
+RESPONSES_NAMES = {"messages": "input", "max_tokens": "max_output_tokens"}
+_CHAT_NAME = re.compile(r"\b(" + "|".join(RESPONSES_NAMES) + r")\b")
+
+
+def in_responses_terms(exc: InvalidRequestError) -> InvalidRequestError:
+    def rename(text: str) -> str:
+        return _CHAT_NAME.sub(lambda m: RESPONSES_NAMES[m.group(1)], text)
+    return InvalidRequestError(rename(str(exc)), param=None if exc.param is None else rename(exc.param))
+
+
 class ResponsesServing:
     def __init__(self, chat: ChatServing):
         self.chat = chat
@@ -33,7 +45,10 @@ class ResponsesServing:
     async def create(self, req: ResponsesRequest, raw: Request):
         refuse_unsupported(req)
         tracker = tracker_of(raw)
-        plan = await self.chat.plan(req.chat(), ChatOptions.of(raw))
+        try:
+            plan = await self.chat.plan(req.chat(), ChatOptions.of(raw))
+        except InvalidRequestError as exc:
+            raise in_responses_terms(exc) from None
         handles = self.chat.submit(plan, tracker)
         response = Response(plan, req)
         if req.stream:

@@ -2,13 +2,16 @@
 them to count and cut prompts."""
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 
 from engines.base import InvalidRequestError
 from server.chat.prompt import render_prompt
 from server.chat.protocol import ChatCompletionRequest
 from server.json_body import CheckedJSONRoute
-from server.serving import encode, resolve_adapter
+from server.serving import resolve_adapter
 from server.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 
 router = APIRouter(route_class=CheckedJSONRoute)
@@ -24,23 +27,54 @@ async def tokenize(body: TokenizeRequest, request: Request):
                                      add_generation_prompt=body.add_generation_prompt,
                                      chat_template_kwargs=_template_kwargs(body))
         text = (await render_prompt(engine, chat, request.app.state.settings.kt_force_think)).text
-        tokens = await encode(tokenizer, text, add_special_tokens=bool(body.add_special_tokens))
+        add_special = bool(body.add_special_tokens)
     else:
+        text = body.prompt or ""
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        tokens = await encode(tokenizer, body.prompt or "", add_special_tokens=add_special)
-    return {"count": len(tokens), "max_model_len": engine.info.max_model_len, "tokens": tokens,
-            "token_strs": tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None}
+
+    def answer() -> JSONResponse:  # a worker thread's work: megabytes of text give a million tokens
+        tokens = tokenizer.encode(text, add_special_tokens=add_special)
+        return JSONResponse({"count": len(tokens), "max_model_len": engine.info.max_model_len, "tokens": tokens,
+                             "token_strs": tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs
+                             else None})
+    return await asyncio.to_thread(answer)
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request):
     engine = request.app.state.engine
     resolve_adapter(engine, body.model)
-    vocab = len(engine.tokenizer)
-    outside = [t for t in body.tokens if t >= vocab]
-    if outside:
-        raise InvalidRequestError(f"token id {outside[0]} is outside the vocabulary (size {vocab})", param="tokens")
-    return {"prompt": engine.tokenizer.decode(body.tokens)}
+    tokenizer = engine.tokenizer
+
+    def answer() -> JSONResponse:  # a worker thread's work: up to a million ids
+        vocab = len(tokenizer)
+        outside = next((t for t in body.tokens if t >= vocab), None)
+        if outside is not None:
+            raise InvalidRequestError(f"token id {outside} is outside the vocabulary (size {vocab})",
+                                      param="tokens")
+        return JSONResponse({"prompt": tokenizer.decode(body.tokens)})
+    return await asyncio.to_thread(answer)
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request):
+    """The tokenizer's configuration as vLLM's GET /tokenizer_info serves it (tokenizer_config.json's
+    fields): what evaluation clients such as lm-eval's remote tokenizer read instead of fetching the
+    tokenizer from a model hub."""
+    engine = request.app.state.engine
+    tokenizer = engine.tokenizer
+    config = {k: v for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items() if _shown(k, v)}
+    special = {name: getattr(tokenizer, name, None) for name in
+               ("bos_token", "eos_token", "pad_token", "unk_token")}
+    return {**config, **{k: v for k, v in special.items() if isinstance(v, str) or v is None},
+            "tokenizer_class": type(tokenizer).__name__, "chat_template": tokenizer.chat_template,
+            "model_max_length": engine.info.max_model_len}
+
+
+def _shown(key: str, value: object) -> bool:
+    """Plain values only, and no file system paths: the init arguments also hold objects and where the
+    tokenizer was read from."""
+    return isinstance(value, (str, int, float, bool)) and key != "name_or_path" and not key.endswith("_file")
 
 
 def _template_kwargs(body: TokenizeRequest) -> dict | None:
