@@ -77,10 +77,7 @@ class CompletionServing:
             if not prompt:
                 raise InvalidRequestError("the prompt is empty", param="prompt")
             return await encode(tokenizer, prompt)
-        vocab = len(tokenizer)
-        if any(t >= vocab for t in prompt):
-            raise InvalidRequestError(f"prompt {index} has token ids outside the vocabulary (size {vocab})",
-                                      param="prompt")
+        self.engine.check_token_ids(prompt, "prompt", f"prompt {index}")
         return prompt
 
     async def create(self, req: CompletionRequest, raw: Request):

@@ -30,7 +30,6 @@ class EmbeddingServing:
         `truncate` (Ollama's default), inputs longer than the context are cut to it; else the engine refuses
         them naming the input."""
         tokenizer = self.engine.tokenizer
-        vocab = len(tokenizer)
         out = []
         for i, item in enumerate(inputs):
             if isinstance(item, str):
@@ -40,9 +39,7 @@ class EmbeddingServing:
             else:
                 if not item:
                     raise InvalidRequestError(f"input {i} is an empty list of token ids", param="input")
-                if max(item) >= vocab:
-                    raise InvalidRequestError(f"input {i} has token ids outside the vocabulary (size {vocab})",
-                                              param="input")
+                self.engine.check_token_ids(item, "input", f"input {i}")
                 ids = item
             out.append(ids[:self.engine.info.max_model_len] if truncate else ids)
         return out

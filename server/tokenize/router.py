@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from engines.base import InvalidRequestError
+from engines.base import check_token_ids
 from server.chat.prompt import render_prompt
 from server.chat.protocol import ChatCompletionRequest
 from server.json_body import CheckedJSONRoute
@@ -36,10 +36,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
 async def detokenize(body: DetokenizeRequest, request: Request):
     engine = request.app.state.engine
     resolve_adapter(engine, body.model)
-    vocab = len(engine.tokenizer)
-    outside = [t for t in body.tokens if t >= vocab]
-    if outside:
-        raise InvalidRequestError(f"token id {outside[0]} is outside the vocabulary (size {vocab})", param="tokens")
+    check_token_ids(body.tokens, len(engine.tokenizer), "tokens")  # what the tokenizer can decode
     return {"prompt": engine.tokenizer.decode(body.tokens)}
 
 
