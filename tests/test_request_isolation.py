@@ -22,7 +22,7 @@ POISON = 77_777  # a prompt token the injected fault looks for
 
 @pytest.fixture(scope="module")
 def kt(demo_model_dir):
-    """A KV cache of four pages: the admission test fills it, the isolation tests need little of it."""
+    """The ktransformers engine with a KV cache of four pages, which the admission test fills."""
     running = start_server(demo_model_dir, engine="ktransformers", kt_method="BF16",
                            kv_cache_tokens=CACHE_PAGES * PAGE, max_concurrent=8)
     yield running
@@ -66,17 +66,17 @@ def run_beside_a_stream(server, content: str, max_tokens: int, other) -> tuple[s
 
 
 def test_ollama_context_ids_outside_the_model_are_400_and_a_neighbour_stream_is_untouched(
-        kt, tokenizer, reference_model):
+        server, tokenizer, reference_model):
     content = "Name three rivers."
     contexts = [[999_999_999], [-1], [129_280], [2**70], [5, 6, 129_280]]  # 129,280: the demo model's vocab size
 
     def bad_requests() -> list[httpx.Response]:
-        with kt.http() as http:
-            return [http.post("/api/generate", json={"model": kt.engine.info.id, "prompt": "x", "stream": False,
-                                                     "context": context, "raw": raw})
+        with server.http() as http:
+            return [http.post("/api/generate", json={"model": server.engine.info.id, "prompt": "x",
+                                                     "stream": False, "context": context, "raw": raw})
                     for context in contexts for raw in (False, True)]
 
-    text, replies = run_beside_a_stream(kt, content, 16, bad_requests)
+    text, replies = run_beside_a_stream(server, content, 16, bad_requests)
     for reply in replies:
         assert reply.status_code == 400
         assert reply.json()["error"].startswith("context: token id")
@@ -84,28 +84,33 @@ def test_ollama_context_ids_outside_the_model_are_400_and_a_neighbour_stream_is_
 
 
 def test_a_request_whose_model_step_fails_fails_alone_while_its_neighbour_streams_on(
-        kt, tokenizer, reference_model, caplog):
-    runner = kt.engine._runner
+        server, tokenizer, reference_model, caplog):
+    runner = server.engine._runner
     execute = runner.execute
     batched_with_others = []
 
-    def faulty_execute(chunks):  # a fault in any step that carries the poisoned request
+    def faulty_execute(chunks):
+        """A fault in any step that carries the poisoned request, struck after the rest of the step ran: the
+        retry must not compute the neighbour's positions on top of the first run's (KV rows, cache growth)."""
         poisoned = [c for c in chunks if POISON in c.seq.request.prompt_token_ids]
-        if poisoned:
-            batched_with_others.append(len(chunks) > len(poisoned))
-            raise RuntimeError("injected fault")
-        return execute(chunks)
+        if not poisoned:
+            return execute(chunks)
+        others = [c for c in chunks if c not in poisoned]
+        batched_with_others.append(bool(others))
+        if others:
+            execute(others)
+        raise RuntimeError("injected fault")
 
     def poisoned_request() -> httpx.Response:
-        with kt.http() as http:
-            return http.post("/v1/completions", json={"model": kt.engine.info.id, "prompt": [POISON, 100, 200],
-                                                       "max_tokens": 4})
+        with server.http() as http:
+            return http.post("/v1/completions", json={"model": server.engine.info.id,
+                                                       "prompt": [POISON, 100, 200], "max_tokens": 4})
 
     content = "Describe a lighthouse."
     runner.execute = faulty_execute
     try:
         with caplog.at_level(logging.ERROR, logger="ktserve.engine"):
-            text, reply = run_beside_a_stream(kt, content, 24, poisoned_request)
+            text, reply = run_beside_a_stream(server, content, 24, poisoned_request)
     finally:
         del runner.execute
     assert any(batched_with_others)  # the fault struck a step the neighbour was in

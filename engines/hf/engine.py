@@ -39,8 +39,11 @@ class HFModelRunner(ModelRunner):
         seq = chunk.seq
         if seq.runner_state is None:
             seq.runner_state = DynamicCache(config=self.model.config)
-        elif seq.runner_state.get_seq_length() > chunk.start:  # a retried step: drop what its failed run added
-            seq.runner_state.crop(chunk.start)
+        else:  # a retried step: drop what its first run added, in every layer it reached
+            for layer in seq.runner_state.layers:
+                extra = layer.get_seq_length() - chunk.start
+                if extra > 0:
+                    layer.crop(-extra)
         ids = torch.tensor([seq.token_ids[chunk.start:chunk.end]], dtype=torch.long, device=self.device)
         keep = ids.shape[1] if chunk.all_logits else 1
         with self.lora.context.step(AdapterRows.uniform(seq.request.adapter)):
