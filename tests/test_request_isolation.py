@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from conftest import start_server
-from helpers import chat_prompt_ids, greedy_reference, require_kt_kernel
+from helpers import chat_prompt_ids, greedy_reference, require_kt_kernel, with_peak_running
 
 require_kt_kernel()
 
@@ -134,23 +134,11 @@ def test_a_full_kv_cache_preempts_and_every_stream_gets_the_tokens_it_gets_alone
     prompts = ["Count to 1:", "Describe a lighthouse.", "Name three rivers."]
     max_tokens = 70
     before = preemptions(kt)
-    peak = 0
-
-    async def watch():
-        nonlocal peak
-        while True:
-            peak = max(peak, kt.engine.stats().running)
-            await asyncio.sleep(0.01)
 
     async def main():
-        watcher = asyncio.create_task(watch())
-        try:
-            return await asyncio.wait_for(asyncio.gather(*(stream_chat(kt, p, max_tokens) for p in prompts)),
-                                          timeout=240)
-        finally:
-            watcher.cancel()
+        return await with_peak_running(kt.engine, asyncio.gather(*(stream_chat(kt, p, max_tokens) for p in prompts)))
 
-    results = asyncio.run(main())
+    results, peak = asyncio.run(main())
     for prompt, (text, finish) in zip(prompts, results):
         assert finish == "length"
         assert text == reference_text(tokenizer, reference_model, prompt, max_tokens)  # no delta twice, none lost
