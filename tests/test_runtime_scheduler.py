@@ -89,3 +89,13 @@ def test_a_preempted_request_is_readmitted_first_and_recomputes_all_its_tokens_i
     runner.release(a)
     assert step(scheduler) == {"b": (5, 6), "c": (0, 5)}  # its last chunk ends at its end: it samples next
     assert scheduler.prompt_tokens == 3 * PAGE  # its prompt was counted when it first started, not again
+
+
+def test_a_recomputed_prompt_does_not_ask_again_for_the_prompt_logprobs_it_has():
+    scheduler = Scheduler(PagedRunner(pages=8), max_running=8, max_queue=8, chunk_size=64)
+    seq = sequence("a", PAGE)
+    seq.prompt_logprobs = [None] * PAGE  # every prompt position has its entry: computed before a preemption
+    seq.token_ids.append(9)
+    scheduler.add(seq)
+    (chunk,) = scheduler.schedule()
+    assert (chunk.start, chunk.end, chunk.all_logits) == (0, PAGE + 1, False)

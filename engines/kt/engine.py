@@ -40,7 +40,7 @@ SUPPORTED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 CPU_RULES = "DeepSeek-CPU.yaml"
 DEFAULT_KV_BUDGET_TOKENS = 65536
 # Without kt_maxlen / max_model_len, serve at most this context: DeepSeek configs declare 128k-160k positions,
-# which would make every default-length request reserve a cache that large.
+# and the default KV cache holds a few requests of the full context.
 DEFAULT_MAX_MODEL_LEN = 16384
 
 
