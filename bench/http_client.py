@@ -5,7 +5,12 @@ Each request sends token ids (so prompt length is exact), asks for `--max-tokens
 greedy sampling (or `--temperature` / `--top-p`, as chat clients send them), and records when each streamed
 token arrives. Per round: aggregate output tokens/s over the round's wall time, time to first token, time per
 output token per request ((last - first) / (n - 1)) and the gaps between tokens across all requests, as medians
-and 99th percentiles.
+and 99th percentiles; and, read from the server's /metrics every 0.2 s, the most requests it ran at once
+(`peak_running`) and how many it preempted (`preemptions`).
+
+With `--read-tokens N` each client closes its stream after N tokens (the server then cancels the request), as
+a batch evaluation's requests end well before the large max_tokens they ask for: the rounds then show how
+many such requests the server runs at once when its KV cache holds far less than every request's max_tokens.
 
     python -m bench.http_client --base-url http://127.0.0.1:8000 --model m --levels 1,4 --vocab 100000
 """
@@ -22,7 +27,7 @@ from bench.shapes import prompt_ids
 
 
 async def _one(client, model: str, prompt: list[int], max_tokens: int, record: dict,
-               sampling: dict | None = None) -> None:
+               sampling: dict | None = None, read_tokens: int = 0) -> None:
     record["start"] = time.perf_counter()
     stream = await client.completions.create(
         model=model, prompt=prompt, max_tokens=max_tokens, stream=True, **(sampling or {"temperature": 0.0}),
@@ -33,16 +38,57 @@ async def _one(client, model: str, prompt: list[int], max_tokens: int, record: d
             record["times"].append(now)
         if chunk.usage is not None:
             record["tokens"] = chunk.usage.completion_tokens
+        if read_tokens and len(record["times"]) >= read_tokens:
+            await stream.close()  # the server cancels the request
+            break
     record["end"] = time.perf_counter()
 
 
+def _metric(text: str, name: str) -> float:
+    return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")), 0.0)
+
+
+async def _poll(http, state: dict) -> None:
+    """Read /metrics once into `state`: the most running requests seen so far, the preemption counter."""
+    try:
+        text = (await http.get("/metrics")).text
+    except Exception:  # figures are best effort; the round itself goes on
+        return
+    state["peak_running"] = max(state.get("peak_running", 0), int(_metric(text, "ktserve_requests_running")))
+    state["preemptions"] = _metric(text, "ktserve_preemptions_total")
+
+
+async def _watch(http, state: dict) -> None:
+    while True:
+        await _poll(http, state)
+        await asyncio.sleep(0.2)
+
+
 async def _round(client, model: str, level: int, args: argparse.Namespace, timeout: float) -> dict:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=10) as http:
+        before: dict = {}
+        await _poll(http, before)
+        state: dict = {}
+        watcher = asyncio.create_task(_watch(http, state))
+        try:
+            out = await _clients(client, model, level, args, timeout)
+        finally:
+            watcher.cancel()
+        await _poll(http, state)
+    out["peak_running"] = state.get("peak_running")
+    out["preemptions"] = state.get("preemptions", 0) - before.get("preemptions", 0)
+    return out
+
+
+async def _clients(client, model: str, level: int, args: argparse.Namespace, timeout: float) -> dict:
     records = [{"times": [], "tokens": None, "end": None} for _ in range(level)]
     shared = prompt_ids(args.shared_prefix, args.vocab, seed=7 + args.prompt_tokens)  # one per prompt length
     prompts = [shared + prompt_ids(args.prompt_tokens - len(shared), args.vocab, seed=1000 * level + i)
                for i in range(level)]
     sampling = {"temperature": args.temperature, "top_p": args.top_p}
-    tasks = [asyncio.create_task(_one(client, model, prompt, args.max_tokens, rec, sampling))
+    tasks = [asyncio.create_task(_one(client, model, prompt, args.max_tokens, rec, sampling, args.read_tokens))
              for prompt, rec in zip(prompts, records)]
     _, pending = await asyncio.wait(tasks, timeout=timeout)
     for task in pending:
@@ -103,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--levels", default="1,4,16,32")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--read-tokens", type=int, default=0,
+                   help="each client closes its stream after this many tokens (default 0: reads to max_tokens)")
     p.add_argument("--vocab", type=int, default=100000, help="prompt token ids are drawn below this")
     p.add_argument("--shared-prefix", type=int, default=0,
                    help="the first this many prompt tokens are the same in every request (prefix caching)")

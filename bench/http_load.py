@@ -63,13 +63,15 @@ def _any_core(pid: int) -> None:
 
 
 def run_clients(url: str, model: str, plan: Plan, vocab: int, time_left: float, temperature: float = 0.0,
-                top_p: float = 1.0) -> dict:
+                top_p: float = 1.0, max_tokens: int | None = None) -> dict:
     """Every concurrency level of the plan, one round each, in a client subprocess; its JSON result. The
-    clients ask for greedy tokens unless given a temperature (and top_p)."""
+    clients ask for greedy tokens unless given a temperature (and top_p). With `max_tokens` above the plan's
+    tokens, each asks for `max_tokens` but closes its stream after the plan's tokens."""
     cmd = [sys.executable, "-m", "bench.http_client", "--base-url", url, "--model", model,
            "--temperature", str(temperature), "--top-p", str(top_p),
            "--levels", ",".join(map(str, plan.http_levels)), "--prompt-tokens", str(plan.http_prompt),
-           "--max-tokens", str(plan.http_tokens), "--vocab", str(vocab),
+           "--max-tokens", str(max_tokens or plan.http_tokens), "--vocab", str(vocab),
+           "--read-tokens", str(plan.http_tokens if max_tokens else 0),
            "--round-timeout", str(plan.http_round_timeout), "--time-left", f"{time_left:.1f}"]
     repo = Path(__file__).resolve().parents[1]
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=repo) as client:

@@ -103,6 +103,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gpu-prefill-tokens", type=int, default=0, metavar="N",
                    help="the KT engine's kt_gpu_prefill_tokens: prompt chunks of N tokens or more compute part of "
                         "the experts on the GPU from streamed weights (default 0: off)")
+    p.add_argument("--http-max-tokens", type=int, metavar="N",
+                   help="the http phase's clients ask for max_tokens N but each reads only the plan's tokens and "
+                        "closes its stream, as batch evaluations ask for large max_tokens and stop early; the "
+                        "rounds' peak_running shows how many run at once (e.g. 4000)")
     p.add_argument("--client-temperature", type=float, default=0.0, metavar="T",
                    help="the streaming clients' temperature (default 0: greedy)")
     p.add_argument("--client-top-p", type=float, default=1.0, metavar="P",
@@ -117,6 +121,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--client-temperature: {args.client_temperature} is not between 0 and 2")
     if not 0.0 < args.client_top_p <= 1.0:
         p.error(f"--client-top-p: {args.client_top_p} is not in (0, 1]")
+    if args.http_max_tokens is not None and args.http_max_tokens < 1:
+        p.error(f"--http-max-tokens: {args.http_max_tokens} is not a positive number of tokens")
     args.phases = PHASES if not args.only else tuple(x.strip() for x in args.only.split(",") if x.strip())
     unknown = sorted(set(args.phases) - set(PHASES))
     if unknown:
@@ -265,7 +271,9 @@ class Bench:
         from engines.base import EngineConfig
 
         return EngineConfig(model_path=str(self.model_dir), model_name=f"bench-{self.shape.name}",
-                            max_concurrent=max(self.plan.http_levels), max_model_len=self.plan.max_model_len(),
+                            max_concurrent=max(self.plan.http_levels),
+                            max_model_len=max(self.plan.max_model_len(),
+                                              self.plan.http_prompt + (self.args.http_max_tokens or 0)),
                             chunk_size=self.args.chunk_size,
                             settings={"kt_method": None if method == RULES else method, "cpu_infer": self.threads,
                                       "kv_cache_tokens": self.plan.kv_cache_tokens(),
@@ -411,11 +419,14 @@ class Bench:
         run = self.kt_engine(self.primary)
         with serving(run.engine, str(self.model_dir)) as url:
             res = run_clients(url, run.engine.info.id, self.plan, self.vocab, max(5.0, deadline - time.perf_counter()),
-                              self.args.client_temperature, self.args.client_top_p)
+                              self.args.client_temperature, self.args.client_top_p, self.args.http_max_tokens)
         res["rounds"] = with_decode_ceiling(res.get("rounds", []), self.shape, self.results.get("cpu_bandwidth"),
                                             self.primary)
         self.results["http"] = {"method": self.primary, "prompt_tokens": self.plan.http_prompt,
-                                "max_tokens": self.plan.http_tokens, "temperature": self.args.client_temperature,
+                                "max_tokens": self.args.http_max_tokens or self.plan.http_tokens,
+                                "read_tokens": self.plan.http_tokens,
+                                "kv_cache_tokens": run.engine.stats().kv_total_tokens,
+                                "temperature": self.args.client_temperature,
                                 "top_p": self.args.client_top_p, "client": "openai.AsyncOpenAI, streaming "
                                 "completions, separate process", **res}
         self.close_engines()

@@ -304,6 +304,7 @@ class ModelInfo:
     size_bytes: int = 0  # the weights as stored in the model directory
     parameter_count: int = 0  # their elements (safetensors checkpoints; 0 when not known)
     gpu_bytes: int = 0  # of it, what the engine holds in GPU memory
+    vocab_size: int = 0  # rows of the model's token embedding: valid token ids are [0, vocab_size); 0: unknown
     details: dict[str, str] = field(default_factory=dict)  # engine facts worth showing (/version)
 
 
@@ -333,6 +334,8 @@ class EngineStats:
     # (ktransformers engine with kt_gpu_prefill_tokens)
     streamed_expert_calls: int = 0
     streamed_expert_bytes: int = 0
+    # running requests whose KV was freed to make room when the cache filled (they recompute it later)
+    preemptions: int = 0
 
 
 @dataclass(slots=True)
@@ -341,6 +344,17 @@ class AdapterInfo:
     path: str
     created: int
     size_bytes: int = 0  # the adapter's tensors in memory
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str, what: str | None = None) -> None:
+    """InvalidRequestError naming `param` unless every id is in [0, vocab_size): an id outside the model's
+    embedding would fail the model step of every request batched with it. `what` names the list in the
+    message (default: `param`; e.g. "input 2")."""
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        at, bad = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
+        shown = str(bad) if len(str(bad)) <= 24 else f"{str(bad)[:20]}..."
+        raise InvalidRequestError(f"{what or param}: token id {shown} at position {at} is outside this model's "
+                                  f"vocabulary (ids 0 to {vocab_size - 1})", param=param)
 
 
 # ---------------------------------------------------------------------------------------- the engine
@@ -376,6 +390,11 @@ class Engine(ABC):
     @property
     def tokenizer(self) -> Any:
         return self._tokenizer
+
+    def check_token_ids(self, ids: list[int], param: str, what: str | None = None) -> None:
+        """`check_token_ids` against this model (its embedding's rows, else the tokenizer's size): the one
+        check every path that takes token ids from a client goes through before the ids reach a batch."""
+        check_token_ids(ids, self.info.vocab_size or len(self._tokenizer), param, what)
 
     @abstractmethod
     def submit(self, request: GenerationRequest) -> RequestHandle:

@@ -102,6 +102,8 @@ class EngineCollector(Collector):
         if s.kv_total_tokens:
             yield GaugeMetricFamily("ktserve_kv_cache_usage_ratio", "Share of the KV cache in use",
                                     value=s.kv_used_tokens / s.kv_total_tokens)
+        yield CounterMetricFamily("ktserve_preemptions", "Running requests whose KV cache was freed to make room "
+                                  "when the cache filled; each recomputes it when it resumes", value=s.preemptions)
         yield CounterMetricFamily("ktserve_engine_steps", "Model steps run", value=s.steps)
         yield CounterMetricFamily("ktserve_engine_step_seconds", "Seconds the engine spent in model steps",
                                   value=s.times.step)

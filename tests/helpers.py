@@ -24,6 +24,26 @@ def forward_logprobs(model, token_ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
+async def with_peak_running(engine, work, timeout: float = 240) -> tuple[object, int]:
+    """Await `work` (bounded by `timeout`) while sampling `engine.stats().running` every 10 ms: (its result,
+    the most requests seen generating at once)."""
+    import asyncio
+
+    peak = 0
+
+    async def watch():
+        nonlocal peak
+        while True:
+            peak = max(peak, engine.stats().running)
+            await asyncio.sleep(0.01)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await asyncio.wait_for(work, timeout=timeout), peak
+    finally:
+        watcher.cancel()
+
+
 def logprob_tolerance(engine) -> float:
     """How closely served logprobs must match transformers' float32 forward pass: the HF engine computes the
     same float32 ops; the KT engine's kt-kernel experts round activations to bf16 (0.4% relative error)."""

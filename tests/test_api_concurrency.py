@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from conftest import start_server
-from helpers import chat_prompt_ids, greedy_reference
+from helpers import chat_prompt_ids, greedy_reference, with_peak_running
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,6 @@ def two_at_a_time(demo_model_dir):
 def test_eight_streams_with_max_concurrent_two_all_complete_correctly(two_at_a_time, tokenizer, reference_model):
     prompts = [f"Count to {i}:" for i in range(8)]
     client = two_at_a_time.async_openai()
-    peak = 0
 
     async def one(prompt):
         stream = await client.chat.completions.create(
@@ -30,20 +29,10 @@ def test_eight_streams_with_max_concurrent_two_all_complete_correctly(two_at_a_t
             temperature=0, max_tokens=10, stream=True)
         return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
-    async def watch():
-        nonlocal peak
-        while True:
-            peak = max(peak, two_at_a_time.engine.stats().running)
-            await asyncio.sleep(0.01)
-
     async def main():
-        watcher = asyncio.create_task(watch())
-        try:
-            return await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), timeout=240)
-        finally:
-            watcher.cancel()
+        return await with_peak_running(two_at_a_time.engine, asyncio.gather(*(one(p) for p in prompts)))
 
-    texts = asyncio.run(main())
+    texts, peak = asyncio.run(main())
     for prompt, text in zip(prompts, texts):
         ids = greedy_reference(reference_model, chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}]), 10)
         assert text == tokenizer.decode(ids, skip_special_tokens=True)

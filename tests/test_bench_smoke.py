@@ -344,3 +344,11 @@ def test_the_sampling_benchmark_names_the_kinds_it_does_not_know():
     done = subprocess.run([sys.executable, "-m", "bench.sampling", "--kinds", "greedy,beam"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT)
     assert done.returncode == 2 and "--kinds: unknown beam" in done.stderr
+
+
+def test_bench_refuses_an_http_max_tokens_that_is_not_positive(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "bench.run", "--out", str(tmp_path), "--http-max-tokens", "0"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT)
+    assert done.returncode == 2 and "--http-max-tokens: 0 is not a positive number of tokens" in done.stderr
+    assert not any(tmp_path.iterdir())  # refused before anything was built

@@ -14,13 +14,11 @@ def cache(pages: int, prefix_cache: bool = True) -> LatentKVCache:
                          dtype=torch.float32, block_size=PAGE, prefix_cache=prefix_cache)
 
 
-def run(c: LatentKVCache, tokens: list[int], extra: int = 0, key: str = "", reuse: bool = True
-        ) -> tuple[BlockTable, int]:
+def run(c: LatentKVCache, tokens: list[int], key: str = "", reuse: bool = True) -> tuple[BlockTable, int]:
     """Admit, compute and index a sequence's tokens the way the runner does; return its table and hit."""
     table = BlockTable()
-    hit = c.admit(table, tokens, len(tokens) + extra, key, reuse=reuse)
+    hit = c.admit(table, tokens, key, reuse=reuse)
     assert hit is not None
-    c.ensure(table, len(tokens))
     values = torch.tensor(tokens[hit:], dtype=torch.float32).unsqueeze(1)
     c.write(0, c.slots(table, hit, len(tokens)), values.expand(-1, 2), values)
     c.offer(table, tokens, len(tokens), key)
@@ -90,13 +88,37 @@ def test_cached_pages_are_reclaimed_least_recently_used_first():
 
 def test_pages_in_use_are_never_reclaimed_and_admission_waits_for_room():
     c = cache(4)
-    holder, _ = run(c, list(range(8)), extra=4)  # 2 pages in use, 1 more promised
-    assert c.admit(BlockTable(), list(range(100, 108)), 8, "") is None  # 2 more would exceed 4
+    holder, _ = run(c, list(range(8)))  # 2 pages in use
+    assert c.admit(BlockTable(), list(range(100, 112)), "") is None  # 3 more would exceed 4
     small, _ = run(c, [7])
     assert not set(small.blocks) & set(holder.blocks)
     assert c.read(0, c.slots(holder, 0, 8))[1].flatten().tolist() == list(range(8))
-    c.ensure(holder, 12)  # the promised page is still there for the holder
-    assert len(set(holder.blocks) | set(small.blocks)) == 4
+
+
+def test_admission_takes_the_pages_the_tokens_fill_not_their_future():
+    c = cache(4)
+    run(c, list(range(8)))
+    run(c, list(range(100, 108)))  # 2 + 2 pages: the pool is full, whatever either will generate
+    assert c.used_tokens == 4 * PAGE
+    assert c.admit(BlockTable(), [5], "") is None
+
+
+def test_admission_leaves_the_growth_margin_free():
+    c = cache(4)
+    run(c, list(range(4)))
+    assert c.admit(BlockTable(), list(range(100, 108)), "", margin=2) is None  # 1 + 2 pages leave 1 free
+    assert c.admit(BlockTable(), list(range(100, 108)), "", margin=1) == 0
+
+
+def test_a_sequence_grows_page_by_page_until_the_cache_is_full():
+    c = cache(3)
+    first, _ = run(c, list(range(4)))
+    second, _ = run(c, list(range(10, 14)))
+    assert c.grow(first, 5) and len(first.blocks) == 2
+    assert c.grow(first, 8)  # within its second page: nothing taken
+    assert not c.grow(second, 5) and len(second.blocks) == 1  # refused: nothing changes
+    c.release(first)
+    assert c.grow(second, 5) and len(second.blocks) == 2
 
 
 def test_borrowing_a_cached_page_uses_up_room_for_others():
@@ -105,30 +127,29 @@ def test_borrowing_a_cached_page_uses_up_room_for_others():
     c.release(table)
     assert c.used_tokens == 0
     borrower = BlockTable()
-    assert c.admit(borrower, list(range(9)), 9, "") == 2 * PAGE  # borrows 2, promises 1: the pool is full
-    assert c.admit(BlockTable(), [5], 1, "") is None
+    assert c.admit(borrower, list(range(9)), "") == 2 * PAGE  # borrows 2, takes 1: the pool is full
+    assert c.admit(BlockTable(), [5], "") is None
     c.release(borrower)
-    assert c.admit(BlockTable(), [5], 1, "") == 0
+    assert c.admit(BlockTable(), [5], "") == 0
 
 
 def test_a_prompt_waits_for_the_pages_another_sequence_is_still_computing():
     c = cache(16)
     leader = BlockTable()
     prompt = list(range(13))  # three full pages
-    assert c.admit(leader, prompt, 13, "") == 0  # admitted, nothing computed yet
+    assert c.admit(leader, prompt, "") == 0  # admitted, nothing computed yet
     follower = list(range(12)) + [99]
     assert c.in_flight(BlockTable(), follower, "", [(leader, prompt, 0)])
-    c.ensure(leader, 13)
     c.offer(leader, prompt, 13, "")  # the leader's step ran: its full pages are cached
     assert not c.in_flight(BlockTable(), follower, "", [(leader, prompt, 13)])
-    assert c.admit(BlockTable(), follower, 13, "") == 3 * PAGE
+    assert c.admit(BlockTable(), follower, "") == 3 * PAGE
 
 
 def test_nothing_is_waited_for_that_another_sequence_will_not_offer():
     c = cache(16)
     leader = BlockTable()
     prompt = list(range(13))
-    c.admit(leader, prompt, 13, "")
+    c.admit(leader, prompt, "")
     assert not c.in_flight(BlockTable(), [99] + prompt[1:], "", [(leader, prompt, 0)])  # another first page
     assert not c.in_flight(BlockTable(), prompt, "adapter\0" + "1", [(leader, prompt, 0)])  # another key
     assert not c.in_flight(BlockTable(), prompt, "", [(leader, prompt, 8)])  # it computed those pages already

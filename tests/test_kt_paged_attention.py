@@ -83,8 +83,7 @@ def tables(runner):
 
     made = [BlockTable() for _ in range(3)]
     for table in made:
-        assert runner.cache.admit(table, [], 200, "", reuse=False) is not None
-        runner.cache.ensure(table, 200)
+        assert runner.cache.admit(table, [0] * 200, "", reuse=False) is not None
     yield made
     for table in made:
         runner.cache.release(table)

@@ -39,6 +39,11 @@ class HFModelRunner(ModelRunner):
         seq = chunk.seq
         if seq.runner_state is None:
             seq.runner_state = DynamicCache(config=self.model.config)
+        else:  # a retried step: drop what its first run added, in every layer it reached
+            for layer in seq.runner_state.layers:
+                extra = layer.get_seq_length() - chunk.start
+                if extra > 0:
+                    layer.crop(-extra)
         ids = torch.tensor([seq.token_ids[chunk.start:chunk.end]], dtype=torch.long, device=self.device)
         keep = ids.shape[1] if chunk.all_logits else 1
         with self.lora.context.step(AdapterRows.uniform(seq.request.adapter)):
@@ -83,5 +88,6 @@ class HFEngine(LLMEngine):
         info = ModelInfo(id=model_id(cfg), max_model_len=max_len,
                          architecture=(model.config.architectures or [type(model).__name__])[0],
                          engine=self.name, created=int(time.time()),
-                         eos_token_ids=eos_token_ids(model.config, tokenizer, Path(cfg.model_path)))
+                         eos_token_ids=eos_token_ids(model.config, tokenizer, Path(cfg.model_path)),
+                         vocab_size=model.get_input_embeddings().num_embeddings)
         return HFModelRunner(model, device, max_len), tokenizer, info

@@ -8,9 +8,10 @@ with the same pages borrows them (reference-counted) and prefills only the rest.
 Pages are in one of three states: in use (referenced by at least one sequence, never evicted), cached (no
 reference, still indexed, evicted least recently used first when a free page is needed) or free.
 
-Admission reserves a sequence's worst case up front, so a running sequence never runs out. The invariant
-kept is `in_use + promised <= num_blocks`, where `promised` counts the pages admitted sequences may still
-take: cached pages count as reclaimable room, and borrowing a cached page moves it to in use."""
+Pages are given by use, not reserved: a sequence is admitted with the pages its tokens fill now (if a small
+margin stays free after them), and takes one more each time it grows past a page. When `grow` finds no free
+page the scheduler preempts a sequence to make room (engines/runtime/scheduler.py). Cached pages count as
+free room, and borrowing a cached page moves it to in use."""
 from __future__ import annotations
 
 import hashlib
@@ -24,7 +25,6 @@ class BlockTable:
     """One sequence's pages, in position order, and its bookkeeping in the pool."""
 
     blocks: list[int] = field(default_factory=list)
-    promised: int = 0  # pages this sequence may still take
     hashes: list[bytes] = field(default_factory=list)  # chain hashes of its full pages, computed lazily
     offered: int = 0  # leading pages already offered to the prefix index
     admitted: bool = False
@@ -50,7 +50,6 @@ class BlockPool:
         self._index: dict[bytes, int] = {}  # page hash -> block
         self._hash_of: dict[int, bytes] = {}
         self.in_use = 0
-        self.promised = 0
 
     # ------------------------------------------------------------------------------ accounting
     @property
@@ -70,43 +69,54 @@ class BlockPool:
             found.append(block)
         return found
 
-    def admit(self, table: BlockTable, max_positions: int, lookup: list[bytes]) -> int | None:
-        """Reserve room for positions [0, max_positions), borrowing the indexed pages of `lookup` (the
-        sequence's leading page hashes). Returns how many pages were borrowed, or None when there is no room
-        now (nothing changes then)."""
+    @property
+    def free_blocks(self) -> int:
+        """Pages no sequence holds: free ones and cached ones (reclaimable)."""
+        return self.num_blocks - self.in_use
+
+    def admit(self, table: BlockTable, num_positions: int, lookup: list[bytes], margin: int = 0) -> int | None:
+        """Give the table pages for positions [0, num_positions), borrowing the indexed pages of `lookup` (the
+        sequence's leading page hashes), if `margin` pages stay free after that (room for the running sequences
+        to grow). Returns how many pages were borrowed, or None when there is no room now (nothing changes)."""
         if table.admitted:
             raise RuntimeError("a block table is admitted once")
         hits = self.match(lookup)
         reclaimed = sum(1 for b in hits if self._refs[b] == 0)
-        new = max(0, self.blocks_for(max_positions) - len(hits))
-        if self.in_use + reclaimed + self.promised + new > self.num_blocks:
+        new = max(0, self.blocks_for(num_positions) - len(hits))
+        if self.in_use + reclaimed + new + margin > self.num_blocks:
             return None
         for block in hits:
             self._ref(block)
         table.blocks = list(hits)
         table.offered = len(hits)
-        table.promised = new
         table.admitted = True
-        self.promised += new
+        self.take(table, num_positions)
         return len(hits)
 
+    def grow(self, table: BlockTable, num_positions: int) -> bool:
+        """Give the table pages so that positions [0, num_positions) have slots; False (nothing taken) when
+        the pool has too few pages no sequence holds."""
+        if self.blocks_for(num_positions) - len(table.blocks) > self.free_blocks:
+            return False
+        self.take(table, num_positions)
+        return True
+
     def take(self, table: BlockTable, num_positions: int) -> None:
-        """Give the table pages so that positions [0, num_positions) have slots."""
+        """Give the table pages so that positions [0, num_positions) have slots; RuntimeError when the pool
+        runs out (callers check `grow` first)."""
         need = self.blocks_for(num_positions)
-        if need - len(table.blocks) > table.promised:
-            raise RuntimeError(f"sequence grew past its reservation ({need} blocks, "
-                               f"{len(table.blocks) + table.promised} reserved)")
+        if need - len(table.blocks) > self.free_blocks:
+            raise RuntimeError(f"the KV cache is full: a sequence needs {need - len(table.blocks)} more pages, "
+                               f"{self.free_blocks} are free")
         while len(table.blocks) < need:
             if self._free:
                 block = self._free.pop()
-            else:  # the invariant guarantees a cached page to reclaim
+            else:  # free_blocks counted the cached pages: reclaim the least recently used
                 block, _ = self._cached.popitem(last=False)
                 del self._index[self._hash_of.pop(block)]
             self._refs[block] = 1
             self.in_use += 1
             table.blocks.append(block)
-            table.promised -= 1
-            self.promised -= 1
 
     def offer(self, table: BlockTable, hashes: list[bytes]) -> None:
         """Index the table's computed full pages under `hashes` (one per leading page). A page whose hash is
@@ -119,8 +129,8 @@ class BlockPool:
         table.offered = max(table.offered, min(len(hashes), len(table.blocks)))
 
     def release(self, table: BlockTable) -> None:
-        """Drop the table's references and unused reservation. Its last pages become the first evicted, so
-        shared prefixes outlive the tails that follow them."""
+        """Drop the table's references. Its last pages become the first evicted, so shared prefixes outlive
+        the tails that follow them."""
         for block in reversed(table.blocks):
             self._refs[block] -= 1
             if self._refs[block] == 0:
@@ -129,9 +139,7 @@ class BlockPool:
                     self._cached[block] = None
                 else:
                     self._free.append(block)
-        self.promised -= table.promised
         table.blocks.clear()
-        table.promised = 0
         table.offered = 0
         table.admitted = False
 

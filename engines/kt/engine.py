@@ -22,7 +22,7 @@ from engines.kt.expert_streaming import copy_bits, expert_copy_bytes, experts_wi
 from engines.kt.expert_methods import METHODS
 from engines.kt.experts_cpu import RoutedExpertsCPU
 from engines.kt.flashinfer_mla import attention_for
-from engines.kt.kv_cache import LatentKVCache
+from engines.kt.kv_cache import PAGE_TOKENS, LatentKVCache
 from engines.kt.mapped_experts import MAX_TOKENS as MAPPED_MAX_TOKENS
 from engines.kt.mapped_experts import triton_available
 from engines.kt.loader import load_checkpoint, missing_tensors
@@ -40,7 +40,7 @@ SUPPORTED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 CPU_RULES = "DeepSeek-CPU.yaml"
 DEFAULT_KV_BUDGET_TOKENS = 65536
 # Without kt_maxlen / max_model_len, serve at most this context: DeepSeek configs declare 128k-160k positions,
-# which would make every default-length request reserve a cache that large.
+# and the default KV cache holds a few requests of the full context.
 DEFAULT_MAX_MODEL_LEN = 16384
 
 
@@ -172,7 +172,12 @@ class KTEngine(LLMEngine):
             log.info("%d RMSNorms on the GPU run as one fused kernel each", fused)
         model.eval()
         devices = layer_devices(model)
-        cache = LatentKVCache(layer_devices=devices, num_tokens=self._kv_tokens(max_len),
+        kv_tokens = self._kv_tokens(max_len)
+        if kv_tokens < max_len:  # a request longer than the cache could never finish
+            log.info("serving a context of %d tokens: the KV cache (kv_cache_tokens) holds no more", kv_tokens)
+            max_len = kv_tokens
+        # one page more than asked for: the runner's scratch page, which no request uses
+        cache = LatentKVCache(layer_devices=devices, num_tokens=kv_tokens + PAGE_TOKENS,
                               latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim, dtype=dtype,
                               prefix_cache=kt.prefix_cache)
         flash = attention_for(kt.attention_backend, model.model.layers[0].self_attn, devices, cache)
@@ -229,7 +234,7 @@ class KTEngine(LLMEngine):
             details.update(choice.describe())
         info = ModelInfo(id=model_id(cfg), max_model_len=max_len, architecture=arch, engine=self.name,
                          created=int(time.time()), eos_token_ids=eos_token_ids(config, tokenizer, model_path),
-                         details=details)
+                         vocab_size=config.vocab_size, details=details)
         return runner, tokenizer, info
 
     def stop(self) -> None:

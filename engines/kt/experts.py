@@ -45,3 +45,7 @@ class RoutedExperts(Protocol):
 
     def wait(self) -> torch.Tensor:
         """The result `submit` started, [T, H] on the layer's output device."""
+
+    def abandon(self) -> None:
+        """After a failed step: wait for a call `submit` started and `wait` never took, and drop its result, so
+        the next step starts clean. Nothing to do when none is pending."""

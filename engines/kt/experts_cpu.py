@@ -529,6 +529,14 @@ class RoutedExpertsCPU(nn.Module):
             self.host_times.synced(started)
         return out if self.out_device is None else out.to(self.out_device)
 
+    def abandon(self) -> None:
+        if self._pending is None:
+            return
+        try:
+            self.sync()  # kt-kernel may still be writing into the staged buffers: let it finish
+        except Exception:  # the step already failed; what matters is that nothing stays pending
+            self._pending, self._lora_step = None, None
+
     @torch.no_grad()
     def _submit_kernel(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         tokens = self._check_inputs(hidden, topk_ids, topk_weights)

@@ -10,12 +10,14 @@ import torch
 
 from engines.kt.block_pool import BlockPool, BlockTable, extend_hashes
 
-__all__ = ["BlockTable", "LatentKVCache"]
+__all__ = ["BlockTable", "LatentKVCache", "PAGE_TOKENS"]
+
+PAGE_TOKENS = 64  # positions a page (block) holds
 
 
 class LatentKVCache:
     def __init__(self, *, layer_devices: list[torch.device], num_tokens: int, latent_dim: int, rope_dim: int,
-                 dtype: torch.dtype, block_size: int = 64, prefix_cache: bool = True):
+                 dtype: torch.dtype, block_size: int = PAGE_TOKENS, prefix_cache: bool = True):
         self.block_size = block_size
         self.num_blocks = max(1, -(-num_tokens // block_size))
         self.latent_dim, self.rope_dim = latent_dim, rope_dim
@@ -23,6 +25,9 @@ class LatentKVCache:
         slots = self.num_blocks * block_size
         self.layers = [torch.zeros(slots, latent_dim + rope_dim, dtype=dtype, device=d) for d in layer_devices]
         self.pool = BlockPool(self.num_blocks, block_size)
+        # pages admission leaves free for the running sequences to grow into (vLLM's 1% watermark): fewer
+        # preemptions right after a request starts
+        self.growth_margin = max(1, self.num_blocks // 100)
 
     # --------------------------------------------------------------------------- accounting
     @property
@@ -38,17 +43,17 @@ class LatentKVCache:
     def cached_tokens(self) -> int:
         return self.pool.cached_blocks * self.block_size
 
-    def admit(self, table: BlockTable, tokens: list[int], max_positions: int, root: str, reuse: bool = True
+    def admit(self, table: BlockTable, tokens: list[int], root: str, reuse: bool = True, margin: int = 0
               ) -> int | None:
-        """Reserve room for up to `max_positions` positions of a sequence starting with `tokens`. With
-        `reuse`, borrow the cached pages of its longest known prefix under the prefix key `root` (the
+        """Give a sequence of `tokens` the pages its positions fill, if `margin` pages stay free after that.
+        With `reuse`, borrow the cached pages of its longest known prefix under the prefix key `root` (the
         adapter's), always leaving the last token to compute. Returns the number of positions found cached,
         or None when there is no room now."""
         lookup: list[bytes] = []
         if self.prefix_cache and reuse:
             pages = (len(tokens) - 1) // self.block_size
             lookup = extend_hashes(table.hashes, tokens, pages, self.block_size, root)[:pages]
-        hits = self.pool.admit(table, max_positions, lookup)
+        hits = self.pool.admit(table, len(tokens), lookup, margin)
         return None if hits is None else hits * self.block_size
 
     def in_flight(self, table: BlockTable, tokens: list[int], root: str,
@@ -71,8 +76,12 @@ class LatentKVCache:
                 return True
         return False
 
+    def grow(self, table: BlockTable, num_positions: int) -> bool:
+        """Take pages so that positions [0, num_positions) have slots; False when the cache is full."""
+        return self.pool.grow(table, num_positions)
+
     def ensure(self, table: BlockTable, num_positions: int) -> None:
-        """Take blocks so that positions [0, num_positions) have slots."""
+        """Take pages so that positions [0, num_positions) have slots; RuntimeError when the cache is full."""
         self.pool.take(table, num_positions)
 
     def offer(self, table: BlockTable, tokens: list[int], computed: int, root: str) -> None:

@@ -67,8 +67,7 @@ class KTModelRunner(ModelRunner):
         self.lora = LoraModules(model, model.config.hidden_size)
         # one cache slot no sequence owns: padded rows of a fixed-shape decode step write there
         self._scratch = BlockTable()
-        cache.admit(self._scratch, [], 1, "", reuse=False)
-        cache.ensure(self._scratch, 1)
+        cache.admit(self._scratch, [0], "", reuse=False)
         self.scratch_slot = int(cache.slots(self._scratch, 0, 1)[0])
         self.graphs = None  # DecodeGraphs, once captured
         self._replayed = False  # the last decode step was a graph replay
@@ -131,10 +130,15 @@ class KTModelRunner(ModelRunner):
         changes the residual stream, hence every later layer's latents)."""
         return "" if adapter is None else f"{adapter}\0{self.lora.installs.get(adapter, 0)}"
 
-    def admit(self, seq: Sequence, max_positions: int) -> int | None:
+    def admit(self, seq: Sequence) -> int | None:
         # prompt logprobs need logits at every prompt position, so those prompts are computed whole
-        return self.cache.admit(self._table(seq), seq.token_ids, min(max_positions, self.max_model_len),
-                                self._prefix_key(seq.request.adapter), reuse=seq.prompt_logprobs is None)
+        # the growth margin is for sequences already running: one alone may fill the whole cache
+        margin = self.cache.growth_margin if self.kv_usage()[0] else 0
+        return self.cache.admit(self._table(seq), seq.token_ids, self._prefix_key(seq.request.adapter),
+                                reuse=seq.prompt_logprobs is None, margin=margin)
+
+    def grow(self, seq: Sequence, num_positions: int) -> bool:
+        return self.cache.grow(self._table(seq), num_positions)
 
     def prefix_in_flight(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
         if seq.prompt_logprobs is not None:  # computed whole, whatever is cached
@@ -168,7 +172,15 @@ class KTModelRunner(ModelRunner):
     def execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
         self.timer.begin()
         self._replayed = False
-        out = self._execute(chunks)
+        try:
+            out = self._execute(chunks)
+        except BaseException:
+            # a step that failed between an expert layer's submit and wait leaves that call pending; the engine
+            # retries the step's chunks, which must find every layer idle (the rest of a step is stateless: KV
+            # rows are rewritten whole, pages are offered only after a step succeeds)
+            for experts in self._experts:
+                experts.abandon()
+            raise
         self.timer.end(self._replayed)
         return out
 
@@ -288,10 +300,9 @@ class KTModelRunner(ModelRunner):
             try:
                 for prompt in prompts[len(states):]:
                     table = BlockTable()
-                    if self.cache.admit(table, prompt, len(prompt), "", reuse=False) is None:
+                    if self.cache.admit(table, prompt, "", reuse=False) is None:
                         break
                     tables.append(table)
-                    self.cache.ensure(table, len(prompt))
                 if not tables:
                     raise EngineUnavailableError("no KV cache room for this prompt now; retry later")
                 batch = prompts[len(states):len(states) + len(tables)]

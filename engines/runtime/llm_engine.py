@@ -2,7 +2,10 @@
 
 Each step: take cancellations, ask the scheduler for a batch, run the model once, then for each sequence
 that reached its end sample a token, detokenize, check the stop conditions and push a delta to its handle.
-An exception in a step fails only the requests in that step; the thread keeps serving the rest."""
+
+One request must never fail another. Token ids are checked against the model before a request joins a batch
+(`Engine.check_token_ids`), and an exception inside a model step fails only the request that caused it: the
+step's chunks run again in halves until the ones that fail alone are found (`_execute`); the rest go on."""
 from __future__ import annotations
 
 import asyncio
@@ -115,6 +118,7 @@ class LLMEngine(Engine):
             s.running, s.waiting = self._scheduler.counts()
             s.prompt_tokens = self._scheduler.prompt_tokens
             s.cached_prompt_tokens = self._scheduler.cached_prompt_tokens
+            s.preemptions = self._scheduler.preemptions
         if self._runner is not None:
             s.kv_used_tokens, s.kv_total_tokens = self._runner.kv_usage()
             times = self._runner.step_times()
@@ -129,6 +133,7 @@ class LLMEngine(Engine):
         if not self.ready or self._scheduler is None:
             raise EngineUnavailableError("the engine is not serving (loading or shutting down)")
         check_length(request, self.info.max_model_len)
+        self.check_token_ids(request.prompt_token_ids, "prompt")
         self._acquire_adapter(request.adapter)  # released when the sequence finishes (_finish)
         try:
             return self._enqueue(request)
@@ -177,6 +182,8 @@ class LLMEngine(Engine):
         if not self.ready:
             raise EngineUnavailableError("the engine is not serving (loading or shutting down)")
         head = self._value_head
+        for i, prompt in enumerate(prompts):
+            self.check_token_ids(prompt, "input", f"input {i}")
         with self._adapter_in_use(adapter):
             if adapter is not None:
                 head = self._adapters.value_head(adapter) or head
@@ -199,6 +206,7 @@ class LLMEngine(Engine):
             if len(prompt) > limit:
                 raise InvalidRequestError(f"input {i} has {len(prompt)} tokens; this model's maximum context "
                                           f"length is {limit}", param="input")
+            self.check_token_ids(prompt, "input", f"input {i}")
         with self._adapter_in_use(adapter):
             return await asyncio.wrap_future(self._embeddings.submit(prompts, adapter))
 
@@ -249,23 +257,57 @@ class LLMEngine(Engine):
                 self._wakeup.clear()
                 continue
             started = time.perf_counter()
+            with torch.inference_mode():
+                computed = self._execute(chunks)
+            self._stats.times.forward += time.perf_counter() - started
             try:
-                with torch.inference_mode():
-                    logits = self._runner.execute(chunks)
-                self._stats.times.forward += time.perf_counter() - started
-                sampling = [(chunk, rows) for chunk, rows in zip(chunks, logits) if self._advance(chunk, rows)]
+                sampling = [(chunk, rows) for chunk, rows in computed if self._advance(chunk, rows)]
                 tokens = self._sampler.sample_batch([rows[-1] for _, rows in sampling],
                                                     [chunk.seq for chunk, _ in sampling])
                 for (chunk, _), (token, logprob) in zip(sampling, tokens):
                     self._emit(chunk.seq, token, logprob)
             except Exception as exc:  # one bad step must not take the server down
-                log.exception("model step failed; failing the %d requests in it", len(chunks))
-                for chunk in chunks:
+                log.exception("sampling failed; failing the %d requests of the step", len(computed))
+                for chunk, _ in computed:
                     if chunk.seq.id in self._sequences:
                         self._finish(chunk.seq, "error", error=f"internal error in the model step: {exc}")
             self._send_outbox()
             self._stats.steps += 1
             self._stats.times.step += time.perf_counter() - started
+
+    def _execute(self, chunks: list[ScheduledChunk]) -> list[tuple[ScheduledChunk, torch.Tensor | None]]:
+        """Run a step; (chunk, logits) for each chunk that computed. When the step raises, its chunks run again
+        in halves (ModelRunner.execute advances nothing, so a retry is safe) until the chunks that fail alone
+        are found: those requests fail, the others go on with the logits they get as a smaller batch."""
+        try:
+            return list(zip(chunks, self._runner.execute(chunks)))
+        except Exception as exc:
+            if len(chunks) == 1:
+                self._fail_alone(chunks[0], exc)
+                return []
+            log.warning("a model step of %d requests failed (%s: %s); running them in parts to find the request "
+                        "that caused it", len(chunks), type(exc).__name__, exc)
+        return self._isolate(chunks)
+
+    def _isolate(self, chunks: list[ScheduledChunk]) -> list[tuple[ScheduledChunk, torch.Tensor | None]]:
+        computed: list[tuple[ScheduledChunk, torch.Tensor | None]] = []
+        half = len(chunks) // 2
+        for part in (chunks[:half], chunks[half:]):
+            try:
+                computed += zip(part, self._runner.execute(part))
+            except Exception as exc:
+                if len(part) == 1:
+                    self._fail_alone(part[0], exc)
+                else:
+                    computed += self._isolate(part)
+        return computed
+
+    def _fail_alone(self, chunk: ScheduledChunk, exc: Exception) -> None:
+        seq = chunk.seq
+        log.error("request %s failed in the model step (positions %d-%d of %d): %s: %s", seq.id, chunk.start,
+                  chunk.end, len(seq), type(exc).__name__, exc, exc_info=exc)
+        if seq.id in self._sequences:
+            self._finish(seq, "error", error=f"internal error in the model step: {exc}")
 
     def _send_outbox(self) -> None:
         outputs = []
@@ -327,8 +369,11 @@ class LLMEngine(Engine):
     def _record_prompt_logprobs(self, chunk: ScheduledChunk, rows: torch.Tensor) -> None:
         seq = chunk.seq
         assert self._sampler is not None and seq.prompt_logprobs is not None
-        targets = seq.token_ids[chunk.start + 1:min(chunk.end + 1, seq.num_prompt_tokens)]  # each row's next token
-        seq.prompt_logprobs += self._sampler.prompt_entries(rows[:len(targets)], targets,
+        # row r predicts position start + r + 1; rows whose position has its entry (computed before a
+        # preemption) are skipped
+        skip = max(0, len(seq.prompt_logprobs) - 1 - chunk.start)
+        targets = seq.token_ids[chunk.start + 1 + skip:min(chunk.end + 1, seq.num_prompt_tokens)]
+        seq.prompt_logprobs += self._sampler.prompt_entries(rows[skip:skip + len(targets)], targets,
                                                             seq.sampling.prompt_logprobs or 0)
 
     # ------------------------------------------------------------------------------ delivery

@@ -42,11 +42,16 @@ class ModelRunner(ABC):
     def execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
         """Run one step. For each chunk, return float32 logits: shape [end - start, vocab] when `all_logits`,
         [1, vocab] (the last position) when it `samples`, else None; on the CPU or on the device that computed
-        them (the sampler takes either, and a mix). Advance nothing: the caller updates `seq.num_computed`."""
+        them (the sampler takes either, and a mix). Advance nothing: the caller updates `seq.num_computed`.
+
+        A step that raises may be run again, whole or in parts (the engine looks for the request that made
+        it fail): running the same chunks again must give what a first run would, so whatever a failed run
+        left behind (KV rows written, a cache grown, work still pending) is overwritten, dropped or waited for."""
 
     @abstractmethod
     def release(self, seq: Sequence) -> None:
-        """Free whatever the sequence holds (KV cache). Idempotent."""
+        """Free whatever the sequence holds (KV cache). Idempotent. Also how a sequence is preempted: it is
+        later admitted again with all its tokens and recomputes them."""
 
     def final_hidden_states(self, prompts: list[list[int]], adapter: str | None) -> list[torch.Tensor]:
         """Per prompt, [len(prompt), hidden] float32 on the CPU: the final (normed) hidden state at every
@@ -66,12 +71,19 @@ class ModelRunner(ABC):
         tensors = list(model.parameters()) + list(model.buffers())
         return sum(t.numel() * t.element_size() for t in tensors if t.device.type == "cuda")
 
-    def admit(self, seq: Sequence, max_positions: int) -> int | None:
-        """Reserve KV room for up to `max_positions` positions of `seq`, or return None if there is none
-        now (the request then waits). Reserving up front means a running request never runs out mid-way.
+    def admit(self, seq: Sequence) -> int | None:
+        """Give `seq` KV room for the positions its tokens fill now (the prompt; after a preemption, the prompt
+        and what it generated), if a small margin stays free for the running sequences to grow; else None
+        (the request waits). Nothing is reserved for the tokens it may generate: it grows by `grow`.
         Returns how many leading positions of `seq` are already in the cache (prefix caching), so need
-        no computing; always fewer than the prompt's length."""
+        no computing; always fewer than its length."""
         return 0
+
+    def grow(self, seq: Sequence, num_positions: int) -> bool:
+        """Make room for positions [0, num_positions) of an admitted `seq` before a step computes them;
+        False, with nothing taken, when the cache is full (the scheduler then preempts a sequence). A runner
+        whose cache is unbounded always has room."""
+        return True
 
     def prefix_in_flight(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
         """Whether one of `prefilling` (admitted, its prompt not all computed) is computing leading pages of

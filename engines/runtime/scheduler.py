@@ -5,15 +5,26 @@ token budget (`chunk_size`) on prompts: continuing chunked prefills first, then 
 while fewer than `max_running` generate and the runner has KV room for them. A waiting request whose prompt
 starts with pages a running one is still computing waits for them, keeping its place and its slot, and is
 admitted once they are cached (the other choices of an n > 1 request, a batch sharing a preamble). The
-scheduler never touches a tensor; the runner decides whether a sequence fits."""
+scheduler never touches a tensor; the runner decides whether a sequence fits.
+
+KV room goes by use, not by reservation: a request is admitted with room for the tokens it holds (the runner
+keeps a small margin free), and each step first makes room for every running sequence's next positions,
+oldest first. When the cache is full, the newest running sequence is preempted (vLLM's recompute
+preemption): its KV is freed and it goes back to the front of the queue with every token it generated, its
+sampler state and its detokenizer untouched. Readmitted, it recomputes its tokens (its prefix-cache pages
+may still hold most of them) and samples the next one, so its output and its stream are those of a run
+without the preemption. No request is admitted in a step that had to preempt."""
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 
 from engines.base import QueueFullError
 from engines.runtime.model_runner import ModelRunner, ScheduledChunk
 from engines.runtime.sequence import Sequence, Status
+
+log = logging.getLogger("ktserve.engine")
 
 
 class Scheduler:
@@ -27,6 +38,7 @@ class Scheduler:
         # prompt tokens of admitted sequences, and how many of them were found in the prefix cache
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
+        self.preemptions = 0
         self._lock = threading.Lock()  # add() runs on the event loop's thread, the rest on the engine's
 
     def add(self, seq: Sequence) -> None:
@@ -50,6 +62,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         budget = self.chunk_size
         with self._lock:
+            preempted = self._make_room()
             for seq in self.running:
                 if seq.num_computed == len(seq) - 1:  # decoding: feed the token sampled last step
                     chunks.append(self._chunk(seq, len(seq)))
@@ -57,24 +70,55 @@ class Scheduler:
                 if seq.num_computed < len(seq) - 1 and budget > 0:
                     budget -= self._prefill(seq, budget, chunks)
             held = 0  # waiting sequences passed over for a prefix in flight; they keep their place and slot
-            while held < len(self.waiting) and len(self.running) + held < self.max_running and budget > 0:
+            while (not preempted and held < len(self.waiting) and len(self.running) + held < self.max_running
+                   and budget > 0):
                 seq = self.waiting[held]
                 prefilling = [s for s in self.running if s.num_computed < s.num_prompt_tokens]
                 if prefilling and self._runner.prefix_in_flight(seq, prefilling):
                     held += 1
                     continue
-                reserve = len(seq) + seq.sampling.max_tokens
-                cached = self._runner.admit(seq, reserve)
+                cached = self._runner.admit(seq)
                 if cached is None:
                     break  # no KV room now; it stays in line
-                seq.num_computed = seq.num_cached_tokens = cached
-                self.prompt_tokens += seq.num_prompt_tokens
-                self.cached_prompt_tokens += cached
+                seq.num_computed = cached
+                if not seq.preemptions:  # a readmitted sequence's prompt was counted when it first started
+                    seq.num_cached_tokens = cached
+                    self.prompt_tokens += seq.num_prompt_tokens
+                    self.cached_prompt_tokens += cached
                 del self.waiting[held]
                 seq.status = Status.RUNNING
                 self.running.append(seq)
                 budget -= self._prefill(seq, budget, chunks)
         return chunks
+
+    def _make_room(self) -> bool:
+        """KV room for every running sequence's positions up to its length (a decode's next token; a prompt's
+        pages came with its admission), oldest first, preempting the newest while the cache is full. Whether
+        any sequence was preempted."""
+        preempted = False
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            while not self._runner.grow(seq, len(seq)):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                i += 1
+        return preempted
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._runner.release(seq)
+        seq.num_computed = 0
+        seq.preemptions += 1
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+        log.debug("KV cache full: request %s preempted with %d tokens (it recomputes them when readmitted)",
+                  seq.id, len(seq))
 
     def _prefill(self, seq: Sequence, budget: int, chunks: list[ScheduledChunk]) -> int:
         remaining = len(seq) - seq.num_computed
@@ -84,5 +128,7 @@ class Scheduler:
 
     @staticmethod
     def _chunk(seq: Sequence, end: int) -> ScheduledChunk:
-        wants_prompt_logprobs = seq.prompt_logprobs is not None and seq.num_computed < seq.num_prompt_tokens
+        # a recomputed prompt (after a preemption) computes again the logprobs it already has: they are not kept
+        wants_prompt_logprobs = (seq.prompt_logprobs is not None and seq.num_computed < seq.num_prompt_tokens
+                                 and len(seq.prompt_logprobs) < seq.num_prompt_tokens)
         return ScheduledChunk(seq=seq, start=seq.num_computed, end=end, all_logits=wants_prompt_logprobs)

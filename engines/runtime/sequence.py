@@ -27,6 +27,7 @@ class Sequence:
     num_prompt_tokens: int = 0
     num_computed: int = 0  # positions whose KV is in the cache
     num_cached_tokens: int = 0  # leading prompt positions found in the prefix cache at admission
+    preemptions: int = 0  # times its KV was freed to make room (it then recomputes its tokens)
     status: Status = Status.WAITING
     generator: torch.Generator | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -78,7 +78,8 @@ class VLLMEngine(Engine):
                 id=model_id(cfg), max_model_len=model_config.max_model_len,
                 architecture=(model_config.architectures or ["unknown"])[0], engine=self.name,
                 created=int(time.time()),
-                eos_token_ids=eos_token_ids(model_config.hf_config, self._tokenizer, Path(cfg.model_path)))
+                eos_token_ids=eos_token_ids(model_config.hf_config, self._tokenizer, Path(cfg.model_path)),
+                vocab_size=model_config.get_vocab_size())
             if args.enable_lora:
                 self._start_adapters()
         except BaseException:

@@ -94,10 +94,7 @@ class CompletionServing:
             ids = await encode(tokenizer, prompt)
             added = self._added_before_text()
             return PromptIds(ids, len(added) if ids[:len(added)] == added else 0)
-        vocab = len(tokenizer)
-        if any(t >= vocab for t in prompt):
-            raise InvalidRequestError(f"prompt {index} has token ids outside the vocabulary (size {vocab})",
-                                      param="prompt")
+        self.engine.check_token_ids(prompt, "prompt", f"prompt {index}")
         return PromptIds(prompt)
 
     def _added_before_text(self) -> list[int]:

@@ -33,14 +33,12 @@ class EmbeddingServing:
         `truncate` (Ollama's default), inputs longer than the context are cut to it; else the engine refuses
         them naming the input."""
         tokenizer = self.engine.tokenizer
-        vocab = len(tokenizer)
         for i, item in enumerate(inputs):
             if not item:
                 kind = "an empty string" if isinstance(item, str) else "an empty list of token ids"
                 raise InvalidRequestError(f"input {i} is {kind}", param="input")
-            if not isinstance(item, str) and max(item) >= vocab:
-                raise InvalidRequestError(f"input {i} has token ids outside the vocabulary (size {vocab})",
-                                          param="input")
+            if not isinstance(item, str):
+                self.engine.check_token_ids(item, "input", f"input {i}")
         texts = [item for item in inputs if isinstance(item, str)]
         encoded = iter(await encode_all(tokenizer, texts))
         out = [next(encoded) if isinstance(item, str) else item for item in inputs]

@@ -101,6 +101,7 @@ class OllamaServing:
         tokenizer = self.engine.tokenizer
         text = body.prompt if body.raw else (await render_prompt(self.engine, req, options.force_think)).text
         if body.context:
+            self.engine.check_token_ids(body.context, "context")
             ids = await encode(tokenizer, text, add_special_tokens=False)
             ids = list(body.context) + (ids[1:] if ids[:1] == [tokenizer.bos_token_id] else ids)
         else:

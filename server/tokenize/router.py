@@ -7,7 +7,7 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from engines.base import InvalidRequestError
+from engines.base import check_token_ids
 from server.chat.prompt import render_prompt
 from server.chat.protocol import ChatCompletionRequest
 from server.json_body import CheckedJSONRoute
@@ -47,11 +47,7 @@ async def detokenize(body: DetokenizeRequest, request: Request):
     tokenizer = engine.tokenizer
 
     def answer() -> JSONResponse:  # a worker thread's work: up to a million ids
-        vocab = len(tokenizer)
-        outside = next((t for t in body.tokens if t >= vocab), None)
-        if outside is not None:
-            raise InvalidRequestError(f"token id {outside} is outside the vocabulary (size {vocab})",
-                                      param="tokens")
+        check_token_ids(body.tokens, len(tokenizer), "tokens")  # what the tokenizer can decode
         return JSONResponse({"prompt": tokenizer.decode(body.tokens)})
     return await asyncio.to_thread(answer)
 
