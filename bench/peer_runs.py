@@ -5,9 +5,12 @@ How each engine is run is what its own documentation recommends for a hybrid MoE
 layer on the GPU (`-ngl 99`) except the routed experts (`-ot exps=CPU`), flash attention, the benchmark's
 thread count; ik_llama.cpp adds its fused MoE (`-fmoe 1`), MLA mode 3 and run-time repacking of the CPU
 tensors (`-rtr`). Repacked tensors cannot be copied to the GPU for large batches, which is how both engines
-compute a long prompt's experts, so ik's prefill is measured without `-rtr` as well and each figure keeps
-the faster of the two. Prompt processing runs in batches of PREFILL_BATCH tokens (`-b`/`-ub`), as both
-projects advise for hybrid prefill."""
+compute a long prompt's experts, so ik's prefill runs without `-rtr` (its decode both ways: each figure keeps
+the faster run). Prompt processing runs in batches of PREFILL_BATCH tokens (`-b`/`-ub`), as both
+projects advise for hybrid prefill: a batch of 32 tokens or more copies every routed expert of a layer to the GPU
+(16.7 GB for the Q8_0 file), so the default 512-token batch pays that copy once per 512 tokens (llama.cpp, H200,
+2026-11-28: pp512 224 tok/s against 1,802 at 8,192 in 4,096-token batches; its server's 16 clients, then on the
+default batch, spent 21 s on their 4,096 prompt tokens)."""
 from __future__ import annotations
 
 import contextlib
@@ -51,14 +54,15 @@ class Peer:
         pp = ["-p", ",".join(map(str, prompts)), "-n", "0", "-b", str(PREFILL_BATCH), "-ub", str(PREFILL_BATCH)]
         if self.ik:
             ik = ["-fmoe", "1", "-mla", "3"]
-            return [("decode -rtr 1", [*base, *ik, "-rtr", "1", "-p", "0", "-n", "0", "-gp", f"{DECODE_DEPTH},128"]),
-                    ("prefill -rtr 0", [*base, *ik, "-rtr", "0", *pp]),
-                    ("prefill -rtr 1", [*base, *ik, "-rtr", "1", *pp])]
+            gp = ["-gp", f"{DECODE_DEPTH},128"]
+            return [("decode -rtr 1", [*base, *ik, "-rtr", "1", "-p", "0", "-n", "0", *gp]),
+                    ("prefill -rtr 0", [*base, *ik, "-rtr", "0", *pp, *gp])]
         return [("decode", [*base, "-p", "0", "-n", "128", "-d", str(DECODE_DEPTH)]), ("prefill", [*base, *pp])]
 
     def server(self, gguf: Path, slots: int, context: int, port: int) -> list[str]:
         cmd = [str(self.bin / "llama-server"), "-m", str(gguf), *self.common(), "-fa", "on", "-np", str(slots),
-               "-c", str(context), "--host", "127.0.0.1", "--port", str(port)]
+               "-c", str(context), "-b", str(PREFILL_BATCH), "-ub", str(PREFILL_BATCH), "--host", "127.0.0.1",
+               "--port", str(port)]
         return cmd + (["-mla", "3", "-rtr"] if self.ik else [])
 
 

@@ -88,6 +88,7 @@ def run_peers(bench: Any, deadline: float, save: Callable[[dict], None]) -> dict
                 measure_server(peer, gguf, measured[(peer.name, quant)], bench, deadline, work)
                 section["engines"] = engine_entries(bench, measured)
                 save(section)
+    section["ktserve_on_gguf"] = ktserve_on_gguf(files)
     section["engines"] = engine_entries(bench, measured)
     section["ratios"] = ratios(section["engines"], bench.primary)
     section["ratios_by_bits"] = {QUANT_FOR[m]: ratios(section["engines"], m) for m in methods}
@@ -198,6 +199,18 @@ def measure_server(peer: Any, gguf: Path, entry: dict, bench: Any, deadline: flo
                                                         "memory": sampler.stop()})
         except (RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
             entry.setdefault("servers", []).append({"slots": level, "failed": f"{type(exc).__name__}: {exc}"})
+
+
+def ktserve_on_gguf(files: dict) -> dict:
+    """ktserve on the peers' own GGUF file: the hook for a GGUF checkpoint loader (engines/checkpoints/gguf).
+    Until one is in the tree the entry says so; with one, this is where the KT engine's decode runs on
+    files[quant]["path"] (bench/child_runs.py's child_decode with that path as the model) beside the rest."""
+    import importlib.util
+
+    if importlib.util.find_spec("engines.checkpoints.gguf") is None:
+        return {"status": "not run", "reason": "no GGUF checkpoint loader in this tree (engines/checkpoints/gguf)",
+                "files": {q: f["path"] for q, f in files.items() if isinstance(f, dict) and "path" in f}}
+    return {"status": "not run", "reason": "a GGUF loader is present; its decode is not wired into bench.peers yet"}
 
 
 # ------------------------------------------------------------------------------------------------ figures
@@ -333,15 +346,19 @@ def gguf_main(argv: list[str]) -> int:
         cost = build_checkpoint(model_dir, shape.config, shard_bytes=shape.plan.shard_bytes)
         print(f"checkpoint {model_dir}: {cost['build_s']:.0f} s", flush=True)
     threads = default_cpu_threads()
-    print(json.dumps(make_ggufs(model_dir, args.work, None, [], threads, deadline)), flush=True)
     quantize = binaries(args.work, "llama.cpp") / "llama-quantize"
-    while not quantize.exists() and time.perf_counter() < deadline - 60:
-        time.sleep(5)
-    if not quantize.exists():
-        print("llama-quantize not built in time: the Q8_0 / Q4_0 files are left for the measuring call", flush=True)
+    try:
+        print(json.dumps(make_ggufs(model_dir, args.work, None, [], threads, deadline)), flush=True)
+        while not quantize.exists() and time.perf_counter() < deadline - 60:
+            time.sleep(5)
+        if not quantize.exists():
+            print("llama-quantize not built in time: the Q8_0 / Q4_0 files are left for the measuring call", flush=True)
+            return 1
+        print(json.dumps(make_ggufs(model_dir, args.work, quantize.parent, list(QUANT_FOR.values()), threads,
+                                    deadline)), flush=True)
+    except subprocess.TimeoutExpired as exc:  # the next call starts the step again
+        print(f"out of time: {' '.join(map(str, exc.cmd[:4]))}... stopped after {exc.timeout:.0f}s", flush=True)
         return 1
-    print(json.dumps(make_ggufs(model_dir, args.work, quantize.parent, list(QUANT_FOR.values()), threads, deadline)),
-          flush=True)
     return 0
 
 
