@@ -393,15 +393,15 @@ def main(argv: list[str] | None = None) -> int:
         deadline = time.perf_counter() + args.budget
         for archive in archives.values():  # the converter reads llama.cpp's tree while the builds run
             unpack(archive, args.work)
-        helper = subprocess.Popen([sys.executable, "-m", "bench.peers", "gguf", "--work", str(args.work), "--budget",
+        writer = subprocess.Popen([sys.executable, "-m", "bench.peers", "gguf", "--work", str(args.work), "--budget",
                                    str(args.budget - 5)], cwd=REPO) if args.gguf else None
         result = build_all(archives, args.work, os.cpu_count() or 1, deadline, not args.cpu)
         print(json.dumps(result, indent=1), flush=True)
-        if helper is not None:
+        if writer is not None:
             try:
-                helper.wait(timeout=max(1.0, deadline - time.perf_counter() + 10))
+                writer.wait(timeout=max(1.0, deadline - time.perf_counter() + 10))
             except subprocess.TimeoutExpired:
-                helper.kill()
+                writer.kill()
         return 0 if all(b.get("finished") for b in result.values()) else 1
     if argv[:1] == ["gguf"]:
         return gguf_main(argv[1:])
