@@ -50,7 +50,8 @@ ENGINES = {  # built in this order: llama.cpp first, its llama-quantize makes th
         ("-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"),
         ("models", "docs", "media", "tests", "benches", "examples", "ci", "pocs", "skills")),
     "ik_llama.cpp": Engine(
-        "ik_llama.cpp", "ik-llama-cpp-python==0.1.5", "vendor/ik_llama.cpp", ("llama-bench", "llama-server"),
+        "ik_llama.cpp", "ik-llama-cpp-python==0.1.5", "vendor/ik_llama.cpp",
+        ("llama-bench", "llama-server", "llama-quantize"),
         ("-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_EXAMPLES=ON", "-DGGML_IQK_FA_ALL_QUANTS=OFF"),
         ("models", "docs", "media", "github-data", "tests", "examples/llama.android", "spm-headers", "poetry.lock")),
 }
@@ -147,12 +148,14 @@ def configure(engine: Engine, tree: Path, build: Path, cuda: bool) -> list[str]:
 _PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
 
 
-def ninja(build: Path, targets: tuple[str, ...], jobs: int, deadline: float, log: Path) -> dict:
-    """ninja on `targets` until done or `deadline` (then stopped, resumable): seconds, steps, finished."""
+def ninja(build: Path, targets: tuple[str, ...], jobs: int, deadline: float, log: Path, nice: int = 0) -> dict:
+    """ninja on `targets` (at `nice`) until done or `deadline` (then stopped, resumable): seconds, steps,
+    finished."""
     started = time.perf_counter()
     done = total = 0
+    cmd = ["nice", "-n", str(nice)] * bool(nice) + ["ninja", "-C", str(build), f"-j{jobs}", *targets]
     with open(log, "a") as out:
-        proc = subprocess.Popen(["ninja", "-C", str(build), f"-j{jobs}", *targets], stdout=subprocess.PIPE,
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         assert proc.stdout is not None
         try:
@@ -179,7 +182,8 @@ def binaries(work: Path, engine: str) -> Path:
     return work / "build" / engine / "bin"
 
 
-def build_engine(engine: Engine, archive: Path, work: Path, jobs: int, deadline: float, cuda: bool) -> dict:
+def build_engine(engine: Engine, archive: Path, work: Path, jobs: int, deadline: float, cuda: bool,
+                 nice: int = 0) -> dict:
     """Unpack, trim, configure (once) and build one engine; what it cost."""
     entry: dict = {"package": engine.package, "targets": list(engine.targets), "cuda_arch": CUDA_ARCH if cuda else None}
     build = work / "build" / engine.name
@@ -203,25 +207,34 @@ def build_engine(engine: Engine, archive: Path, work: Path, jobs: int, deadline:
             subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=True)
         entry["cmake"] = cmd[3:]
     entry["unpack_configure_s"] = round(time.perf_counter() - started, 1)
-    entry.update(ninja(build, engine.targets, jobs, deadline, log))
+    entry.update(ninja(build, engine.targets, jobs, deadline, log, nice))
     return entry
 
 
-def build_all(archives: dict[str, Path], work: Path, jobs: int, deadline: float, cuda: bool) -> dict:
-    """Every engine of `archives` (engine name -> archive), one after the other, all cores each."""
+def build_all(archives: dict[str, Path], work: Path, jobs: int, deadline: float, cuda: bool, nice: int = 0) -> dict:
+    """Every engine of `archives` (engine name -> archive), one after the other, all cores each; `nice` leaves
+    the GGUF conversion, which runs beside the compilers in a build call, its core."""
     out = {}
     for name, archive in archives.items():
         try:
-            out[name] = build_engine(ENGINES[name], archive, work, jobs, deadline, cuda)
+            out[name] = build_engine(ENGINES[name], archive, work, jobs, deadline, cuda, nice)
         except (subprocess.CalledProcessError, OSError, ValueError) as exc:
             out[name] = {"finished": False, "failed": f"{type(exc).__name__}: {exc}"}
     return out
 
 
-def find_archives(sources: Path) -> dict[str, Path]:
-    """engine name -> its archive in `sources`: <engine>.tar.xz (packed) or the PyPI .tar.gz."""
+def quantizer(work: Path) -> Path | None:
+    """A built llama-quantize (llama.cpp's first, ik_llama.cpp's next); the GGUF types used are the same in both."""
+    return next((q for q in (binaries(work, name) / "llama-quantize" for name in ENGINES) if q.exists()), None)
+
+
+def find_archives(sources: Path, engines: tuple[str, ...] = tuple(ENGINES)) -> dict[str, Path]:
+    """engine name -> its archive in `sources`, for those of `engines` found there: <engine>.tar.xz (packed) or
+    the PyPI .tar.gz."""
     found = {}
     for name, engine in ENGINES.items():
+        if name not in engines:
+            continue
         packed = sources / f"{name}.tar.xz"
         pypi = sorted(sources.glob(sdist_stem(engine) + ".tar.gz"))
         if packed.exists():

@@ -33,6 +33,7 @@ RATIOS = ("decode", "prefill_2048", "prefill_8192", "clients_16", "clients_32")
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SOURCES = REPO / ".peers"
 DEFAULT_WORK = Path("/tmp/ktserve-peers")
+ENGINE_NAMES = ("llama.cpp", "ik_llama.cpp")  # bench/peer_build.py's ENGINES
 # GGUF bytes per checkpoint (bf16) byte: Q8_0 34/64, Q4_0 18/64 (blocks of 32 with an f16 scale)
 GGUF_SHARE = {"bf16": 1.0, "Q8_0": 34 / 64, "Q4_0": 18 / 64}
 
@@ -44,6 +45,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers-work", type=Path, default=DEFAULT_WORK,
                    help="where the peers are unpacked and built; a build left unfinished there continues")
     p.add_argument("--peers-repetitions", type=int, default=2, help="llama-bench -r (default 2)")
+    p.add_argument("--peers-engines", type=engine_list, default=ENGINE_NAMES,
+                   help=f"comma-separated peers to build and run, of: {','.join(ENGINE_NAMES)} (default: both; "
+                        "llama.cpp's archive is unpacked for its GGUF converter either way)")
+
+
+def engine_list(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = sorted(set(names) - set(ENGINE_NAMES))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown peer(s) {', '.join(unknown) or '(none)'}; known: "
+                                         f"{', '.join(ENGINE_NAMES)}")
+    return names
 
 
 # ------------------------------------------------------------------------------------------------ the phase
@@ -52,23 +65,27 @@ def run_peers(bench: Any, deadline: float, save: Callable[[dict], None]) -> dict
     grows, so a run cut short keeps what it measured)."""
     import torch
 
-    from bench.peer_build import binaries, build_all, find_archives
+    from bench.peer_build import binaries, build_all, find_archives, quantizer, unpack
 
     args = bench.args
     methods = [m for m in (bench.primary, *args.methods) if m in QUANT_FOR]
     quants = list(dict.fromkeys(QUANT_FOR[m] for m in methods))
     section: dict = {"threads": bench.threads, "quants": quants, "engines": [], "ratios": {}}
-    archives = find_archives(args.peers_sources)
-    if not archives:
-        raise ValueError(f"--peers-sources {args.peers_sources}: no peer source archives (python -m bench.peers pack)")
+    archives = find_archives(args.peers_sources, args.peers_engines)
+    converter = find_archives(args.peers_sources, ("llama.cpp",))
+    if not archives or not converter:
+        raise ValueError(f"--peers-sources {args.peers_sources}: the archives of {', '.join(args.peers_engines)} and "
+                         "llama.cpp's (its GGUF converter) are needed (python -m bench.peers pack)")
     work: Path = args.peers_work
     work.mkdir(parents=True, exist_ok=True)
+    unpack(converter["llama.cpp"], work)
     section["build"] = build_all(archives, work, os.cpu_count() or 1, deadline - 60, torch.cuda.is_available())
     save(section)
     ready = {name: binaries(work, name) for name, b in section["build"].items() if b.get("finished")}
-    if "llama.cpp" not in ready:
-        raise RuntimeError("llama.cpp did not build (its llama-quantize makes the GGUF files): see peers.build")
-    files = section["gguf"] = make_ggufs(bench.model_dir, work, ready["llama.cpp"], quants, bench.threads, deadline)
+    quantize = quantizer(work)
+    if quantize is None:
+        raise RuntimeError("no llama-quantize built to make the GGUF files: see peers.build")
+    files = section["gguf"] = make_ggufs(bench.model_dir, work, quantize.parent, quants, bench.threads, deadline)
     save(section)
     from bench.peer_runs import Peer, version_of
 
@@ -327,9 +344,9 @@ def peers_lines(section: dict) -> list[str]:
 # ------------------------------------------------------------------------------------------------ CLI
 def gguf_main(argv: list[str]) -> int:
     """`python -m bench.peers gguf`: the shape's checkpoint (written unless there), its bf16 GGUF, and once
-    llama.cpp's llama-quantize is built (waiting for it up to --budget), the Q8_0 and Q4_0 files."""
+    a llama-quantize is built (waiting for it up to --budget), the Q8_0 and Q4_0 files."""
     from bench.checkpoint import build_checkpoint, existing_model
-    from bench.peer_build import binaries
+    from bench.peer_build import quantizer
     from bench.run import default_model_dir
     from bench.shapes import SHAPES
     from engines.kt.cpuinfer import default_cpu_threads
@@ -346,12 +363,11 @@ def gguf_main(argv: list[str]) -> int:
         cost = build_checkpoint(model_dir, shape.config, shard_bytes=shape.plan.shard_bytes)
         print(f"checkpoint {model_dir}: {cost['build_s']:.0f} s", flush=True)
     threads = default_cpu_threads()
-    quantize = binaries(args.work, "llama.cpp") / "llama-quantize"
     try:
         print(json.dumps(make_ggufs(model_dir, args.work, None, [], threads, deadline)), flush=True)
-        while not quantize.exists() and time.perf_counter() < deadline - 60:
+        while (quantize := quantizer(args.work)) is None and time.perf_counter() < deadline - 60:
             time.sleep(5)
-        if not quantize.exists():
+        if quantize is None:
             print("llama-quantize not built in time: the Q8_0 / Q4_0 files are left for the measuring call", flush=True)
             return 1
         print(json.dumps(make_ggufs(model_dir, args.work, quantize.parent, list(QUANT_FOR.values()), threads,
@@ -382,20 +398,22 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--budget", type=float, default=540, help="seconds; an unfinished build continues next time")
         p.add_argument("--cpu", action="store_true", help="build without CUDA (to try the flags on a CPU machine)")
         p.add_argument("--gguf", action="store_true", help="meanwhile write the v2-lite checkpoint and its GGUF files "
-                       "(`gguf` below), so that the measuring call finds them")
+                       "(`gguf` below, the compilers at a lower priority), so that the measuring call finds them")
+        p.add_argument("--engines", type=engine_list, default=ENGINE_NAMES, help="peers to build (default: both)")
         args = p.parse_args(argv[1:])
         from bench.peer_build import build_all, find_archives, unpack
 
-        archives = find_archives(args.sources)
-        if not archives:
-            p.error(f"--sources {args.sources}: no peer source archives")
+        archives = find_archives(args.sources, args.engines)
+        converter = find_archives(args.sources, ("llama.cpp",))
+        if not archives or not converter:
+            p.error(f"--sources {args.sources}: the archives of {', '.join(args.engines)} and llama.cpp's are needed")
         args.work.mkdir(parents=True, exist_ok=True)
         deadline = time.perf_counter() + args.budget
-        for archive in archives.values():  # the converter reads llama.cpp's tree while the builds run
+        for archive in {**archives, **converter}.values():  # the converter reads llama.cpp's tree during the builds
             unpack(archive, args.work)
         writer = subprocess.Popen([sys.executable, "-m", "bench.peers", "gguf", "--work", str(args.work), "--budget",
                                    str(args.budget - 5)], cwd=REPO) if args.gguf else None
-        result = build_all(archives, args.work, os.cpu_count() or 1, deadline, not args.cpu)
+        result = build_all(archives, args.work, os.cpu_count() or 1, deadline, not args.cpu, nice=10 * args.gguf)
         print(json.dumps(result, indent=1), flush=True)
         if writer is not None:
             try:

@@ -537,7 +537,7 @@ class Bench:
         if phase == "peers" and not absent:
             from bench.peer_build import find_archives
 
-            if not find_archives(self.args.peers_sources):
+            if not find_archives(self.args.peers_sources, self.args.peers_engines):
                 self.results.phase(step, "skipped", 0.0, expected, reason=f"no peer source archives in "
                                    f"{self.args.peers_sources} (python -m bench.peers pack)")
                 return

@@ -4,6 +4,7 @@ CUDA kernels to the GGUF types used, and cuts the checkpoint's tokenizer to the 
 GGUF converter."""
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -106,3 +107,16 @@ def test_gguf_conversion_folder_cuts_the_tokenizer_to_the_models_vocabulary(tmp_
     assert "add_sep_token" not in json.loads((folder / "tokenizer_config.json").read_text())
     assert (folder / "model-00001-of-00001.safetensors").resolve() == (model / "model-00001-of-00001.safetensors")
     assert Path(folder / "config.json").is_symlink()
+
+
+def test_peer_sources_are_found_packed_or_as_downloaded_for_the_engines_asked(tmp_path):
+    from bench.peer_build import find_archives
+    from bench.peers import engine_list
+
+    (tmp_path / "ik_llama.cpp.tar.xz").write_bytes(b"")
+    (tmp_path / "llama_cpp_python-0.3.36.tar.gz").write_bytes(b"")
+    assert find_archives(tmp_path) == {"llama.cpp": tmp_path / "llama_cpp_python-0.3.36.tar.gz",
+                                       "ik_llama.cpp": tmp_path / "ik_llama.cpp.tar.xz"}
+    assert find_archives(tmp_path, engine_list("ik_llama.cpp")) == {"ik_llama.cpp": tmp_path / "ik_llama.cpp.tar.xz"}
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown peer.*vllm"):
+        engine_list("llama.cpp,vllm")
