@@ -156,6 +156,9 @@ def summary_lines(data: dict) -> list[str]:
                      f"{_fmt(_v(r, 'ttft_median'), '.3f')} s; decoding {_fmt(_v(r, 'decode_rate'))} of at most "
                      f"{_fmt(_v(r, 'decode_ceiling'))} tok/s" + (" (timed out)" if r.get("timed_out") else ""))
     lines += attention_lines(data)
+    from bench.peers import peers_lines
+
+    lines += peers_lines(data.get("peers") or {})
     load = data.get("load") or {}
     if load:
         lines.append(f"weight cache: {load.get('status')}" + (

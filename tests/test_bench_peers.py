@@ -1,0 +1,122 @@
+"""bench.peers sets ktserve's figures of a run beside ik_llama.cpp's and llama.cpp's (their llama-bench output and
+streaming rounds, faked here: the engines themselves are built and run on the GPU machine), trims the peers'
+CUDA kernels to the GGUF types used, and cuts the checkpoint's tokenizer to the model's vocabulary for the
+GGUF converter."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+# ik_llama.cpp's llama-bench -o json (one array), llama.cpp's -o jsonl (one object a line): abridged
+IK_JSON = """[
+  {"build_commit": "abc", "n_prompt": 512, "n_gen": 128, "n_threads": 14, "test": "tg128@pp512",
+   "avg_ts": 51.5, "stddev_ts": 0.2, "samples_ts": [51.4, 51.6]},
+  {"build_commit": "abc", "n_prompt": 2048, "n_gen": 0, "avg_ts": 900.0, "samples_ts": [900.0]},
+  {"build_commit": "abc", "n_prompt": 8192, "n_gen": 0, "avg_ts": 800.0, "samples_ts": [800.0]}
+]"""
+ML_JSONL = ('{"n_prompt": 0, "n_gen": 128, "n_depth": 512, "avg_ts": 40.0, "samples_ts": [40.0]}\n'
+            '{"n_prompt": 2048, "n_gen": 0, "n_depth": 0, "avg_ts": 1200.0, "samples_ts": [1200.0]}\n')
+
+
+def _peer(name: str, text: str, clients: dict[int, float]) -> dict:
+    from bench.peer_runs import _slim, bench_records
+
+    memory = {"gpu_peak": {"value": 3.0, "unit": "GB"}, "host_rss_peak": {"value": 20.0, "unit": "GB"}}
+    return {"name": name, "version": "v", "bits": "Q8_0", "runs": [
+        {"label": "decode", "records": [_slim(r) for r in bench_records(text)], "memory": memory}],
+        "servers": [{"slots": n, "round": {"output_throughput": {"value": rate, "unit": "tok/s"}}} for n, rate in
+                    clients.items()]}
+
+
+def _bench_with(results: dict) -> SimpleNamespace:
+    return SimpleNamespace(results=SimpleNamespace(data=results))
+
+
+def test_peers_table_sets_ktserve_against_the_best_peer_of_each_figure():
+    from bench.peers import engine_entries, peers_lines, ratios
+
+    results = {"meta": {"primary": "AMXINT8"},
+               "kt": {"AMXINT8": {"decode": {"decode_throughput": {"value": 61.8, "unit": "tok/s"}},
+                                  "memory": {"gpu_used_nvidia_smi": {"value": 4.0, "unit": "GB"}}}},
+               "ttft": {"points": [{"prompt_tokens": 2048, "prefill_throughput": {"value": 3600.0, "unit": "tok/s"}},
+                                   {"prompt_tokens": 8192, "prefill_throughput": {"value": 4000.0, "unit": "tok/s"}}]},
+               "http": {"rounds": [{"concurrency": 4, "output_throughput": {"value": 60.0, "unit": "tok/s"}},
+                                   {"concurrency": 16, "output_throughput": {"value": 300.0, "unit": "tok/s"}}]}}
+    measured = {("ik_llama.cpp", "Q8_0"): _peer("ik_llama.cpp", IK_JSON, {16: 100.0}),
+                ("llama.cpp", "Q8_0"): _peer("llama.cpp", ML_JSONL, {16: 150.0, 32: 200.0})}
+    engines = engine_entries(_bench_with(results), measured)
+    assert [(e["name"], e["bits"]) for e in engines] == [("ktserve", "AMXINT8"), ("ik_llama.cpp", "Q8_0"),
+                                                         ("llama.cpp", "Q8_0")]
+    ik = engines[1]["figures"]
+    assert ik["decode"]["value"] == 51.5 and ik["prefill_8192"]["value"] == 800.0 and "prefill_512" not in ik
+    assert engines[2]["figures"]["decode"]["value"] == 40.0  # llama.cpp's tg128 at depth 512
+    r = ratios(engines, "AMXINT8")
+    assert r["decode"]["value"] == pytest.approx(61.8 / 51.5) and r["decode"]["best_peer"] == "ik_llama.cpp"
+    assert r["prefill_2048"]["value"] == pytest.approx(3.0) and r["prefill_2048"]["best_peer"] == "llama.cpp"
+    assert r["prefill_8192"]["value"] == pytest.approx(5.0)
+    assert r["clients_16"]["value"] == pytest.approx(2.0)
+    assert r["clients_32"]["value"] is None  # ktserve's run had no 32-client round
+    lines = peers_lines({"threads": 14, "engines": engines, "ratios": r})
+    assert any(line.startswith("ik_llama.cpp") and "51.5" in line and "800" in line for line in lines)
+    assert any("decode 1.20 (ik_llama.cpp)" in line and "prefill_2048 3.00 (llama.cpp)" in line for line in lines)
+
+
+def test_trimmed_build_drops_other_types_kernels_and_aborts_their_calls(tmp_path):
+    from bench.peer_build import trim_cuda
+
+    cuda = tmp_path / "ggml" / "src" / "ggml-cuda"
+    (cuda / "template-instances").mkdir(parents=True)
+    for name in ("mmq-instance-q8_0.cu", "mmq-instance-iq2_k.cu", "mmq-instance-iq2_k_id.cu",
+                 "mmvq-instance-q4_K.cu", "mmvq-instance-iq1_bn.cu", "fattn-vec-instance-hs128-f16-f16.cu"):
+        (cuda / "template-instances" / name).write_text("// instance\n")
+    (cuda / "mmq.cu").write_text(
+        "switch (t) {\n case GGML_TYPE_Q8_0: mul_mat_q_case<GGML_TYPE_Q8_0>(ctx, args, stream); break;\n"
+        " case GGML_TYPE_IQ2_K: mul_mat_q_case<GGML_TYPE_IQ2_K>(ctx, args, stream); break;\n"
+        " case GGML_TYPE_MXFP4: mul_mat_q_case<GGML_TYPE_MXFP4, GGML_PREC_Q4>(ctx, args, stream); break;\n}\n")
+    (cuda / "mmvq.cu").write_text("mul_mat_vec_q4_K_q8_1_cuda(args, stream);\nmul_mat_vec_iq1_bn_q8_1_cuda(args, stream);\n")
+    report = trim_cuda(tmp_path, keep=("q8_0", "q4_k"))
+    left = sorted(p.name for p in (cuda / "template-instances").iterdir())
+    assert left == ["fattn-vec-instance-hs128-f16-f16.cu", "mmq-instance-q8_0.cu", "mmvq-instance-q4_K.cu"]
+    mmq, mmvq = (cuda / "mmq.cu").read_text(), (cuda / "mmvq.cu").read_text()
+    assert "mul_mat_q_case<GGML_TYPE_Q8_0>" in mmq and "mul_mat_q_case<GGML_TYPE_IQ2_K>" not in mmq
+    assert 'GGML_ABORT("IQ2_K: type trimmed' in mmq and "GGML_TYPE_MXFP4, GGML_PREC_Q4>(" not in mmq
+    assert "mul_mat_vec_q4_K_q8_1_cuda" in mmvq and 'GGML_ABORT("iq1_bn: type trimmed' in mmvq
+    assert report["instance_files_removed"] == 3 and report["calls_aborted"] == 3
+
+
+def test_gguf_conversion_folder_cuts_the_tokenizer_to_the_models_vocabulary(tmp_path):
+    from bench.peer_gguf import conversion_folder
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 4}))
+    (model / "model-00001-of-00001.safetensors").write_bytes(b"")
+    (model / "tokenizer_config.json").write_text(json.dumps({"add_sep_token": False, "bos_token": "<s>"}))
+    vocab = {"<s>": 0, "a": 1, "b": 2, "ab": 3, "c": 4, "abc": 5}
+    (model / "tokenizer.json").write_text(json.dumps({
+        "model": {"type": "BPE", "vocab": vocab, "merges": ["a b", "ab c"]},
+        "added_tokens": [{"id": 0, "content": "<s>"}, {"id": 9, "content": "<extra>"}]}))
+    folder = conversion_folder(model, tmp_path / "convert")
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    assert tok["model"]["vocab"] == {"<s>": 0, "a": 1, "b": 2, "ab": 3}
+    assert tok["model"]["merges"] == ["a b"] and [t["id"] for t in tok["added_tokens"]] == [0]
+    assert "add_sep_token" not in json.loads((folder / "tokenizer_config.json").read_text())
+    assert (folder / "model-00001-of-00001.safetensors").resolve() == (model / "model-00001-of-00001.safetensors")
+    assert Path(folder / "config.json").is_symlink()
+
+
+def test_peer_sources_are_found_packed_or_as_downloaded_for_the_engines_asked(tmp_path):
+    from bench.peer_build import find_archives
+    from bench.peers import engine_list
+
+    (tmp_path / "ik_llama.cpp.tar.xz").write_bytes(b"")
+    (tmp_path / "llama_cpp_python-0.3.36.tar.gz").write_bytes(b"")
+    assert find_archives(tmp_path) == {"llama.cpp": tmp_path / "llama_cpp_python-0.3.36.tar.gz",
+                                       "ik_llama.cpp": tmp_path / "ik_llama.cpp.tar.xz"}
+    assert find_archives(tmp_path, engine_list("ik_llama.cpp")) == {"ik_llama.cpp": tmp_path / "ik_llama.cpp.tar.xz"}
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown peer.*vllm"):
+        engine_list("llama.cpp,vllm")
