@@ -42,7 +42,7 @@ def kt_int8(demo_model_dir):
     running.stop()
 
 
-def prompt_logprobs(server, text: str, top: int = 1):
+def prompt_logprobs(server, text: str | list[int], top: int = 1):
     reply = server.openai().completions.create(model=server.engine.info.id, prompt=text, max_tokens=0,
                                                echo=True, logprobs=top)
     return reply.choices[0].logprobs
@@ -52,7 +52,8 @@ def teacher_forced(server, tokenizer, reference_model, length: int):
     """The served prompt logprobs of a long text and transformers' full forward pass over the same ids."""
     text = tokenizer.decode(tokenizer.encode(LONG_TEXT)[:length], skip_special_tokens=True)
     ids = tokenizer.encode(text)
-    return ids, prompt_logprobs(server, text), forward_logprobs(reference_model, ids)
+    # the ids, BOS included, so the echoed logprobs line up with them (a text prompt's added BOS is not echoed)
+    return ids, prompt_logprobs(server, ids), forward_logprobs(reference_model, ids)
 
 
 def top1_agreement(tokenizer, ids, served, reference) -> float:

@@ -122,8 +122,7 @@ def test_a_fused_rms_norm_is_one_kernel_on_the_gpu():
 
 def test_gpu_prompt_logprobs_agree_with_transformers(kt_gpu, tokenizer, reference_model):
     ids = tokenizer.encode(tokenizer.decode(tokenizer.encode(TEXT)[:300], skip_special_tokens=True))
-    reply = kt_gpu.openai().completions.create(model=kt_gpu.engine.info.id, prompt=tokenizer.decode(
-        ids, skip_special_tokens=True), max_tokens=0, echo=True, logprobs=1)
+    reply = kt_gpu.openai().completions.create(model=kt_gpu.engine.info.id, prompt=ids, max_tokens=0, echo=True, logprobs=1)
     lp = reply.choices[0].logprobs
     reference = forward_logprobs(reference_model, ids)
     diffs = sorted(abs(lp.token_logprobs[i] - float(reference[i - 1, ids[i]])) for i in range(1, len(ids)))

@@ -93,8 +93,7 @@ def test_prompt_logprobs_with_streamed_experts_agree_with_transformers(streamed_
     before = streamer.stats.chunks
     ids = tokenizer.encode(tokenizer.decode(tokenizer.encode(TEXT)[:300], skip_special_tokens=True))
     reply = streamed_server.openai().completions.create(
-        model=streamed_server.engine.info.id, prompt=tokenizer.decode(ids, skip_special_tokens=True),
-        max_tokens=0, echo=True, logprobs=1)
+        model=streamed_server.engine.info.id, prompt=ids, max_tokens=0, echo=True, logprobs=1)
     lp = reply.choices[0].logprobs
     reference = forward_logprobs(reference_model, ids)
     diffs = sorted(abs(lp.token_logprobs[i] - float(reference[i - 1, ids[i]])) for i in range(1, len(ids)))

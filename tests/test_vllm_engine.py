@@ -81,9 +81,10 @@ def test_echo_logprobs_agree_with_transformers(server, reference):
     expected = forward_logprobs(model, ids)
     lp = reply.choices[0].logprobs
     assert reply.choices[0].text == PROMPT and reply.usage.completion_tokens == 0
-    assert len(lp.token_logprobs) == len(ids) and lp.token_logprobs[0] is None
+    # the BOS the server adds is not echoed: every echoed token is the client's text, scored given BOS
+    assert ids[0] == tokenizer.bos_token_id and len(lp.token_logprobs) == len(ids) - 1
     for i in range(1, len(ids)):
-        assert lp.token_logprobs[i] == pytest.approx(float(expected[i - 1, ids[i]]), abs=LOGPROB_TOLERANCE)
+        assert lp.token_logprobs[i - 1] == pytest.approx(float(expected[i - 1, ids[i]]), abs=LOGPROB_TOLERANCE)
 
 
 def test_sampled_logprobs_report_the_chosen_token_and_its_alternatives(server):
