@@ -330,6 +330,9 @@ class EngineStats:
     # (ktransformers engine with kt_gpu_prefill_tokens)
     streamed_expert_calls: int = 0
     streamed_expert_bytes: int = 0
+    # speculative decoding: draft tokens the model verified, and how many of them it kept
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass(slots=True)
