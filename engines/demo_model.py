@@ -126,26 +126,28 @@ def make_demo_model(out_dir: str | Path, seed: int = DEMO_SEED, mtp: str | None 
     return out
 
 
-def default_demo_model_dir() -> Path:
-    """Where the shared demo model lives: $KTSERVE_CACHE_DIR (or ~/.cache/ktserve) / demo-model-vN."""
+def default_demo_model_dir(mtp: str | None = None) -> Path:
+    """Where the shared demo model lives: $KTSERVE_CACHE_DIR (or ~/.cache/ktserve) / demo-model-vN, and the one
+    with an MTP layer of kind `mtp` beside it (demo-model-vN-mtp-<kind>)."""
     cache = os.environ.get("KTSERVE_CACHE_DIR") or Path.home() / ".cache" / "ktserve"
-    return Path(cache) / DEMO_MODEL_NAME
+    return Path(cache) / (DEMO_MODEL_NAME if mtp is None else f"{DEMO_MODEL_NAME}-mtp-{mtp}")
 
 
-def ensure_demo_model() -> Path:
-    """Return the default demo model directory, building it first if it does not exist yet.
+def ensure_demo_model(mtp: str | None = None) -> Path:
+    """Return the default demo model directory (with an MTP layer of kind `mtp`: `make_demo_model`), building it
+    first if it does not exist yet.
 
     The model is built in a temporary directory beside the final one and renamed into place, so a
     directory under the final name is always complete; when two processes race, the loser's copy is
     discarded and both return the winner's.
     """
-    final = default_demo_model_dir()
+    final = default_demo_model_dir(mtp)
     if final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        make_demo_model(tmp)
+        make_demo_model(tmp, mtp=mtp)
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared (a docker volume, CI)
         os.rename(tmp, final)
     except OSError:
