@@ -18,6 +18,8 @@ first, each bounded in work and in time, rewriting bench.json after each one and
     load      load time with the pre-quantized weight cache (kt_weight_cache), when the engine supports it
     hf        our huggingface engine, whole model on the GPU
     offload   transformers + accelerate offload (device_map="auto", GPU capped), the usual baseline
+    mtp       batch-1 decode with speculative decoding (`speculative: mtp`) against without, with a random MTP layer and
+              one copying the last layer (bench/mtp.py), AMXINT8 (--primary picks), each in an engine of its own
     attention FlashInfer against torch MLA attention (an AMXINT8 engine each): the TTFT of a 2,048-token prompt
               whose first 1,920 tokens are cached, and concurrent streaming clients at long contexts
               (bench/attention.py; `python -m bench.attention` runs it alone)
@@ -49,7 +51,7 @@ import torch  # noqa: E402
 from bench.report import Results, fig, summary_lines, write_plots  # noqa: E402
 from bench.shapes import SHAPES, Plan, Shape  # noqa: E402
 
-PHASES = ("baseline", "decode", "threads", "avx2", "ttft", "http", "load", "hf", "offload", "attention")
+PHASES = ("baseline", "decode", "threads", "avx2", "ttft", "http", "load", "hf", "offload", "mtp", "attention")
 # Packages a phase needs beyond torch/transformers; the GPU image lacks some (carried as wheels, see README).
 SERVING = ("openai", "uvicorn", "fastapi", "sse_starlette")
 NEEDS = {"http": SERVING, "attention": SERVING, "offload": ("accelerate",)}
@@ -211,7 +213,7 @@ class Bench:
         if "decode" in phases:
             steps += [f"decode:{m}" for m in methods if m != self.primary]
         # attention last: its two engines and long-context rounds take longest, and the baselines come first
-        return steps + [p for p in ("load", "hf", "offload", "attention") if p in phases]
+        return steps + [p for p in ("load", "hf", "offload", "mtp", "attention") if p in phases]
 
     def estimate(self, step: str) -> float:
         e = self.plan.estimates
@@ -438,6 +440,11 @@ class Bench:
 
             report(measure_backend(self, backend, rounds, deadline, report))
 
+    def step_mtp(self, deadline: float) -> None:
+        from bench.mtp import measure
+
+        self.results["mtp"] = measure(self, deadline)
+
     def step_load(self, deadline: float) -> None:
         from bench.engine_runs import EngineRun
 
@@ -512,7 +519,7 @@ class Bench:
         if phase == "decode" and self.methods.get(method):
             self.results.phase(step, "skipped", 0.0, expected, reason=self.methods[method])
             return
-        if phase in ("threads", "ttft", "http", "attention", "load") and self.methods.get(self.primary):
+        if phase in ("threads", "ttft", "http", "attention", "load", "mtp") and self.methods.get(self.primary):
             self.results.phase(step, "skipped", 0.0, expected, reason=self.methods[self.primary])
             return
         absent = missing(*NEEDS.get(phase, ()))
