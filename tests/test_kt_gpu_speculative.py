@@ -9,10 +9,16 @@ import pytest
 import torch
 
 from conftest import start_server
+from helpers import require_kt_kernel
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
+require_kt_kernel()
+
+from engines.kt.expert_methods import best_method  # noqa: E402
+
+INT8 = best_method(8)  # results independent of the step's other tokens (tests/test_kt_speculative.py)
 PROMPTS = ("Tell me about rivers.", "Write a haiku about the sea.", "1, 2, 3,")
 TOKENS = 32
 
@@ -35,7 +41,7 @@ def replies(server, at_once: bool = False) -> list[str]:
 def test_greedy_replies_with_drafting_equal_the_replies_without_it_on_the_gpu(graphs):
     from engines.demo_model import ensure_demo_model
 
-    settings = dict(engine="ktransformers", kt_method="BF16", kt_use_cuda_graph=graphs)
+    settings = dict(engine="ktransformers", kt_method=INT8, kt_use_cuda_graph=graphs)
     plain = start_server(ensure_demo_model(), **settings)
     try:
         expected = replies(plain)
