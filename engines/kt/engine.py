@@ -233,6 +233,8 @@ class KTEngine(LLMEngine):
             details["expert_pad_from"] = str(min(a for a, _ in padded))
         if runner.deferring:
             details["experts_deferred"] = str(max(layer.deferred for layer in runner.deferring))
+        if head is not None:
+            details["speculative"] = f"mtp (model.layers.{draft_layer})"
         for choice in choices.values():
             details.update(choice.describe())
         info = ModelInfo(id=model_id(cfg), max_model_len=max_len, architecture=arch, engine=self.name,

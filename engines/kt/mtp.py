@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engines.kt.attention import StepBatch
+from engines.kt.attention import MLAAttention, StepBatch
 from engines.kt.loader import tensor_names
 
 # the MTP layer's copies of the main model's embedding and LM head: the main model's own serve instead
@@ -71,8 +71,13 @@ class MTPHead(nn.Module):
     def take(cls, model: nn.Module, scope: Any) -> "MTPHead":
         """Remove the MTP layer `add_layer` appended (now loaded) from the model and wrap it."""
         layers = list(model.model.layers)
+        block = layers[-1]
+        if not isinstance(block.self_attn, MLAAttention):
+            raise ValueError(f"placement rules: the multi-token-prediction layer's attention, model.layers."
+                             f"{len(layers) - 1}.self_attn, must be replaced by engines.kt.operators.MLAAttention "
+                             f"like the other layers' (found {type(block.self_attn).__name__})")
         model.model.layers = nn.ModuleList(layers[:-1])
-        return cls(layers[-1], model.model.embed_tokens, model.lm_head, scope)
+        return cls(block, model.model.embed_tokens, model.lm_head, scope)
 
     def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """The layer's output x at the batch's positions, from the main model's final hidden states there (or a
