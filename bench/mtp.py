@@ -11,8 +11,8 @@ a folder of its own that links the checkpoint's shards and adds one shard for th
                 to compare is the acceptance rate beside the speed
 
 Each runs in its own KT engine (the primary method), decoding one greedy request after the same prompt as the
-decode phase, and reports tok/s, the acceptance rate and the time per step; `off` is the same engine without
-drafting. Run alone: python -m bench.run --only mtp [--no-cuda-graph]."""
+decode phase, and reports tok/s, the acceptance rate, the time per step and the speed that step time would give
+at a trained MTP layer's acceptance (TRAINED_ACCEPTANCE); `off` is the same engine without drafting. Run alone: python -m bench.run --only mtp [--no-cuda-graph]."""
 from __future__ import annotations
 
 import json
@@ -23,6 +23,8 @@ import torch
 
 from bench.report import fig
 
+# the acceptance trained MTP layers are reported to reach; the phase projects each drafting run's speed to it
+TRAINED_ACCEPTANCE = 0.9
 KINDS = {"random": "a random MTP layer: drafts nearly always rejected (what drafting costs when it does not help)",
          "last-layer": "the model's last layer copied: drafts accepted more often (the mechanism's ceiling here)"}
 
@@ -98,6 +100,12 @@ def measure(bench, deadline: float) -> dict:
             if kind != "off":
                 entry.update(draft_tokens=drafted, accepted_draft_tokens=accepted,
                              acceptance=fig(accepted / drafted if drafted else None, "fraction"))
+                step_ms = ((entry.get("step_breakdown") or {}).get("step") or {}).get("value")
+                if step_ms:  # a drafted step costs about the same whether its draft is kept or not
+                    entry["projected_decode_throughput"] = fig(
+                        (1 + TRAINED_ACCEPTANCE) / (step_ms / 1e3), "tok/s",
+                        note=f"1 + {TRAINED_ACCEPTANCE} tokens per step at this run's step time: the speed at a "
+                             "trained MTP layer's acceptance")
             section[kind] = {"load_time": fig(run.load_time, "s"), "decode": entry}
         finally:
             run.close()
@@ -116,7 +124,13 @@ def summary(data: dict) -> list[str]:
             continue
         rate = (d.get("decode_throughput") or {}).get("value")
         accepted = (d.get("acceptance") or {}).get("value")
-        lines.append(f"mtp {kind:<11} batch-1 decode {rate if rate is None else f'{rate:.2f}'} tok/s"
-                     + ("" if kind == "off" else f", acceptance {accepted if accepted is None else f'{accepted:.3f}'}"
-                        f" ({d.get('accepted_draft_tokens')} of {d.get('draft_tokens')} draft tokens)"))
+        projected = (d.get("projected_decode_throughput") or {}).get("value")
+        lines.append(f"mtp {kind:<11} batch-1 decode {_f(rate)} tok/s"
+                     + ("" if kind == "off" else f", acceptance {_f(accepted, '.3f')} ({d.get('accepted_draft_tokens')} "
+                        f"of {d.get('draft_tokens')} draft tokens); at {TRAINED_ACCEPTANCE} acceptance {_f(projected)} "
+                        "tok/s"))
     return lines
+
+
+def _f(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
