@@ -133,6 +133,9 @@ def summary_lines(data: dict) -> list[str]:
                          f"{ms['gap_mean']} ms = gpu {ms['gpu_mean']} + expert wait {ms['expert_wait_mean']} + other "
                          f"{ms['other_mean']}; {slow['with_gc']} during a garbage collection ({gc_['collections']} "
                          f"while decoding, longest {_fmt(_v(gc_, 'max'), '.1f')} ms)")
+    from bench.mtp import summary as mtp_summary
+
+    lines += mtp_summary(data)
     sweep = data.get("thread_sweep") or {}
     for threads, r in sorted(((k, v) for k, v in sweep.items() if k.isdigit()), key=lambda kv: int(kv[0])):
         d = r.get("decode") or {}

@@ -20,6 +20,8 @@ first, each bounded in work and in time, rewriting bench.json after each one and
     offload   transformers + accelerate offload (device_map="auto", GPU capped), the usual baseline
     peers     ik_llama.cpp and llama.cpp built, run on the same checkpoint as GGUF (Q8_0 / Q4_0) and set beside
               this run's decode, ttft and http figures (bench/peers.py; `python -m bench.peers` runs it with those)
+    mtp       batch-1 decode with speculative decoding (`speculative: mtp`) against without, with a random MTP layer and
+              one copying the last layer (bench/mtp.py), AMXINT8 (--primary picks), each in an engine of its own
     attention FlashInfer against torch MLA attention (an AMXINT8 engine each): the TTFT of a 2,048-token prompt
               whose first 1,920 tokens are cached, and concurrent streaming clients at long contexts
               (bench/attention.py; `python -m bench.attention` runs it alone)
@@ -51,7 +53,8 @@ import torch  # noqa: E402
 from bench.report import Results, fig, summary_lines, write_plots  # noqa: E402
 from bench.shapes import SHAPES, Plan, Shape  # noqa: E402
 
-PHASES = ("baseline", "decode", "threads", "avx2", "ttft", "http", "peers", "load", "hf", "offload", "attention")
+PHASES = ("baseline", "decode", "threads", "avx2", "ttft", "http", "peers", "load", "hf", "offload", "mtp",
+          "attention")
 # Packages a phase needs beyond torch/transformers; the GPU image lacks some (carried as wheels, see README).
 SERVING = ("openai", "uvicorn", "fastapi", "sse_starlette")
 NEEDS = {"http": SERVING, "attention": SERVING, "peers": SERVING, "offload": ("accelerate",)}
@@ -224,7 +227,7 @@ class Bench:
         # the peers after every decode: their table sets this run's figures of each method beside theirs
         steps += ["peers"] if "peers" in phases else []
         # attention last: its two engines and long-context rounds take longest, and the baselines come first
-        return steps + [p for p in ("load", "hf", "offload", "attention") if p in phases]
+        return steps + [p for p in ("load", "hf", "offload", "mtp", "attention") if p in phases]
 
     def estimate(self, step: str) -> float:
         e = self.plan.estimates
@@ -467,6 +470,11 @@ class Bench:
 
         save(run_peers(self, deadline, save))
 
+    def step_mtp(self, deadline: float) -> None:
+        from bench.mtp import measure
+
+        self.results["mtp"] = measure(self, deadline)
+
     def step_load(self, deadline: float) -> None:
         from bench.engine_runs import EngineRun
 
@@ -541,7 +549,7 @@ class Bench:
         if phase == "decode" and self.methods.get(method):
             self.results.phase(step, "skipped", 0.0, expected, reason=self.methods[method])
             return
-        if phase in ("threads", "ttft", "http", "attention", "load") and self.methods.get(self.primary):
+        if phase in ("threads", "ttft", "http", "attention", "load", "mtp") and self.methods.get(self.primary):
             self.results.phase(step, "skipped", 0.0, expected, reason=self.methods[self.primary])
             return
         absent = missing(*NEEDS.get(phase, ()))

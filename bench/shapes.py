@@ -145,14 +145,14 @@ _V2_LITE = Plan(
     offload_prompt=512, offload_tokens=8, offload_gpu_memory="6GiB", bandwidth_bytes=2 * GiB, budget=540,
     estimates={"build": 50, "imports": 10, "baseline": 10, "decode:AMXINT8": 55, "ttft": 45, "http": 60,
                "avx2": 70, "decode:AMXINT4": 60, "decode:BF16": 60, "attention": 260, "load": 40, "hf": 65,
-               "offload": 70, "peers": 200})
+               "offload": 70, "peers": 200, "mtp": 200})
 _V2_LITE_QUICK = replace(
     _V2_LITE, decode_tokens=32, ttft_prompts=(512, 2048), ttft_decode_tokens=16, http_levels=(1, 4, 16),
     http_tokens=16, attention_contexts=(512, 4096), attention_clients=16, attention_tokens=16, offload_prompt=128,
     offload_tokens=2, bandwidth_bytes=1 * GiB,
     estimates={"build": 90, "imports": 10, "baseline": 6, "decode:AMXINT8": 45, "ttft": 10, "http": 15,
                "decode:AMXINT4": 45, "decode:BF16": 45, "attention": 120, "load": 80, "hf": 70,
-               "offload": 75, "peers": 240})
+               "offload": 75, "peers": 240, "mtp": 170})
 _TINY = Plan(
     shard_bytes=16 * MiB, decode_prompt=128, decode_tokens=32, ttft_prompts=(64, 256, 1024), ttft_decode_tokens=16,
     http_levels=(1, 4, 16, 32), http_prompt=64, http_tokens=16, http_round_timeout=30,
@@ -160,14 +160,14 @@ _TINY = Plan(
     offload_tokens=8, offload_gpu_memory="64MiB", bandwidth_bytes=256 * MiB, budget=300,
     estimates={"build": 5, "imports": 10, "baseline": 3, "decode:AMXINT8": 8, "ttft": 10, "http": 15,
                "decode:AMXINT4": 20, "decode:BF16": 20, "attention": 45, "load": 15, "hf": 10, "offload": 10,
-               "peers": 120})
+               "peers": 120, "mtp": 30})
 _TINY_QUICK = replace(
     _TINY, decode_prompt=32, decode_tokens=8, ttft_prompts=(32, 128), ttft_decode_tokens=4, http_levels=(1, 4),
     http_prompt=32, http_tokens=8, attention_contexts=(128,), attention_clients=2, attention_tokens=4,
     offload_prompt=32, offload_tokens=4, bandwidth_bytes=64 * MiB, budget=120,
     estimates={"build": 4, "imports": 10, "baseline": 2, "decode:AMXINT8": 5, "ttft": 3, "http": 8,
                "decode:AMXINT4": 15, "decode:BF16": 15, "attention": 35, "load": 10, "hf": 6, "offload": 6,
-               "peers": 90})
+               "peers": 90, "mtp": 20})
 
 SHAPES = {
     "v2-lite": Shape("v2-lite", V2_LITE_CONFIG, _V2_LITE, _V2_LITE_QUICK),

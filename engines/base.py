@@ -336,6 +336,9 @@ class EngineStats:
     streamed_expert_bytes: int = 0
     # running requests whose KV was freed to make room when the cache filled (they recompute it later)
     preemptions: int = 0
+    # speculative decoding: draft tokens the model verified, and how many of them it kept
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -102,41 +102,52 @@ def demo_config(**overrides) -> dict:
     return config
 
 
-def make_demo_model(out_dir: str | Path, seed: int = DEMO_SEED, **overrides) -> Path:
+# What `make_demo_model(mtp=...)` writes as the multi-token-prediction layer (mtp_layer_tensors).
+MTP_KINDS = ("random", "last-layer")
+
+
+def make_demo_model(out_dir: str | Path, seed: int = DEMO_SEED, mtp: str | None = None, **overrides) -> Path:
     """Write the demo model into `out_dir` (created if missing) and return it; the same seed gives the same bytes.
-    `overrides` change config keys, e.g. `kv_lora_rank=512, qk_rope_head_dim=64` for the latent width vLLM's
-    CPU MLA kernel needs."""
+    `mtp` adds a multi-token-prediction layer (MTP_KINDS; `mtp_layer_tensors`). `overrides` change config keys,
+    e.g. `kv_lora_rank=512, qk_rope_head_dim=64` for the latent width vLLM's CPU MLA kernel needs."""
+    if mtp is not None and mtp not in MTP_KINDS:
+        raise ValueError(f"mtp: {mtp!r} is not one of {', '.join(MTP_KINDS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = demo_config(**overrides)
+    config = demo_config(**({"num_nextn_predict_layers": 1} if mtp else {}), **overrides)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json",
                 {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
-    _write_shards(out, _random_weights(config, seed))
+    weights = _random_weights(config, seed)
+    if mtp is not None:
+        weights.update(mtp_layer_tensors(config, weights, seed + 1, copy_last_layer=mtp == "last-layer"))
+    _write_shards(out, weights)
     _write_tokenizer(out)
     return out
 
 
-def default_demo_model_dir() -> Path:
-    """Where the shared demo model lives: $KTSERVE_CACHE_DIR (or ~/.cache/ktserve) / demo-model-vN."""
+def default_demo_model_dir(mtp: str | None = None) -> Path:
+    """Where the shared demo model lives: $KTSERVE_CACHE_DIR (or ~/.cache/ktserve) / demo-model-vN, and the one
+    with an MTP layer of kind `mtp` beside it (demo-model-vN-mtp-<kind>)."""
     cache = os.environ.get("KTSERVE_CACHE_DIR") or Path.home() / ".cache" / "ktserve"
-    return Path(cache) / DEMO_MODEL_NAME
+    return Path(cache) / (DEMO_MODEL_NAME if mtp is None else f"{DEMO_MODEL_NAME}-mtp-{mtp}")
 
 
-def ensure_demo_model() -> Path:
-    """Return the default demo model directory, building it first if it does not exist yet.
+def ensure_demo_model(mtp: str | None = None) -> Path:
+    """Return the default demo model directory (with an MTP layer of kind `mtp`: `make_demo_model`), building it
+    first if it does not exist yet.
 
     The model is built in a temporary directory beside the final one and renamed into place, so a
     directory under the final name is always complete; when two processes race, the loser's copy is
     discarded and both return the winner's.
     """
-    final = default_demo_model_dir()
+    final = default_demo_model_dir(mtp)
     if final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        make_demo_model(tmp)
+        make_demo_model(tmp, mtp=mtp)
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared (a docker volume, CI)
         os.rename(tmp, final)
     except OSError:
@@ -151,14 +162,7 @@ def _random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint under its real DeepSeek-V3 name, drawn in a fixed order from `seed`."""
     gen = torch.Generator().manual_seed(seed)
     hidden, vocab = config["hidden_size"], config["vocab_size"]
-
-    def normal(*shape: int, std: float) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
-
-    def linear(out_features: int, in_features: int, gain: float = 1.0) -> torch.Tensor:
-        # 1/sqrt(fan_in) keeps every projection's output at the scale of its input.
-        return normal(out_features, in_features, std=gain / math.sqrt(in_features))
-
+    normal, linear = _draws(gen)
     weights = {"model.embed_tokens.weight": normal(vocab, hidden, std=1.0)}
     for i in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{i}"
@@ -172,6 +176,43 @@ def _random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     weights["model.norm.weight"] = _ones(hidden)
     weights["lm_head.weight"] = normal(vocab, hidden, std=_LOGIT_STD / math.sqrt(hidden))
     return weights
+
+
+def _draws(gen: torch.Generator):
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
+
+    def linear(out_features: int, in_features: int, gain: float = 1.0) -> torch.Tensor:
+        # 1/sqrt(fan_in) keeps every projection's output at the scale of its input.
+        return normal(out_features, in_features, std=gain / math.sqrt(in_features))
+    return normal, linear
+
+
+def mtp_layer_tensors(config: dict, weights: dict[str, torch.Tensor], seed: int = DEMO_SEED + 1,
+                      copy_last_layer: bool = False) -> dict[str, torch.Tensor]:
+    """A multi-token-prediction layer as DeepSeek-V3 ships it, under `model.layers.<num_hidden_layers>.`: a decoder
+    layer, `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, and copies of the main model's embedding and LM head
+    (`weights`: the main model's tensors). The decoder layer and eh_proj are drawn from `seed`; with
+    `copy_last_layer` the decoder layer is a copy of the model's last one and eh_proj passes the embedding of the
+    next token through, so the draft follows the model's own path closely and is accepted far more often than a
+    random one (engines/kt/mtp.py says how the layer computes)."""
+    gen = torch.Generator().manual_seed(seed)
+    normal, linear = _draws(gen)
+    hidden, index = config["hidden_size"], config["num_hidden_layers"]
+    prefix, last = f"model.layers.{index}", f"model.layers.{index - 1}."
+    if copy_last_layer:
+        layer = {prefix + name[len(last) - 1:]: t.clone() for name, t in weights.items() if name.startswith(last)}
+        eh_proj = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1).to(torch.bfloat16)
+    else:
+        layer = {f"{prefix}.input_layernorm.weight": _ones(hidden),
+                 **_attention_weights(config, f"{prefix}.self_attn", linear),
+                 f"{prefix}.post_attention_layernorm.weight": _ones(hidden),
+                 **_moe_weights(config, f"{prefix}.mlp", linear, normal, gen)}
+        eh_proj = linear(hidden, 2 * hidden)
+    return {**layer, f"{prefix}.enorm.weight": _ones(hidden), f"{prefix}.hnorm.weight": _ones(hidden),
+            f"{prefix}.eh_proj.weight": eh_proj, f"{prefix}.shared_head.norm.weight": _ones(hidden),
+            f"{prefix}.embed_tokens.weight": weights["model.embed_tokens.weight"].clone(),
+            f"{prefix}.shared_head.head.weight": weights["lm_head.weight"].clone()}
 
 
 def _attention_weights(config: dict, prefix: str, linear) -> dict[str, torch.Tensor]:

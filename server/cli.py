@@ -113,7 +113,7 @@ def serve(args: argparse.Namespace) -> int:
 def make_demo_model(args: argparse.Namespace) -> int:
     from engines.demo_model import make_demo_model as make
 
-    path = make(args.dir, seed=args.seed)
+    path = make(args.dir, seed=args.seed, mtp=args.mtp)
     print(path)
     return 0
 
@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("make-demo-model", help="write the tiny random-weight DeepSeek-V3 demo model")
     demo.add_argument("dir")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--mtp", choices=("random", "last-layer"),
+                      help="add a multi-token-prediction layer (for --speculative mtp): random, or a copy of the last "
+                           "layer (drafts accepted more often)")
     try:
         from evaluation.cli import add_arguments as add_eval_arguments
     except ImportError:

@@ -8,7 +8,9 @@ The share of step time the KT engine spends waiting on its CPU experts is
 share likewise from `ktserve_engine_gpu_seconds_total`, and the rest of the step (Python, sampling, delivery)
 is step - gpu - expert_wait (of which step - forward is after the forward: sampling, detokenizing, delivery).
 The prefix cache's hit rate is
-`rate(ktserve_prefix_cache_hit_tokens_total[5m]) / rate(ktserve_prefix_cache_queried_tokens_total[5m])`."""
+`rate(ktserve_prefix_cache_hit_tokens_total[5m]) / rate(ktserve_prefix_cache_queried_tokens_total[5m])`, and with
+speculative decoding the draft's acceptance rate over a window
+`rate(ktserve_spec_decode_accepted_tokens_total[5m]) / rate(ktserve_spec_decode_draft_tokens_total[5m])`."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -126,5 +128,12 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("ktserve_streamed_expert_calls", "Layer expert calls of prompt chunks that computed "
                                   "experts on a GPU from streamed weights (kt_gpu_prefill_tokens)",
                                   value=s.streamed_expert_calls)
+        yield CounterMetricFamily("ktserve_spec_decode_draft_tokens", "Draft tokens the model verified "
+                                  "(speculative decoding)", value=s.draft_tokens)
+        yield CounterMetricFamily("ktserve_spec_decode_accepted_tokens", "Of those, the ones it kept",
+                                  value=s.accepted_draft_tokens)
+        if s.draft_tokens:
+            yield GaugeMetricFamily("ktserve_spec_decode_acceptance_ratio", "Share of draft tokens kept since start",
+                                    value=s.accepted_draft_tokens / s.draft_tokens)
         yield CounterMetricFamily("ktserve_streamed_expert_bytes", "Bytes of expert weights those calls copied to the "
                                   "GPU", value=s.streamed_expert_bytes)

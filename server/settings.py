@@ -128,6 +128,12 @@ class Settings(BaseModel):
     kv_cache_tokens: int | None = engine_setting(None, "KV cache capacity in tokens (ktransformers engine)", gt=0)
     prefix_cache: bool = engine_setting(True, "reuse the cached KV pages of a prompt prefix seen before; off: "
                                               "compute every prompt whole")
+    speculative: Literal["mtp"] | None = engine_setting(
+        None, "speculative decoding: mtp drafts with the checkpoint's multi-token-prediction layer (DeepSeek-V3, R1, "
+              "V3.1) and verifies the draft in the next step, output unchanged (ktransformers engine); default: off")
+    num_speculative_tokens: int = engine_setting(1, "draft tokens per decode step (speculative)", ge=1, le=8)
+    speculative_max_batch: int = engine_setting(4, "draft while at most this many sequences decode; larger steps "
+                                                   "decode without drafts (speculative)", ge=1)
     attention_backend: Literal["auto", "flashinfer", "torch"] = engine_setting(
         "auto", "MLA attention on CUDA: flashinfer, torch, or auto, which picks flashinfer where it runs")
     # vLLM engine (LLaMA-Factory's keys; engines/vllm/settings.py)

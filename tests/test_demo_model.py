@@ -135,7 +135,7 @@ def test_ensure_demo_model_keeps_the_winner_when_another_process_finishes_first(
     monkeypatch.setenv("KTSERVE_CACHE_DIR", str(tmp_path))
     winner = tmp_path / DEMO_MODEL_NAME
 
-    def build_while_another_process_wins(out_dir, seed=DEMO_SEED):
+    def build_while_another_process_wins(out_dir, seed=DEMO_SEED, mtp=None):
         (out_dir / "config.json").write_text("{}")
         winner.mkdir()
         (winner / "config.json").write_text('{"winner": true}')

@@ -168,7 +168,7 @@ def _reference_probs(logits: torch.Tensor, p) -> torch.Tensor:
 
 def _reference(logits: torch.Tensor, seq) -> tuple[int, float | None]:
     """One row's token, and its logprob if asked: the specification the batched sampler is checked against."""
-    from engines.runtime.sampler import _pick, _uniform
+    from engines.runtime.sampler import _pick, uniform
 
     p = seq.sampling
     logprobs = torch.log_softmax(logits, dim=-1) if p.logprobs is not None else None
@@ -177,7 +177,7 @@ def _reference(logits: torch.Tensor, seq) -> tuple[int, float | None]:
     if not p.greedy and p.temperature >= 1e-5:
         probs = _reference_probs(logits, p)
         if bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0:
-            token = _pick(probs.unsqueeze(0), _uniform(seq.generator).view(1))[0]
+            token = _pick(probs.unsqueeze(0), uniform(seq.generator).view(1))[0]
     if seq.logits_processor is not None:
         seq.logits_processor.accept(token)
     return token, None if logprobs is None else float(logprobs[token])

@@ -77,6 +77,11 @@ def test_a_negative_expert_padding_start_is_refused_naming_the_key():
     assert load_settings(None, env={}).kt_expert_pad_from is None  # the method's measured default
 
 
+def test_an_unknown_speculative_method_is_refused_naming_the_key():
+    with pytest.raises(SettingsError, match=r"speculative \(from environment\): .*'mtp'"):
+        load_settings(None, env={"KTSERVE_SPECULATIVE": "eagle"})
+
+
 def test_an_unknown_engine_lists_the_known_ones():
     with pytest.raises(SettingsError, match="huggingface"):
         load_settings(None, cli={"engine": "tensorrt"}, env={})
@@ -155,6 +160,8 @@ def test_every_setting_is_a_flag_named_after_it():
       "--kt-weight-cache", "/c", "--kv-cache-tokens", "4096", "--attention-backend", "torch"],
      {"kt_optimize_rule": "r.yaml", "cpu_infer": 4, "chunk_size": 64, "kt_method": "BF16", "kt_weight_cache": "/c",
       "kv_cache_tokens": 4096, "attention_backend": "torch"}),
+    (["--speculative", "mtp", "--num-speculative-tokens", "2", "--speculative-max-batch", "1"],
+     {"speculative": "mtp", "num_speculative_tokens": 2, "speculative_max_batch": 1}),
     (["--reasoning-parser", "deepseek_r1", "--cors-origin", "http://a", "--cors-origin", "http://b",
       "--log-format", "json", "--log-level", "debug"],
      {"reasoning_parser": "deepseek_r1", "cors_origins": ["http://a", "http://b"], "log_format": "json",

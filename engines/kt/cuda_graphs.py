@@ -24,7 +24,8 @@ CONTEXT_BUCKETS = (1024, 4096)
 class DecodeGraphs:
     def __init__(self, forward: Callable[..., torch.Tensor], *, device: torch.device, max_batch: int,
                  max_len: int, scratch_slot: int, cache: Any, attention: Any = None):
-        self.forward = forward  # (ids, positions, write_slots, read_slots, mask, paged) -> logits [B, vocab]
+        # (ids, positions, write_slots, read_slots, mask, paged) -> (logits [B, vocab], final hidden states [B, H])
+        self.forward = forward
         self.device = device
         self.cache = cache
         self.attention = attention  # engines.kt.flashinfer_mla.FlashInferMLA, or None: torch gathers
@@ -40,7 +41,7 @@ class DecodeGraphs:
         self.read = torch.full((b, c), scratch_slot, dtype=torch.long, device=device)
         self.mask = torch.zeros(b, c, dtype=torch.bool, device=device)
         self.mask[:, 0] = True  # a padded row must attend to something, or its softmax is NaN
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, Any]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor], Any]] = {}
         self.pool = None
 
     def capture(self) -> None:
@@ -60,7 +61,7 @@ class DecodeGraphs:
         pad = batch - len(lengths)
         paged.plan([1] * batch, lengths + [1] * pad, pages + [[self.scratch_block]] * pad, causal=False)
 
-    def _capture(self, batch: int, context: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, Any]:
+    def _capture(self, batch: int, context: int) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor], Any]:
         paged = None
         if self.attention is not None:
             paged = self.attention.for_graph(self.device, batch, self.max_pages)
@@ -83,13 +84,13 @@ class DecodeGraphs:
         return batch <= self.batch_sizes[-1] and (self.attention is not None or context <= self.context_sizes[-1])
 
     def run(self, ids: list[int], positions: list[int], write: list[int], lengths: list[int],
-            pages: list[list[int]]) -> torch.Tensor:
+            pages: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the smallest graph that fits sequences of `lengths` positions held in `pages`; logits of
-        the real rows, float32 on the graph's device."""
+        the real rows, float32 on the graph's device, and their final hidden states."""
         n = len(ids)
         batch = next(b for b in self.batch_sizes if b >= n)
         context = 1 if self.attention else next(c for c in self.context_sizes if c >= max(lengths))
-        graph, out, paged = self.graphs[(batch, context)]
+        graph, (out, hidden), paged = self.graphs[(batch, context)]
         if paged is not None:
             self._plan(paged, batch, lengths, pages)
         else:
@@ -103,4 +104,4 @@ class DecodeGraphs:
         graph.replay()
         # float32 on the GPU, in a tensor of its own (the next replay overwrites `out`): the sampler reduces
         # greedy rows there and copies the others to the host itself
-        return out[:n].to(torch.float32, copy=True)
+        return out[:n].to(torch.float32, copy=True), hidden[:n].clone()

@@ -26,12 +26,14 @@ from engines.kt.kv_cache import PAGE_TOKENS, LatentKVCache
 from engines.kt.mapped_experts import MAX_TOKENS as MAPPED_MAX_TOKENS
 from engines.kt.mapped_experts import triton_available
 from engines.kt.loader import load_checkpoint, missing_tensors
+from engines.kt import mtp
 from engines.kt.operators import OperatorOptions, fuse_rms_norms
 from engines.kt.options import KTOptions
-from engines.kt.runner import KTModelRunner, layer_devices, uses_cpu_experts
+from engines.kt.runner import KTModelRunner, device_scope, layer_devices, uses_cpu_experts
 from engines.model_files import context_length, eos_token_ids, load_tokenizer, model_id, resolve_dtype
 from engines.runtime.llm_engine import LLMEngine
 from engines.runtime.model_runner import ModelRunner
+from engines.runtime.speculative import SpeculativeOptions
 
 log = logging.getLogger("ktserve.engine.kt")
 
@@ -147,8 +149,11 @@ class KTEngine(LLMEngine):
             max_len = DEFAULT_MAX_MODEL_LEN
         rule_file = resolve_rule_file(kt.kt_optimize_rule, config)
         rules = load_rules(rule_file)
+        draft_layer, no_draft = self._draft_layer(model_path, config)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
+            if draft_layer is not None:
+                mtp.add_layer(model, config)  # placed and loaded as one more decoder layer, then taken out
         placement = plan_placement(model, rules, default_device="cpu",
                                    fold=_fold_devices(rules, rule_file, kt.kt_strict_placement))
         choices = _expert_methods(placement, kt.kt_method, rule_file, config)
@@ -163,25 +168,28 @@ class KTEngine(LLMEngine):
         apply_placement(model, placement, config, options)
         gpu = any(d.startswith("cuda") for d in placement.devices.values())
         dtype = resolve_dtype(cfg.dtype, torch.device("cuda" if gpu else "cpu"))
-        load_checkpoint(model, model_path, placement.device_of_param, dtype, config.num_hidden_layers,
+        load_checkpoint(model, model_path, placement.device_of_param, dtype, len(model.model.layers),
                         getattr(config, "n_routed_experts", None) or config.num_experts,
-                        weight_cache=self._weight_cache_dir(model_path))
+                        weight_cache=self._weight_cache_dir(model_path), skip=mtp.SHARED_COPIES)
         self._finish_model(model, config, placement)
         fused = fuse_rms_norms(model)
         if fused:
             log.info("%d RMSNorms on the GPU run as one fused kernel each", fused)
         model.eval()
+        head = mtp.MTPHead.take(model, device_scope) if draft_layer is not None else None
         devices = layer_devices(model)
         kv_tokens = self._kv_tokens(max_len)
         if kv_tokens < max_len:  # a request longer than the cache could never finish
             log.info("serving a context of %d tokens: the KV cache (kv_cache_tokens) holds no more", kv_tokens)
             max_len = kv_tokens
+        cache_devices = devices + ([head.device] if head is not None else [])  # the draft head's own KV layer
         # one page more than asked for: the runner's scratch page, which no request uses
-        cache = LatentKVCache(layer_devices=devices, num_tokens=kv_tokens + PAGE_TOKENS,
+        cache = LatentKVCache(layer_devices=cache_devices, num_tokens=kv_tokens + PAGE_TOKENS,
                               latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim, dtype=dtype,
                               prefix_cache=kt.prefix_cache)
-        flash = attention_for(kt.attention_backend, model.model.layers[0].self_attn, devices, cache)
-        runner = KTModelRunner(model, devices, cache, max_len, flash=flash)
+        flash = attention_for(kt.attention_backend, model.model.layers[0].self_attn, cache_devices, cache)
+        runner = KTModelRunner(model, devices, cache, max_len, flash=flash, draft_head=head,
+                               draft_unavailable=no_draft)
         cpu_experts, all_on_gpus = uses_cpu_experts(model), all(d.type == "cuda" for d in devices)
         if cpu_experts:
             self.torch_threads = _torch_threads(kt.cpu_infer, all_on_gpus)
@@ -191,7 +199,7 @@ class KTEngine(LLMEngine):
                 streamer.mapped.warm_up()
         if kt.kt_use_cuda_graph:
             if gpu:
-                runner.capture_decode_graphs(cfg.max_concurrent)
+                runner.capture_decode_graphs(self._graph_rows(head is not None))
             else:
                 log.info("kt_use_cuda_graph: no GPU in the placement; decode runs without CUDA graphs")
         _log_streamed_experts(options, options.gpu_prefill_tokens, cfg.chunk_size)
@@ -230,6 +238,8 @@ class KTEngine(LLMEngine):
             details["expert_pad_from"] = str(min(a for a, _ in padded))
         if runner.deferring:
             details["experts_deferred"] = str(max(layer.deferred for layer in runner.deferring))
+        if head is not None:
+            details["speculative"] = f"mtp (model.layers.{draft_layer})"
         for choice in choices.values():
             details.update(choice.describe())
         info = ModelInfo(id=model_id(cfg), max_model_len=max_len, architecture=arch, engine=self.name,
@@ -240,6 +250,25 @@ class KTEngine(LLMEngine):
     def stop(self) -> None:
         super().stop()
         self._isolation.restore()
+
+    def _draft_layer(self, model_path: Path, config: Any) -> tuple[int | None, str | None]:
+        """The MTP layer to draft with when speculative decoding asks for it, else None and, when it asked, why
+        there is none (the runtime logs it and serves without drafting)."""
+        if engine_options(SpeculativeOptions, self.config.settings).speculative != "mtp":
+            return None, None
+        index = mtp.mtp_layer_index(model_path, config)
+        if index is None:
+            return None, (f"{model_path.name} has no multi-token-prediction layer (model.layers."
+                          f"{config.num_hidden_layers}.eh_proj.weight is not in the checkpoint)")
+        return index, None
+
+    def _graph_rows(self, drafting: bool) -> int:
+        """The most rows a decode step feeds: one per sequence, and a drafted sequence's draft tokens."""
+        rows = self.config.max_concurrent
+        if drafting:
+            spec = engine_options(SpeculativeOptions, self.config.settings)
+            rows = max(rows, min(rows, spec.speculative_max_batch) * (1 + spec.num_speculative_tokens))
+        return rows
 
     def _kv_tokens(self, max_len: int) -> int:
         """KV capacity: as configured, else room for a few full-length requests within a fixed budget

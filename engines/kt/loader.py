@@ -39,6 +39,20 @@ def checkpoint_files(model_path: Path) -> list[Path]:
     return found
 
 
+def tensor_names(model_path: Path) -> set[str]:
+    """Every tensor name of the checkpoint, from its index or its shards' headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    index = Path(model_path) / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    names: set[str] = set()
+    for path in checkpoint_files(Path(model_path)):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            names.update(f.keys())
+    return names
+
+
 def iter_tensors(files: list[Path], progress: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
@@ -119,8 +133,10 @@ def float32_names(model: nn.Module) -> re.Pattern | None:
 
 
 def load_checkpoint(model: nn.Module, model_path: Path, device_of: Any, dtype: torch.dtype,
-                    num_layers: int, num_experts: int, weight_cache: Path | None = None) -> None:
-    """Stream every tensor to its place. `device_of(param_name)` gives the final device."""
+                    num_layers: int, num_experts: int, weight_cache: Path | None = None,
+                    skip: re.Pattern | None = None) -> None:
+    """Stream every tensor to its place. `device_of(param_name)` gives the final device. Layers from `num_layers`
+    on and tensors whose names `skip` matches are skipped."""
     from tqdm import tqdm
 
     files = checkpoint_files(model_path)
@@ -133,8 +149,8 @@ def load_checkpoint(model: nn.Module, model_path: Path, device_of: Any, dtype: t
     with tqdm(total=len(files), desc="loading shards", unit="shard", leave=False) as progress:
         for name, tensor in iter_tensors(files, progress):
             layer = _LAYER_KEY.match(name)
-            if layer and int(layer.group(1)) >= num_layers:
-                continue  # e.g. DeepSeek-V3's multi-token-prediction layer, which serving does not use
+            if layer and int(layer.group(1)) >= num_layers or skip is not None and skip.match(name):
+                continue  # e.g. DeepSeek-V3's multi-token-prediction layer when nothing drafts with it
             expert = _PER_EXPERT.match(name)
             if expert:
                 stager.add(expert.group(1), int(expert.group(2)), expert.group(3), tensor)

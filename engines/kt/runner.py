@@ -13,6 +13,7 @@ from torch import nn
 from engines.kt.kv_cache import BlockTable, LatentKVCache
 from engines.kt.attention import DecodeBatch, MLAAttention, Span, StepBatch
 from engines.kt import expert_deferral
+from engines.kt.drafting import DraftHead, Drafter
 from engines.kt.expert_deferral import ExpertDeferral
 from engines.kt.experts import RoutedExperts
 from engines.kt.operators import MoEWithCPUExperts
@@ -36,7 +37,8 @@ def graph_max_batch(max_batch: int, streams_from: int) -> int:
 
 class KTModelRunner(ModelRunner):
     def __init__(self, model: nn.Module, layer_devices: list[torch.device], cache: LatentKVCache,
-                 max_model_len: int, flash: Any = None):
+                 max_model_len: int, flash: Any = None, draft_head: DraftHead | None = None,
+                 draft_unavailable: str | None = None):
         self.model = model
         self.flash = flash  # engines.kt.flashinfer_mla.FlashInferMLA when FlashInfer attends; None: torch
         self.inner = model.model
@@ -63,7 +65,7 @@ class KTModelRunner(ModelRunner):
         # device, so whatever is launched on "the current device" (kt-kernel's stream callbacks included)
         # goes to the layer's own GPU.
         self.devices = set(layer_devices) | {self.embed_device, self.norm_device, self.head_device}
-        self._scope = _device_scope if len(self.devices) > 1 else (lambda device: contextlib.nullcontext())
+        self._scope = device_scope if len(self.devices) > 1 else (lambda device: contextlib.nullcontext())
         self.lora = LoraModules(model, model.config.hidden_size)
         # one cache slot no sequence owns: padded rows of a fixed-shape decode step write there
         self._scratch = BlockTable()
@@ -73,6 +75,10 @@ class KTModelRunner(ModelRunner):
         self._replayed = False  # the last decode step was a graph replay
         self.timer = StepTimer(self._experts, next(iter(self.devices)) if len(self.devices) == 1
                                else torch.device("cpu"))
+        # speculative decoding: the family's draft head, fed the final hidden states of every step
+        self.drafter = Drafter(draft_head, self) if draft_head is not None else None
+        self.drafts = self.drafter is not None
+        self.draft_unavailable = draft_unavailable
 
     def capture_decode_graphs(self, max_batch: int) -> None:
         """Capture the decode step in CUDA graphs (one GPU, no hot experts on it); see cuda_graphs.py.
@@ -149,6 +155,8 @@ class KTModelRunner(ModelRunner):
         return self.cache.in_flight(self._table(seq), seq.token_ids, root, leaders)
 
     def release(self, seq: Sequence) -> None:
+        if self.drafter is not None:
+            self.drafter.forget(seq)
         if seq.runner_state is not None:
             self.cache.release(seq.runner_state)  # type: ignore[arg-type]
             seq.runner_state = None
@@ -191,11 +199,17 @@ class KTModelRunner(ModelRunner):
         else:
             pieces = []
             for chunk in chunks:
-                table = self._table(chunk.seq)
-                self.cache.ensure(table, chunk.end)
-                pieces.append((table, chunk.seq.token_ids, chunk.start, chunk.end, chunk.seq.request.adapter))
+                table, end = self._table(chunk.seq), chunk.end + len(chunk.draft)
+                self.cache.ensure(table, end)
+                tokens = chunk.seq.token_ids + list(chunk.draft) if chunk.draft else chunk.seq.token_ids
+                pieces.append((table, tokens, chunk.start, end, chunk.seq.request.adapter))
             spans, hidden = self._forward(pieces)
             logits = self._logits(chunks, spans, hidden)
+            if self.drafter is not None:
+                normed = self._final_norm(hidden)
+                for chunk, span in zip(chunks, spans):
+                    self.drafter.keep(chunk.seq, span.start, normed[span.row:span.row + span.n])
+        # offered up to chunk.end: draft tokens' positions hold KV only once verification accepts them
         for chunk in chunks:  # their pages now hold the fed positions: full ones can serve later requests
             self.cache.offer(self._table(chunk.seq), chunk.seq.token_ids, chunk.end,
                              self._prefix_key(chunk.seq.request.adapter))
@@ -232,25 +246,34 @@ class KTModelRunner(ModelRunner):
         return spans, hidden
 
     def _decode(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
-        """Every sequence decodes one token: one fixed-shape step, replayed from a CUDA graph when one fits."""
-        ids, positions, write, lengths, pages = [], [], [], [], []
+        """Every sequence decodes one token: one fixed-shape step, replayed from a CUDA graph when one fits. A
+        drafted sequence's draft tokens are rows of their own, each attending up to its position (attention
+        writes every row's KV before it reads), so verifying a draft is a decode step of more rows."""
+        ids, positions, write, lengths, pages, first = [], [], [], [], [], []
         for chunk in chunks:
             table = self._table(chunk.seq)
-            self.cache.ensure(table, chunk.end)
-            ids.append(chunk.seq.token_ids[chunk.start])
-            positions.append(chunk.start)
-            write.append(self.cache.slot(table, chunk.start))
-            lengths.append(chunk.end)
-            pages.append(table.blocks[:self.cache.blocks_for(chunk.end)])
+            self.cache.ensure(table, chunk.end + len(chunk.draft))
+            first.append(len(ids))
+            for i, token in enumerate((chunk.seq.token_ids[chunk.start], *chunk.draft)):
+                position = chunk.start + i
+                ids.append(token)
+                positions.append(position)
+                write.append(self.cache.slot(table, position))
+                lengths.append(position + 1)
+                pages.append(table.blocks[:self.cache.blocks_for(position + 1)])
         if self.graphs is not None and self.graphs.fits(len(ids), max(lengths)):
-            logits = self.graphs.run(ids, positions, write, lengths, pages)
+            logits, hidden = self.graphs.run(ids, positions, write, lengths, pages)
             self._replayed = True
         else:
-            logits = self._decode_eager(ids, positions, write, lengths, pages)
-        return [logits[i:i + 1] for i in range(len(chunks))]
+            logits, hidden = self._decode_eager(ids, positions, write, lengths, pages)
+        rows = [slice(r, r + 1 + len(chunk.draft)) for r, chunk in zip(first, chunks)]
+        if self.drafter is not None:
+            for chunk, r in zip(chunks, rows):
+                self.drafter.keep(chunk.seq, chunk.start, hidden[r])
+        return [logits[r] for r in rows]
 
     def _decode_eager(self, ids: list[int], positions: list[int], write: list[int], lengths: list[int],
-                      pages: list[list[int]]) -> torch.Tensor:
+                      pages: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         n, device = len(ids), self.embed_device
         paged = None
         if self.flash is not None:  # FlashInfer reads the pages itself: no context to gather
@@ -260,13 +283,17 @@ class KTModelRunner(ModelRunner):
         else:
             read, mask = self.cache.context_slots(pages, lengths, n, max(lengths), self.scratch_slot)
         with self.lora.context.step(AdapterRows([(None, i, 1) for i in range(n)])):
-            return self._decode_forward(torch.tensor(ids, device=device), torch.tensor(positions, device=device),
-                                        torch.tensor(write, device=device), read.to(device), mask.to(device),
-                                        paged).float()
+            logits, hidden = self._decode_forward(torch.tensor(ids, device=device),
+                                                  torch.tensor(positions, device=device),
+                                                  torch.tensor(write, device=device), read.to(device), mask.to(device),
+                                                  paged)
+            return logits.float(), hidden
 
     def _decode_forward(self, ids: torch.Tensor, positions: torch.Tensor, write: torch.Tensor,
-                        read: torch.Tensor, mask: torch.Tensor, paged: dict | None = None) -> torch.Tensor:
-        """The decode step on fixed-shape tensors (capturable): logits [B, vocab] in the model's dtype.
+                        read: torch.Tensor, mask: torch.Tensor, paged: dict | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode step on fixed-shape tensors (capturable): logits [B, vocab] in the model's dtype, and the
+        final (normed) hidden states [B, hidden] a draft head takes in.
         `paged`: each device's planned FlashInfer wrapper, when FlashInfer attends (read and mask unused)."""
         def step_batch(device: torch.device) -> DecodeBatch:
             return DecodeBatch(positions=positions.to(device), write_slots=write.to(device),
@@ -283,7 +310,8 @@ class KTModelRunner(ModelRunner):
                 with self._scope(device):
                     hidden = hidden + layer.self_attn.decode(layer.input_layernorm(hidden), batch)
                     hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.model.lm_head(self._final_norm(hidden).to(self.head_device))
+        normed = self._final_norm(hidden)
+        return self.model.lm_head(normed.to(self.head_device)), normed
 
     def _final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's final norm, on its own device (a rule may put it apart from the last layer)."""
@@ -321,9 +349,10 @@ class KTModelRunner(ModelRunner):
             if chunk.all_logits:
                 wanted.append(torch.arange(span.row, span.row + span.n))
                 shape.append(span.n)
-            elif chunk.samples:
-                wanted.append(torch.tensor([span.row + span.n - 1]))
-                shape.append(1)
+            elif chunk.samples:  # the last position, and each draft token's
+                rows = 1 + len(chunk.draft)
+                wanted.append(torch.arange(span.row + span.n - rows, span.row + span.n))
+                shape.append(rows)
             else:
                 shape.append(0)
         out: list[torch.Tensor | None] = [None] * len(chunks)
@@ -339,12 +368,32 @@ class KTModelRunner(ModelRunner):
                 start += n
         return out
 
+    # ------------------------------------------------------------------------ drafting
+    def propose(self, seqs: list[Sequence], depths: list[int]) -> list[list[int]]:
+        if self.drafter is None:
+            return super().propose(seqs, depths)
+        return self.drafter.propose(seqs, depths)
+
+    def draft_batch(self, pieces: list[tuple[Sequence, int, int]]) -> StepBatch:
+        """The attention metadata of a draft head's step over (sequence, start, end) pieces (its pages taken)."""
+        tables = []
+        for seq, start, end in pieces:
+            table = self._table(seq)
+            self.cache.ensure(table, end)
+            tables.append((table, start, end, None))
+        return self.step_batch(tables)
+
+    def gpu_bytes(self) -> int:
+        head = getattr(self.drafter, "head", None)
+        extra = sum(p.numel() * p.element_size() for p in head.parameters() if p.is_cuda) if head is not None else 0
+        return super().gpu_bytes() + extra
+
     def close(self) -> None:
         self.model = None  # type: ignore[assignment]
         self.layers = []
 
 
-def _device_scope(device: torch.device):
+def device_scope(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 

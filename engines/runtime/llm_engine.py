@@ -23,7 +23,7 @@ import torch
 
 from engines.base import (
     Engine, EngineConfig, EngineStats, EngineUnavailableError, GenerationOutput, GenerationRequest, Grammar,
-    InvalidRequestError, ModelInfo, RequestHandle, UnsupportedError,
+    InvalidRequestError, ModelInfo, RequestHandle, UnsupportedError, engine_options,
 )
 from engines.model_files import parameter_count, weights_size
 from engines.runtime.detokenizer import IncrementalDetokenizer
@@ -32,6 +32,7 @@ from engines.runtime.model_runner import ModelRunner, ScheduledChunk
 from engines.runtime.sampler import Sampler
 from engines.runtime.scheduler import Scheduler
 from engines.runtime.sequence import Sequence
+from engines.runtime.speculative import SpeculativeOptions, Speculator
 from engines.runtime.structured import compiler_for
 
 log = logging.getLogger("ktserve.engine")
@@ -60,6 +61,7 @@ class LLMEngine(Engine):
         self._info: ModelInfo | None = None
         self._scheduler: Scheduler | None = None
         self._sampler: Sampler | None = None
+        self._speculator: Speculator | None = None  # drafting (speculative decoding), when asked for and possible
         self._sequences: dict[str, Sequence] = {}
         self._cancelled: set[str] = set()
         self._cancel_lock = threading.Lock()
@@ -89,6 +91,8 @@ class LLMEngine(Engine):
         self._sampler = Sampler(self._tokenizer, self._info.eos_token_ids)
         self._scheduler = Scheduler(self._runner, max_running=self.config.max_concurrent,
                                     max_queue=self.config.max_queue, chunk_size=self.config.chunk_size)
+        self._speculator = Speculator.create(self._runner, engine_options(SpeculativeOptions, self.config.settings),
+                                             self.name)
         self._start_adapters()
         self._embeddings = EmbeddingQueue(self._runner, self._command, token_budget=self.config.chunk_size)
         self._thread = threading.Thread(target=self._loop, name=f"{self.name}-generation", daemon=True)
@@ -126,6 +130,8 @@ class LLMEngine(Engine):
             s.times.expert = times.get("expert", 0.0)
             s.times.gpu = times.get("gpu", 0.0)
             s.streamed_expert_calls, s.streamed_expert_bytes = self._runner.streamed_experts()
+        if self._speculator is not None:
+            s.draft_tokens, s.accepted_draft_tokens = self._speculator.drafted, self._speculator.accepted
         return replace(s, times=replace(s.times))
 
     # ------------------------------------------------------------------------------ requests
@@ -256,16 +262,20 @@ class LLMEngine(Engine):
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
                 continue
+            if self._speculator is not None:
+                self._speculator.attach(chunks)
             started = time.perf_counter()
             with torch.inference_mode():
                 computed = self._execute(chunks)
             self._stats.times.forward += time.perf_counter() - started
             try:
                 sampling = [(chunk, rows) for chunk, rows in computed if self._advance(chunk, rows)]
-                tokens = self._sampler.sample_batch([rows[-1] for _, rows in sampling],
-                                                    [chunk.seq for chunk, _ in sampling])
-                for (chunk, _), (token, logprob) in zip(sampling, tokens):
-                    self._emit(chunk.seq, token, logprob)
+                for seq, picked in self._pick(sampling):
+                    for token, logprob in picked:
+                        if seq.id in self._sequences:  # not finished by the token before
+                            self._emit(seq, token, logprob)
+                if self._speculator is not None:
+                    self._speculator.propose([chunk.seq for chunk, _ in computed if chunk.seq.id in self._sequences])
             except Exception as exc:  # one bad step must not take the server down
                 log.exception("sampling failed; failing the %d requests of the step", len(computed))
                 for chunk, _ in computed:
@@ -308,6 +318,15 @@ class LLMEngine(Engine):
                   chunk.end, len(seq), type(exc).__name__, exc, exc_info=exc)
         if seq.id in self._sequences:
             self._finish(seq, "error", error=f"internal error in the model step: {exc}")
+
+    def _pick(self, sampling: list[tuple[ScheduledChunk, torch.Tensor]]) -> list[tuple[Sequence, list]]:
+        """The tokens (and logprob entries) each sampled sequence takes this step: one, or with drafting the
+        draft tokens verification kept and one more (engines/runtime/speculative.py)."""
+        assert self._sampler is not None
+        if self._speculator is not None:
+            return self._speculator.pick(self._sampler, sampling)
+        tokens = self._sampler.sample_batch([rows[-1] for _, rows in sampling], [chunk.seq for chunk, _ in sampling])
+        return [(chunk.seq, [token]) for (chunk, _), token in zip(sampling, tokens)]
 
     def _send_outbox(self) -> None:
         outputs = []

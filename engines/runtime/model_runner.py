@@ -20,6 +20,8 @@ class ScheduledChunk:
     start: int
     end: int
     all_logits: bool = False  # return logits for every fed position (prompt logprobs), not only the last
+    # proposed tokens fed after position end - 1 at positions end, end + 1, ... to be verified (speculative.py)
+    draft: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
@@ -37,12 +39,16 @@ class ModelRunner(ABC):
     max_model_len: int
     chunked_prefill: bool = True  # False: the scheduler feeds a whole prompt in one step
     lora: object | None = None  # engines.lora.install.LoraModules when the runner serves LoRA adapters
+    drafts: bool = False  # propose() works: the model has a draft head (speculative decoding)
+    draft_unavailable: str | None = None  # why not, when drafting was asked for (logged by the runtime)
 
     @abstractmethod
     def execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
         """Run one step. For each chunk, return float32 logits: shape [end - start, vocab] when `all_logits`,
         [1, vocab] (the last position) when it `samples`, else None; on the CPU or on the device that computed
-        them (the sampler takes either, and a mix). Advance nothing: the caller updates `seq.num_computed`.
+        them (the sampler takes either, and a mix). A chunk with a `draft` also feeds the draft tokens after its
+        last position and gets [1 + len(draft), vocab]: the last position's logits and each draft token's.
+        Advance nothing: the caller updates `seq.num_computed`.
 
         A step that raises may be run again, whole or in parts (the engine looks for the request that made
         it fail): running the same chunks again must give what a first run would, so whatever a failed run
@@ -52,6 +58,12 @@ class ModelRunner(ABC):
     def release(self, seq: Sequence) -> None:
         """Free whatever the sequence holds (KV cache). Idempotent. Also how a sequence is preempted: it is
         later admitted again with all its tokens and recomputes them."""
+
+    def propose(self, seqs: list[Sequence], depths: list[int]) -> list[list[int]]:
+        """After a step (for runners that `drafts`): take in what the step computed for each of `seqs` — its
+        positions below `seq.num_computed` now hold accepted tokens; positions past them held rejected draft
+        tokens — and propose up to `depths[i]` tokens to follow `seqs[i].token_ids` (0: none)."""
+        raise NotImplementedError(f"{type(self).__name__} has no draft head")
 
     def final_hidden_states(self, prompts: list[list[int]], adapter: str | None) -> list[torch.Tensor]:
         """Per prompt, [len(prompt), hidden] float32 on the CPU: the final (normed) hidden state at every

@@ -76,7 +76,7 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return _host(values, np.float32).to(device, non_blocking=True)
 
 
-def _changes_logits(seq: Sequence) -> bool:
+def changes_logits(seq: Sequence) -> bool:
     """Whether a rule of `_adjust` applies to the row this step."""
     p = seq.sampling
     return bool(p.logit_bias or seq.num_output_tokens < p.min_tokens or p.repetition_penalty != 1.0
@@ -219,7 +219,7 @@ def _run_end(ordered: torch.Tensor, top_p: torch.Tensor, whole: bool = False) ->
     return ordered.gather(1, (first_past - 1).unsqueeze(1))
 
 
-def _uniform(generator: torch.Generator | None) -> torch.Tensor:
+def uniform(generator: torch.Generator | None) -> torch.Tensor:
     """One draw in [0, 1) from `generator` (None: torch's global one), float64, on the CPU."""
     return torch.rand((), dtype=torch.float64, generator=generator)
 
@@ -236,6 +236,11 @@ def _pick(probs: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
         if index >= probs.shape[-1]:  # the draw rounded up to the total: the last index with any mass
             picked[row] = int(probs[row].nonzero()[-1])
     return picked
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token drawn from `probs` [V] (non-negative, positive sum; any device) with `generator`'s next uniform."""
+    return _pick(probs.unsqueeze(0), uniform(generator).unsqueeze(0))[0]
 
 
 class Sampler:
@@ -261,7 +266,7 @@ class Sampler:
         params = [seq.sampling for seq in seqs]
         asked = [r for r, p in enumerate(params) if p.logprobs is not None]
         logprobs = torch.log_softmax(logits if len(asked) == len(rows) else logits[asked], dim=-1) if asked else None
-        if any(_changes_logits(seq) for seq in seqs):
+        if any(changes_logits(seq) for seq in seqs):
             logits = logits if len(rows) > 1 else logits.clone()  # changed in place: never the caller's row
             _adjust(logits, seqs, self._eos)
         tokens = logits.argmax(dim=-1).tolist()  # greedy rows' tokens; what sampled rows fall back to
@@ -273,7 +278,7 @@ class Sampler:
             usable = (torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()
             kept = [n for n, ok in enumerate(usable) if ok]
             if kept:  # drawn in row order: unseeded rows share torch's global generator
-                uniforms = torch.stack([_uniform(seqs[drawn[n]].generator) for n in kept])
+                uniforms = torch.stack([uniform(seqs[drawn[n]].generator) for n in kept])
                 for n, token in zip(kept, _pick(probs[kept] if len(kept) < len(drawn) else probs, uniforms)):
                     tokens[drawn[n]] = token
         for seq, token in zip(seqs, tokens):
@@ -285,6 +290,17 @@ class Sampler:
                                                      [params[r].logprobs or 0 for r in asked])):
                 entries[r] = entry
         return list(zip(tokens, entries))
+
+    def distributions(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """The probabilities rows of `logits` [n, V] (one request's, needing no adjustment) are sampled from."""
+        return _distributions(logits, [params] * logits.shape[0])
+
+    def logprob_entries(self, logits: torch.Tensor, tokens: list[int], top: int | None) -> list[TokenLogprob | None]:
+        """The logprob entry of `tokens[i]` in row i of `logits`, with the row's `top` best; None each when the
+        request asks for no logprobs (`top` None)."""
+        if top is None:
+            return [None] * len(tokens)
+        return self._entries(torch.log_softmax(logits, dim=-1), tokens, [top] * len(tokens))
 
     def sample(self, logits: torch.Tensor, seq: Sequence) -> tuple[int, TokenLogprob | None]:
         """The next token from one float32 logits row (not modified)."""

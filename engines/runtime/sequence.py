@@ -37,6 +37,7 @@ class Sequence:
     # runner-private state (KV block table, HF cache object, ...), keyed by the runner
     runner_state: object | None = None
     logits_processor: Any = None  # the compiled SamplingParams.grammar (engines/runtime/structured.py)
+    draft: tuple[int, ...] = ()  # tokens the draft head proposed to follow token_ids (speculative.py)
 
     @classmethod
     def create(cls, request: GenerationRequest, handle: RequestHandle, detokenizer: IncrementalDetokenizer,

@@ -1,0 +1,136 @@
+"""The `mtp` phase of bench.run: batch-1 decode with and without speculative decoding (`speculative: mtp`).
+
+The benchmark checkpoint has no multi-token-prediction layer, so the phase writes one beside it, twice, each in
+a folder of its own that links the checkpoint's shards and adds one shard for the layer (`mtp_variant`):
+
+    random      a random MTP layer, as a V3 checkpoint's would be shaped: its drafts are nearly always rejected,
+                so this is what drafting costs when it does not help
+    last-layer  the model's last decoder layer copied, and eh_proj passing the next token's embedding through
+                (engines/demo_model.py: mtp_layer_tensors): the mechanism with drafts the model accepts more
+                often; with random weights that is still far from a trained MTP layer's 80-90%, so the figure
+                to compare is the acceptance rate beside the speed
+
+Each runs in its own KT engine (the primary method), decoding one greedy request after the same prompt as the
+decode phase, and reports tok/s, the acceptance rate, the time per step and the speed that step time would give
+at a trained MTP layer's acceptance (TRAINED_ACCEPTANCE); `off` is the same engine without drafting. Run alone: python -m bench.run --only mtp [--no-cuda-graph]."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from bench.report import fig
+
+# the acceptance trained MTP layers are reported to reach; the phase projects each drafting run's speed to it
+TRAINED_ACCEPTANCE = 0.9
+KINDS = {"random": "a random MTP layer: drafts nearly always rejected (what drafting costs when it does not help)",
+         "last-layer": "the model's last layer copied: drafts accepted more often (the mechanism's ceiling here)"}
+
+
+def mtp_variant(model_dir: Path, config: dict, kind: str) -> Path:
+    """`model_dir` with an MTP layer of `kind`: a sibling folder of links to its files, its index and config
+    extended by the layer's shard (written once per kind)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from bench.checkpoint import tensor_specs
+    from engines.demo_model import mtp_layer_tensors
+    from engines.kt.loader import checkpoint_files
+
+    out = model_dir.with_name(f"{model_dir.name}-mtp-{kind}")
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    if (out / "model.safetensors.index.json").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for path in model_dir.iterdir():
+        if path.name not in ("config.json", "model.safetensors.index.json") and not (out / path.name).exists():
+            (out / path.name).symlink_to(path.resolve())
+    last = f"model.layers.{config['num_hidden_layers'] - 1}."
+    wanted = {name for name in index["weight_map"] if name.startswith(last)}
+    wanted |= {"model.embed_tokens.weight", "lm_head.weight"}
+    weights: dict[str, torch.Tensor] = {}
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            weights.update({name: f.get_tensor(name) for name in f.keys() if name in wanted})
+    layer = mtp_layer_tensors(config, weights, copy_last_layer=True)
+    if kind == "random":  # drawn afresh at the checkpoint's own scales (bench/checkpoint.py)
+        n, hidden = config["num_hidden_layers"], config["hidden_size"]
+        gen = torch.Generator().manual_seed(n)
+        for name, shape, init, std in tensor_specs({**config, "num_hidden_layers": n + 1}):
+            if name.startswith(f"model.layers.{n}.") and init == "normal":
+                layer[name] = (torch.randn(shape, generator=gen) * std).to(torch.bfloat16)
+        layer[f"model.layers.{n}.eh_proj.weight"] = (torch.randn(hidden, 2 * hidden, generator=gen)
+                                                    / (2 * hidden) ** 0.5).to(torch.bfloat16)
+    # the copies of the embedding and LM head serving never reads (engines/kt/mtp.py): left out to save disk
+    layer = {name: t.contiguous() for name, t in layer.items() if not name.endswith(("embed_tokens.weight",
+                                                                                      "shared_head.head.weight"))}
+    save_file(layer, str(out / "model-mtp.safetensors"), metadata={"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(layer, "model-mtp.safetensors"))
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    (out / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}, indent=2))
+    return out
+
+
+def measure(bench, deadline: float) -> dict:
+    """The `mtp` phase: off, then each kind; bench is the running bench.run.Bench."""
+    from dataclasses import replace
+
+    from bench.engine_runs import EngineRun
+
+    bench.close_engines()
+    p, method = bench.plan, bench.primary
+    section: dict = {"method": method, "prompt_tokens": p.decode_prompt, "tokens": p.decode_tokens,
+                     "cuda_graphs": bench.cuda_graph, "kinds": KINDS}
+    for kind in ("off", *KINDS):
+        if time.perf_counter() > deadline:
+            section[kind] = {"skipped": "phase deadline reached"}
+            continue
+        model_dir = bench.model_dir if kind == "off" else mtp_variant(bench.model_dir, bench.shape.config, kind)
+        config = bench.kt_config(method, **({} if kind == "off" else {"speculative": "mtp"}))
+        run = EngineRun("ktransformers", replace(config, model_path=str(model_dir)), bench.log_path, label=kind)
+        try:
+            run.warm_up(bench.vocab)
+            before = run.engine.stats()
+            entry = run.decode(p.decode_prompt, p.decode_tokens, bench.vocab, deadline, None)
+            after = run.engine.stats()
+            drafted = after.draft_tokens - before.draft_tokens
+            accepted = after.accepted_draft_tokens - before.accepted_draft_tokens
+            if kind != "off":
+                entry.update(draft_tokens=drafted, accepted_draft_tokens=accepted,
+                             acceptance=fig(accepted / drafted if drafted else None, "fraction"))
+                step_ms = ((entry.get("step_breakdown") or {}).get("step") or {}).get("value")
+                if step_ms:  # a drafted step costs about the same whether its draft is kept or not
+                    entry["projected_decode_throughput"] = fig(
+                        (1 + TRAINED_ACCEPTANCE) / (step_ms / 1e3), "tok/s",
+                        note=f"1 + {TRAINED_ACCEPTANCE} tokens per step at this run's step time: the speed at a "
+                             "trained MTP layer's acceptance")
+            section[kind] = {"load_time": fig(run.load_time, "s"), "decode": entry}
+        finally:
+            run.close()
+        bench.results["mtp"] = section
+        bench.results.save()
+    return section
+
+
+def summary(data: dict) -> list[str]:
+    """One line per run of the phase, for bench.report's table."""
+    section = data.get("mtp") or {}
+    lines = []
+    for kind in ("off", *KINDS):
+        d = (section.get(kind) or {}).get("decode") or {}
+        if not d:
+            continue
+        rate = (d.get("decode_throughput") or {}).get("value")
+        accepted = (d.get("acceptance") or {}).get("value")
+        projected = (d.get("projected_decode_throughput") or {}).get("value")
+        lines.append(f"mtp {kind:<11} batch-1 decode {_f(rate)} tok/s"
+                     + ("" if kind == "off" else f", acceptance {_f(accepted, '.3f')} ({d.get('accepted_draft_tokens')} "
+                        f"of {d.get('draft_tokens')} draft tokens); at {TRAINED_ACCEPTANCE} acceptance {_f(projected)} "
+                        "tok/s"))
+    return lines
+
+
+def _f(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
