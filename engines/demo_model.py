@@ -102,17 +102,31 @@ def demo_config(**overrides) -> dict:
     return config
 
 
-def make_demo_model(out_dir: str | Path, seed: int = DEMO_SEED, **overrides) -> Path:
+FORMATS = ("bf16", "fp8")
+# DeepSeek's FP8 releases (V3, R1, V3.1) as config.json declares them
+FP8_QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                    "weight_block_size": [128, 128]}
+
+
+def make_demo_model(out_dir: str | Path, seed: int = DEMO_SEED, fmt: str = "bf16", **overrides) -> Path:
     """Write the demo model into `out_dir` (created if missing) and return it; the same seed gives the same bytes.
     `overrides` change config keys, e.g. `kv_lora_rank=512, qk_rope_head_dim=64` for the latent width vLLM's
-    CPU MLA kernel needs."""
+    CPU MLA kernel needs. `fmt="fp8"` writes it as DeepSeek ships its FP8 releases: every projection in
+    float8_e4m3fn with a float32 `weight_scale_inv` per 128x128 block, config.json's `quantization_config`,
+    and one multi-token-prediction layer `model.layers.<num_hidden_layers>` that serving skips."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = demo_config(**overrides)
+    weights = _random_weights(config, seed)
+    if fmt == "fp8":
+        config.update(num_nextn_predict_layers=1, quantization_config=FP8_QUANTIZATION)
+        weights = fp8_release(weights, config, seed)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json",
                 {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
-    _write_shards(out, _random_weights(config, seed))
+    _write_shards(out, weights)
     _write_tokenizer(out)
     return out
 
@@ -172,6 +186,31 @@ def _random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     weights["model.norm.weight"] = _ones(hidden)
     weights["lm_head.weight"] = normal(vocab, hidden, std=_LOGIT_STD / math.sqrt(hidden))
     return weights
+
+
+def fp8_release(weights: dict[str, torch.Tensor], config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """`weights` in the layout of DeepSeek's FP8 releases: each projection's `.weight` as FP8 blocks plus its
+    `.weight_scale_inv`, an MTP layer appended (a decoder layer with `enorm`, `hnorm`, `eh_proj` and a
+    `shared_head`, as V3 has it); embeddings, norms and the router stay as they were."""
+    from engines.checkpoints.fp8 import quantize_blocks
+
+    layers = config["num_hidden_layers"]
+    mtp = {k.replace("model.layers.1.", f"model.layers.{layers}.", 1): v for k, v in
+           _random_weights({**config, "num_hidden_layers": 2}, seed + 1).items() if k.startswith("model.layers.1.")}
+    hidden, prefix = config["hidden_size"], f"model.layers.{layers}"
+    mtp.update({f"{prefix}.enorm.weight": _ones(hidden), f"{prefix}.hnorm.weight": _ones(hidden),
+                f"{prefix}.eh_proj.weight": (torch.randn(hidden, 2 * hidden, generator=torch.Generator().manual_seed(seed))
+                                             / hidden).to(torch.bfloat16),
+                f"{prefix}.shared_head.norm.weight": _ones(hidden),
+                f"{prefix}.shared_head.head.weight": weights["lm_head.weight"],
+                f"{prefix}.embed_tokens.weight": weights["model.embed_tokens.weight"]})
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in {**weights, **mtp}.items():
+        if name.endswith("_proj.weight") or name.endswith("_proj_with_mqa.weight"):
+            out[name], out[name + "_scale_inv"] = quantize_blocks(tensor)
+        else:
+            out[name] = tensor
+    return out
 
 
 def _attention_weights(config: dict, prefix: str, linear) -> dict[str, torch.Tensor]:

@@ -113,7 +113,7 @@ def serve(args: argparse.Namespace) -> int:
 def make_demo_model(args: argparse.Namespace) -> int:
     from engines.demo_model import make_demo_model as make
 
-    path = make(args.dir, seed=args.seed)
+    path = make(args.dir, seed=args.seed, fmt=args.format)
     print(path)
     return 0
 
@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("make-demo-model", help="write the tiny random-weight DeepSeek-V3 demo model")
     demo.add_argument("dir")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--format", choices=("bf16", "fp8"), default="bf16",
+                      help="fp8: as DeepSeek ships its FP8 releases (128x128 blocks, weight_scale_inv, an MTP layer)")
     try:
         from evaluation.cli import add_arguments as add_eval_arguments
     except ImportError:
