@@ -165,26 +165,34 @@ def _random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint under its real DeepSeek-V3 name, drawn in a fixed order from `seed`."""
     gen = torch.Generator().manual_seed(seed)
     hidden, vocab = config["hidden_size"], config["vocab_size"]
+    normal, linear = _draws(gen)
+    weights = {"model.embed_tokens.weight": normal(vocab, hidden, std=1.0)}
+    for i in range(config["num_hidden_layers"]):
+        weights.update(_layer_weights(config, i, normal, linear, gen))
+    weights["model.norm.weight"] = _ones(hidden)
+    weights["lm_head.weight"] = normal(vocab, hidden, std=_LOGIT_STD / math.sqrt(hidden))
+    return weights
 
+
+def _draws(gen: torch.Generator):
     def normal(*shape: int, std: float) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
 
     def linear(out_features: int, in_features: int, gain: float = 1.0) -> torch.Tensor:
         # 1/sqrt(fan_in) keeps every projection's output at the scale of its input.
         return normal(out_features, in_features, std=gain / math.sqrt(in_features))
+    return normal, linear
 
-    weights = {"model.embed_tokens.weight": normal(vocab, hidden, std=1.0)}
-    for i in range(config["num_hidden_layers"]):
-        prefix = f"model.layers.{i}"
-        weights[f"{prefix}.input_layernorm.weight"] = _ones(hidden)
-        weights.update(_attention_weights(config, f"{prefix}.self_attn", linear))
-        weights[f"{prefix}.post_attention_layernorm.weight"] = _ones(hidden)
-        if i < config["first_k_dense_replace"]:
-            weights.update(_mlp_weights(f"{prefix}.mlp", hidden, config["intermediate_size"], linear))
-        else:
-            weights.update(_moe_weights(config, f"{prefix}.mlp", linear, normal, gen))
-    weights["model.norm.weight"] = _ones(hidden)
-    weights["lm_head.weight"] = normal(vocab, hidden, std=_LOGIT_STD / math.sqrt(hidden))
+
+def _layer_weights(config: dict, i: int, normal, linear, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    hidden, prefix = config["hidden_size"], f"model.layers.{i}"
+    weights = {f"{prefix}.input_layernorm.weight": _ones(hidden)}
+    weights.update(_attention_weights(config, f"{prefix}.self_attn", linear))
+    weights[f"{prefix}.post_attention_layernorm.weight"] = _ones(hidden)
+    if i < config["first_k_dense_replace"]:
+        weights.update(_mlp_weights(f"{prefix}.mlp", hidden, config["intermediate_size"], linear))
+    else:
+        weights.update(_moe_weights(config, f"{prefix}.mlp", linear, normal, gen))
     return weights
 
 
@@ -194,16 +202,16 @@ def fp8_release(weights: dict[str, torch.Tensor], config: dict, seed: int) -> di
     `shared_head`, as V3 has it); embeddings, norms and the router stay as they were."""
     from engines.checkpoints.fp8 import quantize_blocks
 
-    layers = config["num_hidden_layers"]
-    mtp = {k.replace("model.layers.1.", f"model.layers.{layers}.", 1): v for k, v in
-           _random_weights({**config, "num_hidden_layers": 2}, seed + 1).items() if k.startswith("model.layers.1.")}
-    hidden, prefix = config["hidden_size"], f"model.layers.{layers}"
+    gen = torch.Generator().manual_seed(seed + 1)
+    normal, linear = _draws(gen)
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    prefix = f"model.layers.{layers}"
+    mtp = _layer_weights(config, layers, normal, linear, gen)
     mtp.update({f"{prefix}.enorm.weight": _ones(hidden), f"{prefix}.hnorm.weight": _ones(hidden),
-                f"{prefix}.eh_proj.weight": (torch.randn(hidden, 2 * hidden, generator=torch.Generator().manual_seed(seed))
-                                             / hidden).to(torch.bfloat16),
+                f"{prefix}.eh_proj.weight": linear(hidden, 2 * hidden),
                 f"{prefix}.shared_head.norm.weight": _ones(hidden),
-                f"{prefix}.shared_head.head.weight": weights["lm_head.weight"],
-                f"{prefix}.embed_tokens.weight": weights["model.embed_tokens.weight"]})
+                f"{prefix}.shared_head.head.weight": weights["lm_head.weight"].clone(),
+                f"{prefix}.embed_tokens.weight": weights["model.embed_tokens.weight"].clone()})
     out: dict[str, torch.Tensor] = {}
     for name, tensor in {**weights, **mtp}.items():
         if name.endswith("_proj.weight") or name.endswith("_proj_with_mqa.weight"):

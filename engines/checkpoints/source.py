@@ -177,8 +177,7 @@ class SafetensorsSource:
         self.files = checkpoint_files(self.path)
         self.num_layers = num_layers
         self.experts_form = "fp8_blocks" if self.block else "bf16"
-        self.format = ("safetensors, FP8 e4m3 in {}x{} blocks".format(*self.block) if self.block
-                       else f"safetensors, {dtype_name(_dtype_of(config.get('torch_dtype')))}")
+        self.format, self.stored_as = describe(config, self.block)
 
     def _tensors(self, progress: Any = None, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
@@ -225,6 +224,12 @@ class SafetensorsSource:
             raise ValueError(f"model: {len(waiting) + len(scales)} FP8 weights or block scales of {self.path} lack "
                              f"their pair, e.g. {lone[0]} (every FP8 '<name>.weight' needs '<name>.weight_scale_inv')")
 
+    def state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Every tensor under its checkpoint name, FP8 weights dequantized to `dtype`: for loaders that take a whole
+        state dict (the huggingface engine); the whole model in memory at once."""
+        return {name: tensor if scale is None else StoredTensor(name, tensor, scale, self.block).load("cpu", dtype)
+                for name, tensor, scale in self._paired(self._tensors())}
+
     def items(self, num_experts: int, progress: Any = None) -> Iterator[StoredTensor | StoredExperts]:
         staged: dict[str, dict[str, dict[int, tuple]]] = defaultdict(lambda: defaultdict(dict))
         for name, tensor, scale in self._paired(self._tensors(progress)):
@@ -267,8 +272,14 @@ class SafetensorsSource:
         return StoredExperts(prefix, weights[0], weights[1], weights[2], scales, self.block or DEFAULT_BLOCK)
 
 
-def _dtype_of(name: Any) -> torch.dtype:
-    return getattr(torch, str(name), torch.bfloat16) if name else torch.bfloat16
+def describe(config: dict, block: tuple[int, int] | None) -> tuple[str, str]:
+    """A safetensors checkpoint's format ("safetensors, FP8 e4m3 in 128x128 blocks") and what its projections are
+    stored as (FP8, bf16, ...), from its config.json and `quantization_block`."""
+    if block:
+        return "safetensors, FP8 e4m3 in {}x{} blocks".format(*block), "FP8"
+    name = config.get("torch_dtype") or config.get("dtype")
+    stored = dtype_name(getattr(torch, str(name), torch.bfloat16) if name else torch.bfloat16)
+    return f"safetensors, {stored}", stored
 
 
 PARTS = (("experts", re.compile(r"\.mlp\.experts\.")), ("norms", re.compile(r"norm\.weight$")),
@@ -299,6 +310,6 @@ class StorageNotes:
     def report(self, checkpoint_format: str) -> Any:
         from engines.base import CheckpointStorage
 
-        order = [part for part, _ in PARTS] + ["other"]
+        order = ("experts", "attention", "mlp", "router", "embeddings", "norms", "other")
         parts = tuple((p, " / ".join(sorted(self._notes[p]))) for p in order if self._notes.get(p))
         return CheckpointStorage(checkpoint_format, parts)
