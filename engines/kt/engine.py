@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from engines.base import EngineConfig, ModelInfo, engine_options
+from engines.checkpoints.source import SafetensorsSource
 from engines.kt.cpuinfer import WorkerIsolation
 from engines.kt.expert_streaming import copy_bits, expert_copy_bytes, experts_within
-from engines.checkpoints.source import SafetensorsSource
 from engines.kt.expert_methods import METHODS, default_method, normalize_method, unavailable_reason
 from engines.kt.experts_cpu import RoutedExpertsCPU
 from engines.kt.flashinfer_mla import attention_for
