@@ -170,3 +170,12 @@ def test_a_quantization_method_ktserve_does_not_read_is_named(fp8_dir, tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"quant_method 'awq'.*does not read"):
         SafetensorsSource(tmp_path)
+
+
+def test_a_deepseek_v3_architecture_under_its_own_model_type_loads_as_deepseek_v3(fp8_dir, tmp_path):
+    from engines.kt.engine import architecture_config
+
+    config = json.loads((fp8_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2", "n_routed_experts": 384}))
+    loaded, arch = architecture_config(tmp_path)
+    assert (type(loaded).__name__, arch, loaded.n_routed_experts) == ("DeepseekV3Config", "DeepseekV3ForCausalLM", 384)

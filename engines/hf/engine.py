@@ -99,7 +99,7 @@ class HFEngine(LLMEngine):
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
         started = time.perf_counter()
-        tokenizer = load_tokenizer(cfg.model_path, cfg.template)
+        tokenizer = load_tokenizer(cfg.model_path, cfg.template, cfg.trust_remote_code)
         storage, weights = checkpoint_storage(Path(cfg.model_path), dtype)
         if weights:  # the checkpoint's weights as a state dict: the model class is read off the config
             from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING

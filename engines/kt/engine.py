@@ -9,6 +9,7 @@ machine has is folded onto the GPUs there are (else the CPU) with one warning, u
 CPU runs (engines/kt/expert_methods.py), logged once and reported in the model info."""
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -37,12 +38,27 @@ from engines.runtime.model_runner import ModelRunner
 log = logging.getLogger("ktserve.engine.kt")
 
 RULES_DIR = Path(__file__).resolve().parents[2] / "kt_optimize_rules"
-SUPPORTED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+SUPPORTED_ARCHITECTURES = {"DeepseekV2ForCausalLM": "DeepseekV2Config", "DeepseekV3ForCausalLM": "DeepseekV3Config"}
 CPU_RULES = "DeepSeek-CPU.yaml"
 DEFAULT_KV_BUDGET_TOKENS = 65536
 # Without kt_maxlen / max_model_len, serve at most this context: DeepSeek configs declare 128k-160k positions,
 # which would make every default-length request reserve a cache that large.
 DEFAULT_MAX_MODEL_LEN = 16384
+
+
+def architecture_config(model_path: Path) -> tuple[Any, str]:
+    """transformers' config of the architecture config.json names, and that name. The architecture decides, not
+    `model_type`: checkpoints of a served architecture under a model type of their own (Kimi-K2's kimi_k2 is a
+    DeepseekV3ForCausalLM) load as that architecture, without their remote code."""
+    import transformers
+
+    path = model_path / "config.json"
+    raw = json.loads(path.read_text()) if path.is_file() else {}
+    arch = (raw.get("architectures") or ["?"])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"model: the ktransformers engine serves {', '.join(SUPPORTED_ARCHITECTURES)}; "
+                         f"{model_path} is {arch} (use the huggingface engine)")
+    return getattr(transformers, SUPPORTED_ARCHITECTURES[arch]).from_pretrained(model_path), arch
 
 
 def default_rule_file(config: Any) -> str:
@@ -130,19 +146,15 @@ class KTEngine(LLMEngine):
         self._isolation = WorkerIsolation()
 
     def _load(self) -> tuple[ModelRunner, Any, ModelInfo]:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         from engines.kt.rules import apply_placement, load_rules, plan_placement
 
         cfg, kt = self.config, self.options
         started = time.perf_counter()
         model_path = Path(cfg.model_path)
-        config = AutoConfig.from_pretrained(model_path)
-        arch = (config.architectures or ["?"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"model: the ktransformers engine serves {', '.join(SUPPORTED_ARCHITECTURES)}; "
-                             f"{model_path} is {arch} (use the huggingface engine)")
-        tokenizer = load_tokenizer(str(model_path), cfg.template)
+        config, arch = architecture_config(model_path)
+        tokenizer = load_tokenizer(str(model_path), cfg.template, cfg.trust_remote_code, config)
         max_len = context_length(config, tokenizer, cfg.max_model_len)
         if cfg.max_model_len is None and max_len > DEFAULT_MAX_MODEL_LEN:
             log.info("serving a context of %d tokens (the model allows %d; raise it with kt_maxlen)",

@@ -212,8 +212,8 @@ class ConvertedExperts:
                      for d in path.glob("_layer_*/_numa_*") for f in d.iterdir() for m in [_KT_FILE.match(f.name)] if m]
         if not found:
             raise ValueError(f"kt_weight_path: {path} holds neither kt-kernel's merged *.safetensors (blk.<layer>."
-                             "ffn_*_exps.<expert>.numa.<node>.*) nor its _layer_<n>/_numa_<m>/*.kt folders; point it at "
-                             "the output folder of kt-kernel's conversion (`kt quant`, convert_cpu_weights.py)")
+                             "ffn_*_exps.<expert>.numa.<node>.*) nor its _layer_<n>/_numa_<m>/*.kt folders; point it "
+                             "at the output folder of kt-kernel's conversion (`kt quant`, convert_cpu_weights.py)")
         prefixes, nodes = {p for p, _, _ in found}, {n for _, _, n in found}
         if prefixes - {"INT8", "INT4"} or len(prefixes) > 1:
             raise ValueError(f"kt_weight_path: {path} holds experts that are not all INT8 or all INT4 of "
