@@ -179,3 +179,18 @@ def test_a_deepseek_v3_architecture_under_its_own_model_type_loads_as_deepseek_v
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2", "n_routed_experts": 384}))
     loaded, arch = architecture_config(tmp_path)
     assert (type(loaded).__name__, arch, loaded.n_routed_experts) == ("DeepseekV3Config", "DeepseekV3ForCausalLM", 384)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_fp8_projections_are_dequantized_there_to_bf16(fp8_dir, tokenizer, fp8_reference):
+    running = start_server(fp8_dir, engine="ktransformers")
+    try:
+        diffs = logprob_diffs(running, tokenizer, fp8_reference)
+        storage = running.http().get("/version").json()["checkpoint"]["storage"]
+    finally:
+        running.stop()
+    print(json.dumps({"fp8_gpu_median_logprob_diff": diffs[len(diffs) // 2], "fp8_gpu_max_logprob_diff": diffs[-1]}))
+    assert (storage["experts"], storage["attention"], storage["mlp"]) == ("FP8 in place", "bf16 from FP8",
+                                                                           "bf16 from FP8")
+    assert diffs[len(diffs) // 2] < 0.1  # the whole non-expert model in bf16, as tests/test_kt_gpu.py measures
