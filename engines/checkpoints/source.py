@@ -118,8 +118,10 @@ class CheckpointSource(Protocol):
     format: str  # what the checkpoint is, for the start-up log and /version ("safetensors, FP8 e4m3 ...")
     experts_form: str  # the form its routed experts come in (StoredExperts.form): bf16 | fp8_blocks
 
-    def items(self, num_experts: int, progress: Any = None) -> Iterator[StoredTensor | StoredExperts]:
-        """Every weight the model uses: per-expert weights come as one StoredExperts per complete layer."""
+    def items(self, num_experts: int, progress: Any = None, skip: frozenset[str] = frozenset()
+              ) -> Iterator[StoredTensor | StoredExperts]:
+        """Every weight the model uses: per-expert weights come as one StoredExperts per complete layer, except
+        the layers in `skip` (experts modules already loaded from elsewhere), whose experts are not even read."""
 
     def layer_experts(self, prefix: str, num_experts: int, first: int | None = None) -> StoredExperts:
         """One layer's routed experts (with `first`, experts [0, first)), read again (expert LoRA, copies)."""
@@ -179,7 +181,8 @@ class SafetensorsSource:
         self.experts_form = "fp8_blocks" if self.block else "bf16"
         self.format, self.stored_as = describe(config, self.block)
 
-    def _tensors(self, progress: Any = None, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    def _tensors(self, progress: Any = None, prefix: str = "", skip: frozenset[str] = frozenset()
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
 
         skipped: set[int] = set()
@@ -191,6 +194,8 @@ class SafetensorsSource:
                     layer = LAYER_KEY.match(name)
                     if layer and self.num_layers is not None and int(layer.group(1)) >= self.num_layers:
                         skipped.add(int(layer.group(1)))
+                        continue
+                    if skip and name.partition(".mlp.experts.")[0] + ".mlp.experts" in skip:
                         continue
                     yield name, f.get_tensor(name)
             if progress is not None:
@@ -230,9 +235,10 @@ class SafetensorsSource:
         return {name: tensor if scale is None else StoredTensor(name, tensor, scale, self.block).load("cpu", dtype)
                 for name, tensor, scale in self._paired(self._tensors())}
 
-    def items(self, num_experts: int, progress: Any = None) -> Iterator[StoredTensor | StoredExperts]:
+    def items(self, num_experts: int, progress: Any = None, skip: frozenset[str] = frozenset()
+              ) -> Iterator[StoredTensor | StoredExperts]:
         staged: dict[str, dict[str, dict[int, tuple]]] = defaultdict(lambda: defaultdict(dict))
-        for name, tensor, scale in self._paired(self._tensors(progress)):
+        for name, tensor, scale in self._paired(self._tensors(progress, skip=skip)):
             expert = PER_EXPERT.match(name)
             if not expert:
                 yield StoredTensor(name, tensor, scale, self.block or DEFAULT_BLOCK)

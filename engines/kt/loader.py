@@ -38,15 +38,26 @@ class ExpertPlacer:
         self.weight_cache = weight_cache  # pre-quantized experts from an earlier start, when given
         self.converted = converted
 
-    def place(self, experts: StoredExperts) -> None:
-        module = self.model.get_submodule(experts.prefix)
-        if isinstance(module, RoutedExperts):
+    def preload(self) -> frozenset[str]:
+        """Load every experts layer a pre-converted folder holds; their names (the checkpoint's copies of them are
+        then not read at all)."""
+        loaded = set()
+        for prefix, module in self.model.named_modules():
+            if not isinstance(module, RoutedExperts):
+                continue
             if self.converted is not None and module.load_converted(self.converted):
                 self.notes.note("experts", f"{module.method} from kt_weight_path")
             elif self.weight_cache is not None and module.load_quantized(self.weight_cache):
                 self.notes.note("experts", f"{module.method} from the weight cache")
-            else:  # kt-kernel experts (converted here when their method asks, saved for next time)
-                self.notes.note("experts", module.load_stored(experts, cache_dir=self.weight_cache))
+            else:
+                continue
+            loaded.add(prefix)
+        return frozenset(loaded)
+
+    def place(self, experts: StoredExperts) -> None:
+        module = self.model.get_submodule(experts.prefix)
+        if isinstance(module, RoutedExperts):  # kt-kernel experts (converted here when their method asks, saved)
+            self.notes.note("experts", module.load_stored(experts, cache_dir=self.weight_cache))
             return
         # experts kept as transformers' fused module (a `default` rule)
         gate, up, down = experts.dequantized()
@@ -93,8 +104,9 @@ def load_checkpoint(model: nn.Module, source: CheckpointSource, device_of: Any, 
     # kept in float32 as transformers keeps them: the router computes in float32 and would otherwise cast
     # its weight on every call (one more kernel per MoE layer and decode step on a GPU)
     float32 = float32_names(model)
+    preloaded = placer.preload()
     with tqdm(total=len(getattr(source, "files", ())), desc="loading shards", unit="shard", leave=False) as bar:
-        for item in source.items(num_experts, bar):
+        for item in source.items(num_experts, bar, skip=preloaded):
             if isinstance(item, StoredExperts):
                 placer.place(item)
                 continue
