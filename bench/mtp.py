@@ -37,7 +37,7 @@ def mtp_variant(model_dir: Path, config: dict, kind: str) -> Path:
 
     from bench.checkpoint import tensor_specs
     from engines.demo_model import mtp_layer_tensors
-    from engines.kt.loader import checkpoint_files
+    from engines.checkpoints.source import checkpoint_files
 
     out = model_dir.with_name(f"{model_dir.name}-mtp-{kind}")
     index = json.loads((model_dir / "model.safetensors.index.json").read_text())

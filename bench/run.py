@@ -305,6 +305,13 @@ class Bench:
         entry.update({"method": method, "load_time": fig(run.load_time, "s", note="engine.start(): checkpoint read, "
                       "experts converted, no weight cache"), "memory_after_load": run.memory_after_load,
                       "engine_details": dict(run.engine.info.details)})
+        if run.engine.info.checkpoint is not None:
+            entry["checkpoint"] = run.engine.info.checkpoint.as_dict()
+        if self.shape.fp8:  # what loading an FP8 release holds in host memory at its peak, against the experts
+            entry["load_memory_vs_experts"] = {
+                "host_rss_peak": run.memory_after_load["host_rss_peak"],
+                "experts_fp8": fig(self.shape.routed_expert_bytes(1) / 1e9, "GB", note="as stored, scales aside"),
+                "experts_bf16": fig(self.shape.routed_expert_bytes(2) / 1e9, "GB")}
         return run
 
     def close_engines(self) -> None:

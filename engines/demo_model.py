@@ -102,25 +102,40 @@ def demo_config(**overrides) -> dict:
     return config
 
 
+FORMATS = ("bf16", "fp8")
+# DeepSeek's FP8 releases (V3, R1, V3.1) as config.json declares them
+FP8_QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                    "weight_block_size": [128, 128]}
 # What `make_demo_model(mtp=...)` writes as the multi-token-prediction layer (mtp_layer_tensors).
 MTP_KINDS = ("random", "last-layer")
 
 
-def make_demo_model(out_dir: str | Path, seed: int = DEMO_SEED, mtp: str | None = None, **overrides) -> Path:
+def make_demo_model(out_dir: str | Path, seed: int = DEMO_SEED, fmt: str = "bf16", mtp: str | None = None,
+                    **overrides) -> Path:
     """Write the demo model into `out_dir` (created if missing) and return it; the same seed gives the same bytes.
-    `mtp` adds a multi-token-prediction layer (MTP_KINDS; `mtp_layer_tensors`). `overrides` change config keys,
-    e.g. `kv_lora_rank=512, qk_rope_head_dim=64` for the latent width vLLM's CPU MLA kernel needs."""
+    `overrides` change config keys, e.g. `kv_lora_rank=512, qk_rope_head_dim=64` for the latent width vLLM's
+    CPU MLA kernel needs. `mtp` adds a multi-token-prediction layer (MTP_KINDS; `mtp_layer_tensors`).
+    `fmt="fp8"` writes it as DeepSeek ships its FP8 releases: every projection in float8_e4m3fn with a float32
+    `weight_scale_inv` per 128x128 block, config.json's `quantization_config`, and one multi-token-prediction
+    layer `model.layers.<num_hidden_layers>` (random unless `mtp` says otherwise)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
     if mtp is not None and mtp not in MTP_KINDS:
         raise ValueError(f"mtp: {mtp!r} is not one of {', '.join(MTP_KINDS)}")
+    if fmt == "fp8":
+        mtp = mtp or "random"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = demo_config(**({"num_nextn_predict_layers": 1} if mtp else {}), **overrides)
-    _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json",
-                {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
     weights = _random_weights(config, seed)
     if mtp is not None:
         weights.update(mtp_layer_tensors(config, weights, seed + 1, copy_last_layer=mtp == "last-layer"))
+    if fmt == "fp8":
+        config.update(quantization_config=FP8_QUANTIZATION)
+        weights = fp8_release(weights)
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json",
+                {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
     _write_shards(out, weights)
     _write_tokenizer(out)
     return out
@@ -165,14 +180,7 @@ def _random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     normal, linear = _draws(gen)
     weights = {"model.embed_tokens.weight": normal(vocab, hidden, std=1.0)}
     for i in range(config["num_hidden_layers"]):
-        prefix = f"model.layers.{i}"
-        weights[f"{prefix}.input_layernorm.weight"] = _ones(hidden)
-        weights.update(_attention_weights(config, f"{prefix}.self_attn", linear))
-        weights[f"{prefix}.post_attention_layernorm.weight"] = _ones(hidden)
-        if i < config["first_k_dense_replace"]:
-            weights.update(_mlp_weights(f"{prefix}.mlp", hidden, config["intermediate_size"], linear))
-        else:
-            weights.update(_moe_weights(config, f"{prefix}.mlp", linear, normal, gen))
+        weights.update(_layer_weights(config, i, normal, linear, gen))
     weights["model.norm.weight"] = _ones(hidden)
     weights["lm_head.weight"] = normal(vocab, hidden, std=_LOGIT_STD / math.sqrt(hidden))
     return weights
@@ -186,6 +194,18 @@ def _draws(gen: torch.Generator):
         # 1/sqrt(fan_in) keeps every projection's output at the scale of its input.
         return normal(out_features, in_features, std=gain / math.sqrt(in_features))
     return normal, linear
+
+
+def _layer_weights(config: dict, i: int, normal, linear, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    hidden, prefix = config["hidden_size"], f"model.layers.{i}"
+    weights = {f"{prefix}.input_layernorm.weight": _ones(hidden)}
+    weights.update(_attention_weights(config, f"{prefix}.self_attn", linear))
+    weights[f"{prefix}.post_attention_layernorm.weight"] = _ones(hidden)
+    if i < config["first_k_dense_replace"]:
+        weights.update(_mlp_weights(f"{prefix}.mlp", hidden, config["intermediate_size"], linear))
+    else:
+        weights.update(_moe_weights(config, f"{prefix}.mlp", linear, normal, gen))
+    return weights
 
 
 def mtp_layer_tensors(config: dict, weights: dict[str, torch.Tensor], seed: int = DEMO_SEED + 1,
@@ -204,15 +224,26 @@ def mtp_layer_tensors(config: dict, weights: dict[str, torch.Tensor], seed: int 
         layer = {prefix + name[len(last) - 1:]: t.clone() for name, t in weights.items() if name.startswith(last)}
         eh_proj = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1).to(torch.bfloat16)
     else:
-        layer = {f"{prefix}.input_layernorm.weight": _ones(hidden),
-                 **_attention_weights(config, f"{prefix}.self_attn", linear),
-                 f"{prefix}.post_attention_layernorm.weight": _ones(hidden),
-                 **_moe_weights(config, f"{prefix}.mlp", linear, normal, gen)}
+        layer = _layer_weights(config, index, normal, linear, gen)
         eh_proj = linear(hidden, 2 * hidden)
     return {**layer, f"{prefix}.enorm.weight": _ones(hidden), f"{prefix}.hnorm.weight": _ones(hidden),
             f"{prefix}.eh_proj.weight": eh_proj, f"{prefix}.shared_head.norm.weight": _ones(hidden),
             f"{prefix}.embed_tokens.weight": weights["model.embed_tokens.weight"].clone(),
             f"{prefix}.shared_head.head.weight": weights["lm_head.weight"].clone()}
+
+
+def fp8_release(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`weights` in the layout of DeepSeek's FP8 releases: each projection's `.weight` as FP8 blocks plus its
+    `.weight_scale_inv`; embeddings, norms and the router stay as they were."""
+    from engines.checkpoints.fp8 import quantize_blocks
+
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        if name.endswith("_proj.weight") or name.endswith("_proj_with_mqa.weight"):
+            out[name], out[name + "_scale_inv"] = quantize_blocks(tensor)
+        else:
+            out[name] = tensor
+    return out
 
 
 def _attention_weights(config: dict, prefix: str, linear) -> dict[str, torch.Tensor]:

@@ -35,11 +35,15 @@ def model_id(config: EngineConfig) -> str:
     return config.model_name or Path(config.model_path.rstrip("/")).name
 
 
-def load_tokenizer(model_path: str, template: str | None = None) -> Any:
-    """The model directory's tokenizer; `template` (a built-in name) replaces its chat template."""
+def load_tokenizer(model_path: str, template: str | None = None, trust_remote_code: bool = False,
+                   config: Any = None) -> Any:
+    """The model directory's tokenizer; `template` (a built-in name) replaces its chat template. Tokenizers shipped
+    as code (Kimi-K2's tiktoken one) need `trust_remote_code`; `config`, the model's config when the caller has read
+    it (transformers would otherwise read config.json again, by its model_type)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    extra = {} if config is None else {"config": config}
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code, **extra)
     if template:
         from engines.templates import builtin_template
         tokenizer.chat_template = builtin_template(template)

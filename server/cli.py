@@ -113,7 +113,7 @@ def serve(args: argparse.Namespace) -> int:
 def make_demo_model(args: argparse.Namespace) -> int:
     from engines.demo_model import make_demo_model as make
 
-    path = make(args.dir, seed=args.seed, mtp=args.mtp)
+    path = make(args.dir, seed=args.seed, fmt=args.format, mtp=args.mtp)
     print(path)
     return 0
 
@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--mtp", choices=("random", "last-layer"),
                       help="add a multi-token-prediction layer (for --speculative mtp): random, or a copy of the last "
                            "layer (drafts accepted more often)")
+    demo.add_argument("--format", choices=("bf16", "fp8"), default="bf16",
+                      help="fp8: as DeepSeek ships its FP8 releases (128x128 blocks, weight_scale_inv, an MTP layer)")
     try:
         from evaluation.cli import add_arguments as add_eval_arguments
     except ImportError:

@@ -26,4 +26,6 @@ async def health(request: Request):
 async def version(request: Request):
     engine = request.app.state.engine
     details = engine.info.details if engine.ready else {}
-    return {"version": __version__, "engine": engine.name, **({"engine_details": details} if details else {})}
+    checkpoint = engine.info.checkpoint if engine.ready else None
+    return {"version": __version__, "engine": engine.name, **({"engine_details": details} if details else {}),
+            **({"checkpoint": checkpoint.as_dict()} if checkpoint is not None else {})}

@@ -31,6 +31,7 @@ KEY_ALIASES: dict[str, str] = {
     "api_model_name": "served_model_name",
     "infer_dtype": "dtype",
     "vllm_maxlen": "max_model_len",
+    "kt_amx_weight_path": "kt_weight_path",  # SGLang's earlier name for KTransformers' --kt-weight-path
 }
 # LLaMA-Factory keys that mean nothing for serving; accepted silently.
 IGNORED_KEYS = frozenset({
@@ -93,6 +94,10 @@ class Settings(BaseModel):
     kt_strict_placement: bool = engine_setting(False, "refuse rule files naming GPUs this machine lacks instead of "
                                                       "folding them")
     kt_weight_cache: str | None = engine_setting(None, "directory for pre-quantized expert weights")
+    kt_weight_path: str | None = engine_setting(
+        None, "folder of routed experts pre-converted by kt-kernel (`kt quant` / convert_cpu_weights.py: AMXINT8 or "
+              "AMXINT4, merged safetensors or _layer_N folders, one NUMA node), read instead of converting the "
+              "checkpoint's experts; the experts method is theirs")
     kt_isolate_workers: bool = engine_setting(True, "with the non-expert model on GPUs, keep the server's other "
                                                     "threads off the cores of kt-kernel's pinned workers")
     kt_gpu_prefill_tokens: int = engine_setting(

@@ -352,3 +352,22 @@ def test_bench_refuses_an_http_max_tokens_that_is_not_positive(tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT)
     assert done.returncode == 2 and "--http-max-tokens: 0 is not a positive number of tokens" in done.stderr
     assert not any(tmp_path.iterdir())  # refused before anything was built
+
+
+def test_fp8_shapes_are_written_as_deepseek_ships_its_fp8_releases(tmp_path):
+    from bench.checkpoint import build_checkpoint, checkpoint_bytes
+    from bench.shapes import SHAPES
+    from engines.checkpoints.source import SafetensorsSource, StoredExperts
+
+    config = {**SHAPES["tiny-fp8"].config, "vocab_size": 1024, "num_hidden_layers": 2}
+    cost = build_checkpoint(tmp_path, config, shard_bytes=1 << 20, writers=1, device="cpu")
+    assert cost["bytes"] == sum(f.stat().st_size for f in tmp_path.glob("*.safetensors")) - sum(
+        8 + int.from_bytes(f.read_bytes()[:8], "little") for f in tmp_path.glob("*.safetensors"))
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv" in index
+    assert "model.layers.2.eh_proj.weight" in index  # the MTP layer
+    items = list(SafetensorsSource(tmp_path, 2).items(num_experts=16))
+    experts = [i for i in items if isinstance(i, StoredExperts)]
+    assert [e.prefix for e in experts] == ["model.layers.1.mlp.experts"] and experts[0].stored_as == "FP8"
+    assert SHAPES["v2-lite-fp8"].fp8 and checkpoint_bytes(SHAPES["v2-lite-fp8"].config)[1] < \
+        checkpoint_bytes(SHAPES["v2-lite"].config)[1] * 0.6

@@ -20,6 +20,17 @@ def test_llamafactory_keys_are_accepted(tmp_path):
                                                                              4096, 10, 256)
 
 
+def test_kt_weight_path_is_read_under_its_name_sglangs_and_as_a_flag(tmp_path, capsys):
+    from server.cli import main
+
+    assert load_settings(write(tmp_path, "kt_weight_path: /w\n"), env={}).kt_weight_path == "/w"
+    assert load_settings(write(tmp_path, "kt_amx_weight_path: /w\n"), env={}).engine_config("m").settings[
+        "kt_weight_path"] == "/w"
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "--kt-weight-path" in capsys.readouterr().out
+
+
 def test_use_kt_selects_the_ktransformers_engine(tmp_path):
     assert load_settings(write(tmp_path, "use_kt: true\n"), env={}).engine == "ktransformers"
 

@@ -5,6 +5,7 @@ across requests, so this engine is simple rather than fast. It loads any causal 
 can load (CPU here, CUDA when present)."""
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from engines.base import ModelInfo
+from engines.base import CheckpointStorage, ModelInfo
 from engines.lora.install import LoraModules
 from engines.lora.modules import AdapterRows
 from engines.runtime.llm_engine import LLMEngine
@@ -70,6 +71,29 @@ class HFModelRunner(ModelRunner):
         return [hidden[i, :len(prompt)] for i, prompt in enumerate(prompts)]
 
 
+def checkpoint_storage(model_path: Path, dtype: torch.dtype) -> tuple[CheckpointStorage, dict[str, Any]]:
+    """The checkpoint's format and storage, and its weights when from_pretrained cannot read them itself (as a
+    state dict with the config, else {}): an FP8 release comes as its
+    weights dequantized to `dtype` (engines/checkpoints: DeepSeek's 128x128 blocks, a partial last block included,
+    which transformers' own CPU dequantization spreads differently), its MTP layer left out."""
+    from transformers import AutoConfig
+
+    from engines.checkpoints.source import SafetensorsSource, describe, dtype_name, quantization_block
+
+    config_path = model_path / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    block = quantization_block(config, config_path)
+    checkpoint_format, stored = describe(config, block)
+    held = dtype_name(dtype)
+    storage = CheckpointStorage(checkpoint_format, (("weights", held if held == stored else f"{held} from {stored}"),))
+    if block is None:
+        return storage, {}
+    hf_config = AutoConfig.from_pretrained(model_path)
+    del hf_config.quantization_config
+    state = SafetensorsSource(model_path, hf_config.num_hidden_layers).state_dict(dtype)
+    return storage, {"config": hf_config, "state_dict": state}
+
+
 class HFEngine(LLMEngine):
     name = "huggingface"
 
@@ -80,14 +104,22 @@ class HFEngine(LLMEngine):
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
         started = time.perf_counter()
-        tokenizer = load_tokenizer(cfg.model_path, cfg.template)
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg.model_path, dtype=dtype, trust_remote_code=cfg.trust_remote_code).to(device).eval()
+        tokenizer = load_tokenizer(cfg.model_path, cfg.template, cfg.trust_remote_code)
+        storage, weights = checkpoint_storage(Path(cfg.model_path), dtype)
+        if weights:  # the checkpoint's weights as a state dict: the model class is read off the config
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+            model = MODEL_FOR_CAUSAL_LM_MAPPING[type(weights["config"])].from_pretrained(None, dtype=dtype, **weights)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=dtype,
+                                                         trust_remote_code=cfg.trust_remote_code)
+        model = model.to(device).eval()
         max_len = context_length(model.config, tokenizer, cfg.max_model_len)
-        log.info("loaded %s on %s (%s) in %.1fs", cfg.model_path, device, dtype, time.perf_counter() - started)
+        log.info("loaded %s on %s (%s) in %.1fs; checkpoint: %s; %s", cfg.model_path, device, dtype,
+                 time.perf_counter() - started, storage.format, storage.summary())
         info = ModelInfo(id=model_id(cfg), max_model_len=max_len,
                          architecture=(model.config.architectures or [type(model).__name__])[0],
                          engine=self.name, created=int(time.time()),
                          eos_token_ids=eos_token_ids(model.config, tokenizer, Path(cfg.model_path)),
-                         vocab_size=model.get_input_embeddings().num_embeddings)
+                         vocab_size=model.get_input_embeddings().num_embeddings, checkpoint=storage)
         return HFModelRunner(model, device, max_len), tokenizer, info

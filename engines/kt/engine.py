@@ -9,6 +9,7 @@ machine has is folded onto the GPUs there are (else the CPU) with one warning, u
 CPU runs (engines/kt/expert_methods.py), logged once and reported in the model info."""
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -17,9 +18,10 @@ from typing import Any
 import torch
 
 from engines.base import EngineConfig, ModelInfo, engine_options
+from engines.checkpoints.source import SafetensorsSource
 from engines.kt.cpuinfer import WorkerIsolation
 from engines.kt.expert_streaming import copy_bits, expert_copy_bytes, experts_within
-from engines.kt.expert_methods import METHODS
+from engines.kt.expert_methods import METHODS, default_method, normalize_method, unavailable_reason
 from engines.kt.experts_cpu import RoutedExpertsCPU
 from engines.kt.flashinfer_mla import attention_for
 from engines.kt.kv_cache import PAGE_TOKENS, LatentKVCache
@@ -38,12 +40,27 @@ from engines.runtime.speculative import SpeculativeOptions
 log = logging.getLogger("ktserve.engine.kt")
 
 RULES_DIR = Path(__file__).resolve().parents[2] / "kt_optimize_rules"
-SUPPORTED_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+SUPPORTED_ARCHITECTURES = {"DeepseekV2ForCausalLM": "DeepseekV2Config", "DeepseekV3ForCausalLM": "DeepseekV3Config"}
 CPU_RULES = "DeepSeek-CPU.yaml"
 DEFAULT_KV_BUDGET_TOKENS = 65536
 # Without kt_maxlen / max_model_len, serve at most this context: DeepSeek configs declare 128k-160k positions,
 # and the default KV cache holds a few requests of the full context.
 DEFAULT_MAX_MODEL_LEN = 16384
+
+
+def architecture_config(model_path: Path) -> tuple[Any, str]:
+    """transformers' config of the architecture config.json names, and that name. The architecture decides, not
+    `model_type`: checkpoints of a served architecture under a model type of their own (Kimi-K2's kimi_k2 is a
+    DeepseekV3ForCausalLM) load as that architecture, without their remote code."""
+    import transformers
+
+    path = model_path / "config.json"
+    raw = json.loads(path.read_text()) if path.is_file() else {}
+    arch = (raw.get("architectures") or ["?"])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"model: the ktransformers engine serves {', '.join(SUPPORTED_ARCHITECTURES)}; "
+                         f"{model_path} is {arch} (use the huggingface engine)")
+    return getattr(transformers, SUPPORTED_ARCHITECTURES[arch]).from_pretrained(model_path), arch
 
 
 def default_rule_file(config: Any) -> str:
@@ -87,13 +104,15 @@ def _fold_devices(rules: list, rule_file: Path, strict: bool) -> dict[str, str]:
     return fold
 
 
-def _expert_methods(placement: Any, explicit: str | None, rule_file: Path, config: Any) -> dict[str, Any]:
-    """For each experts method the rules ask for: the MethodChoice that serves it (logged once each)."""
+def _expert_methods(placement: Any, explicit: str | None, rule_file: Path, config: Any, default: str
+                    ) -> dict[str, Any]:
+    """For each experts method the rules ask for (`default` where a rule names none): the MethodChoice that
+    serves it (logged once each)."""
     from engines.kt.aliases import EXPERT_OPERATORS
-    from engines.kt.expert_methods import DEFAULT_METHOD, ExpertShape, choose_method, cpu_variant, normalize_method
+    from engines.kt.expert_methods import ExpertShape, choose_method, cpu_variant, normalize_method
 
     layers = [kwargs for rule, kwargs in placement.replacements.values() if rule.replace in EXPERT_OPERATORS]
-    asked = {normalize_method(kwargs.get("method") or DEFAULT_METHOD, "method") for kwargs in layers}
+    asked = {normalize_method(kwargs.get("method") or default, "method") for kwargs in layers}
     experts = getattr(config, "n_routed_experts", None) or config.num_experts
     shape = ExpertShape(config.hidden_size, config.moe_intermediate_size,
                         len(layers) * experts * 3 * config.hidden_size * config.moe_intermediate_size)
@@ -129,48 +148,52 @@ class KTEngine(LLMEngine):
         self._isolation = WorkerIsolation()
 
     def _load(self) -> tuple[ModelRunner, Any, ModelInfo]:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         from engines.kt.rules import apply_placement, load_rules, plan_placement
 
         cfg, kt = self.config, self.options
         started = time.perf_counter()
         model_path = Path(cfg.model_path)
-        config = AutoConfig.from_pretrained(model_path)
-        arch = (config.architectures or ["?"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"model: the ktransformers engine serves {', '.join(SUPPORTED_ARCHITECTURES)}; "
-                             f"{model_path} is {arch} (use the huggingface engine)")
-        tokenizer = load_tokenizer(str(model_path), cfg.template)
+        config, arch = architecture_config(model_path)
+        tokenizer = load_tokenizer(str(model_path), cfg.template, cfg.trust_remote_code, config)
         max_len = context_length(config, tokenizer, cfg.max_model_len)
         if cfg.max_model_len is None and max_len > DEFAULT_MAX_MODEL_LEN:
             log.info("serving a context of %d tokens (the model allows %d; raise it with kt_maxlen)",
                      DEFAULT_MAX_MODEL_LEN, max_len)
             max_len = DEFAULT_MAX_MODEL_LEN
+        draft_layer, no_draft = self._draft_layer(model_path, config)
+        # the MTP layer is read only to draft with; then its copies of the embedding and LM head are not
+        source = SafetensorsSource(model_path, config.num_hidden_layers + (draft_layer is not None),
+                                   skip=mtp.SHARED_COPIES if draft_layer is not None else None)
+        converted, explicit = self._converted_experts(config)
         rule_file = resolve_rule_file(kt.kt_optimize_rule, config)
         rules = load_rules(rule_file)
-        draft_layer, no_draft = self._draft_layer(model_path, config)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
             if draft_layer is not None:
                 mtp.add_layer(model, config)  # placed and loaded as one more decoder layer, then taken out
         placement = plan_placement(model, rules, default_device="cpu",
                                    fold=_fold_devices(rules, rule_file, kt.kt_strict_placement))
-        choices = _expert_methods(placement, kt.kt_method, rule_file, config)
+        default = default_method(source.experts_form)
+        choices = _expert_methods(placement, explicit, rule_file, config, default)
         stream_experts = _streamed_expert_count(kt, model, config,
                                                 max(copy_bits(METHODS[c.method].bits) for c in choices.values()))
         options = OperatorOptions(max_tokens=cfg.chunk_size + cfg.max_concurrent, cpu_threads=kt.cpu_infer,
                                   methods={m: c.method for m, c in choices.items()}, checkpoint=str(model_path),
+                                  default_method=default,
                                   gpu_prefill_tokens=kt.kt_gpu_prefill_tokens if stream_experts != 0 else 0,
                                   gpu_prefill_experts=stream_experts, expert_pad_from=kt.kt_expert_pad_from,
-                                  gpu_read_experts=kt.kt_gpu_read_experts,
-                                  gpu_resident_experts=kt.kt_gpu_resident_experts)
+                                  # kt-kernel holds every expert of a pre-converted layer: none is the GPU's own
+                                  gpu_read_experts=0 if converted else kt.kt_gpu_read_experts,
+                                  gpu_resident_experts=0 if converted else kt.kt_gpu_resident_experts)
         apply_placement(model, placement, config, options)
         gpu = any(d.startswith("cuda") for d in placement.devices.values())
         dtype = resolve_dtype(cfg.dtype, torch.device("cuda" if gpu else "cpu"))
-        load_checkpoint(model, model_path, placement.device_of_param, dtype, len(model.model.layers),
-                        getattr(config, "n_routed_experts", None) or config.num_experts,
-                        weight_cache=self._weight_cache_dir(model_path), skip=mtp.SHARED_COPIES)
+        storage = load_checkpoint(model, source, placement.device_of_param, dtype,
+                                  getattr(config, "n_routed_experts", None) or config.num_experts,
+                                  weight_cache=self._weight_cache_dir(model_path), converted=converted)
+        log.info("checkpoint: %s; %s", storage.format, storage.summary())
         self._finish_model(model, config, placement)
         fused = fuse_rms_norms(model)
         if fused:
@@ -244,7 +267,7 @@ class KTEngine(LLMEngine):
             details.update(choice.describe())
         info = ModelInfo(id=model_id(cfg), max_model_len=max_len, architecture=arch, engine=self.name,
                          created=int(time.time()), eos_token_ids=eos_token_ids(config, tokenizer, model_path),
-                         vocab_size=config.vocab_size, details=details)
+                         vocab_size=config.vocab_size, details=details, checkpoint=storage)
         return runner, tokenizer, info
 
     def stop(self) -> None:
@@ -276,6 +299,26 @@ class KTEngine(LLMEngine):
         if self.options.kv_cache_tokens:
             return self.options.kv_cache_tokens
         return max(max_len, min(max_len * min(self.config.max_concurrent, 4), DEFAULT_KV_BUDGET_TOKENS))
+
+    def _converted_experts(self, config: Any) -> tuple[Any, str | None]:
+        """kt-kernel's pre-converted experts (kt_weight_path) when given, and the experts method every layer must
+        then run (theirs; kt_method otherwise)."""
+        from engines.kt.expert_cache import ConvertedExperts
+
+        kt = self.options
+        if not kt.kt_weight_path:
+            return None, kt.kt_method
+        converted = ConvertedExperts.open(kt.kt_weight_path, config.hidden_size, config.moe_intermediate_size)
+        if kt.kt_method and normalize_method(kt.kt_method, "kt_method") != converted.method:
+            raise ValueError(f"kt_method {kt.kt_method} disagrees with kt_weight_path {kt.kt_weight_path}, which holds "
+                             f"{converted.method} experts (unset kt_method, or kt_weight_path to convert at load)")
+        reason = unavailable_reason(converted.method)
+        if reason is not None:
+            raise ValueError(f"kt_weight_path {kt.kt_weight_path} holds {converted.method} experts, but {reason} "
+                             f"(unset kt_weight_path to convert the checkpoint's experts at load)")
+        log.info("kt_weight_path: %s experts of %d layers from %s", converted.method, len(converted.layers),
+                 converted.root)
+        return converted, converted.method
 
     def _weight_cache_dir(self, model_path: Path) -> Path | None:
         """Pre-quantized experts live under the cache root, one folder per model and expert method."""

@@ -11,6 +11,8 @@ shape, kt-kernel build and layout, and every file it names is there."""
 from __future__ import annotations
 
 import json
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -71,6 +73,10 @@ class LayerCache:
         copies = [self._copies_path()] if self.first_expert else []
         if not self.written_by_kt_kernel:
             return [self.dir / f"ktserve-{self.method}.safetensors", *copies]
+        return self.kt_files() + copies
+
+    def kt_files(self) -> list[Path]:
+        """The files kt-kernel writes and reads for this layer (one NUMA node)."""
         prefix, bits = KT_FILES[self.method]
         files = []
         for mat, rows, cols in (("gate", self.intermediate_size, self.hidden_size),
@@ -80,7 +86,7 @@ class LayerCache:
                 stem = self.dir / "_numa_0" / f"{prefix}_{mat}_{e}_"
                 files += [stem.with_name(stem.name + f"{rows * cols * bits // 8}Byte_quant_.kt"),
                           stem.with_name(stem.name + f"{rows * 4}Byte_scale_.kt")]
-        return files + copies
+        return files
 
     def complete(self) -> bool:
         """Whether the folder holds this layer's weights for this method, shape and kt-kernel build."""
@@ -162,3 +168,90 @@ class LayerCache:
         if not all(f"{m}.{e}" in saved for m in MATRICES for e in hot_experts):
             return None
         return tuple(torch.stack([saved[f"{m}.{e}"] for e in hot_experts]).to(device) for m in MATRICES)
+
+
+_MERGED_KEY = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.(\d+)\.numa\.(\d+)\.(weight|scale)$")
+_KT_FILE = re.compile(r"^(INT8|INT4)_(gate|up|down)_(\d+)_\d+Byte_(quant|scale)_\.kt$")
+
+
+@dataclass(frozen=True)
+class ConvertedExperts:
+    """kt-kernel's pre-converted CPU experts (`kt_weight_path`), in either layout its conversion script writes
+    (kt-kernel's scripts/convert_cpu_weights.py, `kt quant`): merged safetensors files with keys
+    `blk.<layer>.ffn_<gate|up|down>_exps.<expert>.numa.<node>.<weight|scale>` (the default: each tensor the bytes
+    of one .kt file), or per-layer folders `_layer_<layer>/_numa_<node>/<INT8|INT4>_<mat>_<expert>_<n>Byte_<quant|
+    scale>_.kt` (--no-merge-safetensor; also what kt-kernel itself saves). Read-only: nothing is written there."""
+
+    root: Path
+    method: str  # AMXINT8 | AMXINT4
+    layers: frozenset[int]
+    merged: bool
+    hidden_size: int
+    intermediate_size: int
+
+    @classmethod
+    def open(cls, root: str | os.PathLike, hidden_size: int, intermediate_size: int) -> "ConvertedExperts":
+        path = Path(root)
+        if not path.is_dir():
+            raise ValueError(f"kt_weight_path: {path} is not a directory")
+        files = sorted(path.glob("*.safetensors"))
+        found: list[tuple[str, int, int]] = []  # (INT8 | INT4, layer, NUMA node)
+        if files:
+            from safetensors import safe_open
+
+            for file in files:
+                with safe_open(str(file), framework="pt") as f:
+                    for key in f.keys():
+                        m = _MERGED_KEY.match(key)
+                        if m and m.group(2) == "gate" and m.group(5) == "weight":
+                            size = f.get_slice(key).get_shape()[0]
+                            prefix = {8: "INT8", 4: "INT4"}.get(size * 8 // (hidden_size * intermediate_size), "?")
+                            found.append((prefix, int(m.group(1)), int(m.group(4))))
+        else:
+            found = [(m.group(1), int(d.parent.name.removeprefix("_layer_")), int(d.name.removeprefix("_numa_")))
+                     for d in path.glob("_layer_*/_numa_*") for f in d.iterdir() for m in [_KT_FILE.match(f.name)] if m]
+        if not found:
+            raise ValueError(f"kt_weight_path: {path} holds neither kt-kernel's merged *.safetensors (blk.<layer>."
+                             "ffn_*_exps.<expert>.numa.<node>.*) nor its _layer_<n>/_numa_<m>/*.kt folders; point it "
+                             "at the output folder of kt-kernel's conversion (`kt quant`, convert_cpu_weights.py)")
+        prefixes, nodes = {p for p, _, _ in found}, {n for _, _, n in found}
+        if prefixes - {"INT8", "INT4"} or len(prefixes) > 1:
+            raise ValueError(f"kt_weight_path: {path} holds experts that are not all INT8 or all INT4 of "
+                             f"{intermediate_size} x {hidden_size} (this model's expert shape)")
+        if len(nodes) != 1:
+            raise ValueError(f"kt_weight_path: {path} was converted for {len(nodes)} NUMA nodes; ktserve runs "
+                             "kt-kernel's workers as one pool, so convert with one (`--threadpool-count 1`)")
+        return cls(path, "AMX" + prefixes.pop(), frozenset(layer for _, layer, _ in found), bool(files), hidden_size,
+                   intermediate_size)
+
+    def layer(self, layer_idx: int, num_experts: int) -> dict[str, Any] | None:
+        """What kt-kernel's loader takes for a layer: {} (it reads the folder itself) for the folder layout, or
+        the layer's tensors {"gate": [...], "gate_scale": [...], ...} (one per expert) for the merged one; None
+        when the folder lacks the layer."""
+        if layer_idx not in self.layers:
+            return None
+        if not self.merged:
+            files = LayerCache(self.root, layer_idx, self.method, num_experts, self.hidden_size,
+                               self.intermediate_size).kt_files()
+            missing = [f for f in files if not f.is_file()]
+            if missing:
+                raise ValueError(f"kt_weight_path: {missing[0]} is missing ({len(missing)} of layer {layer_idx}'s "
+                                 f"{len(files)} files)")
+            return {}
+        from safetensors import safe_open
+
+        slots = {"weight": "", "scale": "_scale"}
+        wanted = {f"blk.{layer_idx}.ffn_{m}_exps.{e}.numa.0.{kind}": (m + slots[kind], e)
+                  for m in MATRICES for e in range(num_experts) for kind in slots}
+        out: dict[str, list] = {m + s: [None] * num_experts for m in MATRICES for s in slots.values()}
+        for file in sorted(self.root.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    if key in wanted:
+                        slot, e = wanted[key]
+                        out[slot][e] = f.get_tensor(key).contiguous()
+        lacking = sorted(k for k, (slot, e) in wanted.items() if out[slot][e] is None)
+        if lacking:
+            raise ValueError(f"kt_weight_path: {lacking[0]} is missing from {self.root} ({len(lacking)} tensors of "
+                             f"layer {layer_idx})")
+        return out

@@ -29,11 +29,12 @@ from typing import Any
 
 import torch
 
+from engines.checkpoints.fp8 import quantize_blocks
+
 log = logging.getLogger("ktserve.engine.kt")
 
 FP8_BLOCK = 128
 INT4_GROUP = 32
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +64,13 @@ METHODS: dict[str, ExpertMethod] = {m.name: m for m in (
     ExpertMethod("LLAMAFILE", 8, ("MOE",), 256, "ggml", None, False),
 )}
 DEFAULT_METHOD = "AMXINT8"  # what a rule without `backend`/`method` asks for, as in KTransformers
+
+
+def default_method(stored_form: str) -> str:
+    """What a rule naming no method asks for, given the form the checkpoint stores its experts in
+    (engines/checkpoints/source.py): an FP8 release's own method, whose kernel reads the blocks as they are,
+    else DEFAULT_METHOD."""
+    return "FP8" if stored_form == "fp8_blocks" else DEFAULT_METHOD
 
 # When a rule asks for a method this build lacks, the candidates in order: the first that runs here, fits the
 # model's sizes and whose experts fit in memory serves (else the most compact that runs). Measured with
@@ -249,6 +257,9 @@ def choose_method(requested: str | None, *, explicit: str | None = None, source:
         return MethodChoice(method, method)
     wanted = normalize_method(requested or DEFAULT_METHOD, "method")
     reason = unavailable_reason(wanted)
+    if reason is None and shape is not None and not shape.fits(wanted):
+        reason = (f"the experts' sizes ({shape.hidden_size}, {shape.intermediate_size}) are not multiples of "
+                  f"{METHODS[wanted].size_multiple}")
     if reason is None:
         return MethodChoice(wanted, wanted)
     runnable = [m for m in FALLBACKS.get(wanted, ()) if unavailable_reason(m) is None
@@ -285,11 +296,8 @@ def best_method(bits: int) -> str:
 def quantize_fp8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[rows, cols] -> (e4m3 bytes [rows, cols] as uint8, float32 scales [rows/128, cols/128]);
     weight ~= fp8 * scale per 128x128 block (DeepSeek-V3's `weight_scale_inv` layout)."""
-    rows, cols = weight.shape
-    blocks = weight.float().reshape(rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK, FP8_BLOCK)
-    scale = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-12) / FP8_MAX
-    quant = (blocks / scale).to(torch.float8_e4m3fn).reshape(rows, cols)
-    return quant.view(torch.uint8).contiguous(), scale.reshape(rows // FP8_BLOCK, cols // FP8_BLOCK).contiguous()
+    quant, scale = quantize_blocks(weight, (FP8_BLOCK, FP8_BLOCK))
+    return quant.view(torch.uint8).contiguous(), scale.contiguous()
 
 
 def quantize_int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

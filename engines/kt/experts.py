@@ -2,9 +2,9 @@
 
 `RoutedExpertsCPU` (experts_cpu.py: kt-kernel on the CPU, hot experts in torch on the GPU) implements it;
 which kt-kernel class serves a method is decided in one place, expert_methods.py. The loader fills a layer
-through `load_weights` / `load_quantized`; `MoEWithCPUExperts` (operators.py) drives it with `submit` and then
-`wait`, so the shared experts run on the GPU in between; the runner's step timer reads `host_times` and
-`events` (step_timing.py), and expert deferral links the layers through `deferred` / `defer_into`
+through `load_stored` / `load_quantized` / `load_converted`; `MoEWithCPUExperts` (operators.py) drives it with
+`submit` and then `wait`, so the shared experts run on the GPU in between; the runner's step timer reads
+`host_times` and `events` (step_timing.py), and expert deferral links the layers through `deferred` / `defer_into`
 (expert_deferral.py). Expert LoRA reaches a layer through the narrower `engines.lora.cpu_experts.CPUExperts`,
 so LoRA code never imports this engine."""
 from __future__ import annotations
@@ -22,6 +22,7 @@ class RoutedExperts(Protocol):
     layer_idx: int
     num_experts: int
     top_k: int
+    method: str  # the experts method that serves (engines/kt/expert_methods.py)
     gpu_experts: list[int]  # experts computed on the GPU (hot experts); the rest on the CPU
     out_device: torch.device | None  # where results go (None: the input's device)
     deferred: int  # experts per token a decode step leaves running into the next layer (n_deferred_experts)
@@ -39,6 +40,14 @@ class RoutedExperts(Protocol):
 
     def load_quantized(self, cache_dir: str | os.PathLike) -> bool:
         """Load what `load_weights(..., cache_dir=...)` saved; False when there is nothing usable."""
+
+    def load_stored(self, experts: Any, *, cache_dir: str | os.PathLike | None = None) -> str:
+        """The layer's experts in the checkpoint's stored form (engines/checkpoints/source.py: StoredExperts),
+        taken as they are where the kernel reads that form, else converted; returns how they are held."""
+
+    def load_converted(self, converted: Any) -> bool:
+        """Read the layer from kt-kernel's pre-converted experts (expert_cache.ConvertedExperts, kt_weight_path);
+        False when they lack this layer."""
 
     def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         """Start sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(hidden) and return (-1 ids contribute 0)."""

@@ -40,6 +40,8 @@ from engines.kt.expert_methods import (METHODS, ExpertsUnsupportedError, check_l
 from engines.kt.step_timing import ExpertEvents, HostTimes
 
 if TYPE_CHECKING:
+    from engines.checkpoints.source import StoredExperts
+    from engines.kt.expert_cache import ConvertedExperts
     from engines.kt.operators import OperatorOptions
     from engines.lora.cpu_experts import CPUExpertsLora
 
@@ -351,6 +353,53 @@ class RoutedExpertsCPU(nn.Module):
         LLAMAFILE (quick to convert) write nothing. What kt-kernel needs is copied; the arguments may be freed.
         """
         self._check_idle()
+        self._check_shapes(gate, up, down)
+        with torch.no_grad():
+            self._keep_gpu_weights(gate, up, down)
+            self._keep_streamed_weights(gate, up, down)
+            gate, up, down = (t[self.owned:].to("cpu", torch.bfloat16).contiguous() for t in (gate, up, down))
+            self._load_prepared(lambda: self._prepare_weights(gate, up, down), cache_dir)
+
+    def load_stored(self, experts: "StoredExperts", *, cache_dir: str | os.PathLike | None = None) -> str:
+        """Take this layer's experts in the checkpoint's stored form (engines/checkpoints/source.py): FP8 blocks go
+        to an FP8 kernel as they are, anything else is converted to this layer's method (`load_weights`). Returns
+        how the layer holds them, e.g. "FP8 in place" or "AMXINT8 from FP8"."""
+        if experts.form != "fp8_blocks" or METHODS[self.method].weights != "fp8_blocks":
+            self.load_weights(*experts.dequantized(), cache_dir=cache_dir)
+            stored = experts.stored_as
+            return self.method if self.method.lower() == stored.lower() else f"{self.method} from {stored}"
+        self._check_idle()
+        self._check_shapes(experts.gate, experts.up, experts.down)
+        with torch.no_grad():
+            if self.gpu_experts or self.streamer is not None:  # torch's share takes them as floats
+                floats = experts.dequantized()
+                self._keep_gpu_weights(*floats)
+                self._keep_streamed_weights(*floats)
+                del floats
+            # the released blocks are the kernel's own form: nothing to convert, and nothing worth caching
+            self._load_prepared(lambda: experts.blocks(self.owned), None)
+        return "FP8 in place"
+
+    def load_converted(self, converted: "ConvertedExperts") -> bool:
+        """Read this layer from kt-kernel's pre-converted experts (kt_weight_path); False when they lack it."""
+        self._check_idle()
+        if converted.method != self.method or self.owned:
+            raise ValueError(f"kt_weight_path holds {converted.method} experts; layer {self.layer_idx} runs "
+                             f"{self.method}{' with experts the GPU owns' if self.owned else ''}")
+        tensors = converted.layer(self.layer_idx, self.num_experts)
+        if tensors is None:
+            return False
+        if self.gpu_experts or self.streamer is not None:  # torch's share takes them from the checkpoint
+            floats = self.read_base_weights()
+            self._keep_gpu_weights(*floats)
+            self._keep_streamed_weights(*floats)
+        if tensors:
+            self._build_kernel(tensors)
+        else:
+            self._build_kernel({}, load_dir=converted.root)
+        return True
+
+    def _check_shapes(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         E, I, H = self.num_experts, self.intermediate_size, self.hidden_size
         for name, tensor, shape in (("gate", gate, (E, I, H)), ("up", up, (E, I, H)), ("down", down, (E, H, I))):
             if tuple(tensor.shape) != shape:
@@ -359,22 +408,20 @@ class RoutedExpertsCPU(nn.Module):
             if tensor.is_meta or not tensor.is_floating_point():
                 raise ValueError(f"{name} weights of layer {self.layer_idx} must be real float tensors, "
                                  f"got {tensor.dtype} on {tensor.device}")
-        with torch.no_grad():
-            self._keep_gpu_weights(gate, up, down)
-            self._keep_streamed_weights(gate, up, down)
-            gate, up, down = (t[self.owned:].to("cpu", torch.bfloat16).contiguous() for t in (gate, up, down))
-            cache = self._cache(cache_dir) if cache_dir is not None and METHODS[self.method].cacheable else None
-            if cache is not None:
-                cache.begin_save()
-            prepared = self._prepare_weights(gate, up, down)
-            if cache is not None and not cache.written_by_kt_kernel:
-                cache.save_prepared(prepared)
-            self._build_kernel(prepared, save_dir=cache.root if cache and cache.written_by_kt_kernel else None)
-            if cache is not None:
-                if self.owned:  # the experts kt-kernel does not hold: the GPU's copies are their only form
-                    cache.save_copies(self.streamer.layers[self.layer_idx],
-                                      self.streamer.resident.get(self.layer_idx))
-                cache.finish_save(self._gpu_weights, self.gpu_experts)
+
+    def _load_prepared(self, prepare: Any, cache_dir: str | os.PathLike | None) -> None:
+        """Build the kernel from `prepare()` (the method's form), saving it to `cache_dir` when given."""
+        cache = self._cache(cache_dir) if cache_dir is not None and METHODS[self.method].cacheable else None
+        if cache is not None:
+            cache.begin_save()
+        prepared = prepare()
+        if cache is not None and not cache.written_by_kt_kernel:
+            cache.save_prepared(prepared)
+        self._build_kernel(prepared, save_dir=cache.root if cache and cache.written_by_kt_kernel else None)
+        if cache is not None:
+            if self.owned:  # the experts kt-kernel does not hold: the GPU's copies are their only form
+                cache.save_copies(self.streamer.layers[self.layer_idx], self.streamer.resident.get(self.layer_idx))
+            cache.finish_save(self._gpu_weights, self.gpu_experts)
 
     def load_quantized(self, cache_dir: str | os.PathLike) -> bool:
         """Load the form `load_weights(..., cache_dir=...)` wrote; False (nothing loaded) when there is no
@@ -470,7 +517,12 @@ class RoutedExpertsCPU(nn.Module):
             config.hidden_type = ggml.BF16
             # Batching settings as kt-kernel's own LlamafileMoEWrapper sets them.
             config.m_block, config.group_min_len, config.group_max_len = 32, 10, self.chunk_tokens
-        if form in ("fp8_blocks", "int4_groups"):
+        if weights and isinstance(weights["gate"], list):  # kt_weight_path's merged layout: kt-kernel's own bytes
+            for m in ("gate", "up", "down"):
+                setattr(config, f"{m}_projs", [[t.data_ptr() for t in weights[m]]])
+                setattr(config, f"{m}_scales", [[t.data_ptr() for t in weights[f"{m}_scale"]]])
+            config.load = True
+        elif form in ("fp8_blocks", "int4_groups"):
             # one pointer per expert, as kt-kernel's native loaders pass checkpoint tensors
             for m in ("gate", "up", "down"):
                 setattr(config, f"{m}_projs", [[weights[m][e].data_ptr() for e in range(self.kernel_experts)]])

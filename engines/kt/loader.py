@@ -2,120 +2,78 @@
 
 1. transformers builds the model on the meta device (no memory);
 2. the placement rules replace modules with our operators and assign every module a device;
-3. tensors stream from the safetensors shards, one at a time, straight to their final device; a layer's
-   routed experts are staged until all of them arrived and then handed to kt-kernel (which quantizes them).
-Peak host memory is what lives on the CPU plus one layer of staged experts."""
+3. the checkpoint source (engines/checkpoints/source.py) hands over its tensors one at a time in their stored
+   form, and each goes straight to its final device (FP8 weights are dequantized there); a layer's routed
+   experts arrive together, in their stored form, and go to kt-kernel, which reads FP8 blocks as they are or
+   takes them converted to its method. A layer found pre-converted (kt_weight_path, or the weight cache of an
+   earlier start) is read from there instead.
+Peak host memory is what lives on the CPU plus one layer of experts in flight (stored form, and the converted
+form when converting)."""
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
+from engines.base import CheckpointStorage
+from engines.checkpoints.source import (CheckpointSource, SafetensorsSource, StorageNotes, StoredExperts,
+                                        StoredTensor)
 from engines.kt.experts import RoutedExperts
 
 log = logging.getLogger("ktserve.engine.kt")
 
-_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 
+class ExpertPlacer:
+    """Puts each layer's routed experts into their module: from a pre-converted folder when one holds the layer
+    (`converted`: kt_weight_path, read-only; then `weight_cache`), else from the checkpoint's stored form."""
 
-def checkpoint_files(model_path: Path) -> list[Path]:
-    index = model_path / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_path / n for n in names]
-    single = model_path / "model.safetensors"
-    if single.is_file():
-        return [single]
-    found = sorted(model_path.glob("*.safetensors"))
-    if not found:
-        raise ValueError(f"model: no safetensors weights in {model_path}")
-    return found
-
-
-def tensor_names(model_path: Path) -> set[str]:
-    """Every tensor name of the checkpoint, from its index or its shards' headers (no tensor is read)."""
-    from safetensors import safe_open
-
-    index = Path(model_path) / "model.safetensors.index.json"
-    if index.is_file():
-        return set(json.loads(index.read_text())["weight_map"])
-    names: set[str] = set()
-    for path in checkpoint_files(Path(model_path)):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            names.update(f.keys())
-    return names
-
-
-def iter_tensors(files: list[Path], progress: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-        if progress is not None:
-            progress.update(1)
-
-
-class ExpertStager:
-    """Collects one layer's per-expert tensors until the layer is complete, then loads it in one go."""
-
-    def __init__(self, model: nn.Module, num_experts: int, dtype: torch.dtype, device_of: Any,
-                 weight_cache: Path | None = None):
-        self.model = model
+    def __init__(self, model: nn.Module, dtype: torch.dtype, device_of: Any, notes: StorageNotes,
+                 weight_cache: Path | None = None, converted: Path | None = None):
+        self.model, self.dtype, self.device_of, self.notes = model, dtype, device_of, notes
         self.weight_cache = weight_cache  # pre-quantized experts from an earlier start, when given
-        self.device_of = device_of
-        self.num_experts = num_experts
-        self.dtype = dtype  # for experts kept as a torch module; kt-kernel takes the checkpoint's own
-        self._parts: dict[str, dict[str, dict[int, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
-        self.loaded: set[str] = set()
+        self.converted = converted
 
-    def add(self, prefix: str, expert: int, which: str, tensor: torch.Tensor) -> None:
-        if prefix in self.loaded or (prefix not in self._parts and self._from_cache(prefix)):
-            return  # already loaded pre-quantized: the checkpoint's copy is not needed
-        parts = self._parts[prefix]
-        parts[which][expert] = tensor
-        if all(len(parts[w]) == self.num_experts for w in ("gate_proj", "up_proj", "down_proj")):
-            stacked = {w: torch.stack([parts[w][e] for e in range(self.num_experts)]) for w in parts}
-            del self._parts[prefix]
-            self._load(prefix, stacked["gate_proj"], stacked["up_proj"], stacked["down_proj"])
+    def preload(self) -> frozenset[str]:
+        """Load every experts layer a pre-converted folder holds; their names (the checkpoint's copies of them are
+        then not read at all)."""
+        loaded = set()
+        for prefix, module in self.model.named_modules():
+            if not isinstance(module, RoutedExperts):
+                continue
+            if self.converted is not None and module.load_converted(self.converted):
+                self.notes.note("experts", f"{module.method} from kt_weight_path")
+            elif self.weight_cache is not None and module.load_quantized(self.weight_cache):
+                self.notes.note("experts", f"{module.method} from the weight cache")
+            else:
+                continue
+            loaded.add(prefix)
+        return frozenset(loaded)
 
-    def _from_cache(self, prefix: str) -> bool:
-        module = self.model.get_submodule(prefix)
-        if self.weight_cache is None or not isinstance(module, RoutedExperts):
-            return False
-        if module.load_quantized(self.weight_cache):
-            self.loaded.add(prefix)
-            return True
-        return False
-
-    def _load(self, prefix: str, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
-        module = self.model.get_submodule(prefix)
-        if isinstance(module, RoutedExperts):  # kt-kernel experts (quantized here, saved for next time)
-            module.load_weights(gate, up, down, cache_dir=self.weight_cache)
-        else:  # experts kept as transformers' fused module (a `default` rule)
-            device = self.device_of(f"{prefix}.gate_up_proj")
-            set_tensor(module, "gate_up_proj", torch.cat([gate, up], dim=1), device, self.dtype)
-            set_tensor(module, "down_proj", down, device, self.dtype)
-        self.loaded.add(prefix)
-
-    def incomplete(self) -> list[str]:
-        return sorted(self._parts)
+    def place(self, experts: StoredExperts) -> None:
+        module = self.model.get_submodule(experts.prefix)
+        if isinstance(module, RoutedExperts):  # kt-kernel experts (converted here when their method asks, saved)
+            self.notes.note("experts", module.load_stored(experts, cache_dir=self.weight_cache))
+            return
+        # experts kept as transformers' fused module (a `default` rule)
+        gate, up, down = experts.dequantized()
+        device = self.device_of(f"{experts.prefix}.gate_up_proj")
+        set_tensor(module, "gate_up_proj", torch.cat([gate, up], dim=1), device, self.dtype)
+        set_tensor(module, "down_proj", down, device, self.dtype)
+        self.notes.loaded(experts.prefix + ".", experts.stored_as, self.dtype)
 
 
 def set_tensor(module: nn.Module, name: str, tensor: torch.Tensor, device: str | torch.device,
                dtype: torch.dtype | None) -> None:
     """Put a checkpoint tensor into a parameter or buffer of `module`, on its final device and dtype."""
-    if tensor.is_floating_point() and dtype is not None:
-        tensor = tensor.to(dtype)
-    tensor = tensor.to(device)
+    _assign(module, name, StoredTensor(name, tensor).load(device, dtype))
+
+
+def _assign(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
     if name in module._buffers:
         module._buffers[name] = tensor
     else:
@@ -132,29 +90,27 @@ def float32_names(model: nn.Module) -> re.Pattern | None:
     return re.compile(r"(^|\.)(" + "|".join(re.escape(k) for k in keep) + r")(\.|$)")
 
 
-def load_checkpoint(model: nn.Module, model_path: Path, device_of: Any, dtype: torch.dtype,
-                    num_layers: int, num_experts: int, weight_cache: Path | None = None,
-                    skip: re.Pattern | None = None) -> None:
-    """Stream every tensor to its place. `device_of(param_name)` gives the final device. Layers from `num_layers`
-    on and tensors whose names `skip` matches are skipped."""
+def load_checkpoint(model: nn.Module, source: CheckpointSource, device_of: Any, dtype: torch.dtype,
+                    num_experts: int, weight_cache: Path | None = None, converted: Path | None = None
+                    ) -> CheckpointStorage:
+    """Stream every tensor of `source` to its place. `device_of(param_name)` gives the final device; returns the
+    checkpoint's format and how each part of the model now holds it."""
     from tqdm import tqdm
 
-    files = checkpoint_files(model_path)
-    stager = ExpertStager(model, num_experts, dtype, device_of, weight_cache)
+    notes = StorageNotes()
+    placer = ExpertPlacer(model, dtype, device_of, notes, weight_cache, converted)
     unexpected: list[str] = []
     fused_experts = []
     # kept in float32 as transformers keeps them: the router computes in float32 and would otherwise cast
     # its weight on every call (one more kernel per MoE layer and decode step on a GPU)
     float32 = float32_names(model)
-    with tqdm(total=len(files), desc="loading shards", unit="shard", leave=False) as progress:
-        for name, tensor in iter_tensors(files, progress):
-            layer = _LAYER_KEY.match(name)
-            if layer and int(layer.group(1)) >= num_layers or skip is not None and skip.match(name):
-                continue  # e.g. DeepSeek-V3's multi-token-prediction layer when nothing drafts with it
-            expert = _PER_EXPERT.match(name)
-            if expert:
-                stager.add(expert.group(1), int(expert.group(2)), expert.group(3), tensor)
+    preloaded = placer.preload()
+    with tqdm(total=len(getattr(source, "files", ())), desc="loading shards", unit="shard", leave=False) as bar:
+        for item in source.items(num_experts, bar, skip=preloaded):
+            if isinstance(item, StoredExperts):
+                placer.place(item)
                 continue
+            name = item.name
             module_name, _, attr = name.rpartition(".")
             try:
                 module = model.get_submodule(module_name)
@@ -162,22 +118,23 @@ def load_checkpoint(model: nn.Module, model_path: Path, device_of: Any, dtype: t
                 unexpected.append(name)
                 continue
             if isinstance(module, RoutedExperts) and attr in ("gate_up_proj", "down_proj"):
-                fused_experts.append((module, attr, tensor))  # a checkpoint saved in the fused layout
+                fused_experts.append((module, attr, item.load("cpu", None)))  # a checkpoint in the fused layout
                 continue
             if attr not in module._parameters and attr not in module._buffers:
                 unexpected.append(name)
                 continue
             keep = torch.float32 if attr in module._buffers or (float32 and float32.search(name)) else dtype
-            set_tensor(module, attr, tensor, device_of(name), keep)
-    _load_fused(fused_experts)
+            _assign(module, attr, item.load(device_of(name), keep))
+            notes.loaded(name, item.stored_as, keep)
+    for module in _load_fused(fused_experts):
+        notes.note("experts", f"{module.method} from bf16")
     if unexpected:
         raise ValueError(f"model: {len(unexpected)} checkpoint tensors match no module of the model, e.g. "
                          f"{', '.join(unexpected[:5])}")
-    if stager.incomplete():
-        raise ValueError(f"model: routed experts incomplete in the checkpoint for {', '.join(stager.incomplete()[:3])}")
+    return notes.report(source.format)
 
 
-def _load_fused(entries: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
+def _load_fused(entries: list[tuple[nn.Module, str, torch.Tensor]]) -> list[nn.Module]:
     by_module: dict[int, dict[str, Any]] = defaultdict(dict)
     for module, attr, tensor in entries:
         by_module[id(module)]["module"] = module
@@ -186,6 +143,7 @@ def _load_fused(entries: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
         gate_up, down = parts["gate_up_proj"], parts["down_proj"]
         gate, up = gate_up.chunk(2, dim=1)
         parts["module"].load_weights(gate, up, down)
+    return [parts["module"] for parts in by_module.values()]
 
 
 def missing_tensors(model: nn.Module) -> list[str]:
@@ -196,28 +154,7 @@ def missing_tensors(model: nn.Module) -> list[str]:
 
 def read_layer_experts(model_path: Path, prefix: str, num_experts: int, first: int | None = None
                        ) -> tuple[torch.Tensor, ...]:
-    """One layer's routed experts straight from the checkpoint, stacked: gate, up [E, I, H], down [E, H, I]
-    (per-expert tensors, or the fused gate_up_proj / down_proj layout); with `first`, only experts [0, first)
-    (per-expert tensors past them are not read)."""
-    count = num_experts if first is None else min(first, num_experts)
-    from safetensors import safe_open
-
-    parts: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
-    fused: dict[str, torch.Tensor] = {}
-    for path in checkpoint_files(Path(model_path)):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if not name.startswith(prefix + "."):
-                    continue
-                expert = _PER_EXPERT.match(name)
-                if expert and expert.group(1) == prefix:
-                    if int(expert.group(2)) < count:
-                        parts[expert.group(3)][int(expert.group(2))] = f.get_tensor(name)
-                elif name in (f"{prefix}.gate_up_proj", f"{prefix}.down_proj"):
-                    fused[name.rpartition(".")[2]] = f.get_tensor(name)
-    if len(fused) == 2:
-        gate, up = fused["gate_up_proj"][:count].chunk(2, dim=1)
-        return gate, up, fused["down_proj"][:count]
-    if any(len(parts[w]) != count for w in ("gate_proj", "up_proj", "down_proj")):
-        raise ValueError(f"model: routed experts incomplete in the checkpoint for {prefix}")
-    return tuple(torch.stack([parts[w][e] for e in range(count)]) for w in ("gate_proj", "up_proj", "down_proj"))
+    """One layer's routed experts straight from the checkpoint, stacked as floats: gate, up [E, I, H], down
+    [E, H, I] (per-expert tensors, or the fused gate_up_proj / down_proj layout; FP8 blocks dequantized); with
+    `first`, only experts [0, first) (per-expert tensors past them are not read)."""
+    return SafetensorsSource(model_path).layer_experts(prefix, num_experts, first).dequantized()

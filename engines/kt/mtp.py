@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from engines.kt.attention import MLAAttention, StepBatch
-from engines.kt.loader import tensor_names
+from engines.checkpoints.source import tensor_names
 
 # the MTP layer's copies of the main model's embedding and LM head: the main model's own serve instead
 SHARED_COPIES = re.compile(r"^model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight$")

@@ -60,8 +60,11 @@ class OperatorOptions:
     # how many of each layer's experts (the first ones) the GPU keeps in its own memory (kt_gpu_resident_experts)
     gpu_resident_experts: int = 0
 
+    # what a rule naming no method asks for (expert_methods.default_method: FP8 for FP8 checkpoints)
+    default_method: str = DEFAULT_METHOD
+
     def method_for(self, requested: str | None) -> str:
-        wanted = normalize_method(requested or DEFAULT_METHOD, "method")
+        wanted = normalize_method(requested or self.default_method, "method")
         return self.methods.get(wanted, wanted)
 
 

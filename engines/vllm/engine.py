@@ -63,7 +63,7 @@ class VLLMEngine(Engine):
     def start(self) -> None:
         cfg = self.config
         started = time.perf_counter()
-        self._tokenizer = load_tokenizer(cfg.model_path, cfg.template)
+        self._tokenizer = load_tokenizer(cfg.model_path, cfg.template, cfg.trust_remote_code)
         self._token_text = TokenText(self._tokenizer)
         args = engine_args(cfg, self.options)
         check_model(cfg.model_path, lora=args.enable_lora)
