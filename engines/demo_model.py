@@ -117,6 +117,17 @@ def make_demo_model(out_dir: str | Path, seed: int = DEMO_SEED, **overrides) -> 
     return out
 
 
+def demo_writer(arch: str):
+    """The function writing a tiny random model of `arch` (a config.json model_type): (out_dir, seed) -> Path."""
+    if arch == "deepseek_v3":
+        return make_demo_model
+    if arch == "deepseek_v4":
+        from engines.demo_model_v4 import make_demo_model_v4
+
+        return make_demo_model_v4
+    raise ValueError(f"arch: no demo model for {arch!r} (deepseek_v3, deepseek_v4)")
+
+
 def default_demo_model_dir() -> Path:
     """Where the shared demo model lives: $KTSERVE_CACHE_DIR (or ~/.cache/ktserve) / demo-model-vN."""
     cache = os.environ.get("KTSERVE_CACHE_DIR") or Path.home() / ".cache" / "ktserve"
