@@ -58,7 +58,7 @@ def demo_config_v4(**overrides) -> dict:
         # heavily compressed (128)
         "compress_ratios": [0, 4, 128, 4],
         "sliding_window": 16,
-        "index_n_heads": 2,
+        "index_n_heads": 8,
         "index_head_dim": 64,
         "index_topk": 4,
         "hc_mult": 4,
@@ -66,7 +66,7 @@ def demo_config_v4(**overrides) -> dict:
         "hc_eps": 1e-6,
         "rms_norm_eps": 1e-6,
         "hidden_act": "silu",
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": 1048576,
         "rope_theta": 10000.0,
         "compress_rope_theta": 160000.0,
         "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
