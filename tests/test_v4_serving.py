@@ -25,11 +25,9 @@ OTHER_PROMPT = "Seventeen ravens sat on the fence behind the mill, and the mille
 
 
 @pytest.fixture(scope="module")
-def v4_dir(tmp_path_factory) -> Path:
-    from engines.demo_model_v4 import make_demo_model_v4
-
+def v4_dir(v4_model_dir) -> Path:
     require_kt_kernel()
-    return make_demo_model_v4(tmp_path_factory.mktemp("v4") / "tiny-v4")
+    return v4_model_dir
 
 
 @pytest.fixture(scope="module")
