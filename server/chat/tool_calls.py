@@ -179,3 +179,12 @@ def _is_json(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def tool_parser(markup: str):
+    """A fresh parser for a model's tool-call markup: "deepseek_v3" (V3/R1/V3.1) or "dsml" (V4)."""
+    if markup == "dsml":
+        from server.chat.tool_calls_dsml import DsmlToolParser
+
+        return DsmlToolParser()
+    return DeepSeekV3ToolParser()

@@ -67,7 +67,24 @@ class DeepseekV4Family(ModelFamily):
                            torch_threads=threads)
 
     def chat_encoder(self, model_path: Path, allow_checkpoint_code: bool = False) -> ChatEncoder | None:
-        return None
+        """The release's `encoding/encoding_dsv4.py` when the user allows running the model folder's code
+        (trust_remote_code), else our implementation of the same format."""
+        from engines.kt.families.deepseek_v4.chat import V4ChatFormat, checkpoint_encoder
+
+        if allow_checkpoint_code:
+            encoder = checkpoint_encoder(model_path)
+            if encoder is not None:
+                log.info("chat format: the checkpoint's encoding/encoding_dsv4.py (trust_remote_code)")
+                return encoder
+        elif (model_path / "encoding" / "encoding_dsv4.py").is_file():
+            log.info("chat format: ktserve's DeepSeek-V4 encoder (the model folder's encoding/encoding_dsv4.py "
+                     "runs only with trust_remote_code)")
+        return V4ChatFormat()
+
+    def install_chat_encoder(self, tokenizer: Any, encoder: ChatEncoder) -> None:
+        from engines.kt.families.deepseek_v4.chat import install
+
+        install(tokenizer, encoder)
 
 
 def _build_rotary_tables(model: nn.Module, config: Any, device_of: Any) -> None:
