@@ -10,8 +10,8 @@ import pytest
 from engines.kt.families.deepseek_v4.chat import (ASSISTANT, BOS, EOS, THINK_END, THINK_START, USER, V4ChatFormat,
                                                   checkpoint_encoder, render_tool_calls)
 from server.chat.tool_calls_dsml import DsmlToolParser
-from tests.conftest import start_server
-from tests.helpers import require_kt_kernel
+from conftest import start_server
+from helpers import require_kt_kernel
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                             "parameters": {"type": "object",

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engines.checkpoints import mxfp4
-from tests.helpers import require_kt_kernel
+from helpers import require_kt_kernel
 
 
 def shard_tensors(model_dir) -> dict[str, torch.Tensor]:

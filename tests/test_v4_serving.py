@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import start_server
-from tests.helpers import require_kt_kernel
-from tests.v4_helpers import V4_LOGPROB_TOLERANCE, reference_logprobs, v4_reference_model
+from conftest import start_server
+from helpers import require_kt_kernel
+from v4_helpers import V4_LOGPROB_TOLERANCE, reference_logprobs, v4_reference_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = ("The old lighthouse keeper counted the ships that passed each night, writing their names in a "
