@@ -57,7 +57,7 @@ class DeepseekV4Family(ModelFamily):
         _build_rotary_tables(model, config, placement.device_of_param)
         load_v4_checkpoint(model, context.model_path, placement.device_of_param, dtype)
         model.eval()
-        details = {"attention_backend": "torch (transformers' DeepSeek-V4 modules)",
+        details = {"attention_backend": "torch (transformers' DeepSeek-V4 modules)", "cuda_graphs": "none (V4 runner)",
                    "v4_caches": "per sequence (transformers DynamicCache)"}
         for choice in choices.values():
             details.update(choice.describe())
