@@ -19,7 +19,7 @@ import torch
 
 from engines.checkpoints import mxfp4
 from engines.checkpoints.fp8 import quantize_blocks
-from engines.demo_model import DEMO_SEED, _write_json, _write_shards, _write_tokenizer
+from engines.demo_model import DEMO_SEED, write_model_dir
 
 # Gains as in the V3 demo (engines/demo_model.py explains them): sublayers add a fraction of the stream.
 _ATTN_GAIN = 0.5
@@ -84,15 +84,8 @@ def demo_config_v4(**overrides) -> dict:
 
 def make_demo_model_v4(out_dir: str | Path, seed: int = DEMO_SEED, **overrides) -> Path:
     """Write the tiny V4 into `out_dir` and return it; the same seed gives the same bytes."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     config = demo_config_v4(**overrides)
-    _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json",
-                {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
-    _write_shards(out, V4Weights(config, seed).all())
-    _write_tokenizer(out)
-    return out
+    return write_model_dir(out_dir, config, V4Weights(config, seed).all())
 
 
 class V4Weights:

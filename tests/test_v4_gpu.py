@@ -10,14 +10,13 @@ import pytest
 import torch
 
 from conftest import start_server
+from helpers import GPU_MEDIAN_LOGPROB_DIFF, GPU_MIN_TOP1_AGREEMENT
 from v4_helpers import reference_logprobs, v4_reference_model
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-# bf16 on the GPU for the non-expert model (float32 on the CPU path), as for the V3 demo model's GPU test.
-GPU_MIN_TOP1_AGREEMENT = 0.95
-GPU_MEDIAN_LOGPROB_DIFF = 0.1
+# bf16 on the GPU for the non-expert model (float32 on the CPU path): the V3 demo model's GPU thresholds
 TEXT = ("The history of the river begins in the mountains, where snow melts each spring and feeds a hundred "
         "small streams. They join in the valley, turn the old mills and slow down in the plain. ") * 3
 

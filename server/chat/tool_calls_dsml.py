@@ -20,7 +20,7 @@ import json
 import re
 
 from engines.base import marker_prefix_tail
-from server.chat.tool_calls import ToolCall, ToolCallDelta, ToolDelta, new_call_id
+from server.chat.tool_calls import IncrementalToolParser, ToolCall, ToolCallDelta, ToolDelta, new_call_id
 
 DSML = "｜DSML｜"
 BLOCK_BEGIN = f"<{DSML}tool_calls>"
@@ -31,7 +31,7 @@ _PARAM = re.compile(rf'<{DSML}parameter name="([^"<>\n]+)" string="(true|false)"
 MAX_INVOKE_CHARS = 1 << 20
 
 
-class DsmlToolParser:
+class DsmlToolParser(IncrementalToolParser):
     def __init__(self) -> None:
         self._state = "content"  # content | block | after | broken
         self._buf = ""
@@ -41,13 +41,6 @@ class DsmlToolParser:
     @property
     def well_formed(self) -> bool:
         return bool(self.calls) and self._state == "after"
-
-    def feed(self, text: str) -> ToolDelta:
-        out = ToolDelta()
-        self._buf += text
-        while self._step(out):
-            pass
-        return out
 
     def finish(self, cut: bool = False) -> ToolDelta:
         out = ToolDelta()
