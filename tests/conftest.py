@@ -133,6 +133,17 @@ def v4_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def v4_server(v4_model_dir) -> Iterator[RunningServer]:
+    """The tiny V4 served by the ktransformers engine on the CPU (MXFP4 experts), thinking parsed."""
+    from helpers import require_kt_kernel
+
+    require_kt_kernel()
+    running = start_server(v4_model_dir, engine="ktransformers", cpu_infer=1, reasoning_parser="deepseek_r1")
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="session")
 def tokenizer(demo_model_dir):
     from transformers import AutoTokenizer
 

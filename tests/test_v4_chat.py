@@ -10,8 +10,6 @@ import pytest
 from engines.kt.families.deepseek_v4.chat import (ASSISTANT, BOS, EOS, THINK_END, THINK_START, USER, V4ChatFormat,
                                                   checkpoint_encoder, render_tool_calls)
 from server.chat.tool_calls_dsml import DsmlToolParser
-from conftest import start_server
-from helpers import require_kt_kernel
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                             "parameters": {"type": "object",
@@ -125,21 +123,13 @@ def test_broken_dsml_markup_comes_back_as_content():
     assert not parser.calls and (out.content + tail.content).replace("\n", "") == text.replace("\n", "")
 
 
-@pytest.fixture(scope="module")
-def v4_chat_server(v4_model_dir):
-    require_kt_kernel()
-    running = start_server(v4_model_dir, engine="ktransformers", cpu_infer=1, reasoning_parser="deepseek_r1")
-    yield running
-    running.stop()
-
-
-def test_v4_thinking_chat_answers_in_reasoning_content_and_plain_chat_does_not(v4_chat_server):
-    client = v4_chat_server.openai()
+def test_v4_thinking_chat_answers_in_reasoning_content_and_plain_chat_does_not(v4_server):
+    client = v4_server.openai()
     messages = [{"role": "user", "content": "Say something."}]
-    thinking = client.chat.completions.create(model=v4_chat_server.engine.info.id, messages=messages, max_tokens=6,
+    thinking = client.chat.completions.create(model=v4_server.engine.info.id, messages=messages, max_tokens=6,
                                               temperature=0, extra_body={"chat_template_kwargs": {"thinking": True}},
                                               reasoning_effort="high")
-    plain = client.chat.completions.create(model=v4_chat_server.engine.info.id, messages=messages, max_tokens=6,
+    plain = client.chat.completions.create(model=v4_server.engine.info.id, messages=messages, max_tokens=6,
                                            temperature=0)
     assert getattr(thinking.choices[0].message, "reasoning_content", None)
     assert not getattr(plain.choices[0].message, "reasoning_content", None) and plain.choices[0].message.content

@@ -14,8 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import start_server
-from helpers import require_kt_kernel
 from v4_helpers import V4_LOGPROB_TOLERANCE, reference_logprobs, v4_reference_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,21 +23,8 @@ OTHER_PROMPT = "Seventeen ravens sat on the fence behind the mill, and the mille
 
 
 @pytest.fixture(scope="module")
-def v4_dir(v4_model_dir) -> Path:
-    require_kt_kernel()
-    return v4_model_dir
-
-
-@pytest.fixture(scope="module")
-def v4_server(v4_dir):
-    running = start_server(v4_dir, engine="ktransformers", cpu_infer=1)
-    yield running
-    running.stop()
-
-
-@pytest.fixture(scope="module")
-def v4_reference(v4_dir):
-    return v4_reference_model(v4_dir)
+def v4_reference(v4_model_dir):
+    return v4_reference_model(v4_model_dir)
 
 
 def complete(server, **kwargs):
@@ -95,10 +80,10 @@ def test_v4_two_requests_batched_together_equal_their_solo_runs(v4_server):
     assert together == solo
 
 
-def test_v4_on_the_avx2_build_logprobs_match_the_reference(v4_dir):
+def test_v4_on_the_avx2_build_logprobs_match_the_reference(v4_model_dir):
     """kt-kernel's avx2 build (AVX2MXFP4_MOE), in a child process: prompt chunks then decode steps."""
     env = {**os.environ, "KT_KERNEL_CPU_VARIANT": "avx2", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "tests.v4_helpers", str(v4_dir), "48"], cwd=ROOT, env=env,
+    out = subprocess.run([sys.executable, "-m", "tests.v4_helpers", str(v4_model_dir), "36"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     measured = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))

@@ -89,7 +89,7 @@ def _fold_devices(rules: list, rule_file: Path, strict: bool) -> dict[str, str]:
     return fold
 
 
-def _expert_methods(placement: Any, explicit: str | None, rule_file: Path, config: Any) -> dict[str, Any]:
+def expert_methods_for(placement: Any, explicit: str | None, rule_file: Path, config: Any) -> dict[str, Any]:
     """For each experts method the rules ask for: the MethodChoice that serves it (logged once each)."""
     from engines.kt.aliases import EXPERT_OPERATORS
     from engines.kt.expert_methods import DEFAULT_METHOD, ExpertShape, choose_method, cpu_variant, normalize_method
@@ -109,7 +109,7 @@ def _expert_methods(placement: Any, explicit: str | None, rule_file: Path, confi
     return choices
 
 
-def _torch_threads(cpu_infer: int | None, gpu: bool) -> int:
+def torch_thread_count(cpu_infer: int | None, gpu: bool) -> int:
     """torch's own CPU thread pool spins (OpenMP keeps idle threads busy ~200 ms) on the cores kt-kernel's
     workers run on: small torch ops took 10 ms instead of 0.15 ms on the CPU box, and decode steps on the
     H200 box took a flat 216 ms instead of 34 ms. Without a GPU, torch gets the cores kt-kernel leaves.
@@ -159,7 +159,7 @@ class KTEngine(LLMEngine):
             model = AutoModelForCausalLM.from_config(config)
         placement = plan_placement(model, rules, default_device="cpu",
                                    fold=_fold_devices(rules, rule_file, kt.kt_strict_placement))
-        choices = _expert_methods(placement, kt.kt_method, rule_file, config)
+        choices = expert_methods_for(placement, kt.kt_method, rule_file, config)
         stream_experts = _streamed_expert_count(kt, model, config,
                                                 max(copy_bits(METHODS[c.method].bits) for c in choices.values()))
         options = OperatorOptions(max_tokens=cfg.chunk_size + cfg.max_concurrent, cpu_threads=kt.cpu_infer,
@@ -187,7 +187,7 @@ class KTEngine(LLMEngine):
         runner = KTModelRunner(model, devices, cache, max_len, flash=flash)
         cpu_experts, all_on_gpus = uses_cpu_experts(model), all(d.type == "cuda" for d in devices)
         if cpu_experts:
-            self.torch_threads = _torch_threads(kt.cpu_infer, all_on_gpus)
+            self.torch_threads = torch_thread_count(kt.cpu_infer, all_on_gpus)
             torch.set_num_threads(self.torch_threads)
         for streamer in options.streamers.active():
             if streamer.mapped is not None:

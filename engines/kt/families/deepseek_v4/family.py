@@ -37,7 +37,7 @@ class DeepseekV4Family(ModelFamily):
         return name.removeprefix("mtp.") if names.is_draft(name) else None
 
     def load(self, context: LoadContext) -> LoadedModel:
-        from engines.kt.engine import _expert_methods, _torch_threads
+        from engines.kt.engine import expert_methods_for, torch_thread_count
         from engines.kt.families.deepseek_v4.loader import load_v4_checkpoint
         from engines.kt.families.deepseek_v4.runner import V4ModelRunner
         from engines.kt.operators import OperatorOptions
@@ -47,7 +47,7 @@ class DeepseekV4Family(ModelFamily):
         config, kt = context.config, context.options
         model = self.build_model(config)
         placement = plan_placement(model, context.rules, default_device="cpu", fold=context.fold)
-        choices = _expert_methods(placement, kt.kt_method, context.rule_file, config)
+        choices = expert_methods_for(placement, kt.kt_method, context.rule_file, config)
         options = OperatorOptions(max_tokens=context.chunk_size + context.max_concurrent, cpu_threads=kt.cpu_infer,
                                   methods={m: c.method for m, c in choices.items()},
                                   checkpoint=str(context.model_path))
@@ -62,7 +62,7 @@ class DeepseekV4Family(ModelFamily):
         for choice in choices.values():
             details.update(choice.describe())
         cpu_experts = any(c.method for c in choices.values())
-        threads = _torch_threads(kt.cpu_infer, gpu) if cpu_experts else None
+        threads = torch_thread_count(kt.cpu_infer, gpu) if cpu_experts else None
         return LoadedModel(runner=V4ModelRunner(model, context.max_model_len), details=details,
                            torch_threads=threads)
 
