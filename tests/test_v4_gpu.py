@@ -10,13 +10,16 @@ import pytest
 import torch
 
 from conftest import start_server
-from helpers import GPU_MEDIAN_LOGPROB_DIFF, GPU_MIN_TOP1_AGREEMENT
+from helpers import GPU_MEDIAN_LOGPROB_DIFF
 from v4_helpers import reference_logprobs, v4_reference_model
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-# bf16 on the GPU for the non-expert model (float32 on the CPU path): the V3 demo model's GPU thresholds
+# bf16 for the non-expert model (float32 on the CPU path). The same model in bf16 on the CPU, 40 positions
+# (a 30-token chunk, then decode steps) against the float32 reference: median |dlogprob| 0.038, max 0.23, top-1
+# agreement 92.5%; hence the V3 demo model's median bound and a lower top-1 bound for 16 greedy tokens.
+V4_MIN_TOP1_AGREEMENT = 0.85
 TEXT = ("The history of the river begins in the mountains, where snow melts each spring and feeds a hundred "
         "small streams. They join in the valley, turn the old mills and slow down in the plain. ") * 3
 
@@ -55,7 +58,7 @@ def test_v4_greedy_decode_on_the_gpu_agrees_with_the_reference(v4_gpu, v4_model_
     full = ids + generated
     reference = reference_logprobs(v4_reference_model(v4_model_dir), full)
     agree = (reference[len(ids) - 1:len(full) - 1].argmax(-1) == torch.tensor(generated)).float().mean()
-    assert agree >= GPU_MIN_TOP1_AGREEMENT
+    assert agree >= V4_MIN_TOP1_AGREEMENT
 
 
 def test_v4_decodes_the_same_with_cuda_graphs_on_and_off(v4_model_dir, v4_gpu):

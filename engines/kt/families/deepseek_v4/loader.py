@@ -48,7 +48,9 @@ def load_v4_checkpoint(model: nn.Module, model_path: Path, device_of: Any, dtype
     """Put every tensor the model uses in place; ValueError naming what the checkpoint lacks or has extra."""
     config = model.config
     layers, num_experts = config.num_hidden_layers, config.n_routed_experts
-    float32 = float32_names(model)
+    # what transformers keeps in float32 whatever the model's dtype (hyper-connections, norms, sinks, position
+    # biases); its non-strict list (the compressors' projections) follows the model's dtype, as there
+    float32 = float32_names(model, strict_only=True)
     fp8_halves: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
     staged: dict[int, _Experts] = {}
     unexpected: list[str] = []
