@@ -24,7 +24,8 @@ def v4_reference_model(model_dir: Path):
 
     config = AutoConfig.from_pretrained(model_dir)
     tensors: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"].values())):
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    for shard in sorted(set(index["weight_map"].values())):
         tensors.update(load_file(str(model_dir / shard)))
     state: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, str, int], torch.Tensor] = {}

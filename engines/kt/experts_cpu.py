@@ -36,8 +36,9 @@ from engines.kt.expert_streaming import ExpertStreamer, HostExperts, copy_bits, 
 from engines.kt.mapped_experts import OWNABLE_METHODS, decode_experts, owned_experts, resident_experts
 from engines.kt.mapped_experts import MAX_TOKENS as MAPPED_MAX_TOKENS
 from engines.kt.expert_methods import (CLAMPING_METHODS, METHODS, ExpertsUnsupportedError, check_llamafile_type,
-                                       default_pad_from, kernel_class, matrix_tokens, pads_to_matrix, quantize_fp8_blocks,
-                                       quantize_int4_groups, reads_in_place, sft_kernel_class, unavailable_reason)
+                                       default_pad_from, kernel_class, matrix_tokens, pads_to_matrix,
+                                       quantize_fp8_blocks, quantize_int4_groups, reads_in_place, sft_kernel_class,
+                                       unavailable_reason)
 from engines.kt.step_timing import ExpertEvents, HostTimes
 
 if TYPE_CHECKING:
