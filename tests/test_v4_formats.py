@@ -11,16 +11,7 @@ import torch.nn.functional as F
 
 from engines.checkpoints import mxfp4
 from helpers import require_kt_kernel
-
-
-def shard_tensors(model_dir) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
-    out: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(index["weight_map"].values())):
-        out.update(load_file(str(model_dir / shard)))
-    return out
+from v4_helpers import shard_tensors
 
 
 def test_mxfp4_round_trips_values_it_can_represent():

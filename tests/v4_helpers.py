@@ -16,17 +16,13 @@ V4_LOGPROB_TOLERANCE = 0.1
 
 def v4_reference_model(model_dir: Path):
     from kt_kernel.sft.deepseek_v4 import canonical_non_expert_key, dequantize_fp8_blocks
-    from safetensors.torch import load_file
     from transformers import AutoConfig
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4RotaryEmbedding
 
     from engines.checkpoints.mxfp4 import dequantize
 
     config = AutoConfig.from_pretrained(model_dir)
-    tensors: dict[str, torch.Tensor] = {}
-    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
-    for shard in sorted(set(index["weight_map"].values())):
-        tensors.update(load_file(str(model_dir / shard)))
+    tensors = shard_tensors(model_dir)
     state: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, str, int], torch.Tensor] = {}
     for name, tensor in tensors.items():
@@ -55,6 +51,17 @@ def v4_reference_model(model_dir: Path):
         if isinstance(module, DeepseekV4RotaryEmbedding):
             model.set_submodule(path, DeepseekV4RotaryEmbedding(config=config))
     return model.float().eval()
+
+
+def shard_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a sharded checkpoint, by its name as stored."""
+    from safetensors.torch import load_file
+
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    out: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        out.update(load_file(str(model_dir / shard)))
+    return out
 
 
 def reference_logprobs(model, token_ids: list[int]) -> torch.Tensor:
