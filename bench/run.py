@@ -85,7 +85,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, help="results folder (default: bench/results/<device>-<date>/)")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="v2-lite")
+    p.add_argument("--shape", choices=sorted([*SHAPES, "v4-flash"]), default="v2-lite",
+                   help="v4-flash: DeepSeek-V4-Flash's shape in its released layout (bench/v4_flash.py)")
+    p.add_argument("--v4-layers", type=int, help="v4-flash: layers to build (default: as many as disk and memory hold)")
     p.add_argument("--only", help=f"comma-separated phases to run, of: {','.join(PHASES)} (default: all)")
     p.add_argument("--quick", action="store_true", help="fewer tokens, prompt lengths and concurrency levels")
     p.add_argument("--model-dir", type=Path, help="where the random checkpoint lives (default: "
@@ -631,6 +633,10 @@ def main(argv: list[str] | None = None) -> int:
         hf_logging.disable_progress_bar()
     except ImportError:
         pass
+    if args.shape == "v4-flash":  # its own checkpoint writer and phases: bench/v4_flash.py
+        from bench.v4_flash import main as v4_flash
+
+        return v4_flash(args)
     return Bench(args, started).run()
 
 

@@ -124,8 +124,6 @@ def make_demo_model(out_dir: str | Path, seed: int = DEMO_SEED, fmt: str = "bf16
         raise ValueError(f"mtp: {mtp!r} is not one of {', '.join(MTP_KINDS)}")
     if fmt == "fp8":
         mtp = mtp or "random"
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     config = demo_config(**({"num_nextn_predict_layers": 1} if mtp else {}), **overrides)
     weights = _random_weights(config, seed)
     if mtp is not None:
@@ -133,12 +131,31 @@ def make_demo_model(out_dir: str | Path, seed: int = DEMO_SEED, fmt: str = "bf16
     if fmt == "fp8":
         config.update(quantization_config=FP8_QUANTIZATION)
         weights = fp8_release(weights)
+    return write_model_dir(out_dir, config, weights)
+
+
+def write_model_dir(out_dir: str | Path, config: dict, weights: dict[str, torch.Tensor]) -> Path:
+    """A Hugging Face model directory: config.json, generation_config.json, sharded safetensors with an index,
+    the DeepSeek tokenizer."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json",
                 {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
     _write_shards(out, weights)
     _write_tokenizer(out)
     return out
+
+
+def demo_writer(arch: str):
+    """The function writing a tiny random model of `arch` (a config.json model_type): (out_dir, seed) -> Path."""
+    if arch == "deepseek_v3":
+        return make_demo_model
+    if arch == "deepseek_v4":
+        from engines.demo_model_v4 import make_demo_model_v4
+
+        return make_demo_model_v4
+    raise ValueError(f"arch: no demo model for {arch!r} (deepseek_v3, deepseek_v4)")
 
 
 def default_demo_model_dir(mtp: str | None = None) -> Path:

@@ -15,6 +15,7 @@ from server.settings import ENV_VARS, KEY_ALIASES, Settings
 log = logging.getLogger("ktserve")
 
 DEMO_MODEL_NAME = "ktserve-demo"
+DEMO_ARCHS = ("deepseek_v3", "deepseek_v4")
 
 
 class _Pairs(argparse.Action):
@@ -111,9 +112,14 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def make_demo_model(args: argparse.Namespace) -> int:
-    from engines.demo_model import make_demo_model as make
+    from engines.demo_model import demo_writer
 
-    path = make(args.dir, seed=args.seed, fmt=args.format, mtp=args.mtp)
+    if args.arch != "deepseek_v3" and (args.format != "bf16" or args.mtp):
+        print(f"--format and --mtp apply to the deepseek_v3 demo; {args.arch} is written in its released layout",
+              file=sys.stderr)
+        return 2
+    options = {"fmt": args.format, "mtp": args.mtp} if args.arch == "deepseek_v3" else {}
+    path = demo_writer(args.arch)(args.dir, seed=args.seed, **options)
     print(path)
     return 0
 
@@ -122,8 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ktserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
-    demo = sub.add_parser("make-demo-model", help="write the tiny random-weight DeepSeek-V3 demo model")
+    demo = sub.add_parser("make-demo-model", help="write a tiny random-weight DeepSeek model (V3 by default)")
     demo.add_argument("dir")
+    demo.add_argument("--arch", default="deepseek_v3", choices=DEMO_ARCHS,
+                      help="deepseek_v3: the demo model; deepseek_v4: V4 in its released layout (FP8 + MXFP4)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--mtp", choices=("random", "last-layer"),
                       help="add a multi-token-prediction layer (for --speculative mtp): random, or a copy of the last "

@@ -125,6 +125,25 @@ def demo_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def v4_model_dir(tmp_path_factory) -> Path:
+    """A tiny random DeepSeek-V4 in the released layout (engines/demo_model_v4.py)."""
+    from engines.demo_model_v4 import make_demo_model_v4
+
+    return make_demo_model_v4(tmp_path_factory.mktemp("v4") / "tiny-v4")
+
+
+@pytest.fixture(scope="session")
+def v4_server(v4_model_dir) -> Iterator[RunningServer]:
+    """The tiny V4 served by the ktransformers engine on the CPU (MXFP4 experts), thinking parsed."""
+    from helpers import require_kt_kernel
+
+    require_kt_kernel()
+    running = start_server(v4_model_dir, engine="ktransformers", cpu_infer=1, reasoning_parser="deepseek_r1")
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="session")
 def tokenizer(demo_model_dir):
     from transformers import AutoTokenizer
 

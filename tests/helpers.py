@@ -44,6 +44,13 @@ async def with_peak_running(engine, work, timeout: float = 240) -> tuple[object,
         watcher.cancel()
 
 
+# On the GPU the whole non-expert model runs in bf16, adding its rounding to kt-kernel's. Measured on an H200
+# with demo-model-v3 against float32 transformers: median |dlogprob| 0.060, top-1 agreement 97.4% over 235
+# positions, 32 of 32 greedy tokens identical.
+GPU_MIN_TOP1_AGREEMENT = 0.95
+GPU_MEDIAN_LOGPROB_DIFF = 0.1
+
+
 def logprob_tolerance(engine) -> float:
     """How closely served logprobs must match transformers' float32 forward pass: the HF engine computes the
     same float32 ops; the KT engine's kt-kernel experts round activations to bf16 (0.4% relative error)."""

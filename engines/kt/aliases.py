@@ -28,7 +28,7 @@ OPERATORS = frozenset({MLA_ATTENTION, MOE_WITH_CPU_EXPERTS, ROUTED_EXPERTS_CPU})
 EXPERT_OPERATORS = frozenset({MOE_WITH_CPU_EXPERTS, ROUTED_EXPERTS_CPU})
 
 # kt-kernel weight formats, as our operators spell them.
-METHODS = frozenset({"AMXINT8", "AMXINT4", "BF16", "LLAMAFILE"})
+METHODS = frozenset({"AMXINT8", "AMXINT4", "BF16", "LLAMAFILE", "FP8", "MXFP4"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,9 @@ from engines.base import EngineConfig, ModelInfo, engine_options
 from engines.checkpoints.source import SafetensorsSource
 from engines.kt.cpuinfer import WorkerIsolation
 from engines.kt.expert_streaming import copy_bits, expert_copy_bytes, experts_within
-from engines.kt.expert_methods import METHODS, default_method, normalize_method, unavailable_reason
+from engines.kt.expert_methods import DEFAULT_METHOD, METHODS, default_method, normalize_method, unavailable_reason
+from engines.kt.families import FAMILIES, family_architectures, family_for
+from engines.kt.families.base import LoadContext, ModelFamily
 from engines.kt.experts_cpu import RoutedExpertsCPU
 from engines.kt.flashinfer_mla import attention_for
 from engines.kt.kv_cache import PAGE_TOKENS, LatentKVCache
@@ -49,21 +51,27 @@ DEFAULT_MAX_MODEL_LEN = 16384
 
 
 def architecture_config(model_path: Path) -> tuple[Any, str]:
-    """transformers' config of the architecture config.json names, and that name. The architecture decides, not
-    `model_type`: checkpoints of a served architecture under a model type of their own (Kimi-K2's kimi_k2 is a
-    DeepseekV3ForCausalLM) load as that architecture, without their remote code."""
+    """transformers' config of the model, and its architecture name. A family's model_type (engines/kt/families/)
+    loads its own config; otherwise the architecture decides, not `model_type`: checkpoints of a served
+    architecture under a model type of their own (Kimi-K2's kimi_k2 is a DeepseekV3ForCausalLM) load as that
+    architecture, without their remote code."""
     import transformers
 
     path = model_path / "config.json"
     raw = json.loads(path.read_text()) if path.is_file() else {}
     arch = (raw.get("architectures") or ["?"])[0]
+    if raw.get("model_type") in FAMILIES:
+        return transformers.AutoConfig.from_pretrained(model_path), arch
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"model: the ktransformers engine serves {', '.join(SUPPORTED_ARCHITECTURES)}; "
-                         f"{model_path} is {arch} (use the huggingface engine)")
+        served = ", ".join((*SUPPORTED_ARCHITECTURES, *family_architectures()))
+        raise ValueError(f"model: the ktransformers engine serves {served}; {model_path} is {arch} (use the "
+                         f"huggingface engine)")
     return getattr(transformers, SUPPORTED_ARCHITECTURES[arch]).from_pretrained(model_path), arch
 
 
-def default_rule_file(config: Any) -> str:
+def default_rule_file(config: Any, family: ModelFamily | None = None) -> str:
+    if family is not None:
+        return family.default_rule_file(config, _gpu_count())
     if not torch.cuda.is_available():
         return CPU_RULES
     if config.model_type == "deepseek_v3":
@@ -72,10 +80,10 @@ def default_rule_file(config: Any) -> str:
     return "DeepSeek-V2-Lite.yaml" if small else "DeepSeek-V2.yaml"
 
 
-def resolve_rule_file(name: str | None, config: Any) -> Path:
+def resolve_rule_file(name: str | None, config: Any, family: ModelFamily | None = None) -> Path:
     """The rule file: `name` as a path, else a shipped file of that name (LLaMA-Factory configs name theirs
     as `examples/kt_optimize_rules/<file>`), else the default for this machine and architecture."""
-    name = name or default_rule_file(config)
+    name = name or default_rule_file(config, family)
     for path in (Path(name), RULES_DIR / name, RULES_DIR / Path(name).name):
         if path.is_file():
             return path
@@ -104,8 +112,8 @@ def _fold_devices(rules: list, rule_file: Path, strict: bool) -> dict[str, str]:
     return fold
 
 
-def _expert_methods(placement: Any, explicit: str | None, rule_file: Path, config: Any, default: str
-                    ) -> dict[str, Any]:
+def expert_methods_for(placement: Any, explicit: str | None, rule_file: Path, config: Any,
+                       default: str = DEFAULT_METHOD) -> dict[str, Any]:
     """For each experts method the rules ask for (`default` where a rule names none): the MethodChoice that
     serves it (logged once each)."""
     from engines.kt.aliases import EXPERT_OPERATORS
@@ -126,7 +134,7 @@ def _expert_methods(placement: Any, explicit: str | None, rule_file: Path, confi
     return choices
 
 
-def _torch_threads(cpu_infer: int | None, gpu: bool) -> int:
+def torch_thread_count(cpu_infer: int | None, gpu: bool) -> int:
     """torch's own CPU thread pool spins (OpenMP keeps idle threads busy ~200 ms) on the cores kt-kernel's
     workers run on: small torch ops took 10 ms instead of 0.15 ms on the CPU box, and decode steps on the
     H200 box took a flat 216 ms instead of 34 ms. Without a GPU, torch gets the cores kt-kernel leaves.
@@ -156,19 +164,22 @@ class KTEngine(LLMEngine):
         started = time.perf_counter()
         model_path = Path(cfg.model_path)
         config, arch = architecture_config(model_path)
+        family = family_for(config)
         tokenizer = load_tokenizer(str(model_path), cfg.template, cfg.trust_remote_code, config)
         max_len = context_length(config, tokenizer, cfg.max_model_len)
         if cfg.max_model_len is None and max_len > DEFAULT_MAX_MODEL_LEN:
             log.info("serving a context of %d tokens (the model allows %d; raise it with kt_maxlen)",
                      DEFAULT_MAX_MODEL_LEN, max_len)
             max_len = DEFAULT_MAX_MODEL_LEN
+        rule_file = resolve_rule_file(kt.kt_optimize_rule, config, family)
+        rules = load_rules(rule_file)
+        if family is not None:
+            return self._load_family(family, config, tokenizer, max_len, rule_file, rules, started)
         draft_layer, no_draft = self._draft_layer(model_path, config)
         # the MTP layer is read only to draft with; then its copies of the embedding and LM head are not
         source = SafetensorsSource(model_path, config.num_hidden_layers + (draft_layer is not None),
                                    skip=mtp.SHARED_COPIES if draft_layer is not None else None)
         converted, explicit = self._converted_experts(config)
-        rule_file = resolve_rule_file(kt.kt_optimize_rule, config)
-        rules = load_rules(rule_file)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
             if draft_layer is not None:
@@ -176,7 +187,7 @@ class KTEngine(LLMEngine):
         placement = plan_placement(model, rules, default_device="cpu",
                                    fold=_fold_devices(rules, rule_file, kt.kt_strict_placement))
         default = default_method(source.experts_form)
-        choices = _expert_methods(placement, explicit, rule_file, config, default)
+        choices = expert_methods_for(placement, explicit, rule_file, config, default)
         stream_experts = _streamed_expert_count(kt, model, config,
                                                 max(copy_bits(METHODS[c.method].bits) for c in choices.values()))
         options = OperatorOptions(max_tokens=cfg.chunk_size + cfg.max_concurrent, cpu_threads=kt.cpu_infer,
@@ -215,7 +226,7 @@ class KTEngine(LLMEngine):
                                draft_unavailable=no_draft)
         cpu_experts, all_on_gpus = uses_cpu_experts(model), all(d.type == "cuda" for d in devices)
         if cpu_experts:
-            self.torch_threads = _torch_threads(kt.cpu_infer, all_on_gpus)
+            self.torch_threads = torch_thread_count(kt.cpu_infer, all_on_gpus)
             torch.set_num_threads(self.torch_threads)
         for streamer in options.streamers.active():
             if streamer.mapped is not None:
@@ -269,6 +280,32 @@ class KTEngine(LLMEngine):
                          created=int(time.time()), eos_token_ids=eos_token_ids(config, tokenizer, model_path),
                          vocab_size=config.vocab_size, details=details, checkpoint=storage)
         return runner, tokenizer, info
+
+    def _load_family(self, family: ModelFamily, config: Any, tokenizer: Any, max_len: int, rule_file: Path,
+                     rules: list, started: float) -> tuple[ModelRunner, Any, ModelInfo]:
+        """A model of a listed family (engines/kt/families/): the family loads it and brings its runner."""
+        cfg, kt = self.config, self.options
+        context = LoadContext(model_path=Path(cfg.model_path), config=config, rule_file=rule_file, rules=rules,
+                              max_model_len=max_len, max_concurrent=cfg.max_concurrent, chunk_size=cfg.chunk_size,
+                              dtype_setting=cfg.dtype, options=kt,
+                              fold=_fold_devices(rules, rule_file, kt.kt_strict_placement))
+        loaded = family.load(context)
+        encoder = family.chat_encoder(context.model_path, allow_checkpoint_code=cfg.trust_remote_code)
+        if encoder is not None and cfg.template is None:
+            family.install_chat_encoder(tokenizer, encoder)
+        if loaded.torch_threads is not None:
+            self.torch_threads = loaded.torch_threads
+            torch.set_num_threads(loaded.torch_threads)
+        log.info("loaded %s (%s family) with %s in %.1fs", context.model_path.name, family.name, rule_file.name,
+                 time.perf_counter() - started)
+        details = {"kt_optimize_rule": rule_file.name, "model_family": family.name, **loaded.details}
+        info = ModelInfo(id=model_id(cfg), max_model_len=max_len, architecture=family.architectures[0],
+                         engine=self.name, created=int(time.time()),
+                         eos_token_ids=eos_token_ids(config, tokenizer, context.model_path),
+                         vocab_size=config.vocab_size, details=details, checkpoint=loaded.checkpoint)
+        if loaded.checkpoint is not None:
+            log.info("checkpoint: %s; %s", loaded.checkpoint.format, loaded.checkpoint.summary())
+        return loaded.runner, tokenizer, info
 
     def stop(self) -> None:
         super().stop()

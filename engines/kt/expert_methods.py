@@ -15,10 +15,13 @@ What the builds of kt-kernel 0.7.2 export and compute (checked with the expert t
 | FP8       | e4m3, 128x128 block | AMXFP8_MOE                       | AVX2FP8_MOE      |
 | RAWINT4   | int4, groups of 32  | AMXInt4_KGroup_MOE               | AVX2RawInt4_MOE  |
 | LLAMAFILE | GGUF blocks         | MOE (Q8_0 and BF16 blocks)       | MOE (Q8_0 only)  |
+| MXFP4     | e2m1, UE8M0 per 32  | AMXFP4_KGroup_MOE                | AVX2MXFP4_MOE    |
 
 AMXINT8/AMXINT4/BF16 take bf16 weights and quantize inside kt-kernel; FP8 and RAWINT4 take weights we
 quantize on load (`quantize_fp8_blocks`, `quantize_int4_groups`), as kt-kernel's own loaders hand them
-over from FP8 / compressed-tensors checkpoints.
+over from FP8 / compressed-tensors checkpoints. MXFP4 is DeepSeek-V4's released expert format, read in place
+(`RoutedExpertsCPU.load_packed`; engines/checkpoints/mxfp4.py), or quantized to it on load from other weights.
+FP8 and MXFP4 are the methods whose kernels clamp the SwiGLU inputs (`swiglu_limit`, V4's routed experts).
 """
 from __future__ import annotations
 
@@ -62,7 +65,9 @@ METHODS: dict[str, ExpertMethod] = {m.name: m for m in (
     ExpertMethod("FP8", 8, ("AMXFP8_MOE", "AVX2FP8_MOE"), FP8_BLOCK, "fp8_blocks", None, True),
     ExpertMethod("RAWINT4", 4, ("AMXInt4_KGroup_MOE", "AVX2RawInt4_MOE"), 64, "int4_groups", None, True),
     ExpertMethod("LLAMAFILE", 8, ("MOE",), 256, "ggml", None, False),
+    ExpertMethod("MXFP4", 4, ("AMXFP4_KGroup_MOE", "AVX2MXFP4_MOE"), 32, "mxfp4", None, False),
 )}
+CLAMPING_METHODS = frozenset({"FP8", "MXFP4"})  # kernels honouring MOEConfig.swiglu_limit
 DEFAULT_METHOD = "AMXINT8"  # what a rule without `backend`/`method` asks for, as in KTransformers
 
 
@@ -85,6 +90,7 @@ FALLBACKS: dict[str, tuple[str, ...]] = {
     "RAWINT4": ("AMXINT4", "BF16"),
     "BF16": (),
     "LLAMAFILE": ("BF16", "FP8"),
+    "MXFP4": ("FP8",),
 }
 MEMORY_HEADROOM = 0.9  # of MemAvailable the routed experts may take
 # The kt-kernel classes that keep reading the weight tensors they were given, for as long as they live; every other
@@ -275,7 +281,8 @@ def choose_method(requested: str | None, *, explicit: str | None = None, source:
 
 
 _SPELLINGS = {"AMXINT8": "AMXINT8", "AMXINT4": "AMXINT4", "AMXBF16": "BF16", "BF16": "BF16", "FP8": "FP8",
-              "RAWINT4": "RAWINT4", "LLAMAFILE": "LLAMAFILE", "INT8": "AMXINT8", "INT4": "AMXINT4"}
+              "RAWINT4": "RAWINT4", "LLAMAFILE": "LLAMAFILE", "INT8": "AMXINT8", "INT4": "AMXINT4",
+              "MXFP4": "MXFP4"}
 
 
 def normalize_method(value: object, key: str) -> str:

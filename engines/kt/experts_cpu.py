@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engines.checkpoints import mxfp4
 from engines.kt.attention import layer_index
 from engines.kt.cpuinfer import check_thread_count, load_ext, shared_cpu_infer
 from engines.kt.expert_cache import LayerCache
@@ -34,9 +35,10 @@ from engines.kt.expert_deferral import Deferred, ExpertDeferral, check_deferred,
 from engines.kt.expert_streaming import ExpertStreamer, HostExperts, copy_bits, expert_copy_bytes
 from engines.kt.mapped_experts import OWNABLE_METHODS, decode_experts, owned_experts, resident_experts
 from engines.kt.mapped_experts import MAX_TOKENS as MAPPED_MAX_TOKENS
-from engines.kt.expert_methods import (METHODS, ExpertsUnsupportedError, check_llamafile_type, default_pad_from,
-                                       kernel_class, matrix_tokens, pads_to_matrix, quantize_fp8_blocks,
-                                       quantize_int4_groups, reads_in_place, sft_kernel_class, unavailable_reason)
+from engines.kt.expert_methods import (CLAMPING_METHODS, METHODS, ExpertsUnsupportedError, check_llamafile_type,
+                                       default_pad_from, kernel_class, matrix_tokens, pads_to_matrix,
+                                       quantize_fp8_blocks, quantize_int4_groups, reads_in_place, sft_kernel_class,
+                                       unavailable_reason)
 from engines.kt.step_timing import ExpertEvents, HostTimes
 
 if TYPE_CHECKING:
@@ -158,6 +160,11 @@ class _GPUPending:
     deferred: None = None
 
 
+def _quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    packed, exponents = mxfp4.quantize(weight)
+    return packed, mxfp4.scales_as_bf16(exponents)
+
+
 def _check_config(method: str, *, threads: int | None, activation: str, llamafile_type: str,
                   **sizes: int) -> None:
     """ValueError (ExpertsUnsupportedError for the method) naming whatever the arguments get wrong."""
@@ -202,7 +209,8 @@ class RoutedExpertsCPU(nn.Module):
                  checkpoint: str | None = None, staging: SharedStaging | None = None, deferred: Any = 0,
                  deferral: ExpertDeferral | None = None, streamer: ExpertStreamer | None = None,
                  stream_tokens: int = 0, stream_experts: int | None = None, pad_from: int | None = None,
-                 owned_experts: int = 0, read_experts: int | None = 0, resident_experts: int = 0):
+                 owned_experts: int = 0, read_experts: int | None = 0, resident_experts: int = 0,
+                 swiglu_limit: float = 0.0):
         super().__init__()
         method = str(method).upper()
         _check_config(method, layer_idx=layer_idx, num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
@@ -210,6 +218,12 @@ class RoutedExpertsCPU(nn.Module):
                       threads=threads, llamafile_type=llamafile_type,
                       **({} if pad_from is None else {"pad_from": pad_from}))
         self.layer_idx, self.num_experts, self.top_k = layer_idx, num_experts, top_k
+        if swiglu_limit and method not in CLAMPING_METHODS:
+            raise ExpertsUnsupportedError(
+                f"experts method {method}: these experts clamp their SwiGLU inputs (swiglu_limit={swiglu_limit}), "
+                f"which kt-kernel computes only with {', '.join(sorted(CLAMPING_METHODS))}")
+        # gate and up are clamped to [-limit, limit] (gate above only) before the activation; 0: not clamped
+        self.swiglu_limit = float(swiglu_limit)
         self.hidden_size, self.intermediate_size, self.method = hidden_size, intermediate_size, method
         self.threads, self.max_tokens, self.llamafile_type = threads, max_tokens, llamafile_type
         self.chunk_tokens = -(-max_tokens // _TOKEN_BLOCK) * _TOKEN_BLOCK
@@ -303,7 +317,8 @@ class RoutedExpertsCPU(nn.Module):
                    (MAPPED_MAX_TOKENS + 1 if owned else 0),
                    stream_experts=options.gpu_prefill_experts, pad_from=options.expert_pad_from,
                    streamer=options.streamers.for_device(torch.device(device)) if streams else None,
-                   owned_experts=owned, read_experts=options.gpu_read_experts, resident_experts=resident)
+                   owned_experts=owned, read_experts=options.gpu_read_experts, resident_experts=resident,
+                   swiglu_limit=float(getattr(config, "swiglu_limit", 0.0) or 0.0))
 
     # ------------------------------------------------------ what expert LoRA needs (engines/lora/cpu_experts.py)
     def sft_kernel(self) -> tuple[type, Any] | None:
@@ -423,6 +438,27 @@ class RoutedExpertsCPU(nn.Module):
                 cache.save_copies(self.streamer.layers[self.layer_idx], self.streamer.resident.get(self.layer_idx))
             cache.finish_save(self._gpu_weights, self.gpu_experts)
 
+    def load_packed(self, weights: dict[str, torch.Tensor]) -> None:
+        """Take this layer's experts in the method's own stored form, as a checkpoint ships them (V4's MXFP4:
+        "gate"/"up"/"down" packed E2M1 [E, n, k/2] and "<m>_scale" UE8M0 [E, n, k/32]); kt-kernel reads them
+        without a conversion. Layers whose GPU keeps or streams experts take `load_weights` instead."""
+        self._check_idle()
+        if METHODS[self.method].weights != "mxfp4":
+            raise ValueError(f"layer {self.layer_idx}: experts method {self.method} does not read packed weights")
+        if self.owned or self.gpu_experts or self.streamer is not None:
+            raise ValueError(f"layer {self.layer_idx}: packed experts cannot also be kept on the GPU")
+        E, I, H = self.num_experts, self.intermediate_size, self.hidden_size
+        prepared: dict[str, Any] = {}
+        for m, (n, k) in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
+            packed, scale = weights[m], weights[f"{m}_scale"]
+            if tuple(packed.shape) != (E, n, k // 2) or tuple(scale.shape) != (E, n, k // mxfp4.GROUP):
+                raise ValueError(f"{m} experts of layer {self.layer_idx}: packed {tuple(packed.shape)} / scale "
+                                 f"{tuple(scale.shape)}, expected ({E}, {n}, {k // 2}) / ({E}, {n}, "
+                                 f"{k // mxfp4.GROUP})")
+            prepared[m] = packed.view(torch.uint8).contiguous()
+            prepared[f"{m}_scale"] = mxfp4.scales_as_bf16(scale)
+        self._build_kernel(prepared)
+
     def load_quantized(self, cache_dir: str | os.PathLike) -> bool:
         """Load the form `load_weights(..., cache_dir=...)` wrote; False (nothing loaded) when there is no
         complete cache for this layer, method, shape, kt-kernel build and set of hot experts."""
@@ -494,7 +530,8 @@ class RoutedExpertsCPU(nn.Module):
             return {"gate": gate, "up": up, "down": down}
         if form == "ggml":
             return {m: _to_ggml_blocks(t, self.llamafile_type) for m, t in (("gate", gate), ("up", up), ("down", down))}
-        quantize = quantize_fp8_blocks if form == "fp8_blocks" else quantize_int4_groups
+        quantize = {"fp8_blocks": quantize_fp8_blocks, "int4_groups": quantize_int4_groups,
+                    "mxfp4": _quantize_mxfp4}[form]
         out: dict[str, Any] = {}
         for m, t in (("gate", gate), ("up", up), ("down", down)):
             parts = [quantize(expert) for expert in t]
@@ -522,13 +559,14 @@ class RoutedExpertsCPU(nn.Module):
                 setattr(config, f"{m}_projs", [[t.data_ptr() for t in weights[m]]])
                 setattr(config, f"{m}_scales", [[t.data_ptr() for t in weights[f"{m}_scale"]]])
             config.load = True
-        elif form in ("fp8_blocks", "int4_groups"):
+        elif form in ("fp8_blocks", "int4_groups", "mxfp4"):
             # one pointer per expert, as kt-kernel's native loaders pass checkpoint tensors
             for m in ("gate", "up", "down"):
                 setattr(config, f"{m}_projs", [[weights[m][e].data_ptr() for e in range(self.kernel_experts)]])
                 setattr(config, f"{m}_scales", [[weights[f"{m}_scale"][e].data_ptr()
                                                  for e in range(self.kernel_experts)]])
             fp8 = form == "fp8_blocks"
+            config.swiglu_limit = self.swiglu_limit
             config.quant_config.bits = 8 if fp8 else 4
             config.quant_config.group_size = 128 if fp8 else self.hidden_size // weights["gate_scale"].shape[2]
             config.quant_config.zero_point = False

@@ -80,10 +80,11 @@ def _assign(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
         module._parameters[name] = nn.Parameter(tensor, requires_grad=False)
 
 
-def float32_names(model: nn.Module) -> re.Pattern | None:
+def float32_names(model: nn.Module, strict_only: bool = False) -> re.Pattern | None:
     """The parameters transformers keeps in float32 whatever the model's dtype (the class's
-    `_keep_in_fp32_modules[_strict]`: DeepSeek's router weights), as a pattern over parameter names."""
-    keep = [*(getattr(model, "_keep_in_fp32_modules", None) or []),
+    `_keep_in_fp32_modules[_strict]`: DeepSeek's router weights), as a pattern over parameter names;
+    `strict_only`: only the strict list (where the other one follows a bf16 model's dtype, as V4's does)."""
+    keep = [*([] if strict_only else getattr(model, "_keep_in_fp32_modules", None) or []),
             *(getattr(model, "_keep_in_fp32_modules_strict", None) or [])]
     if not keep:
         return None

@@ -48,10 +48,12 @@ def render_prompt_now(engine: Engine, req: ChatCompletionRequest, force_think: b
     tokenizer = engine.tokenizer
     offered = req.effective_tool_choice != "none" and req.tools
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if offered else None
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
     try:
         text = tokenizer.apply_chat_template(template_messages(req), tools=tools, tokenize=False,
-                                             add_generation_prompt=req.add_generation_prompt,
-                                             **(req.chat_template_kwargs or {}))
+                                             add_generation_prompt=req.add_generation_prompt, **kwargs)
     except Exception as exc:  # jinja raises TemplateError (and others) for conversations it rejects
         raise InvalidRequestError(f"the chat template cannot render these messages: {exc}",
                                   param="messages") from None

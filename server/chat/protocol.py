@@ -109,6 +109,9 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # how hard a thinking model reasons, for chat formats that take it (DeepSeek-V4: "high" / "max"; "low" and
+    # "medium" are its default); passed to the chat format as the `reasoning_effort` keyword
+    reasoning_effort: Literal["low", "medium", "high", "max"] | None = None
 
     @field_validator("messages")
     @classmethod

@@ -17,7 +17,7 @@ from server.chat.constraints import request_grammar
 from server.chat.output import ChatDelta, ChatOutputParser, ChatReply, join_deltas
 from server.chat.prompt import Prompt, render_prompt
 from server.chat.protocol import ChatCompletionRequest, NamedToolChoice
-from server.chat.tool_calls import DeepSeekV3ToolParser
+from server.chat.tool_calls import tool_parser
 from server.errors import APIError
 from server.protocol import check_max_tokens, usage
 from server.reasoning import THINK_END, THINK_START, check_reasoning_parser, reasoning_parser
@@ -64,13 +64,14 @@ class ChatPlan:
     starts_in_reasoning: bool
     parse_tools: bool
     named_tool: bool = False  # tool_choice names the function to call
+    tool_format: str = "deepseek_v3"  # the model's tool-call markup: its tokenizer's `tool_call_format`
 
     def output_parser(self) -> ChatOutputParser:
         reasoning = reasoning_parser(self.options.reasoning_parser, self.starts_in_reasoning)
         # without a parser, a reply whose thinking the server opened still shows that opening
         prefix = THINK_START + "\n" if self.options.force_think and reasoning is None else ""
         # a call of the function the request named ends with "stop", as OpenAI and vLLM answer it
-        return ChatOutputParser(reasoning, DeepSeekV3ToolParser() if self.parse_tools else None, prefix,
+        return ChatOutputParser(reasoning, tool_parser(self.tool_format) if self.parse_tools else None, prefix,
                                 calls_finish="stop" if self.named_tool else "tool_calls")
 
 
@@ -104,7 +105,8 @@ class ChatServing:
         plan = ChatPlan(new_id("chatcmpl"), req.model or engine.info.id, adapter, prompt.token_ids, params, options,
                         starts_in_reasoning=prompt.opens_reasoning,
                         parse_tools=req.effective_tool_choice != "none",
-                        named_tool=isinstance(req.effective_tool_choice, NamedToolChoice))
+                        named_tool=isinstance(req.effective_tool_choice, NamedToolChoice),
+                        tool_format=getattr(engine.tokenizer, "tool_call_format", "deepseek_v3"))
         grammar = request_grammar(req, engine.tokenizer)
         if grammar is not None:
             if options.reasoning_parser and prompt.opens_reasoning:  # constrain only after </think>

@@ -67,7 +67,23 @@ class ToolDelta:
     calls: list[ToolCallDelta] = field(default_factory=list)
 
 
-class DeepSeekV3ToolParser:
+class IncrementalToolParser:
+    """What the tool-call parsers share: text in, a state machine stepping over it until it needs more."""
+
+    _buf: str
+
+    def feed(self, text: str) -> ToolDelta:
+        out = ToolDelta()
+        self._buf += text
+        while self._step(out):
+            pass
+        return out
+
+    def _step(self, out: ToolDelta) -> bool:
+        raise NotImplementedError
+
+
+class DeepSeekV3ToolParser(IncrementalToolParser):
     def __init__(self) -> None:
         self._state = "content"  # content | between | header | args | after | broken
         self._buf = ""
@@ -79,13 +95,6 @@ class DeepSeekV3ToolParser:
         """Every call closed with JSON arguments, and the call block ended where it should."""
         return bool(self.calls) and self._state == "after" and all(
             c.complete and _is_json(c.arguments) for c in self.calls)
-
-    def feed(self, text: str) -> ToolDelta:
-        out = ToolDelta()
-        self._buf += text
-        while self._step(out):
-            pass
-        return out
 
     def finish(self, cut: bool = False) -> ToolDelta:
         """The end of the output: what is still held back is argument text inside a call, else content.
@@ -179,3 +188,12 @@ def _is_json(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def tool_parser(markup: str):
+    """A fresh parser for a model's tool-call markup: "deepseek_v3" (V3/R1/V3.1) or "dsml" (V4)."""
+    if markup == "dsml":
+        from server.chat.tool_calls_dsml import DsmlToolParser
+
+        return DsmlToolParser()
+    return DeepSeekV3ToolParser()

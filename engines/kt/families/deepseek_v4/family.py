@@ -1,0 +1,107 @@
+"""The DeepSeek-V4 family (V4-Flash, V4-Pro): what the KT engine's registry returns for `deepseek_v4`."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engines.kt.families.base import ChatEncoder, ExpertLayout, LoadContext, LoadedModel, ModelFamily
+from engines.kt.families.deepseek_v4 import names
+
+log = logging.getLogger("ktserve.engine.kt")
+
+
+class DeepseekV4Family(ModelFamily):
+    name = "deepseek_v4"
+    model_types = ("deepseek_v4",)
+    architectures = ("DeepseekV4ForCausalLM",)
+    expert_layout = ExpertLayout(pattern=names.EXPERT, projections=names.PROJECTIONS, format="mxfp4",
+                                 native_method="MXFP4")
+
+    def default_rule_file(self, config: Any, gpus: int) -> str:
+        return "DeepSeek-V4-Flash.yaml" if gpus else "DeepSeek-V4-CPU.yaml"
+
+    def build_model(self, config: Any) -> nn.Module:
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4ForCausalLM
+
+        with torch.device("meta"):
+            return DeepseekV4ForCausalLM(config)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        return None if names.EXPERT.match(name) else names.module_name(name)
+
+    def draft_names(self, name: str) -> str | None:
+        return name.removeprefix("mtp.") if names.is_draft(name) else None
+
+    def load(self, context: LoadContext) -> LoadedModel:
+        from engines.kt.engine import expert_methods_for, torch_thread_count
+        from engines.kt.families.deepseek_v4.loader import load_v4_checkpoint
+        from engines.kt.families.deepseek_v4.runner import V4ModelRunner
+        from engines.kt.operators import OperatorOptions
+        from engines.kt.rules import apply_placement, plan_placement
+        from engines.base import CheckpointStorage
+        from engines.checkpoints.source import dtype_name
+        from engines.model_files import resolve_dtype
+
+        config, kt = context.config, context.options
+        model = self.build_model(config)
+        placement = plan_placement(model, context.rules, default_device="cpu", fold=context.fold)
+        choices = expert_methods_for(placement, kt.kt_method, context.rule_file, config,
+                                     self.expert_layout.native_method)
+        options = OperatorOptions(max_tokens=context.chunk_size + context.max_concurrent, cpu_threads=kt.cpu_infer,
+                                  methods={m: c.method for m, c in choices.items()},
+                                  checkpoint=str(context.model_path))
+        apply_placement(model, placement, config, options)
+        gpu = any(d.startswith("cuda") for d in placement.devices.values())
+        dtype = resolve_dtype(context.dtype_setting, torch.device("cuda" if gpu else "cpu"))
+        _build_rotary_tables(model, config, placement.device_of_param)
+        load_v4_checkpoint(model, context.model_path, placement.device_of_param, dtype)
+        model.eval()
+        details = {"attention_backend": "torch (transformers' DeepSeek-V4 modules)", "cuda_graphs": "none (V4 runner)",
+                   "v4_caches": "per sequence (transformers DynamicCache)"}
+        for choice in choices.values():
+            details.update(choice.describe())
+        cpu_experts = any(c.method for c in choices.values())
+        threads = torch_thread_count(kt.cpu_infer, gpu) if cpu_experts else None
+        methods = sorted({c.method for c in choices.values()})
+        experts = ", ".join(f"{m} in place" if m == self.expert_layout.native_method else f"{m} from MXFP4"
+                            for m in methods)
+        storage = CheckpointStorage("safetensors, DeepSeek-V4 release: FP8 e4m3 in 128x128 blocks (UE8M0 scales), "
+                                    "MXFP4 routed experts",
+                                    (("experts", experts), ("the rest", f"{dtype_name(dtype)} from FP8")))
+        return LoadedModel(runner=V4ModelRunner(model, context.max_model_len), details=details,
+                           torch_threads=threads, checkpoint=storage)
+
+    def chat_encoder(self, model_path: Path, allow_checkpoint_code: bool = False) -> ChatEncoder | None:
+        """The release's `encoding/encoding_dsv4.py` when the user allows running the model folder's code
+        (trust_remote_code), else our implementation of the same format."""
+        from engines.kt.families.deepseek_v4.chat import V4ChatFormat, checkpoint_encoder
+
+        if allow_checkpoint_code:
+            encoder = checkpoint_encoder(model_path)
+            if encoder is not None:
+                log.info("chat format: the checkpoint's encoding/encoding_dsv4.py (trust_remote_code)")
+                return encoder
+        elif (model_path / "encoding" / "encoding_dsv4.py").is_file():
+            log.info("chat format: ktserve's DeepSeek-V4 encoder (the model folder's encoding/encoding_dsv4.py "
+                     "runs only with trust_remote_code)")
+        return V4ChatFormat()
+
+    def install_chat_encoder(self, tokenizer: Any, encoder: ChatEncoder) -> None:
+        from engines.kt.families.deepseek_v4.chat import install
+
+        install(tokenizer, encoder)
+
+
+def _build_rotary_tables(model: nn.Module, config: Any, device_of: Any) -> None:
+    """The rotary tables are computed, not stored: rebuild every rotary module (the model's and each
+    compressor's) on its device; they were made on the meta device with the model."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+
+    for path, module in list(model.named_modules()):
+        if isinstance(module, DeepseekV4RotaryEmbedding):
+            with torch.device(device_of(f"{path}.main_inv_freq")):
+                model.set_submodule(path, DeepseekV4RotaryEmbedding(config=config))

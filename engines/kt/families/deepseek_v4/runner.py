@@ -1,0 +1,79 @@
+"""The V4 model runner: transformers' `DeepseekV4Model` (compressed sparse / heavily compressed attention,
+the lightning indexer, hyper-connections, hash and sqrtsoftplus routing) with the routed experts swapped for
+kt-kernel by the placement rules, and one V4 cache per sequence.
+
+Each sequence keeps its own `DynamicCache` of V4's cache layers (sliding-window keys, compressor buffers and
+compressed entries) in `seq.runner_state`; a step runs one forward per sequence in the step (a prompt chunk
+or one decode token) and the shared scheduler batches requests continuously around it. That is the simple
+correct form: the CPU experts see one sequence's tokens per call, and nothing is captured in CUDA graphs.
+Caches are not paged or bounded by a budget: a sliding window of `sliding_window` positions plus one
+compressed entry per 4 (CSA) or 128 (HCA) positions per layer, freed when the request ends."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engines.runtime.model_runner import ModelRunner, ScheduledChunk
+from engines.runtime.sequence import Sequence
+
+
+class V4ModelRunner(ModelRunner):
+    chunked_prefill = True
+
+    def __init__(self, model: nn.Module, max_model_len: int):
+        from transformers.cache_utils import DynamicCache
+
+        self.model = model
+        self.config = model.config
+        self.max_model_len = max_model_len
+        self.device = model.model.embed_tokens.weight.device
+        self.head_device = model.lm_head.weight.device
+        self._new_cache = lambda: DynamicCache(config=self.config)
+        self._live = 0  # sequences holding a cache
+
+    def _cache(self, seq: Sequence) -> Any:
+        if seq.runner_state is None:
+            seq.runner_state = self._new_cache()
+            self._live += 1
+        return seq.runner_state
+
+    @torch.inference_mode()
+    def _hidden(self, cache: Any, token_ids: list[int], start: int, end: int) -> torch.Tensor:
+        """Final (hc-collapsed, normed) hidden states of positions [start, end), extending `cache`."""
+        ids = torch.tensor([token_ids[start:end]], device=self.device)
+        positions = torch.arange(start, end, device=self.device)[None]
+        out = self.model.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
+        return out.last_hidden_state[0]
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
+        logits: list[torch.Tensor | None] = []
+        for chunk in chunks:
+            hidden = self._hidden(self._cache(chunk.seq), chunk.seq.token_ids, chunk.start, chunk.end)
+            if chunk.all_logits:
+                rows = hidden
+            elif chunk.samples:
+                rows = hidden[-1:]
+            else:
+                logits.append(None)
+                continue
+            logits.append(self.model.lm_head(rows.to(self.head_device)).float())
+        return logits
+
+    def release(self, seq: Sequence) -> None:
+        if seq.runner_state is not None:
+            seq.runner_state = None
+            self._live -= 1
+
+    def kv_usage(self) -> tuple[int, int]:
+        return 0, 0  # not a paged pool: no fixed capacity to report
+
+    def final_hidden_states(self, prompts: list[list[int]], adapter: str | None) -> list[torch.Tensor]:
+        if adapter is not None:
+            raise ValueError("adapter: the DeepSeek-V4 runner serves no adapters yet")
+        return [self._hidden(self._new_cache(), p, 0, len(p)).float().cpu() for p in prompts]
+
+    def close(self) -> None:
+        self.model = None  # type: ignore[assignment]
