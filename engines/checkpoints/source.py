@@ -165,6 +165,18 @@ def checkpoint_files(model_path: Path) -> list[Path]:
     return found
 
 
+def iter_tensors(files: list[Path], progress: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the shards, as stored, one at a time (model families with names of their own)."""
+    from safetensors import safe_open
+
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+        if progress is not None:
+            progress.update(1)
+
+
 def tensor_names(model_path: Path) -> set[str]:
     """Every tensor name of the checkpoint, from its index or its shards' headers (no tensor is read)."""
     from safetensors import safe_open
