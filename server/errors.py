@@ -144,6 +144,9 @@ BODY_PARSE_FAILED = "There was an error parsing the body"
 def unparsable_body(cause: BaseException | None) -> APIError:
     if isinstance(cause, APIError):  # refused by server.json_body.decode
         return cause
+    if isinstance(cause, RequestValidationError):  # a large body, validated off the loop (server.json_body)
+        message, param = _validation_message(cause)
+        return APIError(400, message, param=param)
     if isinstance(cause, RecursionError):
         return APIError(400, "the request body is nested too deeply to parse", code="invalid_json")
     if isinstance(cause, UnicodeDecodeError):

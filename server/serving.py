@@ -25,6 +25,8 @@ SHUTTING_DOWN = "the server is shutting down"  # said when a shutdown output car
 # Prompts at least this long are tokenized on a worker thread: the tokenizers library releases the GIL, so a
 # megabyte-sized prompt (seconds of tokenizing) does not stall every other request on the event loop.
 OFF_LOOP_CHARACTERS = 16_384
+# ...and so are this many texts or more, short or not: each costs a tenth of a millisecond of Python.
+OFF_LOOP_TEXTS = 32
 
 
 def new_id(prefix: str) -> str:
@@ -41,9 +43,20 @@ async def encode(tokenizer: Any, text: str, **kwargs: Any) -> list[int]:
 async def encode_all(tokenizer: Any, texts: list[str], **kwargs: Any) -> list[list[int]]:
     """`encode()` of each text; off the event loop, in one go, when they are long together (thousands of
     short texts block the loop as long as one long one)."""
-    if sum(map(len, texts)) < OFF_LOOP_CHARACTERS:
+    if len(texts) < OFF_LOOP_TEXTS and sum(map(len, texts)) < OFF_LOOP_CHARACTERS:
         return [tokenizer.encode(t, **kwargs) for t in texts]
     return await asyncio.to_thread(lambda: [tokenizer.encode(t, **kwargs) for t in texts])
+
+
+def decode_releasing_the_lock(tokenizer: Any, ids: list[int]) -> str:
+    """`tokenizer.decode(ids)` for a worker thread. The tokenizers library's `decode` holds the interpreter
+    lock while it runs (a million ids: about a second, the event loop stopped all along); its `decode_batch`
+    releases it. transformers adds only its space clean-up to the library's text, which is off for the
+    byte-level BPE tokenizers DeepSeek's models use; a tokenizer with it on keeps `decode`."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer.decode(ids)
+    return backend.decode_batch([ids], skip_special_tokens=False)[0]
 
 
 def resolve_adapter(engine: Engine, model: str | None) -> str | None:

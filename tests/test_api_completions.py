@@ -44,7 +44,8 @@ def test_echo_with_zero_max_tokens_scores_the_prompt(server, tokenizer, referenc
     reference = forward_logprobs(reference_model, ids)
     lp = reply.choices[0].logprobs
     assert reply.choices[0].text == PROMPT
-    # the BOS the server adds is not echoed: every echoed token is the client's text, scored given BOS
+    # the BOS the server puts before a text prompt is not echoed: the first entry is the text's first token,
+    # scored given the BOS (docs/reliability.md, lm-eval's slicing)
     assert ids[0] == tokenizer.bos_token_id and len(lp.token_logprobs) == len(ids) - 1
     for i in range(1, len(ids)):
         assert lp.token_logprobs[i - 1] == pytest.approx(float(reference[i - 1, ids[i]]),

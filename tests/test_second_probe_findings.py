@@ -247,23 +247,58 @@ def _health_during(server, request) -> list[float]:
     assert result["response"].status_code == 200, result["response"].text[:300]
     print(json.dumps({"health_during_request_s": {"count": len(latencies), "max": round(max(latencies), 4),
                                                    "median": round(sorted(latencies)[len(latencies) // 2], 4)}}))
-    return latencies
+    return result["response"]
 
 
 BIG_TEXT = "The quick brown fox jumps over the lazy dog. " * 60_000  # 2.7 M characters
+MANY_IDS = [1000 + i % 5000 for i in range(1_000_000)]
+SHORT_TEXT = "a short text to embed"
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/tokenize", {"prompt": BIG_TEXT, "return_token_strs": True}),
-    ("/detokenize", {"tokens": [1000 + i % 5000 for i in range(1_000_000)]}),
-    ("/api/embed", {"input": ["a short text to embed"] * 2048}),
+def _tokenized_as_the_tokenizer_does(answer: dict, tokenizer) -> None:
+    sentence = tokenizer.encode(BIG_TEXT[:90], add_special_tokens=False)  # two sentences
+    assert answer["count"] == len(answer["tokens"]) == len(answer["token_strs"]) > 500_000
+    assert answer["tokens"][1:1 + len(sentence) // 2] == sentence[:len(sentence) // 2]
+    assert answer["token_strs"][:100] == tokenizer.convert_ids_to_tokens(answer["tokens"][:100])
+
+
+def _detokenized_as_the_tokenizer_does(answer: dict, tokenizer) -> None:
+    assert answer["prompt"] == tokenizer.decode(MANY_IDS)
+
+
+def _embedded_alike(answer: dict, tokenizer) -> None:
+    """The same text 2,048 times: the same vector each time, up to the rounding of its place in a batch."""
+    vectors = answer["embeddings"]
+    assert len(vectors) == 2048 and all(len(v) == len(vectors[0]) for v in vectors)
+    assert all(map(math.isfinite, vectors[0]))
+    spread = max(abs(a - b) for v in vectors for a, b in zip(v, vectors[0]))
+    print(json.dumps({"embedding_spread": spread}))
+    assert spread < 1e-5
+
+
+@pytest.mark.parametrize("path,body,check", [
+    ("/tokenize", {"prompt": BIG_TEXT, "return_token_strs": True}, _tokenized_as_the_tokenizer_does),
+    ("/detokenize", {"tokens": MANY_IDS}, _detokenized_as_the_tokenizer_does),
+    ("/api/embed", {"input": [SHORT_TEXT] * 2048}, _embedded_alike),
 ], ids=["tokenize-2.7M-chars", "detokenize-1M-ids", "api-embed-2048"])
-def test_health_answers_many_times_while_one_heavy_request_is_handled(probe, path, body):
+def test_health_answers_many_times_while_one_heavy_request_is_handled(probe, path, body, check):
     if path == "/api/embed":
         body = {**body, "model": probe.engine.info.id}
-    latencies = _health_during(probe, lambda: post(probe, path, body))
-    # Each /health waits for the loop; a loop held for the whole request would answer it once or twice.
-    assert len(latencies) >= 5, latencies
+    content = json.dumps(body).encode()  # encoded before: the client shares the server's interpreter here
+    response = _health_during(probe, lambda: post(probe, path, content=content))
+    # A loop held for the whole request would answer /health once or twice; counted by the function above.
+    check(response.json(), probe.engine.tokenizer)
+
+
+def test_a_large_body_that_fails_validation_is_400_naming_the_item_as_a_small_one_is(probe):
+    """A body of 64 KiB or more is validated on a worker thread, a list of ids a slice at a time: the error
+    names the item by its index in the whole list, as validation of a small body does."""
+    small = post(probe, "/detokenize", {"tokens": [1, -1]})
+    large = post(probe, "/detokenize", content=json.dumps({"tokens": [1] * 99_999 + [-1]}).encode())
+    assert "greater than or equal to 0" in assert_error(small, 400, param="tokens[1]")["message"]
+    assert "greater than or equal to 0" in assert_error(large, 400, param="tokens[99999]")["message"]
+    too_many = post(probe, "/detokenize", content=json.dumps({"tokens": [1] * 1_000_001}).encode())
+    assert "at most 1000000" in assert_error(too_many, 400, param="tokens")["message"]
 
 
 # ------------------------------------------------------------------------------------ 8: real clients

@@ -16,7 +16,7 @@ from server.completions.protocol import CompletionRequest
 from server.errors import APIError
 from server.protocol import check_max_tokens, usage
 from server.serving import (
-    SSE, ChoiceHandle, Deadline, Event, StreamError, cancel_all, check_capacity, collect, encode, merged, new_id,
+    SSE, ChoiceHandle, Deadline, Event, StreamError, cancel_all, check_capacity, collect, encode_all, merged, new_id,
     resolve_adapter, stream_response, submit_choices, with_deadline,
 )
 from server.tracking import tracker_of
@@ -86,16 +86,24 @@ class CompletionServing:
         self.request_timeout = request_timeout
         self._prefix: list[int] | None = None
 
-    async def _tokenize(self, prompt: str | list[int], index: int) -> PromptIds:
+    async def _tokenize(self, prompts: list[str | list[int]]) -> list[PromptIds]:
+        """Each prompt's ids: the texts encoded together (off the loop when many or long), id lists checked."""
         tokenizer = self.engine.tokenizer
-        if isinstance(prompt, str):
-            if not prompt:
+        for index, prompt in enumerate(prompts):
+            if isinstance(prompt, str) and not prompt:
                 raise InvalidRequestError("the prompt is empty", param="prompt")
-            ids = await encode(tokenizer, prompt)
-            added = self._added_before_text()
-            return PromptIds(ids, len(added) if ids[:len(added)] == added else 0)
-        self.engine.check_token_ids(prompt, "prompt", f"prompt {index}")
-        return PromptIds(prompt)
+            if not isinstance(prompt, str):
+                self.engine.check_token_ids(prompt, "prompt", f"prompt {index}")
+        encoded = iter(await encode_all(tokenizer, [p for p in prompts if isinstance(p, str)]))
+        added = self._added_before_text()
+        out = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                ids = next(encoded)
+                out.append(PromptIds(ids, len(added) if ids[:len(added)] == added else 0))
+            else:
+                out.append(PromptIds(prompt))
+        return out
 
     def _added_before_text(self) -> list[int]:
         """The special tokens the tokenizer puts before a text (DeepSeek's BOS), found once."""
@@ -116,7 +124,7 @@ class CompletionServing:
         if req.suffix:
             raise InvalidRequestError("'suffix' is not supported by this server", param="suffix")
         candidates = check_best_of(req)
-        prompts = [await self._tokenize(p, i) for i, p in enumerate(req.prompts())]
+        prompts = await self._tokenize(req.prompts())
         check_capacity(engine, candidates * len(prompts), "best_of" if req.best_of else "n")
         limit = engine.info.max_model_len
         vocab = len(engine.tokenizer)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, NonNegativeInt, model_validator
+from pydantic import Field, model_validator
 
 from server.chat.protocol import ChatMessage, Tool
-from server.protocol import OpenAIRequest
+from server.protocol import OpenAIRequest, TokenIds
 
 
 class TokenizeRequest(OpenAIRequest):
@@ -32,4 +32,4 @@ class TokenizeRequest(OpenAIRequest):
 
 class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
-    tokens: list[NonNegativeInt] = Field(max_length=1_000_000)
+    tokens: TokenIds

@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
 from engines.base import check_token_ids
 from server.chat.prompt import render_prompt
 from server.chat.protocol import ChatCompletionRequest
-from server.json_body import CheckedJSONRoute
-from server.serving import resolve_adapter
+from server.json_body import CheckedJSONRoute, json_answer
+from server.serving import decode_releasing_the_lock, resolve_adapter
 from server.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 
 router = APIRouter(route_class=CheckedJSONRoute)
@@ -32,12 +31,11 @@ async def tokenize(body: TokenizeRequest, request: Request):
         text = body.prompt or ""
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
 
-    def answer() -> JSONResponse:  # a worker thread's work: megabytes of text give a million tokens
+    def answer() -> dict:  # a worker thread's work: megabytes of text give a million tokens
         tokens = tokenizer.encode(text, add_special_tokens=add_special)
-        return JSONResponse({"count": len(tokens), "max_model_len": engine.info.max_model_len, "tokens": tokens,
-                             "token_strs": tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs
-                             else None})
-    return await asyncio.to_thread(answer)
+        return {"count": len(tokens), "max_model_len": engine.info.max_model_len, "tokens": tokens,
+                "token_strs": tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None}
+    return await json_answer(await asyncio.to_thread(answer))
 
 
 @router.post("/detokenize")
@@ -46,10 +44,10 @@ async def detokenize(body: DetokenizeRequest, request: Request):
     resolve_adapter(engine, body.model)
     tokenizer = engine.tokenizer
 
-    def answer() -> JSONResponse:  # a worker thread's work: up to a million ids
+    def answer() -> dict:  # a worker thread's work: up to a million ids
         check_token_ids(body.tokens, len(tokenizer), "tokens")  # what the tokenizer can decode
-        return JSONResponse({"prompt": tokenizer.decode(body.tokens)})
-    return await asyncio.to_thread(answer)
+        return {"prompt": decode_releasing_the_lock(tokenizer, body.tokens)}
+    return await json_answer(await asyncio.to_thread(answer))
 
 
 @router.get("/tokenizer_info")
