@@ -4,6 +4,7 @@ the GPU beside the model. Replies equal those without drafting, with CUDA graphs
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -45,6 +46,9 @@ def test_greedy_replies_with_drafting_equal_the_replies_without_it_on_the_gpu(gr
     plain = start_server(ensure_demo_model(), **settings)
     try:
         expected = replies(plain)
+        # a batch's bf16 GEMMs round differently from one sequence's: drafting in a batch is held to the batch
+        expected_together = replies(plain, at_once=True)
+        print(json.dumps({"graphs": graphs, "plain_batch_equals_plain_solo": expected_together == expected}))
     finally:
         plain.stop()
     drafting = start_server(ensure_demo_model(mtp="last-layer"), speculative="mtp", **settings)
@@ -53,7 +57,7 @@ def test_greedy_replies_with_drafting_equal_the_replies_without_it_on_the_gpu(gr
         assert (runner.graphs is not None) == graphs
         assert runner.drafter.head.device.type == "cuda"
         assert replies(drafting) == expected
-        assert replies(drafting, at_once=True) == expected
+        assert replies(drafting, at_once=True) == expected_together
         stats = drafting.engine.stats()
         print(f"\ngraphs={graphs}: {stats.accepted_draft_tokens} of {stats.draft_tokens} draft tokens accepted")
         assert 0 < stats.accepted_draft_tokens < stats.draft_tokens
