@@ -28,6 +28,7 @@ from engines.kt.mapped_experts import triton_available
 from engines.kt.loader import load_checkpoint, missing_tensors
 from engines.kt.operators import OperatorOptions, fuse_rms_norms
 from engines.kt.options import KTOptions
+from engines.kt.gguf_checkpoint import gguf_details, open_gguf
 from engines.kt.runner import KTModelRunner, layer_devices, uses_cpu_experts
 from engines.model_files import context_length, eos_token_ids, load_tokenizer, model_id, resolve_dtype
 from engines.runtime.llm_engine import LLMEngine
@@ -85,19 +86,26 @@ def _fold_devices(rules: list, rule_file: Path, strict: bool) -> dict[str, str]:
     return fold
 
 
-def _expert_methods(placement: Any, explicit: str | None, rule_file: Path, config: Any) -> dict[str, Any]:
-    """For each experts method the rules ask for: the MethodChoice that serves it (logged once each)."""
+def _expert_methods(placement: Any, explicit: str | None, rule_file: Path, config: Any,
+                    gguf: Any = None) -> dict[str, Any]:
+    """For each experts method the rules ask for: the MethodChoice that serves it (logged once each). A GGUF
+    checkpoint's experts run as its blocks allow, whatever the rules ask (`choose_gguf_method`)."""
     from engines.kt.aliases import EXPERT_OPERATORS
-    from engines.kt.expert_methods import DEFAULT_METHOD, ExpertShape, choose_method, cpu_variant, normalize_method
+    from engines.kt.expert_methods import (DEFAULT_METHOD, ExpertShape, choose_gguf_method, choose_method,
+                                           cpu_variant, normalize_method)
 
     layers = [kwargs for rule, kwargs in placement.replacements.values() if rule.replace in EXPERT_OPERATORS]
     asked = {normalize_method(kwargs.get("method") or DEFAULT_METHOD, "method") for kwargs in layers}
     experts = getattr(config, "n_routed_experts", None) or config.num_experts
     shape = ExpertShape(config.hidden_size, config.moe_intermediate_size,
                         len(layers) * experts * 3 * config.hidden_size * config.moe_intermediate_size)
-    choices = {m: choose_method(m, explicit=explicit, source=f"rule file {rule_file.name}", shape=shape)
-               for m in sorted(asked)}
-    for choice in choices.values():
+    if gguf is not None:
+        choice = choose_gguf_method(set(gguf.expert_types()), explicit=explicit, shape=shape)
+        choices = dict.fromkeys(sorted(asked), choice)
+    else:
+        choices = {m: choose_method(m, explicit=explicit, source=f"rule file {rule_file.name}", shape=shape)
+                   for m in sorted(asked)}
+    for choice in dict.fromkeys(choices.values()):  # each once (a GGUF's serves every rule)
         if choice.reason:
             log.warning("experts: %s (kt-kernel build %s)", choice.reason, cpu_variant())
         else:
@@ -134,12 +142,13 @@ class KTEngine(LLMEngine):
         cfg, kt = self.config, self.options
         started = time.perf_counter()
         model_path = Path(cfg.model_path)
-        config = AutoConfig.from_pretrained(model_path)
+        gguf = open_gguf(model_path, kt.gguf_path)  # None: safetensors in model_path
+        config = gguf.config() if gguf else AutoConfig.from_pretrained(model_path)
         arch = (config.architectures or ["?"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"model: the ktransformers engine serves {', '.join(SUPPORTED_ARCHITECTURES)}; "
                              f"{model_path} is {arch} (use the huggingface engine)")
-        tokenizer = load_tokenizer(str(model_path), cfg.template)
+        tokenizer = gguf.tokenizer(cfg.template) if gguf else load_tokenizer(str(model_path), cfg.template)
         max_len = context_length(config, tokenizer, cfg.max_model_len)
         if cfg.max_model_len is None and max_len > DEFAULT_MAX_MODEL_LEN:
             log.info("serving a context of %d tokens (the model allows %d; raise it with kt_maxlen)",
@@ -151,7 +160,7 @@ class KTEngine(LLMEngine):
             model = AutoModelForCausalLM.from_config(config)
         placement = plan_placement(model, rules, default_device="cpu",
                                    fold=_fold_devices(rules, rule_file, kt.kt_strict_placement))
-        choices = _expert_methods(placement, kt.kt_method, rule_file, config)
+        choices = _expert_methods(placement, kt.kt_method, rule_file, config, gguf)
         stream_experts = _streamed_expert_count(kt, model, config,
                                                 max(copy_bits(METHODS[c.method].bits) for c in choices.values()))
         options = OperatorOptions(max_tokens=cfg.chunk_size + cfg.max_concurrent, cpu_threads=kt.cpu_infer,
@@ -165,7 +174,8 @@ class KTEngine(LLMEngine):
         dtype = resolve_dtype(cfg.dtype, torch.device("cuda" if gpu else "cpu"))
         load_checkpoint(model, model_path, placement.device_of_param, dtype, config.num_hidden_layers,
                         getattr(config, "n_routed_experts", None) or config.num_experts,
-                        weight_cache=self._weight_cache_dir(model_path))
+                        weight_cache=self._weight_cache_dir(gguf.files.first if gguf else model_path),
+                        tensors=gguf.tensors() if gguf else None)
         self._finish_model(model, config, placement)
         fused = fuse_rms_norms(model)
         if fused:
@@ -227,7 +237,9 @@ class KTEngine(LLMEngine):
             details["experts_deferred"] = str(max(layer.deferred for layer in runner.deferring))
         for choice in choices.values():
             details.update(choice.describe())
-        info = ModelInfo(id=model_id(cfg), max_model_len=max_len, architecture=arch, engine=self.name,
+        if gguf:
+            details.update(gguf_details(gguf, next(iter(choices.values())).method, dtype))
+        info = ModelInfo(id=cfg.model_name or gguf.name if gguf else model_id(cfg), max_model_len=max_len, architecture=arch, engine=self.name,
                          created=int(time.time()), eos_token_ids=eos_token_ids(config, tokenizer, model_path),
                          details=details)
         return runner, tokenizer, info

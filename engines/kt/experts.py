@@ -2,7 +2,7 @@
 
 `RoutedExpertsCPU` (experts_cpu.py: kt-kernel on the CPU, hot experts in torch on the GPU) implements it;
 which kt-kernel class serves a method is decided in one place, expert_methods.py. The loader fills a layer
-through `load_weights` / `load_quantized`; `MoEWithCPUExperts` (operators.py) drives it with `submit` and then
+through `load_weights` / `load_ggml` / `load_quantized`; `MoEWithCPUExperts` (operators.py) drives it with `submit` and then
 `wait`, so the shared experts run on the GPU in between; the runner's step timer reads `host_times` and
 `events` (step_timing.py), and expert deferral links the layers through `deferred` / `defer_into`
 (expert_deferral.py). Expert LoRA reaches a layer through the narrower `engines.lora.cpu_experts.CPUExperts`,
@@ -36,6 +36,10 @@ class RoutedExperts(Protocol):
                      cache_dir: str | os.PathLike | None = None) -> None:
         """The layer's experts as the checkpoint has them: gate/up [E, I, H], down [E, H, I]. With `cache_dir`,
         whatever the layer converted them to is saved there for `load_quantized`."""
+
+    def load_ggml(self, blocks: dict[str, tuple[torch.Tensor, str]]) -> bool:
+        """The layer's experts as a GGUF file stores them ({"gate" | "up" | "down": (uint8 blocks, ggml type)}),
+        read in place where the layer's kernel computes them; False (nothing loaded) where it does not."""
 
     def load_quantized(self, cache_dir: str | os.PathLike) -> bool:
         """Load what `load_weights(..., cache_dir=...)` saved; False when there is nothing usable."""

@@ -35,8 +35,9 @@ from engines.kt.expert_streaming import ExpertStreamer, HostExperts, copy_bits, 
 from engines.kt.mapped_experts import OWNABLE_METHODS, decode_experts, owned_experts, resident_experts
 from engines.kt.mapped_experts import MAX_TOKENS as MAPPED_MAX_TOKENS
 from engines.kt.expert_methods import (METHODS, ExpertsUnsupportedError, check_llamafile_type, default_pad_from,
-                                       kernel_class, matrix_tokens, pads_to_matrix, quantize_fp8_blocks,
-                                       quantize_int4_groups, reads_in_place, sft_kernel_class, unavailable_reason)
+                                       kernel_class, llamafile_computes, matrix_tokens, pads_to_matrix,
+                                       quantize_fp8_blocks, quantize_int4_groups, reads_in_place, sft_kernel_class,
+                                       unavailable_reason)
 from engines.kt.step_timing import ExpertEvents, HostTimes
 
 if TYPE_CHECKING:
@@ -210,6 +211,7 @@ class RoutedExpertsCPU(nn.Module):
         self.layer_idx, self.num_experts, self.top_k = layer_idx, num_experts, top_k
         self.hidden_size, self.intermediate_size, self.method = hidden_size, intermediate_size, method
         self.threads, self.max_tokens, self.llamafile_type = threads, max_tokens, llamafile_type
+        self._ggml_types = (llamafile_type,) * 3  # gate, up, down blocks as kt-kernel reads them (LLAMAFILE)
         self.chunk_tokens = -(-max_tokens // _TOKEN_BLOCK) * _TOKEN_BLOCK
         self.gpu_experts = self._check_gpu_experts(gpu_experts)
         self.gpu_device = torch.device(gpu_device)
@@ -363,6 +365,7 @@ class RoutedExpertsCPU(nn.Module):
             self._keep_gpu_weights(gate, up, down)
             self._keep_streamed_weights(gate, up, down)
             gate, up, down = (t[self.owned:].to("cpu", torch.bfloat16).contiguous() for t in (gate, up, down))
+            self._ggml_types = (self.llamafile_type,) * 3
             cache = self._cache(cache_dir) if cache_dir is not None and METHODS[self.method].cacheable else None
             if cache is not None:
                 cache.begin_save()
@@ -375,6 +378,27 @@ class RoutedExpertsCPU(nn.Module):
                     cache.save_copies(self.streamer.layers[self.layer_idx],
                                       self.streamer.resident.get(self.layer_idx))
                 cache.finish_save(self._gpu_weights, self.gpu_experts)
+
+    def load_ggml(self, blocks: dict[str, tuple[torch.Tensor, str]]) -> bool:
+        """Take this layer's experts as a GGUF file stores them, read in place by the LLAMAFILE kernel:
+        {"gate" | "up" | "down": (uint8 [E, rows, row bytes], ggml type name)}; the tensors (views of the mapped
+        file) are kept alive for as long as the kernel lives. False, with nothing loaded, where this layer cannot
+        read them so (another method, hot or GPU-side experts, a type this build does not compute correctly:
+        expert_methods.llamafile_computes); the caller then converts them through `load_weights`."""
+        self._check_idle()
+        types = tuple(blocks[m][1] for m in ("gate", "up", "down"))
+        if (self.method != "LLAMAFILE" or self.owned or self.gpu_experts or self.streamer is not None
+                or not all(llamafile_computes(t) for t in types)):
+            return False
+        E, I, H = self.num_experts, self.intermediate_size, self.hidden_size
+        for name, rows in (("gate", I), ("up", I), ("down", H)):
+            tensor = blocks[name][0]
+            if tensor.dtype != torch.uint8 or tuple(tensor.shape[:2]) != (E, rows):
+                raise ValueError(f"{name} blocks of layer {self.layer_idx} have shape {tuple(tensor.shape)} "
+                                 f"{tensor.dtype}, expected uint8 [{E}, {rows}, row bytes]")
+        self._ggml_types = types
+        self._build_kernel({m: blocks[m][0] for m in ("gate", "up", "down")})
+        return True
 
     def load_quantized(self, cache_dir: str | os.PathLike) -> bool:
         """Load the form `load_weights(..., cache_dir=...)` wrote; False (nothing loaded) when there is no
@@ -466,7 +490,7 @@ class RoutedExpertsCPU(nn.Module):
         form = METHODS[self.method].weights
         if form == "ggml":
             ggml = ext.kvcache.ggml_type
-            config.gate_type = config.up_type = config.down_type = getattr(ggml, self.llamafile_type)
+            config.gate_type, config.up_type, config.down_type = (getattr(ggml, t) for t in self._ggml_types)
             config.hidden_type = ggml.BF16
             # Batching settings as kt-kernel's own LlamafileMoEWrapper sets them.
             config.m_block, config.group_min_len, config.group_max_len = 32, 10, self.chunk_tokens

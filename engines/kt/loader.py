@@ -12,7 +12,7 @@ import logging
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -73,6 +73,17 @@ class ExpertStager:
             del self._parts[prefix]
             self._load(prefix, stacked["gate_proj"], stacked["up_proj"], stacked["down_proj"])
 
+    def add_layer(self, prefix: str, experts: Any) -> None:
+        """A whole layer's experts in a checkpoint's own blocks (engines/checkpoints/gguf: `GGUFExperts`): read in
+        place where the layer's kernel computes them, else dequantized and converted like any other."""
+        if prefix in self.loaded or self._from_cache(prefix):
+            return
+        module = self.model.get_submodule(prefix)
+        if isinstance(module, RoutedExperts) and module.load_ggml(experts.blocks()):
+            self.loaded.add(prefix)
+            return
+        self._load(prefix, *experts.dequantized())
+
     def _from_cache(self, prefix: str) -> bool:
         module = self.model.get_submodule(prefix)
         if self.weight_cache is None or not isinstance(module, RoutedExperts):
@@ -119,11 +130,14 @@ def float32_names(model: nn.Module) -> re.Pattern | None:
 
 
 def load_checkpoint(model: nn.Module, model_path: Path, device_of: Any, dtype: torch.dtype,
-                    num_layers: int, num_experts: int, weight_cache: Path | None = None) -> None:
-    """Stream every tensor to its place. `device_of(param_name)` gives the final device."""
+                    num_layers: int, num_experts: int, weight_cache: Path | None = None,
+                    tensors: Iterable[tuple[str, Any]] | None = None) -> None:
+    """Stream every tensor to its place. `device_of(param_name)` gives the final device. `tensors`: the
+    checkpoint's (name, tensor) pairs where they do not come from safetensors files in `model_path` (a GGUF
+    checkpoint's, which also gives each layer's routed experts whole: `ExpertStager.add_layer`)."""
     from tqdm import tqdm
 
-    files = checkpoint_files(model_path)
+    files = checkpoint_files(model_path) if tensors is None else []
     stager = ExpertStager(model, num_experts, dtype, device_of, weight_cache)
     unexpected: list[str] = []
     fused_experts = []
@@ -131,7 +145,10 @@ def load_checkpoint(model: nn.Module, model_path: Path, device_of: Any, dtype: t
     # its weight on every call (one more kernel per MoE layer and decode step on a GPU)
     float32 = float32_names(model)
     with tqdm(total=len(files), desc="loading shards", unit="shard", leave=False) as progress:
-        for name, tensor in iter_tensors(files, progress):
+        for name, tensor in iter_tensors(files, progress) if tensors is None else tensors:
+            if not isinstance(tensor, torch.Tensor):
+                stager.add_layer(name, tensor)
+                continue
             layer = _LAYER_KEY.match(name)
             if layer and int(layer.group(1)) >= num_layers:
                 continue  # e.g. DeepSeek-V3's multi-token-prediction layer, which serving does not use

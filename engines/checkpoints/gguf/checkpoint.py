@@ -1,0 +1,148 @@
+"""A GGUF checkpoint as the engines read it: its config, tokenizer and tensors under Hugging Face names, and
+what its parts are stored as.
+
+With `hf_dir` (KTransformers' `model_path` beside `gguf_path`), the config, tokenizer and generation config
+come from that folder; without it, from the GGUF metadata. Non-expert tensors are dequantized to float32 one
+at a time; each layer's routed experts come as one `GGUFExperts`, whose blocks a kernel may read in place
+(views of the memory-mapped file) or which dequantizes them for a conversion."""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from engines.checkpoints.gguf import deepseek2
+from engines.checkpoints.gguf.files import SPLIT_NAME, GGUFFiles
+
+log = logging.getLogger("ktserve.checkpoints.gguf")
+
+
+@dataclass
+class GGUFExperts:
+    """One layer's routed experts as the file stores them: gate/up [E, I, H], down [E, H, I] in ggml blocks."""
+
+    files: GGUFFiles
+    names: dict[str, str]  # "gate" | "up" | "down" -> GGUF tensor name
+
+    def types(self) -> dict[str, str]:
+        return {proj: self.files.type_name(name) for proj, name in self.names.items()}
+
+    def blocks(self) -> dict[str, tuple[torch.Tensor, str]]:
+        """{"gate" | "up" | "down": (uint8 [E, rows, row bytes] sharing the file's memory, ggml type name)}."""
+        return {proj: (self.files.tensor_bytes(name), self.files.type_name(name)) for proj, name in self.names.items()}
+
+    def dequantized(self, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """gate, up, down in `dtype`, dequantized one expert at a time (one expert's float32 temporaries)."""
+        from gguf.quants import dequantize
+
+        out = []
+        for proj in ("gate", "up", "down"):
+            tensor = self.files.tensors[self.names[proj]]
+            experts = [torch.from_numpy(np.asarray(dequantize(e, tensor.type), dtype=np.float32)).to(dtype)
+                       for e in tensor.data]
+            out.append(torch.stack(experts))
+        return out[0], out[1], out[2]
+
+
+class GGUFCheckpoint:
+    def __init__(self, path: str | Path, hf_dir: str | Path | None = None):
+        self.files = GGUFFiles.open(path)
+        self.hf_dir = Path(hf_dir) if hf_dir else None
+        arch = self.files.value("general.architecture")
+        if arch != deepseek2.ARCHITECTURE:
+            raise ValueError(f"model: {self.files.first} is a GGUF of architecture {arch!r}; ktserve serves "
+                             f"{deepseek2.ARCHITECTURE!r} GGUFs (DeepSeek V2, V2-Lite, V3, R1, V3.1)")
+        if self.hf_dir is not None and not (self.hf_dir / "config.json").is_file():
+            raise ValueError(f"model_path: {self.hf_dir} has no config.json (it should hold the original model's "
+                             "config and tokenizer files)")
+
+    @property
+    def name(self) -> str:
+        """The model's name: the first file's without the split suffix and extension."""
+        split = SPLIT_NAME.match(self.files.first.name)
+        return split["stem"] if split else self.files.first.stem
+
+    def _meta(self, key: str, default: Any = None) -> Any:
+        return self.files.value(f"{deepseek2.ARCHITECTURE}.{key}", default)
+
+    def config(self) -> Any:
+        from transformers import AutoConfig
+
+        if self.hf_dir is not None:
+            return AutoConfig.from_pretrained(self.hf_dir)
+        has_bias = any(n.endswith(".exp_probs_b.bias") for n in self.files.tensors)
+        fields = deepseek2.config_dict(self._meta, has_bias, len(self.files.value("tokenizer.ggml.tokens", [])))
+        fields["bos_token_id"] = self.files.value("tokenizer.ggml.bos_token_id")
+        fields["eos_token_id"] = self.files.value("tokenizer.ggml.eos_token_id")
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+    def tokenizer(self, template: str | None = None) -> Any:
+        if self.hf_dir is not None:
+            from engines.model_files import load_tokenizer
+
+            return load_tokenizer(str(self.hf_dir), template)
+        from engines.checkpoints.gguf.tokenizer import build_tokenizer
+
+        tokenizer = build_tokenizer(self.files.value, str(self.files.first))
+        if template:
+            from engines.templates import builtin_template
+
+            tokenizer.chat_template = builtin_template(template)
+        return tokenizer
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor | GGUFExperts]]:
+        """(checkpoint name, float32 tensor) for every non-expert tensor, ("model.layers.N.mlp.experts",
+        GGUFExperts) for each layer's routed experts; a tensor this architecture does not name comes under its
+        GGUF name (the loader reports it)."""
+        split_kv: dict[int, dict[str, str]] = {}
+        experts: dict[int, dict[str, str]] = {}
+        has_kv_b = {p[0] for n in self.files.tensors if (p := deepseek2.layer_part(n)) and p[1] == "attn_kv_b"}
+        for name in self.files.tensors:
+            part = deepseek2.layer_part(name)
+            if part and part[1] in deepseek2.EXPERT_TENSORS:
+                experts.setdefault(part[0], {})[deepseek2.EXPERT_TENSORS[part[1]]] = name
+                if len(experts[part[0]]) == 3:
+                    yield f"model.layers.{part[0]}.mlp.experts", GGUFExperts(self.files, experts.pop(part[0]))
+                continue
+            if part and part[1] in deepseek2.SPLIT_KV_B:
+                if part[0] in has_kv_b:
+                    continue  # the whole kv_b is there too
+                pair = split_kv.setdefault(part[0], {})
+                pair[part[1]] = name
+                if len(pair) == 2:
+                    kv_b = deepseek2.kv_b_from_split(self.files.dequantized(pair["attn_k_b"]),
+                                                     self.files.dequantized(pair["attn_v_b"]))
+                    yield f"model.layers.{part[0]}.self_attn.kv_b_proj.weight", torch.from_numpy(kv_b)
+                continue
+            yield deepseek2.hf_name(name) or name, torch.from_numpy(self.files.dequantized(name))
+        for layer in experts:
+            raise ValueError(f"model: layer {layer}'s routed experts are incomplete in {self.files.first.name} "
+                             f"(only {', '.join(experts[layer].values())})")
+
+    def expert_types(self) -> Counter:
+        """How many expert tensors are stored in each type."""
+        return Counter(self.files.type_name(n) for n in self.files.tensors
+                       if (p := deepseek2.layer_part(n)) and p[1] in deepseek2.EXPERT_TENSORS)
+
+    def _types_of(self, parts: tuple[str, ...]) -> str:
+        found = Counter(self.files.type_name(n) for n in self.files.tensors
+                        if (p := deepseek2.layer_part(n)) and p[1].startswith(parts))
+        return "/".join(t for t, _ in found.most_common()) or "none"
+
+    def storage(self, experts_method: str, dtype: torch.dtype) -> str:
+        """What each part is stored as and computed from, e.g. "experts Q4_K in place (llamafile); attention
+        bf16 from Q8_0"."""
+        types = "/".join(t for t, _ in self.expert_types().most_common())
+        experts = (f"experts {types} in place (llamafile)" if experts_method == "LLAMAFILE"
+                   else f"experts {experts_method} from {types} (converted at load)")
+        compute = str(dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float32", "fp32")
+        return f"{experts}; attention {compute} from {self._types_of(('attn_',))}"
+
+    def describe(self) -> str:
+        return (f"GGUF {deepseek2.ARCHITECTURE} ({len(self.files.parts)} file{'s' if len(self.files.parts) > 1 else ''}"
+                f"{', config and tokenizer from ' + str(self.hf_dir) if self.hf_dir else ''})")
