@@ -111,6 +111,17 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def make_demo_model(args: argparse.Namespace) -> int:
+    if args.format == "gguf":
+        from engines.checkpoints.gguf.writer import write_demo_gguf
+
+        try:
+            files = write_demo_gguf(args.dir, {"experts": args.gguf_type, "attention": args.gguf_other_type,
+                                               "other": args.gguf_other_type}, split=args.split, seed=args.seed)
+        except ValueError as exc:
+            print(f"ktserve: {exc}", file=sys.stderr)
+            return 2
+        print("\n".join(map(str, files)))
+        return 0
     from engines.demo_model import make_demo_model as make
 
     path = make(args.dir, seed=args.seed)
@@ -125,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("make-demo-model", help="write the tiny random-weight DeepSeek-V3 demo model")
     demo.add_argument("dir")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--format", choices=("safetensors", "gguf"), default="safetensors",
+                      help="a Hugging Face folder, or a llama.cpp deepseek2 GGUF (tokenizer and chat template inside)")
+    demo.add_argument("--gguf-type", default="Q8_0", help="GGUF: the routed experts' type (Q8_0, Q4_K, Q5_K, Q6_K, "
+                                                          "IQ4_XS, BF16, Q4_0, Q5_0, F16, F32; default Q8_0)")
+    demo.add_argument("--gguf-other-type", default="Q8_0", help="GGUF: the other weights' type (default Q8_0; "
+                                                                "norms and the router stay F32)")
+    demo.add_argument("--split", action="store_true", help="GGUF: write two files, -00001-of-00002 and -00002")
     try:
         from evaluation.cli import add_arguments as add_eval_arguments
     except ImportError:

@@ -130,8 +130,8 @@ class GGUFCheckpoint:
                        if (p := deepseek2.layer_part(n)) and p[1] in deepseek2.EXPERT_TENSORS)
 
     def _types_of(self, parts: tuple[str, ...]) -> str:
-        found = Counter(self.files.type_name(n) for n in self.files.tensors
-                        if (p := deepseek2.layer_part(n)) and p[1].startswith(parts))
+        found = Counter(t.type.name for n, t in self.files.tensors.items()  # matrices: norms stay F32
+                        if (p := deepseek2.layer_part(n)) and p[1].startswith(parts) and t.data.ndim > 1)
         return "/".join(t for t, _ in found.most_common()) or "none"
 
     def storage(self, experts_method: str, dtype: torch.dtype) -> str:
