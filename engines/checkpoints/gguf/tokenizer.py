@@ -32,7 +32,11 @@ def tokenizer_json(meta: Any, source: str) -> dict[str, Any]:
                          "folder (config.json and tokenizer files) as model_path beside gguf_path")
     tokens = list(meta("tokenizer.ggml.tokens"))
     types = list(meta("tokenizer.ggml.token_type", [NORMAL] * len(tokens)))
-    vocab = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind == NORMAL}
+    # every id in the model's vocabulary, added ones too: tokenizers numbers an added token it does not find
+    # there after the vocabulary, whatever id the JSON gives it
+    vocab: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        vocab.setdefault(token, i)
     added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
               "special": kind == CONTROL} for i, (t, kind) in enumerate(zip(tokens, types))
              if kind in (CONTROL, USER_DEFINED)]
