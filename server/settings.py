@@ -198,7 +198,7 @@ class Settings(BaseModel):
 
     @model_validator(mode="after")
     def _gguf_path_alone_is_the_model(self) -> "Settings":
-        """gguf_path without a model folder beside it: the GGUF is the model (config and tokenizer from its metadata)."""
+        """gguf_path without a model folder beside it: the GGUF is the model (config, tokenizer from its metadata)."""
         if self.gguf_path and not self.model:
             object.__setattr__(self, "model", self.gguf_path)
             object.__setattr__(self, "gguf_path", None)

@@ -112,7 +112,8 @@ def test_version_and_start_up_report_the_format_and_each_part_s_storage(q4k_serv
 
 def test_the_metadata_tokenizer_encodes_as_the_original(q4k_parts, tokenizer):
     rebuilt = GGUFCheckpoint(q4k_parts[0]).tokenizer()
-    for text in (TEXT, "数字 12345 和中文，ひらがな!", "<｜User｜>Hi<｜Assistant｜><think>\n", "  spaces\n\ttabs"):
+    texts = (TEXT, "数字 12345 和中文，ひらがな!", "<｜User｜>Hi<｜Assistant｜><think>\n", "  spaces\n\ttabs")
+    for text in texts:
         assert rebuilt.encode(text) == tokenizer.encode(text)
         assert rebuilt.decode(rebuilt.encode(text), skip_special_tokens=True) == tokenizer.decode(
             tokenizer.encode(text), skip_special_tokens=True)

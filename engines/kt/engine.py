@@ -239,7 +239,8 @@ class KTEngine(LLMEngine):
             details.update(choice.describe())
         if gguf:
             details.update(gguf_details(gguf, next(iter(choices.values())).method, dtype))
-        info = ModelInfo(id=cfg.model_name or gguf.name if gguf else model_id(cfg), max_model_len=max_len, architecture=arch, engine=self.name,
+        name = (cfg.model_name or gguf.name) if gguf else model_id(cfg)
+        info = ModelInfo(id=name, max_model_len=max_len, architecture=arch, engine=self.name,
                          created=int(time.time()), eos_token_ids=eos_token_ids(config, tokenizer, model_path),
                          details=details)
         return runner, tokenizer, info

@@ -302,8 +302,9 @@ def choose_gguf_method(types: set[str], *, explicit: str | None = None,
     choice = choose_method(wanted, source=f"GGUF {listed} experts", shape=shape)
     why = (f"kt-kernel's {cpu_variant()} llamafile kernel does not compute {'/'.join(slow)} in place" if slow
            else f"the llamafile kernel needs sizes that are multiples of {METHODS['LLAMAFILE'].size_multiple}")
+    detail = f" ({choice.reason})" if choice.reason else ""
     return MethodChoice(choice.method, "LLAMAFILE", f"{why}: {listed} experts are converted at load to "
-                                                    f"{choice.method}" + (f" ({choice.reason})" if choice.reason else ""))
+                                                    f"{choice.method}{detail}")
 
 
 _SPELLINGS = {"AMXINT8": "AMXINT8", "AMXINT4": "AMXINT4", "AMXBF16": "BF16", "BF16": "BF16", "FP8": "FP8",

@@ -76,6 +76,10 @@ class GGUFCheckpoint:
         if self.hf_dir is not None:
             return AutoConfig.from_pretrained(self.hf_dir)
         has_bias = any(n.endswith(".exp_probs_b.bias") for n in self.files.tensors)
+        if has_bias and self._meta("expert_group_count") is None:
+            log.warning("%s has no deepseek2.expert_group_count (written before llama.cpp recorded it): experts are "
+                        "routed without DeepSeek-V3's group limit, as llama.cpp then did; give model_path (the "
+                        "original config) to route with its groups", self.files.first.name)
         fields = deepseek2.config_dict(self._meta, has_bias, len(self.files.value("tokenizer.ggml.tokens", [])))
         fields["bos_token_id"] = self.files.value("tokenizer.ggml.bos_token_id")
         fields["eos_token_id"] = self.files.value("tokenizer.ggml.eos_token_id")

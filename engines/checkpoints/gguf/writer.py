@@ -80,10 +80,8 @@ def _gguf_tensors(hf_dir: Path, config: dict, kv_b: str) -> Iterator[tuple[str, 
     """(GGUF name, type group, float32 values) in llama.cpp's order: globals, then each layer."""
     from safetensors import safe_open
 
-    from engines.kt.loader import checkpoint_files
-
     weights: dict[str, torch.Tensor] = {}
-    for path in checkpoint_files(hf_dir):
+    for path in sorted(hf_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             weights.update({k: f.get_tensor(k) for k in f.keys()})
 
