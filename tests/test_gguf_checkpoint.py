@@ -122,6 +122,55 @@ def test_the_metadata_tokenizer_encodes_as_the_original(q4k_parts, tokenizer):
         tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def test_the_metadata_config_is_the_original_config(q4k_parts, demo_model_dir):
+    from transformers import AutoConfig
+
+    original, rebuilt = AutoConfig.from_pretrained(demo_model_dir), GGUFCheckpoint(q4k_parts[0]).config()
+    assert type(rebuilt) is type(original)
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                "first_k_dense_replace", "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "n_group",
+                "topk_group", "norm_topk_prob", "routed_scaling_factor", "num_attention_heads", "q_lora_rank",
+                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings",
+                "rope_parameters", "rms_norm_eps", "bos_token_id", "eos_token_id", "tie_word_embeddings"):
+        assert getattr(rebuilt, key) == pytest.approx(getattr(original, key)), key
+
+
+def test_experts_of_another_method_are_converted_from_the_blocks_and_cached(q4k_parts, tmp_path):
+    from engines.checkpoints.gguf import GGUFExperts
+    from engines.kt.expert_methods import best_method
+    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.loader import ExpertStager
+
+    checkpoint = GGUFCheckpoint(q4k_parts[0])
+    layer = next(t for name, t in checkpoint.tensors() if isinstance(t, GGUFExperts))
+    gate, up, down = layer.dequantized(torch.float32)
+    experts, hidden = gate.shape[0], gate.shape[2]
+
+    class Unreadable:  # what the second start must not need: the cache holds the converted experts
+        def blocks(self):
+            raise AssertionError("read the GGUF blocks again")
+
+        dequantized = blocks
+
+    def stage(cache, source) -> RoutedExpertsCPU:
+        module = RoutedExpertsCPU(layer_idx=1, num_experts=experts, top_k=4, hidden_size=hidden,
+                                  intermediate_size=gate.shape[1], method=best_method(8), max_tokens=16)
+        model = torch.nn.Module()
+        model.add_module("experts", module)
+        ExpertStager(model, experts, torch.float32, lambda name: "cpu", cache).add_layer("experts", source)
+        return module
+
+    x = torch.randn(6, hidden, generator=torch.Generator().manual_seed(0))
+    ids, weights = torch.arange(24).reshape(6, 4) % experts, torch.full((6, 4), 0.25)
+    expected = sum(0.25 * torch.stack([down[e] @ (torch.nn.functional.silu(gate[e] @ x[t]) * (up[e] @ x[t]))
+                                       for t, e in enumerate(ids[:, k])]) for k in range(4))
+    first = stage(tmp_path, layer)
+    assert first.method != "LLAMAFILE" and any(tmp_path.rglob("*"))
+    out = first(x, ids, weights).float()
+    assert float((out - expected).norm() / expected.norm()) < 0.05
+    assert torch.equal(stage(tmp_path, Unreadable())(x, ids, weights), first(x, ids, weights))
+
+
 def test_a_q8_gguf_beside_its_hf_folder_serves_on_the_avx2_build(tmp_path, demo_model_dir, tokenizer):
     # older GGUFs keep kv_b whole; KTransformers' model_path + gguf_path keys, as a user's YAML gives them
     [gguf] = write_demo_gguf(tmp_path, {"experts": "Q8_0"}, kv_b="whole")
