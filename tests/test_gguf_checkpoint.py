@@ -205,6 +205,23 @@ def test_a_gguf_of_another_architecture_is_refused_naming_the_file(tmp_path):
         start_server(path, engine="ktransformers")
 
 
+def test_a_tensor_type_that_cannot_be_read_is_named_with_its_tensor_and_file(tmp_path):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "odd-types.gguf"
+    writer = gguf.GGUFWriter(path, "deepseek2")
+    q8_k = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_K][1]
+    writer.add_tensor("blk.0.attn_q_a.weight", np.zeros((4, q8_k), dtype=np.uint8),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=f"tensor blk.0.attn_q_a.weight of {path.name} is stored as Q8_K, a type"):
+        list(GGUFCheckpoint(path).tensors())
+
+
 def test_a_missing_split_part_is_named(tmp_path, q4k_parts):
     shutil.copy(q4k_parts[0], tmp_path / q4k_parts[0].name)
     with pytest.raises(ValueError, match="split GGUF part demo-model-Q4_K-00002-of-00002.gguf is missing"):

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
 import torch
 
 from engines.checkpoints.gguf import deepseek2
@@ -38,14 +37,11 @@ class GGUFExperts:
 
     def dequantized(self, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """gate, up, down in `dtype`, dequantized one expert at a time (one expert's float32 temporaries)."""
-        from gguf.quants import dequantize
-
         out = []
         for proj in ("gate", "up", "down"):
-            tensor = self.files.tensors[self.names[proj]]
-            experts = [torch.from_numpy(np.asarray(dequantize(e, tensor.type), dtype=np.float32)).to(dtype)
-                       for e in tensor.data]
-            out.append(torch.stack(experts))
+            name = self.names[proj]
+            count = self.files.tensors[name].data.shape[0]
+            out.append(torch.stack([torch.from_numpy(self.files.dequantized(name, e)).to(dtype) for e in range(count)]))
         return out[0], out[1], out[2]
 
 

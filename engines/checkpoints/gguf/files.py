@@ -172,13 +172,15 @@ class GGUFFiles:
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(raw)
 
-    def dequantized(self, name: str) -> np.ndarray:
-        """The tensor as float32, whatever its type (the gguf package's dequantize reads every type it defines)."""
+    def dequantized(self, name: str, index: int | None = None) -> np.ndarray:
+        """The tensor (with `index`, its slice of that index along the first dimension: one expert) as float32,
+        whatever its type (the gguf package's dequantize reads nearly every type it defines)."""
         from gguf.quants import dequantize
 
         tensor = self.tensors[name]
         try:
-            return np.array(dequantize(tensor.data, tensor.type), dtype=np.float32)  # a copy, not the file's
+            data = tensor.data if index is None else tensor.data[index]
+            return np.array(dequantize(data, tensor.type), dtype=np.float32)  # a copy, not the file's
         except NotImplementedError:
             raise ValueError(f"model: tensor {name} of {self.first.name} is stored as {tensor.type.name}, "
                              "a type the installed gguf package cannot dequantize") from None
