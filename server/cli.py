@@ -136,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("make-demo-model", help="write the tiny random-weight DeepSeek-V3 demo model")
     demo.add_argument("dir")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--format", choices=("safetensors", "gguf"), default="safetensors",
-                      help="a Hugging Face folder, or a llama.cpp deepseek2 GGUF (tokenizer and chat template inside)")
+    demo.add_argument("--format", choices=("bf16", "gguf"), default="bf16",
+                      help="a Hugging Face folder of bf16 safetensors, or a llama.cpp deepseek2 GGUF (tokenizer and "
+                           "chat template inside)")
     demo.add_argument("--gguf-type", default="Q8_0", help="GGUF: the routed experts' type (Q8_0, Q4_K, Q5_K, Q6_K, "
                                                           "IQ4_XS, BF16, Q4_0, Q5_0, F16, F32; default Q8_0)")
     demo.add_argument("--gguf-other-type", default="Q8_0", help="GGUF: the other weights' type (default Q8_0; "

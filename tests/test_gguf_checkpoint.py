@@ -106,7 +106,7 @@ def test_version_and_start_up_report_the_format_and_each_part_s_storage(q4k_serv
     with q4k_server.http() as http:
         details = http.get("/version").json()["engine_details"]
     assert details["checkpoint_format"] == "GGUF deepseek2 (2 files)"
-    assert details["checkpoint_storage"] == "experts Q4_K in place (llamafile); attention fp32 from Q8_0"
+    assert details["checkpoint_storage"] == "experts Q4_K in place (llamafile); attention float32 from Q8_0"
     assert details["experts_method"] == "LLAMAFILE"
 
 
@@ -181,7 +181,7 @@ def test_a_q8_gguf_beside_its_hf_folder_serves_on_the_avx2_build(tmp_path, demo_
         server.wait_healthy()
         details = httpx.get(server.url + "/version", timeout=30).json()["engine_details"]
         assert details["cpu_variant"] == "avx2"
-        assert details["checkpoint_storage"] == "experts Q8_0 in place (llamafile); attention fp32 from Q8_0"
+        assert details["checkpoint_storage"] == "experts Q8_0 in place (llamafile); attention float32 from Q8_0"
         assert f"config and tokenizer from {demo_model_dir}" in details["checkpoint_format"]
         check_logprobs("Q8_0 GGUF, avx2", logprob_diffs(server.url, "demo-model-Q8_0", tokenizer, reference_on(gguf)))
     finally:

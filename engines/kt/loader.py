@@ -144,7 +144,7 @@ def load_checkpoint(model: nn.Module, model_path: Path, device_of: Any, dtype: t
     # kept in float32 as transformers keeps them: the router computes in float32 and would otherwise cast
     # its weight on every call (one more kernel per MoE layer and decode step on a GPU)
     float32 = float32_names(model)
-    with tqdm(total=len(files), desc="loading shards", unit="shard", leave=False) as progress:
+    with tqdm(total=len(files), desc="loading shards", unit="shard", leave=False, disable=not files) as progress:
         for name, tensor in iter_tensors(files, progress) if tensors is None else tensors:
             if not isinstance(tensor, torch.Tensor):
                 stager.add_layer(name, tensor)

@@ -25,8 +25,17 @@ log = logging.getLogger("ktserve.checkpoints.gguf")
 class GGUFExperts:
     """One layer's routed experts as the file stores them: gate/up [E, I, H], down [E, H, I] in ggml blocks."""
 
+    prefix: str  # the experts module, e.g. "model.layers.3.mlp.experts"
     files: GGUFFiles
     names: dict[str, str]  # "gate" | "up" | "down" -> GGUF tensor name
+    form = "ggml"  # the weights kt-kernel's LLAMAFILE method reads (expert_methods.ExpertMethod.weights)
+
+    @property
+    def stored_as(self) -> str:
+        return "/".join(dict.fromkeys(self.types().values()))
+
+    def num_experts(self) -> int:
+        return self.files.tensors[self.names["gate"]].data.shape[0]
 
     def types(self) -> dict[str, str]:
         return {proj: self.files.type_name(name) for proj, name in self.names.items()}
@@ -40,14 +49,17 @@ class GGUFExperts:
         out = []
         for proj in ("gate", "up", "down"):
             name = self.names[proj]
-            count = self.files.tensors[name].data.shape[0]
-            out.append(torch.stack([torch.from_numpy(self.files.dequantized(name, e)).to(dtype) for e in range(count)]))
+            out.append(torch.stack([torch.from_numpy(self.files.dequantized(name, e)).to(dtype)
+                                    for e in range(self.num_experts())]))
         return out[0], out[1], out[2]
 
 
 class GGUFCheckpoint:
+    experts_form = "ggml"  # the form its routed experts come in (GGUFExperts.form)
+
     def __init__(self, path: str | Path, hf_dir: str | Path | None = None):
         self.files = GGUFFiles.open(path)
+        self.path = self.files.first
         self.hf_dir = Path(hf_dir) if hf_dir else None
         arch = self.files.value("general.architecture")
         if arch != deepseek2.ARCHITECTURE:
@@ -107,7 +119,8 @@ class GGUFCheckpoint:
             if part and part[1] in deepseek2.EXPERT_TENSORS:
                 experts.setdefault(part[0], {})[deepseek2.EXPERT_TENSORS[part[1]]] = name
                 if len(experts[part[0]]) == 3:
-                    yield f"model.layers.{part[0]}.mlp.experts", GGUFExperts(self.files, experts.pop(part[0]))
+                    prefix = f"model.layers.{part[0]}.mlp.experts"
+                    yield prefix, GGUFExperts(prefix, self.files, experts.pop(part[0]))
                 continue
             if part and part[1] in deepseek2.SPLIT_KV_B:
                 if part[0] in has_kv_b:
@@ -140,8 +153,12 @@ class GGUFCheckpoint:
         types = "/".join(t for t, _ in self.expert_types().most_common())
         experts = (f"experts {types} in place (llamafile)" if experts_method == "LLAMAFILE"
                    else f"experts {experts_method} from {types} (converted at load)")
-        compute = str(dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float32", "fp32")
+        compute = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype).removeprefix("torch."))
         return f"{experts}; attention {compute} from {self._types_of(('attn_',))}"
+
+    @property
+    def format(self) -> str:
+        return self.describe()
 
     def describe(self) -> str:
         return (f"GGUF {deepseek2.ARCHITECTURE} ({len(self.files.parts)} file{'s' if len(self.files.parts) > 1 else ''}"
