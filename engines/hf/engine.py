@@ -74,8 +74,8 @@ class HFEngine(LLMEngine):
 
         cfg = self.config
         if is_gguf(cfg.model_path):
-            raise ValueError(f"model: {cfg.model_path} is a GGUF checkpoint, which the huggingface engine does not read "
-                             "(transformers has no deepseek2 GGUF support); serve it with engine ktransformers")
+            raise ValueError(f"model: {cfg.model_path} is a GGUF checkpoint, which the huggingface engine does not "
+                             "read (transformers has no deepseek2 GGUF support); serve it with engine ktransformers")
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
         started = time.perf_counter()

@@ -5,8 +5,8 @@ which kt-kernel class serves a method is decided in one place, expert_methods.py
 through `load_weights` / `load_ggml` / `load_quantized`; `MoEWithCPUExperts` (operators.py) drives it with
 `submit` and then `wait`, so the shared experts run on the GPU in between; the runner's step timer reads
 `host_times` and `events` (step_timing.py), and expert deferral links the layers through `deferred` /
-`defer_into` (expert_deferral.py). Expert LoRA reaches a layer through the narrower `engines.lora.cpu_experts.CPUExperts`,
-so LoRA code never imports this engine."""
+`defer_into` (expert_deferral.py). Expert LoRA reaches a layer through the narrower
+`engines.lora.cpu_experts.CPUExperts`, so LoRA code never imports this engine."""
 from __future__ import annotations
 
 import os
