@@ -222,6 +222,23 @@ def test_a_tensor_type_that_cannot_be_read_is_named_with_its_tensor_and_file(tmp
         list(GGUFCheckpoint(path).tensors())
 
 
+def test_the_huggingface_engine_names_a_gguf_it_cannot_read(q4k_parts):
+    with pytest.raises(RuntimeError, match="is a GGUF checkpoint, which the huggingface engine does not read"):
+        start_server(q4k_parts[0], engine="huggingface")
+
+
+def test_a_config_file_names_the_gguf_as_ktransformers_does(tmp_path):
+    from server.settings import load_settings
+
+    beside, alone = tmp_path / "beside.yaml", tmp_path / "alone.yaml"
+    beside.write_text("model_path: /models/R1\ngguf_path: /models/R1-GGUF\n")
+    alone.write_text("gguf_path: /models/R1-GGUF/r1-00001-of-00002.gguf\n")
+    settings = load_settings(str(beside), env={})
+    assert (settings.model, settings.gguf_path) == ("/models/R1", "/models/R1-GGUF")
+    settings = load_settings(str(alone), env={})  # no folder beside: the GGUF is the model
+    assert (settings.model, settings.gguf_path) == ("/models/R1-GGUF/r1-00001-of-00002.gguf", None)
+
+
 def test_a_missing_split_part_is_named(tmp_path, q4k_parts):
     shutil.copy(q4k_parts[0], tmp_path / q4k_parts[0].name)
     with pytest.raises(ValueError, match="split GGUF part demo-model-Q4_K-00002-of-00002.gguf is missing"):
