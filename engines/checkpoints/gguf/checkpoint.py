@@ -82,7 +82,10 @@ class GGUFCheckpoint:
         from transformers import AutoConfig
 
         if self.hf_dir is not None:
-            return AutoConfig.from_pretrained(self.hf_dir)
+            config = AutoConfig.from_pretrained(self.hf_dir)
+            if hasattr(config, "quantization_config"):  # an FP8 release's folder: the GGUF's weights are its own
+                del config.quantization_config
+            return config
         has_bias = any(n.endswith(".exp_probs_b.bias") for n in self.files.tensors)
         if has_bias and self._meta("expert_group_count") is None:
             log.warning("%s has no deepseek2.expert_group_count (written before llama.cpp recorded it): experts are "
