@@ -250,3 +250,23 @@ def test_a_missing_split_part_is_named(tmp_path, q4k_parts):
         GGUFCheckpoint(tmp_path / q4k_parts[0].name)
     with pytest.raises(ValueError, match="is part 2 of a split GGUF; name the first part"):
         GGUFCheckpoint(q4k_parts[1])
+
+
+def test_a_layer_s_experts_read_again_come_from_the_gguf_dequantized(q4k_parts):
+    # expert LoRA and the GPU's streamed copies re-read a layer's experts from the checkpoint kt-kernel was given
+    from engines.checkpoints.gguf import GGUFExperts
+    from engines.kt.loader import read_layer_experts
+
+    layer = next(t for _, t in GGUFCheckpoint(q4k_parts[0]).tensors() if isinstance(t, GGUFExperts))
+    gate, up, down = layer.dequantized(torch.float32)
+    again = read_layer_experts(q4k_parts[0], layer.prefix, gate.shape[0], first=3)
+    for read, whole in zip(again, (gate, up, down)):
+        assert read.shape[0] == 3 and torch.equal(read.float(), whole[:3].to(torch.bfloat16).float())
+
+
+def test_make_demo_model_refuses_an_mtp_layer_in_gguf(tmp_path, capsys):
+    from server.cli import main
+
+    assert main(["make-demo-model", str(tmp_path), "--format", "gguf", "--mtp", "random"]) == 2
+    assert "--mtp: the GGUF demo model has no multi-token-prediction layer" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
