@@ -112,6 +112,21 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def make_demo_model(args: argparse.Namespace) -> int:
+    if args.format == "gguf":
+        from engines.checkpoints.gguf.writer import write_demo_gguf
+
+        if args.mtp or args.arch != "deepseek_v3":
+            print("ktserve: --format gguf writes the deepseek_v3 demo, without a multi-token-prediction layer "
+                  "(--mtp needs --format bf16 or fp8)", file=sys.stderr)
+            return 2
+        try:
+            files = write_demo_gguf(args.dir, {"experts": args.gguf_type, "attention": args.gguf_other_type,
+                                               "other": args.gguf_other_type}, split=args.split, seed=args.seed)
+        except ValueError as exc:
+            print(f"ktserve: {exc}", file=sys.stderr)
+            return 2
+        print("\n".join(map(str, files)))
+        return 0
     from engines.demo_model import demo_writer
 
     if args.arch != "deepseek_v3" and (args.format != "bf16" or args.mtp):
@@ -135,9 +150,16 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--mtp", choices=("random", "last-layer"),
                       help="add a multi-token-prediction layer (for --speculative mtp): random, or a copy of the last "
-                           "layer (drafts accepted more often)")
-    demo.add_argument("--format", choices=("bf16", "fp8"), default="bf16",
-                      help="fp8: as DeepSeek ships its FP8 releases (128x128 blocks, weight_scale_inv, an MTP layer)")
+                           "layer (drafts accepted more often); bf16 and fp8 only")
+    demo.add_argument("--format", choices=("bf16", "fp8", "gguf"), default="bf16",
+                      help="bf16: a Hugging Face folder of bf16 safetensors; fp8: as DeepSeek ships its FP8 releases "
+                           "(128x128 blocks, weight_scale_inv, an MTP layer); gguf: a llama.cpp deepseek2 GGUF "
+                           "(tokenizer and chat template inside)")
+    demo.add_argument("--gguf-type", default="Q8_0", help="GGUF: the routed experts' type (Q8_0, Q4_K, Q5_K, Q6_K, "
+                                                          "IQ4_XS, BF16, Q4_0, Q5_0, F16, F32; default Q8_0)")
+    demo.add_argument("--gguf-other-type", default="Q8_0", help="GGUF: the other weights' type (default Q8_0; "
+                                                                "norms and the router stay F32)")
+    demo.add_argument("--split", action="store_true", help="GGUF: write two files, -00001-of-00002 and -00002")
     try:
         from evaluation.cli import add_arguments as add_eval_arguments
     except ImportError:

@@ -25,6 +25,7 @@ class SettingsError(ValueError):
 # LLaMA-Factory (and KTransformers) keys -> ours. Keys absent here and from Settings are warned about.
 KEY_ALIASES: dict[str, str] = {
     "model_name_or_path": "model",
+    "model_path": "model",  # KTransformers' name for the folder beside gguf_path
     "infer_backend": "engine",
     "kt_maxlen": "max_model_len",
     "cutoff_len": "max_model_len",
@@ -63,7 +64,8 @@ class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     # model
-    model: str | None = Field(None, description="model directory; default: the built-in demo model")
+    model: str | None = Field(None, description="model directory, or a GGUF file (the first part of a split set) or "
+                                                "folder of them; default: the built-in demo model")
     served_model_name: str | None = Field(None, description="the model id clients use; default: the model "
                                                             "directory's name")
     engine: str = Field("ktransformers", description="huggingface | ktransformers | vllm")
@@ -74,6 +76,9 @@ class Settings(BaseModel):
     dtype: str = Field("auto", description="auto | bfloat16 | float16 | float32")
     trust_remote_code: bool = Field(False, description="let transformers run Python code from the model directory")
     max_model_len: int | None = Field(None, gt=0, description="context length limit")
+    gguf_path: str | None = engine_setting(None, "GGUF checkpoint (a .gguf file, the first part of a split set, or "
+                                                 "a folder of them) whose config and tokenizer come from `model` "
+                                                 "(KTransformers' gguf_path beside model_path; ktransformers engine)")
     # adapters
     adapter_name_or_path: str | None = Field(None, description="LLaMA-Factory's adapters: comma-separated "
                                                                "directories, each served under its directory name")
@@ -200,6 +205,14 @@ class Settings(BaseModel):
         """LLaMA-Factory's `use_kt` picks the engine unless one is named explicitly."""
         if self.use_kt is not None and "engine" not in self.model_fields_set:
             object.__setattr__(self, "engine", "ktransformers" if self.use_kt else "huggingface")
+        return self
+
+    @model_validator(mode="after")
+    def _gguf_path_alone_is_the_model(self) -> "Settings":
+        """gguf_path without a model folder beside it: the GGUF is the model (config, tokenizer from its metadata)."""
+        if self.gguf_path and not self.model:
+            object.__setattr__(self, "model", self.gguf_path)
+            object.__setattr__(self, "gguf_path", None)
         return self
 
     def all_adapters(self) -> dict[str, str]:

@@ -6,7 +6,9 @@ becomes a parameter through `load(device, dtype)`, which moves the stored bytes 
 final device; a `StoredExperts` (one MoE layer's routed experts, stacked, in the form stored) goes to the
 experts operator, which takes that form as it is where its kernel reads it (FP8 blocks) or converts it.
 `SafetensorsSource` reads Hugging Face safetensors directories, BF16 or block-scaled FP8 as DeepSeek ships
-them (config.json's `quantization_config`); other formats (GGUF) provide the same three things. Peak host
+them (config.json's `quantization_config`); `engines.checkpoints.gguf.GGUFCheckpoint` reads llama.cpp's GGUF
+files, whose tensors come dequantized (`StoredTensor.stored` names their ggml type) and whose experts come as
+ggml blocks (`ExpertsLayer.form` "ggml") that kt-kernel's llamafile kernel reads in place. Peak host
 memory while reading is one layer's experts in their stored form plus the tensors in flight."""
 from __future__ import annotations
 
@@ -44,10 +46,11 @@ class StoredTensor:
     data: torch.Tensor
     scale: torch.Tensor | None = None
     block: tuple[int, int] = DEFAULT_BLOCK
+    stored: str = ""  # the checkpoint's own type where `data` was converted from it on reading (a GGUF's Q8_0)
 
     @property
     def stored_as(self) -> str:
-        return "FP8" if self.scale is not None else dtype_name(self.data.dtype)
+        return self.stored or ("FP8" if self.scale is not None else dtype_name(self.data.dtype))
 
     def load(self, device: str | torch.device, dtype: torch.dtype | None) -> torch.Tensor:
         """The weight in `dtype` on `device`: FP8 bytes travel as they are and are dequantized there."""
@@ -111,19 +114,37 @@ class StoredExperts:
         return StoredExperts(self.prefix, self.gate[:count], self.up[:count], self.down[:count], scales, self.block)
 
 
+class ExpertsLayer(Protocol):
+    """One MoE layer's routed experts in a checkpoint's stored form: `StoredExperts`, or a GGUF's blocks
+    (engines/checkpoints/gguf: `GGUFExperts`, form "ggml", whose `blocks()` the llamafile kernel reads)."""
+
+    prefix: str
+
+    @property
+    def form(self) -> str: ...
+
+    @property
+    def stored_as(self) -> str: ...
+
+    def num_experts(self) -> int: ...
+
+    def dequantized(self, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """gate/up [E, I, H], down [E, H, I] as floats."""
+
+
 class CheckpointSource(Protocol):
     """What a loader needs of a checkpoint format."""
 
     path: Path
     format: str  # what the checkpoint is, for the start-up log and /version ("safetensors, FP8 e4m3 ...")
-    experts_form: str  # the form its routed experts come in (StoredExperts.form): bf16 | fp8_blocks
+    experts_form: str  # the form its routed experts come in (ExpertsLayer.form): bf16 | fp8_blocks | ggml
 
     def items(self, num_experts: int, progress: Any = None, skip: frozenset[str] = frozenset()
-              ) -> Iterator[StoredTensor | StoredExperts]:
-        """Every weight the model uses: per-expert weights come as one StoredExperts per complete layer, except
+              ) -> Iterator[StoredTensor | ExpertsLayer]:
+        """Every weight the model uses: per-expert weights come as one ExpertsLayer per complete layer, except
         the layers in `skip` (experts modules already loaded from elsewhere), whose experts are not even read."""
 
-    def layer_experts(self, prefix: str, num_experts: int, first: int | None = None) -> StoredExperts:
+    def layer_experts(self, prefix: str, num_experts: int, first: int | None = None) -> ExpertsLayer:
         """One layer's routed experts (with `first`, experts [0, first)), read again (expert LoRA, copies)."""
 
 

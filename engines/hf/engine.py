@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from engines.base import CheckpointStorage, ModelInfo
+from engines.checkpoints.gguf.files import is_gguf
 from engines.lora.install import LoraModules
 from engines.lora.modules import AdapterRows
 from engines.runtime.llm_engine import LLMEngine
@@ -101,6 +102,9 @@ class HFEngine(LLMEngine):
         from transformers import AutoModelForCausalLM
 
         cfg = self.config
+        if is_gguf(cfg.model_path):
+            raise ValueError(f"model: {cfg.model_path} is a GGUF checkpoint, which the huggingface engine does not "
+                             "read (transformers has no deepseek2 GGUF support); serve it with engine ktransformers")
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
         started = time.perf_counter()

@@ -33,6 +33,7 @@ from engines.kt.loader import load_checkpoint, missing_tensors
 from engines.kt import mtp
 from engines.kt.operators import OperatorOptions, fuse_rms_norms
 from engines.kt.options import KTOptions
+from engines.kt.gguf_checkpoint import open_gguf
 from engines.kt.runner import KTModelRunner, device_scope, layer_devices, uses_cpu_experts
 from engines.model_files import context_length, eos_token_ids, load_tokenizer, model_id, resolve_dtype
 from engines.runtime.llm_engine import LLMEngine
@@ -113,20 +114,26 @@ def _fold_devices(rules: list, rule_file: Path, strict: bool) -> dict[str, str]:
 
 
 def expert_methods_for(placement: Any, explicit: str | None, rule_file: Path, config: Any,
-                       default: str = DEFAULT_METHOD) -> dict[str, Any]:
+                       default: str = DEFAULT_METHOD, gguf: Any = None) -> dict[str, Any]:
     """For each experts method the rules ask for (`default` where a rule names none): the MethodChoice that
-    serves it (logged once each)."""
+    serves it (logged once each). A GGUF checkpoint's experts run as its blocks allow, whatever the rules ask
+    (`choose_gguf_method`)."""
     from engines.kt.aliases import EXPERT_OPERATORS
-    from engines.kt.expert_methods import ExpertShape, choose_method, cpu_variant, normalize_method
+    from engines.kt.expert_methods import (ExpertShape, choose_gguf_method, choose_method, cpu_variant,
+                                           normalize_method)
 
     layers = [kwargs for rule, kwargs in placement.replacements.values() if rule.replace in EXPERT_OPERATORS]
     asked = {normalize_method(kwargs.get("method") or default, "method") for kwargs in layers}
     experts = getattr(config, "n_routed_experts", None) or config.num_experts
     shape = ExpertShape(config.hidden_size, config.moe_intermediate_size,
                         len(layers) * experts * 3 * config.hidden_size * config.moe_intermediate_size)
-    choices = {m: choose_method(m, explicit=explicit, source=f"rule file {rule_file.name}", shape=shape)
-               for m in sorted(asked)}
-    for choice in choices.values():
+    if gguf is not None:
+        choice = choose_gguf_method(set(gguf.expert_types()), explicit=explicit, shape=shape)
+        choices = dict.fromkeys(sorted(asked), choice)
+    else:
+        choices = {m: choose_method(m, explicit=explicit, source=f"rule file {rule_file.name}", shape=shape)
+                   for m in sorted(asked)}
+    for choice in dict.fromkeys(choices.values()):  # each once (a GGUF's serves every rule)
         if choice.reason:
             log.warning("experts: %s (kt-kernel build %s)", choice.reason, cpu_variant())
         else:
@@ -163,9 +170,18 @@ class KTEngine(LLMEngine):
         cfg, kt = self.config, self.options
         started = time.perf_counter()
         model_path = Path(cfg.model_path)
-        config, arch = architecture_config(model_path)
-        family = family_for(config)
-        tokenizer = load_tokenizer(str(model_path), cfg.template, cfg.trust_remote_code, config)
+        gguf = open_gguf(model_path, kt.gguf_path)  # None: safetensors in model_path
+        if gguf is not None:
+            config = gguf.config()
+            arch = (config.architectures or ["?"])[0]
+            if arch not in SUPPORTED_ARCHITECTURES:
+                raise ValueError(f"model: the ktransformers engine serves {', '.join(SUPPORTED_ARCHITECTURES)} "
+                                 f"from GGUF files; {model_path} is {arch}")
+            family, tokenizer = None, gguf.tokenizer(cfg.template)
+        else:
+            config, arch = architecture_config(model_path)
+            family = family_for(config)
+            tokenizer = load_tokenizer(str(model_path), cfg.template, cfg.trust_remote_code, config)
         max_len = context_length(config, tokenizer, cfg.max_model_len)
         if cfg.max_model_len is None and max_len > DEFAULT_MAX_MODEL_LEN:
             log.info("serving a context of %d tokens (the model allows %d; raise it with kt_maxlen)",
@@ -175,10 +191,10 @@ class KTEngine(LLMEngine):
         rules = load_rules(rule_file)
         if family is not None:
             return self._load_family(family, config, tokenizer, max_len, rule_file, rules, started)
-        draft_layer, no_draft = self._draft_layer(model_path, config)
+        draft_layer, no_draft = self._draft_layer(model_path, config, gguf)
         # the MTP layer is read only to draft with; then its copies of the embedding and LM head are not
-        source = SafetensorsSource(model_path, config.num_hidden_layers + (draft_layer is not None),
-                                   skip=mtp.SHARED_COPIES if draft_layer is not None else None)
+        source = gguf or SafetensorsSource(model_path, config.num_hidden_layers + (draft_layer is not None),
+                                           skip=mtp.SHARED_COPIES if draft_layer is not None else None)
         converted, explicit = self._converted_experts(config)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
@@ -187,11 +203,11 @@ class KTEngine(LLMEngine):
         placement = plan_placement(model, rules, default_device="cpu",
                                    fold=_fold_devices(rules, rule_file, kt.kt_strict_placement))
         default = default_method(source.experts_form)
-        choices = expert_methods_for(placement, explicit, rule_file, config, default)
+        choices = expert_methods_for(placement, explicit, rule_file, config, default, gguf)
         stream_experts = _streamed_expert_count(kt, model, config,
                                                 max(copy_bits(METHODS[c.method].bits) for c in choices.values()))
         options = OperatorOptions(max_tokens=cfg.chunk_size + cfg.max_concurrent, cpu_threads=kt.cpu_infer,
-                                  methods={m: c.method for m, c in choices.items()}, checkpoint=str(model_path),
+                                  methods={m: c.method for m, c in choices.items()}, checkpoint=str(source.path),
                                   default_method=default,
                                   gpu_prefill_tokens=kt.kt_gpu_prefill_tokens if stream_experts != 0 else 0,
                                   gpu_prefill_experts=stream_experts, expert_pad_from=kt.kt_expert_pad_from,
@@ -203,7 +219,7 @@ class KTEngine(LLMEngine):
         dtype = resolve_dtype(cfg.dtype, torch.device("cuda" if gpu else "cpu"))
         storage = load_checkpoint(model, source, placement.device_of_param, dtype,
                                   getattr(config, "n_routed_experts", None) or config.num_experts,
-                                  weight_cache=self._weight_cache_dir(model_path), converted=converted)
+                                  weight_cache=self._weight_cache_dir(source.path), converted=converted)
         log.info("checkpoint: %s; %s", storage.format, storage.summary())
         self._finish_model(model, config, placement)
         fused = fuse_rms_norms(model)
@@ -276,7 +292,8 @@ class KTEngine(LLMEngine):
             details["speculative"] = f"mtp (model.layers.{draft_layer})"
         for choice in choices.values():
             details.update(choice.describe())
-        info = ModelInfo(id=model_id(cfg), max_model_len=max_len, architecture=arch, engine=self.name,
+        name = (cfg.model_name or gguf.name) if gguf else model_id(cfg)
+        info = ModelInfo(id=name, max_model_len=max_len, architecture=arch, engine=self.name,
                          created=int(time.time()), eos_token_ids=eos_token_ids(config, tokenizer, model_path),
                          vocab_size=config.vocab_size, details=details, checkpoint=storage)
         return runner, tokenizer, info
@@ -311,11 +328,14 @@ class KTEngine(LLMEngine):
         super().stop()
         self._isolation.restore()
 
-    def _draft_layer(self, model_path: Path, config: Any) -> tuple[int | None, str | None]:
+    def _draft_layer(self, model_path: Path, config: Any, gguf: Any = None) -> tuple[int | None, str | None]:
         """The MTP layer to draft with when speculative decoding asks for it, else None and, when it asked, why
         there is none (the runtime logs it and serves without drafting)."""
         if engine_options(SpeculativeOptions, self.config.settings).speculative != "mtp":
             return None, None
+        if gguf is not None:
+            return None, (f"{gguf.path.name} is a GGUF checkpoint, whose multi-token-prediction layer ktserve does "
+                          "not read")
         index = mtp.mtp_layer_index(model_path, config)
         if index is None:
             return None, (f"{model_path.name} has no multi-token-prediction layer (model.layers."

@@ -14,7 +14,7 @@ What the builds of kt-kernel 0.7.2 export and compute (checked with the expert t
 | BF16      | bf16                | AMXBF16_MOE                      | AVX2BF16_MOE     |
 | FP8       | e4m3, 128x128 block | AMXFP8_MOE                       | AVX2FP8_MOE      |
 | RAWINT4   | int4, groups of 32  | AMXInt4_KGroup_MOE               | AVX2RawInt4_MOE  |
-| LLAMAFILE | GGUF blocks         | MOE (Q8_0 and BF16 blocks)       | MOE (Q8_0 only)  |
+| LLAMAFILE | GGUF blocks         | MOE (LLAMAFILE_IN_PLACE's types) | MOE (the same)   |
 | MXFP4     | e2m1, UE8M0 per 32  | AMXFP4_KGroup_MOE                | AVX2MXFP4_MOE    |
 
 AMXINT8/AMXINT4/BF16 take bf16 weights and quantize inside kt-kernel; FP8 and RAWINT4 take weights we
@@ -171,6 +171,28 @@ def memory_available() -> int | None:
 # ggml block types LLAMAFILE weights are converted to on load, and the builds that compute each correctly.
 LLAMAFILE_TYPES = ("Q8_0", "BF16")
 _BF16_BLOCK_VARIANTS = ("amx", "avx512_bf16")  # the avx2 build aborts with "llamafile not supported"
+_EVERY_BUILD = ("amx", "avx512_bf16", "avx512_vbmi", "avx512_vnni", "avx512_base", "avx2")
+# The ggml types of GGUF routed experts (ffn_*_exps) the llamafile kernel computes in place, and on which builds.
+# Measured with kt-kernel 0.7.2 against the gguf package's dequantize (tests/test_gguf_experts.py; 8 experts,
+# top-2, H=256, I=512, 1 and 24 tokens): the kernel quantizes activations to 8 bits, so its output differs by
+# 1.2% (Q8_0, Q4_0, Q5_0) and 1.6-2.2% (Q4_K, Q5_K, Q6_K) relative to the dequantized weights on the
+# avx512_bf16, avx512_vbmi, avx512_vnni, avx512_base and avx2 builds; BF16 by 0.2% on avx512_bf16, while the
+# other avx512 builds return garbage (135%) and avx2 aborts. IQ4_XS gave 2.7-7.1% on every build, more than
+# its 4 bits explain next to Q4_K's: it is converted at load. The amx build, not measured here, is taken to
+# behave as avx512_bf16, whose llamafile code it shares. Types absent here are converted at load.
+LLAMAFILE_IN_PLACE: dict[str, tuple[str, ...]] = {
+    "Q8_0": _EVERY_BUILD, "Q4_0": _EVERY_BUILD, "Q5_0": _EVERY_BUILD,
+    "Q4_K": _EVERY_BUILD, "Q5_K": _EVERY_BUILD, "Q6_K": _EVERY_BUILD,
+    "BF16": _BF16_BLOCK_VARIANTS,
+}
+# Bits per weight of ggml types (the block's bytes x 8 / its values), for choosing the conversion method.
+GGML_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8.5, "Q6_K": 6.56, "Q5_0": 5.5, "Q5_1": 6, "Q5_K": 5.5,
+             "Q4_0": 4.5, "Q4_1": 5, "Q4_K": 4.5, "IQ4_XS": 4.25, "IQ4_NL": 4.5}
+
+
+def llamafile_computes(ggml_type: str) -> bool:
+    """Whether this process's kt-kernel build computes GGUF experts of `ggml_type` correctly in place."""
+    return cpu_variant() in LLAMAFILE_IN_PLACE.get(ggml_type, ())
 
 
 class ExpertsUnsupportedError(ValueError):
@@ -278,6 +300,28 @@ def choose_method(requested: str | None, *, explicit: str | None = None, source:
     method = fitting[0] if fitting else min(runnable, key=lambda m: METHODS[m].bits)
     why = "the fastest replacement" if fitting else "the most compact replacement (none fits in memory)"
     return MethodChoice(method, wanted, f"{source} asks for {wanted}, but {reason}; {method} is {why} it runs")
+
+
+def choose_gguf_method(types: set[str], *, explicit: str | None = None,
+                       shape: ExpertShape | None = None) -> MethodChoice:
+    """The method a GGUF checkpoint's routed experts run with: LLAMAFILE, reading the file's blocks, where this
+    build computes every one of their `types` (LLAMAFILE_IN_PLACE) and the sizes fit; else the kt-kernel method
+    of the nearest precision this build runs (AMXINT4 for types of 4-5 bits, AMXINT8 above, and their
+    FALLBACKS), converted at load. `explicit` (kt_method) is obeyed as `choose_method` obeys it."""
+    if explicit:
+        return choose_method(None, explicit=explicit)
+    listed = "/".join(sorted(types))
+    slow = sorted(t for t in types if not llamafile_computes(t))
+    fits = shape is None or shape.fits("LLAMAFILE")
+    if not slow and fits and unavailable_reason("LLAMAFILE") is None:
+        return MethodChoice("LLAMAFILE", "LLAMAFILE")
+    wanted = "AMXINT4" if max(GGML_BITS.get(t, 16) for t in types) <= 5 else "AMXINT8"
+    choice = choose_method(wanted, source=f"GGUF {listed} experts", shape=shape)
+    why = (f"kt-kernel's {cpu_variant()} llamafile kernel does not compute {'/'.join(slow)} in place" if slow
+           else f"the llamafile kernel needs sizes that are multiples of {METHODS['LLAMAFILE'].size_multiple}")
+    detail = f" ({choice.reason})" if choice.reason else ""
+    return MethodChoice(choice.method, "LLAMAFILE", f"{why}: {listed} experts are converted at load to "
+                                                    f"{choice.method}{detail}")
 
 
 _SPELLINGS = {"AMXINT8": "AMXINT8", "AMXINT4": "AMXINT4", "AMXBF16": "BF16", "BF16": "BF16", "FP8": "FP8",

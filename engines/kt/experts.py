@@ -42,8 +42,9 @@ class RoutedExperts(Protocol):
         """Load what `load_weights(..., cache_dir=...)` saved; False when there is nothing usable."""
 
     def load_stored(self, experts: Any, *, cache_dir: str | os.PathLike | None = None) -> str:
-        """The layer's experts in the checkpoint's stored form (engines/checkpoints/source.py: StoredExperts),
-        taken as they are where the kernel reads that form, else converted; returns how they are held."""
+        """The layer's experts in the checkpoint's stored form (engines/checkpoints/source.py: StoredExperts, or a
+        GGUF's ggml blocks), taken as they are where the kernel reads that form, else converted; returns how they
+        are held."""
 
     def load_converted(self, converted: Any) -> bool:
         """Read the layer from kt-kernel's pre-converted experts (expert_cache.ConvertedExperts, kt_weight_path);

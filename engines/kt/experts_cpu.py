@@ -36,13 +36,13 @@ from engines.kt.expert_streaming import ExpertStreamer, HostExperts, copy_bits, 
 from engines.kt.mapped_experts import OWNABLE_METHODS, decode_experts, owned_experts, resident_experts
 from engines.kt.mapped_experts import MAX_TOKENS as MAPPED_MAX_TOKENS
 from engines.kt.expert_methods import (CLAMPING_METHODS, METHODS, ExpertsUnsupportedError, check_llamafile_type,
-                                       default_pad_from, kernel_class, matrix_tokens, pads_to_matrix,
-                                       quantize_fp8_blocks, quantize_int4_groups, reads_in_place, sft_kernel_class,
-                                       unavailable_reason)
+                                       default_pad_from, kernel_class, llamafile_computes, matrix_tokens,
+                                       pads_to_matrix, quantize_fp8_blocks, quantize_int4_groups, reads_in_place,
+                                       sft_kernel_class, unavailable_reason)
 from engines.kt.step_timing import ExpertEvents, HostTimes
 
 if TYPE_CHECKING:
-    from engines.checkpoints.source import StoredExperts
+    from engines.checkpoints.source import ExpertsLayer
     from engines.kt.expert_cache import ConvertedExperts
     from engines.kt.operators import OperatorOptions
     from engines.lora.cpu_experts import CPUExpertsLora
@@ -226,6 +226,7 @@ class RoutedExpertsCPU(nn.Module):
         self.swiglu_limit = float(swiglu_limit)
         self.hidden_size, self.intermediate_size, self.method = hidden_size, intermediate_size, method
         self.threads, self.max_tokens, self.llamafile_type = threads, max_tokens, llamafile_type
+        self._ggml_types = (llamafile_type,) * 3  # gate, up, down blocks as kt-kernel reads them (LLAMAFILE)
         self.chunk_tokens = -(-max_tokens // _TOKEN_BLOCK) * _TOKEN_BLOCK
         self.gpu_experts = self._check_gpu_experts(gpu_experts)
         self.gpu_device = torch.device(gpu_device)
@@ -373,12 +374,17 @@ class RoutedExpertsCPU(nn.Module):
             self._keep_gpu_weights(gate, up, down)
             self._keep_streamed_weights(gate, up, down)
             gate, up, down = (t[self.owned:].to("cpu", torch.bfloat16).contiguous() for t in (gate, up, down))
+            self._ggml_types = (self.llamafile_type,) * 3
             self._load_prepared(lambda: self._prepare_weights(gate, up, down), cache_dir)
 
-    def load_stored(self, experts: "StoredExperts", *, cache_dir: str | os.PathLike | None = None) -> str:
+    def load_stored(self, experts: "ExpertsLayer", *, cache_dir: str | os.PathLike | None = None) -> str:
         """Take this layer's experts in the checkpoint's stored form (engines/checkpoints/source.py): FP8 blocks go
-        to an FP8 kernel as they are, anything else is converted to this layer's method (`load_weights`). Returns
-        how the layer holds them, e.g. "FP8 in place" or "AMXINT8 from FP8"."""
+        to an FP8 kernel as they are, a GGUF's ggml blocks to the LLAMAFILE kernel as they are where this build
+        computes their types (`load_ggml`), anything else is converted to this layer's method (`load_weights`).
+        Returns how the layer holds them, e.g. "FP8 in place", "Q4_K in place (llamafile)" or "AMXINT8 from
+        FP8"."""
+        if experts.form == "ggml" and self.load_ggml(experts.blocks()):
+            return f"{experts.stored_as} in place (llamafile)"
         if experts.form != "fp8_blocks" or METHODS[self.method].weights != "fp8_blocks":
             self.load_weights(*experts.dequantized(), cache_dir=cache_dir)
             stored = experts.stored_as
@@ -458,6 +464,26 @@ class RoutedExpertsCPU(nn.Module):
             prepared[m] = packed.view(torch.uint8).contiguous()
             prepared[f"{m}_scale"] = mxfp4.scales_as_bf16(scale)
         self._build_kernel(prepared)
+    def load_ggml(self, blocks: dict[str, tuple[torch.Tensor, str]]) -> bool:
+        """Take this layer's experts as a GGUF file stores them, read in place by the LLAMAFILE kernel:
+        {"gate" | "up" | "down": (uint8 [E, rows, row bytes], ggml type name)}; the tensors (views of the mapped
+        file) are kept alive for as long as the kernel lives. False, with nothing loaded, where this layer cannot
+        read them so (another method, hot or GPU-side experts, a type this build does not compute correctly:
+        expert_methods.llamafile_computes); `load_stored` then converts them through `load_weights`."""
+        self._check_idle()
+        types = tuple(blocks[m][1] for m in ("gate", "up", "down"))
+        if (self.method != "LLAMAFILE" or self.owned or self.gpu_experts or self.streamer is not None
+                or not all(llamafile_computes(t) for t in types)):
+            return False
+        E, I, H = self.num_experts, self.intermediate_size, self.hidden_size
+        for name, rows in (("gate", I), ("up", I), ("down", H)):
+            tensor = blocks[name][0]
+            if tensor.dtype != torch.uint8 or tuple(tensor.shape[:2]) != (E, rows):
+                raise ValueError(f"{name} blocks of layer {self.layer_idx} have shape {tuple(tensor.shape)} "
+                                 f"{tensor.dtype}, expected uint8 [{E}, {rows}, row bytes]")
+        self._ggml_types = types
+        self._build_kernel({m: blocks[m][0] for m in ("gate", "up", "down")})
+        return True
 
     def load_quantized(self, cache_dir: str | os.PathLike) -> bool:
         """Load the form `load_weights(..., cache_dir=...)` wrote; False (nothing loaded) when there is no
@@ -550,7 +576,7 @@ class RoutedExpertsCPU(nn.Module):
         form = METHODS[self.method].weights
         if form == "ggml":
             ggml = ext.kvcache.ggml_type
-            config.gate_type = config.up_type = config.down_type = getattr(ggml, self.llamafile_type)
+            config.gate_type, config.up_type, config.down_type = (getattr(ggml, t) for t in self._ggml_types)
             config.hidden_type = ggml.BF16
             # Batching settings as kt-kernel's own LlamafileMoEWrapper sets them.
             config.m_block, config.group_min_len, config.group_max_len = 32, 10, self.chunk_tokens

@@ -3,10 +3,11 @@
 1. transformers builds the model on the meta device (no memory);
 2. the placement rules replace modules with our operators and assign every module a device;
 3. the checkpoint source (engines/checkpoints/source.py) hands over its tensors one at a time in their stored
-   form, and each goes straight to its final device (FP8 weights are dequantized there); a layer's routed
-   experts arrive together, in their stored form, and go to kt-kernel, which reads FP8 blocks as they are or
-   takes them converted to its method. A layer found pre-converted (kt_weight_path, or the weight cache of an
-   earlier start) is read from there instead.
+   form, and each goes straight to its final device (FP8 weights are dequantized there, a GGUF's as they are
+   read); a layer's routed experts arrive together, in their stored form, and go to kt-kernel, which reads FP8
+   blocks (and a GGUF's ggml blocks, in the llamafile kernel) as they are or takes them converted to its method.
+   A layer found pre-converted (kt_weight_path, or the weight cache of an earlier start) is read from there
+   instead.
 Peak host memory is what lives on the CPU plus one layer of experts in flight (stored form, and the converted
 form when converting)."""
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from engines.base import CheckpointStorage
-from engines.checkpoints.source import (CheckpointSource, SafetensorsSource, StorageNotes, StoredExperts,
+from engines.checkpoints.source import (CheckpointSource, ExpertsLayer, SafetensorsSource, StorageNotes,
                                         StoredTensor)
 from engines.kt.experts import RoutedExperts
 
@@ -54,7 +55,7 @@ class ExpertPlacer:
             loaded.add(prefix)
         return frozenset(loaded)
 
-    def place(self, experts: StoredExperts) -> None:
+    def place(self, experts: ExpertsLayer) -> None:
         module = self.model.get_submodule(experts.prefix)
         if isinstance(module, RoutedExperts):  # kt-kernel experts (converted here when their method asks, saved)
             self.notes.note("experts", module.load_stored(experts, cache_dir=self.weight_cache))
@@ -108,7 +109,7 @@ def load_checkpoint(model: nn.Module, source: CheckpointSource, device_of: Any, 
     preloaded = placer.preload()
     with tqdm(total=len(getattr(source, "files", ())), desc="loading shards", unit="shard", leave=False) as bar:
         for item in source.items(num_experts, bar, skip=preloaded):
-            if isinstance(item, StoredExperts):
+            if not isinstance(item, StoredTensor):  # a layer's routed experts
                 placer.place(item)
                 continue
             name = item.name
@@ -156,6 +157,9 @@ def missing_tensors(model: nn.Module) -> list[str]:
 def read_layer_experts(model_path: Path, prefix: str, num_experts: int, first: int | None = None
                        ) -> tuple[torch.Tensor, ...]:
     """One layer's routed experts straight from the checkpoint, stacked as floats: gate, up [E, I, H], down
-    [E, H, I] (per-expert tensors, or the fused gate_up_proj / down_proj layout; FP8 blocks dequantized); with
-    `first`, only experts [0, first) (per-expert tensors past them are not read)."""
-    return SafetensorsSource(model_path).layer_experts(prefix, num_experts, first).dequantized()
+    [E, H, I] (per-expert tensors, or the fused gate_up_proj / down_proj layout; FP8 and GGUF blocks
+    dequantized); with `first`, only experts [0, first) (per-expert tensors past them are not read)."""
+    from engines.checkpoints.gguf import GGUFCheckpoint, is_gguf
+
+    source = GGUFCheckpoint(model_path) if is_gguf(model_path) else SafetensorsSource(model_path)
+    return source.layer_experts(prefix, num_experts, first).dequantized()

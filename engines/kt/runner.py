@@ -96,6 +96,10 @@ class KTModelRunner(ModelRunner):
             log.info("kt_use_cuda_graph: decode runs without CUDA graphs, because the rules keep hot experts on "
                      "the GPU (gpu_experts), whose torch part is not captured")
             return
+        if any(getattr(e, "method", None) == "LLAMAFILE" for e in self._experts):
+            log.info("kt_use_cuda_graph: decode runs without CUDA graphs, because the experts run as LLAMAFILE (a "
+                     "GGUF's blocks), whose calls wait on the host for their routing instead of queuing on the stream")
+            return
         streams_from = self.stream_tokens()
         largest = graph_max_batch(max_batch, streams_from)
         if largest == 0:
