@@ -7,12 +7,14 @@ routing and numerics are real enough to compare two implementations token by tok
 """
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -102,10 +104,23 @@ def demo_config(**overrides) -> dict:
     return config
 
 
-def make_demo_model(out_dir: str | Path, seed: int = DEMO_SEED, **overrides) -> Path:
+# What `make_demo_model(arch=...)` writes besides the V3 demo: the model family's own writer, imported lazily.
+ARCHITECTURES = {
+    "deepseek_v3": "engines.demo_model:make_demo_model",
+    "deepseek_v32": "engines.kt.families.deepseek_v32.demo_model:make_demo_model",
+}
+
+
+def make_demo_model(out_dir: str | Path, seed: int = DEMO_SEED, arch: str = "deepseek_v3", **overrides) -> Path:
     """Write the demo model into `out_dir` (created if missing) and return it; the same seed gives the same bytes.
     `overrides` change config keys, e.g. `kv_lora_rank=512, qk_rope_head_dim=64` for the latent width vLLM's
-    CPU MLA kernel needs."""
+    CPU MLA kernel needs. `arch` picks another released layout (ARCHITECTURES), e.g. `deepseek_v32`: V3.2 in
+    DeepSeek's FP8 release format."""
+    if arch != "deepseek_v3":
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"arch: {arch!r} is not one of {', '.join(ARCHITECTURES)}")
+        module, _, function = ARCHITECTURES[arch].partition(":")
+        return getattr(importlib.import_module(module), function)(out_dir, seed=seed, **overrides)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = demo_config(**overrides)
@@ -147,11 +162,8 @@ def ensure_demo_model() -> Path:
     return final
 
 
-def _random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint under its real DeepSeek-V3 name, drawn in a fixed order from `seed`."""
-    gen = torch.Generator().manual_seed(seed)
-    hidden, vocab = config["hidden_size"], config["vocab_size"]
-
+def drawers(gen: torch.Generator) -> tuple[Callable, Callable]:
+    """`normal(*shape, std)` and `linear(out, in, gain)`: bf16 tensors drawn from `gen`."""
     def normal(*shape: int, std: float) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
 
@@ -159,18 +171,33 @@ def _random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
         # 1/sqrt(fan_in) keeps every projection's output at the scale of its input.
         return normal(out_features, in_features, std=gain / math.sqrt(in_features))
 
+    return normal, linear
+
+
+def _random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint under its real DeepSeek-V3 name, drawn in a fixed order from `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    normal, linear = drawers(gen)
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
     weights = {"model.embed_tokens.weight": normal(vocab, hidden, std=1.0)}
     for i in range(config["num_hidden_layers"]):
-        prefix = f"model.layers.{i}"
-        weights[f"{prefix}.input_layernorm.weight"] = _ones(hidden)
-        weights.update(_attention_weights(config, f"{prefix}.self_attn", linear))
-        weights[f"{prefix}.post_attention_layernorm.weight"] = _ones(hidden)
-        if i < config["first_k_dense_replace"]:
-            weights.update(_mlp_weights(f"{prefix}.mlp", hidden, config["intermediate_size"], linear))
-        else:
-            weights.update(_moe_weights(config, f"{prefix}.mlp", linear, normal, gen))
+        weights.update(decoder_layer_weights(config, i, linear, normal, gen))
     weights["model.norm.weight"] = _ones(hidden)
     weights["lm_head.weight"] = normal(vocab, hidden, std=_LOGIT_STD / math.sqrt(hidden))
+    return weights
+
+
+def decoder_layer_weights(config: dict, i: int, linear: Callable, normal: Callable,
+                          gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Decoder layer `i`'s tensors (dense MLP before first_k_dense_replace, MoE after), V3 names."""
+    prefix, hidden = f"model.layers.{i}", config["hidden_size"]
+    weights = {f"{prefix}.input_layernorm.weight": _ones(hidden)}
+    weights.update(_attention_weights(config, f"{prefix}.self_attn", linear))
+    weights[f"{prefix}.post_attention_layernorm.weight"] = _ones(hidden)
+    if i < config["first_k_dense_replace"]:
+        weights.update(_mlp_weights(f"{prefix}.mlp", hidden, config["intermediate_size"], linear))
+    else:
+        weights.update(_moe_weights(config, f"{prefix}.mlp", linear, normal, gen))
     return weights
 
 

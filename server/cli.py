@@ -113,7 +113,11 @@ def serve(args: argparse.Namespace) -> int:
 def make_demo_model(args: argparse.Namespace) -> int:
     from engines.demo_model import make_demo_model as make
 
-    path = make(args.dir, seed=args.seed)
+    try:
+        path = make(args.dir, seed=args.seed, arch=args.arch)
+    except ValueError as exc:
+        print(f"ktserve: {exc}", file=sys.stderr)
+        return 2
     print(path)
     return 0
 
@@ -122,9 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ktserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
-    demo = sub.add_parser("make-demo-model", help="write the tiny random-weight DeepSeek-V3 demo model")
+    demo = sub.add_parser("make-demo-model", help="write a tiny random-weight DeepSeek model (V3 unless --arch)")
     demo.add_argument("dir")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--arch", default="deepseek_v3",
+                      help="the released layout to write: deepseek_v3 (BF16, the built-in demo) or deepseek_v32 "
+                           "(DeepSeek-V3.2: FP8 blocks with weight_scale_inv, the indexer, an MTP layer)")
     try:
         from evaluation.cli import add_arguments as add_eval_arguments
     except ImportError:
