@@ -20,6 +20,8 @@ from engines.base import EngineConfig, ModelInfo, engine_options
 from engines.kt.cpuinfer import WorkerIsolation
 from engines.kt.expert_streaming import copy_bits, expert_copy_bytes, experts_within
 from engines.kt.expert_methods import METHODS
+from engines.kt.families import family_architectures, family_for
+from engines.kt.families.base import LoadContext, ModelFamily
 from engines.kt.experts_cpu import RoutedExpertsCPU
 from engines.kt.flashinfer_mla import attention_for
 from engines.kt.kv_cache import LatentKVCache
@@ -44,7 +46,9 @@ DEFAULT_KV_BUDGET_TOKENS = 65536
 DEFAULT_MAX_MODEL_LEN = 16384
 
 
-def default_rule_file(config: Any) -> str:
+def default_rule_file(config: Any, family: ModelFamily | None = None) -> str:
+    if family is not None:
+        return family.default_rule_file(config, _gpu_count())
     if not torch.cuda.is_available():
         return CPU_RULES
     if config.model_type == "deepseek_v3":
@@ -53,10 +57,10 @@ def default_rule_file(config: Any) -> str:
     return "DeepSeek-V2-Lite.yaml" if small else "DeepSeek-V2.yaml"
 
 
-def resolve_rule_file(name: str | None, config: Any) -> Path:
+def resolve_rule_file(name: str | None, config: Any, family: ModelFamily | None = None) -> Path:
     """The rule file: `name` as a path, else a shipped file of that name (LLaMA-Factory configs name theirs
     as `examples/kt_optimize_rules/<file>`), else the default for this machine and architecture."""
-    name = name or default_rule_file(config)
+    name = name or default_rule_file(config, family)
     for path in (Path(name), RULES_DIR / name, RULES_DIR / Path(name).name):
         if path.is_file():
             return path
@@ -136,8 +140,10 @@ class KTEngine(LLMEngine):
         model_path = Path(cfg.model_path)
         config = AutoConfig.from_pretrained(model_path)
         arch = (config.architectures or ["?"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"model: the ktransformers engine serves {', '.join(SUPPORTED_ARCHITECTURES)}; "
+        family = family_for(config)
+        if family is None and arch not in SUPPORTED_ARCHITECTURES:
+            served = ", ".join((*SUPPORTED_ARCHITECTURES, *family_architectures()))
+            raise ValueError(f"model: the ktransformers engine serves {served}; "
                              f"{model_path} is {arch} (use the huggingface engine)")
         tokenizer = load_tokenizer(str(model_path), cfg.template)
         max_len = context_length(config, tokenizer, cfg.max_model_len)
@@ -145,8 +151,10 @@ class KTEngine(LLMEngine):
             log.info("serving a context of %d tokens (the model allows %d; raise it with kt_maxlen)",
                      DEFAULT_MAX_MODEL_LEN, max_len)
             max_len = DEFAULT_MAX_MODEL_LEN
-        rule_file = resolve_rule_file(kt.kt_optimize_rule, config)
+        rule_file = resolve_rule_file(kt.kt_optimize_rule, config, family)
         rules = load_rules(rule_file)
+        if family is not None:
+            return self._load_family(family, config, tokenizer, max_len, rule_file, rules, started)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         placement = plan_placement(model, rules, default_device="cpu",
@@ -231,6 +239,26 @@ class KTEngine(LLMEngine):
                          created=int(time.time()), eos_token_ids=eos_token_ids(config, tokenizer, model_path),
                          details=details)
         return runner, tokenizer, info
+
+    def _load_family(self, family: ModelFamily, config: Any, tokenizer: Any, max_len: int, rule_file: Path,
+                     rules: list, started: float) -> tuple[ModelRunner, Any, ModelInfo]:
+        """A model of a listed family (engines/kt/families/): the family loads it and brings its runner."""
+        cfg, kt = self.config, self.options
+        context = LoadContext(model_path=Path(cfg.model_path), config=config, rule_file=rule_file, rules=rules,
+                              max_model_len=max_len, max_concurrent=cfg.max_concurrent, chunk_size=cfg.chunk_size,
+                              dtype_setting=cfg.dtype, options=kt,
+                              fold=_fold_devices(rules, rule_file, kt.kt_strict_placement))
+        loaded = family.load(context)
+        if loaded.torch_threads is not None:
+            self.torch_threads = loaded.torch_threads
+            torch.set_num_threads(loaded.torch_threads)
+        log.info("loaded %s (%s family) with %s in %.1fs", context.model_path.name, family.name, rule_file.name,
+                 time.perf_counter() - started)
+        details = {"kt_optimize_rule": rule_file.name, "model_family": family.name, **loaded.details}
+        info = ModelInfo(id=model_id(cfg), max_model_len=max_len, architecture=family.architectures[0],
+                         engine=self.name, created=int(time.time()),
+                         eos_token_ids=eos_token_ids(config, tokenizer, context.model_path), details=details)
+        return loaded.runner, tokenizer, info
 
     def stop(self) -> None:
         super().stop()

@@ -1,0 +1,32 @@
+"""Model families the KT engine serves: config.json `model_type` -> "module:Class", imported only when chosen.
+
+engines/kt/families/base.py says what a family provides. The V2/V3 (MLA) generation is still served by
+engines/kt/engine.py's own path (`model_type`s not listed here); a family listed here takes over loading and
+running the model, and the engine, runtime and server stay unaware of its internals.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from engines.kt.families.base import ModelFamily
+
+FAMILIES: dict[str, str] = {
+    "deepseek_v4": "engines.kt.families.deepseek_v4.family:DeepseekV4Family",
+}
+
+
+def family_for(config: Any) -> ModelFamily | None:
+    """The family serving `config.model_type`, or None when the engine's built-in MLA path serves it."""
+    target = FAMILIES.get(getattr(config, "model_type", ""))
+    if target is None:
+        return None
+    module_name, _, class_name = target.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)()
+
+
+def family_architectures() -> tuple[str, ...]:
+    """Architecture names the listed families serve (for the engine's 'what do you serve' message)."""
+    return tuple(name for target in FAMILIES.values()
+                 for name in getattr(importlib.import_module(target.partition(":")[0]),
+                                     target.partition(":")[2]).architectures)

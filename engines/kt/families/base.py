@@ -1,0 +1,116 @@
+"""The model-family interface: everything the KT engine needs to know about one DeepSeek generation.
+
+A family is one folder under engines/kt/families/ (or one module) and one line in the registry
+(`engines/kt/families/__init__.py`: model_type -> "module:Class", imported lazily). What differs between
+generations lives there and nowhere else; the engine, the runtime's scheduler and sampler, the LoRA manager
+and the server only ever see what this interface returns (a `ModelRunner`, a tokenizer, `details`).
+
+What a family provides:
+
+* **`model_types` / `architectures`**: the config.json `model_type`s it serves, and the architecture names
+  it reports.
+* **`default_rule_file(config, gpus)`**: the placement rules used when the user names none (a file name in
+  kt_optimize_rules/), e.g. `DeepSeek-V4-Flash.yaml` with a GPU and `DeepSeek-V4-CPU.yaml` without.
+* **`build_model(config)`**: the model on the meta device (no memory), as the placement rules expect to see it.
+* **`checkpoint_name(name)`**: a *released* tensor name -> the module path it loads into, or None for
+  tensors serving does not use (the MTP layer; see `draft_names`). The released layout is read as
+  shipped: V4's `layers.N.attn.wq_a.weight` is the family's business, not the loader's.
+* **`expert_layout`** (`ExpertLayout`): how the checkpoint stores routed experts: which tensor names, which
+  projection is gate / up / down, the stored format ("bf16", "fp8_blocks", "mxfp4") and the kt-kernel
+  method that reads that format in place ("" when none does and experts are quantized on load).
+* **`load(context)`** -> `LoadedModel`: build, place, stream the weights, and return the runner — the
+  family's attention and caches live in it (or in hooks it installs in the model). The runner implements
+  `engines.runtime.model_runner.ModelRunner`: the shared scheduler hands it chunks of sequences and takes
+  logits back; it keeps each sequence's cache in `seq.runner_state` and frees it in `release`.
+* **`chat_encoder(model_path, allow_checkpoint_code)`**: a `ChatEncoder` when the family's conversation
+  format is not a jinja chat template (V4 ships Python, `encoding/encoding_dsv4.py`), else None (the
+  tokenizer's template serves). `allow_checkpoint_code` is the user's explicit opt-in to run code from the
+  model folder (as transformers' trust_remote_code).
+
+Seams kept for later work (speculative decoding, adapters): `draft_names(name)` maps the checkpoint's MTP
+tensors to the draft module's names, and a runner may expose `hidden_states` for a draft head.
+"""
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertLayout:
+    """How a checkpoint stores one MoE layer's routed experts."""
+
+    # a per-expert tensor name -> (the layer's experts prefix, expert index, projection, suffix) as groups 1-4
+    pattern: re.Pattern
+    projections: dict[str, str]  # the checkpoint's projection names -> "gate" / "up" / "down"
+    format: str  # "bf16" | "fp8_blocks" | "mxfp4"
+    native_method: str = ""  # the kt-kernel method reading `format` as stored; "": quantized on load
+
+
+@dataclass(slots=True)
+class LoadContext:
+    """What the engine hands a family's `load`: everything is decided except what is family-specific."""
+
+    model_path: Path
+    config: Any  # the transformers config
+    rule_file: Path
+    rules: list  # parsed placement rules (engines/kt/rules.py: load_rules)
+    max_model_len: int
+    max_concurrent: int
+    chunk_size: int
+    dtype_setting: str | None  # EngineConfig.dtype
+    options: Any  # engines.kt.options.KTOptions
+    fold: dict[str, str] = field(default_factory=dict)  # rule devices this machine lacks -> where they run
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    runner: Any  # engines.runtime.model_runner.ModelRunner
+    details: dict[str, str] = field(default_factory=dict)  # facts for ModelInfo.details (/version)
+    torch_threads: int | None = None  # torch's intra-op threads beside kt-kernel's workers; None: unchanged
+
+
+class ChatEncoder(Protocol):
+    """A conversation format written in code rather than a jinja template.
+
+    `encode(messages, tools, thinking, reasoning_effort)` -> the prompt text (generation prompt included);
+    `reasoning_parser` / `tool_parser`: the names of the output parsers the server uses for this format."""
+
+    reasoning_parser: str
+    tool_parser: str
+
+    def encode(self, messages: list[dict], tools: list[dict] | None = None, thinking: bool = False,
+               reasoning_effort: str | None = None) -> str: ...
+
+
+class ModelFamily(ABC):
+    """One DeepSeek generation, as the KT engine serves it (module docstring: what each member means)."""
+
+    name: str = ""
+    model_types: tuple[str, ...] = ()
+    architectures: tuple[str, ...] = ()
+    expert_layout: ExpertLayout
+
+    @abstractmethod
+    def default_rule_file(self, config: Any, gpus: int) -> str: ...
+
+    @abstractmethod
+    def build_model(self, config: Any) -> nn.Module: ...
+
+    @abstractmethod
+    def checkpoint_name(self, name: str) -> str | None: ...
+
+    @abstractmethod
+    def load(self, context: LoadContext) -> LoadedModel: ...
+
+    def chat_encoder(self, model_path: Path, allow_checkpoint_code: bool = False) -> ChatEncoder | None:
+        return None
+
+    def draft_names(self, name: str) -> str | None:
+        """A checkpoint tensor of the multi-token-prediction layer -> its name in a draft module (None: not one)."""
+        return None
