@@ -11,23 +11,23 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from engines.base import EngineConfig, ModelInfo, engine_options
-from engines.kt.cpuinfer import WorkerIsolation
 from engines.kt.expert_streaming import copy_bits, expert_copy_bytes, experts_within
 from engines.kt.expert_methods import METHODS
 from engines.kt.families import family_architectures, family_for
-from engines.kt.families.base import LoadContext, ModelFamily
+from engines.kt.families.base import LoadContext, LoadedModel, ModelFamily
 from engines.kt.experts_cpu import RoutedExpertsCPU
 from engines.kt.flashinfer_mla import attention_for
 from engines.kt.kv_cache import LatentKVCache
 from engines.kt.mapped_experts import MAX_TOKENS as MAPPED_MAX_TOKENS
 from engines.kt.mapped_experts import triton_available
-from engines.kt.loader import load_checkpoint, missing_tensors
+from engines.kt.loader import iter_tensors, load_checkpoint, missing_tensors
 from engines.kt.operators import OperatorOptions, fuse_rms_norms
 from engines.kt.options import KTOptions
 from engines.kt.runner import KTModelRunner, layer_devices, uses_cpu_experts
@@ -128,12 +128,11 @@ class KTEngine(LLMEngine):
     def __init__(self, config: EngineConfig):
         super().__init__(config)
         self.options = engine_options(KTOptions, config.settings)
-        self._isolation = WorkerIsolation()
 
     def _load(self) -> tuple[ModelRunner, Any, ModelInfo]:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
-        from engines.kt.rules import apply_placement, load_rules, plan_placement
+        from engines.kt.rules import load_rules
 
         cfg, kt = self.config, self.options
         started = time.perf_counter()
@@ -153,92 +152,9 @@ class KTEngine(LLMEngine):
             max_len = DEFAULT_MAX_MODEL_LEN
         rule_file = resolve_rule_file(kt.kt_optimize_rule, config, family)
         rules = load_rules(rule_file)
-        if family is not None:
-            return self._load_family(family, config, tokenizer, max_len, rule_file, rules, started)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        placement = plan_placement(model, rules, default_device="cpu",
-                                   fold=_fold_devices(rules, rule_file, kt.kt_strict_placement))
-        choices = _expert_methods(placement, kt.kt_method, rule_file, config)
-        stream_experts = _streamed_expert_count(kt, model, config,
-                                                max(copy_bits(METHODS[c.method].bits) for c in choices.values()))
-        options = OperatorOptions(max_tokens=cfg.chunk_size + cfg.max_concurrent, cpu_threads=kt.cpu_infer,
-                                  methods={m: c.method for m, c in choices.items()}, checkpoint=str(model_path),
-                                  gpu_prefill_tokens=kt.kt_gpu_prefill_tokens if stream_experts != 0 else 0,
-                                  gpu_prefill_experts=stream_experts, expert_pad_from=kt.kt_expert_pad_from,
-                                  gpu_read_experts=kt.kt_gpu_read_experts,
-                                  gpu_resident_experts=kt.kt_gpu_resident_experts)
-        apply_placement(model, placement, config, options)
-        gpu = any(d.startswith("cuda") for d in placement.devices.values())
-        dtype = resolve_dtype(cfg.dtype, torch.device("cuda" if gpu else "cpu"))
-        load_checkpoint(model, model_path, placement.device_of_param, dtype, config.num_hidden_layers,
-                        getattr(config, "n_routed_experts", None) or config.num_experts,
-                        weight_cache=self._weight_cache_dir(model_path))
-        self._finish_model(model, config, placement)
-        fused = fuse_rms_norms(model)
-        if fused:
-            log.info("%d RMSNorms on the GPU run as one fused kernel each", fused)
-        model.eval()
-        devices = layer_devices(model)
-        cache = LatentKVCache(layer_devices=devices, num_tokens=self._kv_tokens(max_len),
-                              latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim, dtype=dtype,
-                              prefix_cache=kt.prefix_cache)
-        flash = attention_for(kt.attention_backend, model.model.layers[0].self_attn, devices, cache)
-        runner = KTModelRunner(model, devices, cache, max_len, flash=flash)
-        cpu_experts, all_on_gpus = uses_cpu_experts(model), all(d.type == "cuda" for d in devices)
-        if cpu_experts:
-            self.torch_threads = _torch_threads(kt.cpu_infer, all_on_gpus)
-            torch.set_num_threads(self.torch_threads)
-        for streamer in options.streamers.active():
-            if streamer.mapped is not None:
-                streamer.mapped.warm_up()
-        if kt.kt_use_cuda_graph:
-            if gpu:
-                runner.capture_decode_graphs(cfg.max_concurrent)
-            else:
-                log.info("kt_use_cuda_graph: no GPU in the placement; decode runs without CUDA graphs")
-        _log_streamed_experts(options, options.gpu_prefill_tokens, cfg.chunk_size)
-        mapped, resident = _log_read_experts(model, kt.kt_gpu_read_experts, kt.kt_gpu_resident_experts)
-        if cpu_experts and all_on_gpus:
-            # every thread but kt-kernel's workers is GPU-side work (launching, sampling, the stream callbacks)
-            if kt.kt_isolate_workers:
-                log.info("kt_isolate_workers: %s", self._isolation.apply())
-            else:
-                log.info("kt_isolate_workers off: other threads may run on kt-kernel's worker cores")
-        padded = sorted({(r.start, r.stop) for m in model.modules() if isinstance(m, RoutedExpertsCPU)
-                         for r in [m.padded_tokens()] if r})
-        if padded:
-            log.info("expert calls of %s tokens go padded to %s rows, where kt-kernel's matrix kernels take them "
-                     "(kt_expert_pad_from)", "/".join(f"{a}-{b - 1}" for a, b in padded),
-                     "/".join(str(b) for _, b in padded))
-        if runner.deferring:
-            counts = sorted({layer.deferred for layer in runner.deferring})
-            log.info("expert deferral: in decode steps of up to %d sequences, %s of each token's %d experts in %d "
-                     "layers run one layer late, overlapping the next layer (n_deferred_experts in %s)",
-                     runner.defer_max_batch, "/".join(map(str, counts)), runner.deferring[0].top_k,
-                     len(runner.deferring), rule_file.name)
-        log.info("loaded %s with %s (%s, experts on the CPU: %s) in %.1fs", model_path.name, rule_file.name, dtype,
-                 cpu_experts, time.perf_counter() - started)
-        details = {"kt_optimize_rule": rule_file.name, "attention_backend": "torch" if flash is None else "flashinfer"}
-        streaming = options.streamers.active()
-        if streaming and kt.kt_gpu_prefill_tokens:
-            details["gpu_prefill_tokens"] = str(kt.kt_gpu_prefill_tokens)
-            details["gpu_prefill_copy_gbps"] = f"{min(s.pcie_bytes_per_s for s in streaming) / 1e9:.1f}"
-            details["gpu_prefill_experts"] = str(min(h.held for s in streaming for h in s.layers.values()))
-        details["gpu_read_experts"] = str(mapped)
-        details["gpu_resident_experts"] = str(resident)
-        if self._isolation.spare:
-            details["server_thread_cores"] = ",".join(map(str, sorted(self._isolation.spare)))
-        if padded:
-            details["expert_pad_from"] = str(min(a for a, _ in padded))
-        if runner.deferring:
-            details["experts_deferred"] = str(max(layer.deferred for layer in runner.deferring))
-        for choice in choices.values():
-            details.update(choice.describe())
-        info = ModelInfo(id=model_id(cfg), max_model_len=max_len, architecture=arch, engine=self.name,
-                         created=int(time.time()), eos_token_ids=eos_token_ids(config, tokenizer, model_path),
-                         details=details)
-        return runner, tokenizer, info
+        if family is None:  # V2 / V3: the MLA generation this module serves itself
+            family = MLAFamily(arch)
+        return self._load_family(family, config, tokenizer, max_len, rule_file, rules, started)
 
     def _load_family(self, family: ModelFamily, config: Any, tokenizer: Any, max_len: int, rule_file: Path,
                      rules: list, started: float) -> tuple[ModelRunner, Any, ModelInfo]:
@@ -260,36 +176,166 @@ class KTEngine(LLMEngine):
                          eos_token_ids=eos_token_ids(config, tokenizer, context.model_path), details=details)
         return loaded.runner, tokenizer, info
 
-    def stop(self) -> None:
-        super().stop()
-        self._isolation.restore()
+@dataclass(frozen=True, slots=True)
+class MLAVariant:
+    """What a generation of the MLA architecture changes in how it loads (V2 / V3: nothing): how checkpoint
+    tensors are read (`read_tensors(files, progress)`, e.g. FP8 dequantized), the cache it attends over
+    (`make_cache(config, **LatentKVCache's arguments)`), and whether FlashInfer's dense paged MLA may attend."""
 
-    def _kv_tokens(self, max_len: int) -> int:
-        """KV capacity: as configured, else room for a few full-length requests within a fixed budget
-        (64k positions: 2 GB for V2-Lite's 27 layers x 576 bf16 values), never less than one request."""
-        if self.options.kv_cache_tokens:
-            return self.options.kv_cache_tokens
-        return max(max_len, min(max_len * min(self.config.max_concurrent, 4), DEFAULT_KV_BUDGET_TOKENS))
+    read_tensors: Callable = iter_tensors
+    make_cache: Callable = lambda config, **kwargs: LatentKVCache(**kwargs)
+    flashinfer: bool = True
 
-    def _weight_cache_dir(self, model_path: Path) -> Path | None:
-        """Pre-quantized experts live under the cache root, one folder per model and expert method."""
-        if not self.options.kt_weight_cache:
-            return None
-        method = (self.options.kt_method or "rules").upper()
-        return Path(self.options.kt_weight_cache) / f"{model_path.resolve().name}-{method}"
 
-    @staticmethod
-    def _finish_model(model: Any, config: Any, placement: Any) -> None:
-        """What the checkpoint does not carry: the rotary tables (computed) and a tied LM head."""
-        rotary = model.model.rotary_emb
-        device = placement.device_of_param("model.rotary_emb.inv_freq")
-        with torch.device(device):
-            model.model.rotary_emb = type(rotary)(config=config)
-        if getattr(config, "tie_word_embeddings", False) and model.lm_head.weight.is_meta:
-            model.lm_head.weight = model.model.embed_tokens.weight
-        missing = missing_tensors(model)
-        if missing:
-            raise ValueError(f"model: the checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
+class MLAFamily(ModelFamily):
+    """DeepSeek V2 / V2-Lite / V3 / R1 (engines/kt/families/base.py's interface over this module's load path)."""
+
+    name = "deepseek_mla"
+    model_types = ("deepseek_v2", "deepseek_v3")
+
+    def __init__(self, architecture: str):
+        self.architectures = (architecture,)
+
+    def default_rule_file(self, config: Any, gpus: int) -> str:
+        return default_rule_file(config)
+
+    def build_model(self, config: Any) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        return name
+
+    def load(self, context: LoadContext) -> LoadedModel:
+        return load_mla(self, context)
+
+
+def load_mla(family: ModelFamily, context: LoadContext, variant: MLAVariant = MLAVariant()) -> LoadedModel:
+    """Build `family`'s model on the meta device, place it by the rules, stream the checkpoint in and return
+    the KT runner over it: the load path of every MLA generation (V2, V3, V3.2)."""
+    from engines.kt.rules import apply_placement, plan_placement
+
+    kt, config, rule_file, model_path = context.options, context.config, context.rule_file, context.model_path
+    model = family.build_model(config)
+    placement = plan_placement(model, context.rules, default_device="cpu", fold=context.fold)
+    choices = _expert_methods(placement, kt.kt_method, rule_file, config)
+    stream_experts = _streamed_expert_count(kt, model, config,
+                                            max((copy_bits(METHODS[c.method].bits) for c in choices.values()), default=8))
+    options = OperatorOptions(max_tokens=context.chunk_size + context.max_concurrent, cpu_threads=kt.cpu_infer,
+                              methods={m: c.method for m, c in choices.items()}, checkpoint=str(model_path),
+                              gpu_prefill_tokens=kt.kt_gpu_prefill_tokens if stream_experts != 0 else 0,
+                              gpu_prefill_experts=stream_experts, expert_pad_from=kt.kt_expert_pad_from,
+                              gpu_read_experts=kt.kt_gpu_read_experts,
+                              gpu_resident_experts=kt.kt_gpu_resident_experts)
+    apply_placement(model, placement, config, options)
+    gpu = any(d.startswith("cuda") for d in placement.devices.values())
+    dtype = resolve_dtype(context.dtype_setting, torch.device("cuda" if gpu else "cpu"))
+    load_checkpoint(model, model_path, placement.device_of_param, dtype, config.num_hidden_layers,
+                    getattr(config, "n_routed_experts", None) or config.num_experts,
+                    weight_cache=_weight_cache_dir(kt, model_path), read_tensors=variant.read_tensors)
+    _finish_model(model, config, placement)
+    fused = fuse_rms_norms(model)
+    if fused:
+        log.info("%d RMSNorms on the GPU run as one fused kernel each", fused)
+    model.eval()
+    devices = layer_devices(model)
+    cache = variant.make_cache(config, layer_devices=devices, num_tokens=_kv_tokens(context),
+                               latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim, dtype=dtype,
+                               prefix_cache=kt.prefix_cache)
+    backend = kt.attention_backend if variant.flashinfer else _dense_only(kt.attention_backend, family)
+    flash = attention_for(backend, model.model.layers[0].self_attn, devices, cache)
+    runner = KTModelRunner(model, devices, cache, context.max_model_len, flash=flash)
+    loaded = LoadedModel(runner)
+    cpu_experts, all_on_gpus = uses_cpu_experts(model), all(d.type == "cuda" for d in devices)
+    if cpu_experts:  # set by the engine
+        loaded.torch_threads = _torch_threads(kt.cpu_infer, all_on_gpus)
+    for streamer in options.streamers.active():
+        if streamer.mapped is not None:
+            streamer.mapped.warm_up()
+    if kt.kt_use_cuda_graph:
+        if gpu:
+            runner.capture_decode_graphs(context.max_concurrent)
+        else:
+            log.info("kt_use_cuda_graph: no GPU in the placement; decode runs without CUDA graphs")
+    _log_streamed_experts(options, options.gpu_prefill_tokens, context.chunk_size)
+    mapped, resident = _log_read_experts(model, kt.kt_gpu_read_experts, kt.kt_gpu_resident_experts)
+    if cpu_experts and all_on_gpus:
+        # every thread but kt-kernel's workers is GPU-side work (launching, sampling, the stream callbacks)
+        if kt.kt_isolate_workers:
+            log.info("kt_isolate_workers: %s", runner.isolation.apply())
+        else:
+            log.info("kt_isolate_workers off: other threads may run on kt-kernel's worker cores")
+    padded = sorted({(r.start, r.stop) for m in model.modules() if isinstance(m, RoutedExpertsCPU)
+                     for r in [m.padded_tokens()] if r})
+    if padded:
+        log.info("expert calls of %s tokens go padded to %s rows, where kt-kernel's matrix kernels take them "
+                 "(kt_expert_pad_from)", "/".join(f"{a}-{b - 1}" for a, b in padded),
+                 "/".join(str(b) for _, b in padded))
+    if runner.deferring:
+        counts = sorted({layer.deferred for layer in runner.deferring})
+        log.info("expert deferral: in decode steps of up to %d sequences, %s of each token's %d experts in %d "
+                 "layers run one layer late, overlapping the next layer (n_deferred_experts in %s)",
+                 runner.defer_max_batch, "/".join(map(str, counts)), runner.deferring[0].top_k,
+                 len(runner.deferring), rule_file.name)
+    log.info("%s: %s, experts on the CPU: %s", model_path.name, dtype, cpu_experts)
+    details = loaded.details
+    details["attention_backend"] = "torch" if flash is None else "flashinfer"
+    streaming = options.streamers.active()
+    if streaming and kt.kt_gpu_prefill_tokens:
+        details["gpu_prefill_tokens"] = str(kt.kt_gpu_prefill_tokens)
+        details["gpu_prefill_copy_gbps"] = f"{min(s.pcie_bytes_per_s for s in streaming) / 1e9:.1f}"
+        details["gpu_prefill_experts"] = str(min(h.held for s in streaming for h in s.layers.values()))
+    details["gpu_read_experts"] = str(mapped)
+    details["gpu_resident_experts"] = str(resident)
+    if runner.isolation.spare:
+        details["server_thread_cores"] = ",".join(map(str, sorted(runner.isolation.spare)))
+    if padded:
+        details["expert_pad_from"] = str(min(a for a, _ in padded))
+    if runner.deferring:
+        details["experts_deferred"] = str(max(layer.deferred for layer in runner.deferring))
+    for choice in choices.values():
+        details.update(choice.describe())
+    return loaded
+
+
+def _dense_only(requested: str, family: ModelFamily) -> str:
+    """The attention backend for a family whose attention FlashInfer's dense paged MLA cannot compute."""
+    if requested == "flashinfer":
+        raise ValueError(f"attention_backend: flashinfer computes dense MLA; {family.name} attends sparsely "
+                         "(use auto or torch)")
+    return "torch"
+
+
+def _kv_tokens(context: LoadContext) -> int:
+    """KV capacity: as configured, else room for a few full-length requests within a fixed budget
+    (64k positions: 2 GB for V2-Lite's 27 layers x 576 bf16 values), never less than one request."""
+    if context.options.kv_cache_tokens:
+        return context.options.kv_cache_tokens
+    max_len = context.max_model_len
+    return max(max_len, min(max_len * min(context.max_concurrent, 4), DEFAULT_KV_BUDGET_TOKENS))
+
+
+def _weight_cache_dir(kt: KTOptions, model_path: Path) -> Path | None:
+    """Pre-quantized experts live under the cache root, one folder per model and expert method."""
+    if not kt.kt_weight_cache:
+        return None
+    method = (kt.kt_method or "rules").upper()
+    return Path(kt.kt_weight_cache) / f"{model_path.resolve().name}-{method}"
+
+
+def _finish_model(model: Any, config: Any, placement: Any) -> None:
+    """What the checkpoint does not carry: the rotary tables (computed) and a tied LM head."""
+    rotary = model.model.rotary_emb
+    device = placement.device_of_param("model.rotary_emb.inv_freq")
+    with torch.device(device):
+        model.model.rotary_emb = type(rotary)(config=config)
+    if getattr(config, "tie_word_embeddings", False) and model.lm_head.weight.is_meta:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    missing = missing_tensors(model)
+    if missing:
+        raise ValueError(f"model: the checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
 
 
 def _streamed_expert_count(kt: KTOptions, model: Any, config: Any, bits: int = 8) -> int | None:

@@ -12,7 +12,7 @@ import logging
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -119,8 +119,10 @@ def float32_names(model: nn.Module) -> re.Pattern | None:
 
 
 def load_checkpoint(model: nn.Module, model_path: Path, device_of: Any, dtype: torch.dtype,
-                    num_layers: int, num_experts: int, weight_cache: Path | None = None) -> None:
-    """Stream every tensor to its place. `device_of(param_name)` gives the final device."""
+                    num_layers: int, num_experts: int, weight_cache: Path | None = None,
+                    read_tensors: Callable = iter_tensors) -> None:
+    """Stream every tensor to its place. `device_of(param_name)` gives the final device; `read_tensors(files,
+    progress)` yields the checkpoint's (name, tensor) pairs (a family reading another format passes its own)."""
     from tqdm import tqdm
 
     files = checkpoint_files(model_path)
@@ -131,7 +133,7 @@ def load_checkpoint(model: nn.Module, model_path: Path, device_of: Any, dtype: t
     # its weight on every call (one more kernel per MoE layer and decode step on a GPU)
     float32 = float32_names(model)
     with tqdm(total=len(files), desc="loading shards", unit="shard", leave=False) as progress:
-        for name, tensor in iter_tensors(files, progress):
+        for name, tensor in read_tensors(files, progress):
             layer = _LAYER_KEY.match(name)
             if layer and int(layer.group(1)) >= num_layers:
                 continue  # e.g. DeepSeek-V3's multi-token-prediction layer, which serving does not use

@@ -13,6 +13,7 @@ from engines.kt.families.base import ModelFamily
 
 FAMILIES: dict[str, str] = {
     "deepseek_v4": "engines.kt.families.deepseek_v4.family:DeepseekV4Family",
+    "deepseek_v32": "engines.kt.families.deepseek_v32.family:DeepseekV32Family",
 }
 
 
