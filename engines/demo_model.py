@@ -7,7 +7,6 @@ routing and numerics are real enough to compare two implementations token by tok
 """
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -104,23 +103,10 @@ def demo_config(**overrides) -> dict:
     return config
 
 
-# What `make_demo_model(arch=...)` writes besides the V3 demo: the model family's own writer, imported lazily.
-ARCHITECTURES = {
-    "deepseek_v3": "engines.demo_model:make_demo_model",
-    "deepseek_v32": "engines.kt.families.deepseek_v32.demo_model:make_demo_model",
-}
-
-
-def make_demo_model(out_dir: str | Path, seed: int = DEMO_SEED, arch: str = "deepseek_v3", **overrides) -> Path:
+def make_demo_model(out_dir: str | Path, seed: int = DEMO_SEED, **overrides) -> Path:
     """Write the demo model into `out_dir` (created if missing) and return it; the same seed gives the same bytes.
     `overrides` change config keys, e.g. `kv_lora_rank=512, qk_rope_head_dim=64` for the latent width vLLM's
-    CPU MLA kernel needs. `arch` picks another released layout (ARCHITECTURES), e.g. `deepseek_v32`: V3.2 in
-    DeepSeek's FP8 release format."""
-    if arch != "deepseek_v3":
-        if arch not in ARCHITECTURES:
-            raise ValueError(f"arch: {arch!r} is not one of {', '.join(ARCHITECTURES)}")
-        module, _, function = ARCHITECTURES[arch].partition(":")
-        return getattr(importlib.import_module(module), function)(out_dir, seed=seed, **overrides)
+    CPU MLA kernel needs."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = demo_config(**overrides)
@@ -130,6 +116,17 @@ def make_demo_model(out_dir: str | Path, seed: int = DEMO_SEED, arch: str = "dee
     _write_shards(out, _random_weights(config, seed))
     _write_tokenizer(out)
     return out
+
+
+def demo_writer(arch: str):
+    """The function writing a tiny random model of `arch` (a config.json model_type): (out_dir, seed) -> Path."""
+    if arch == "deepseek_v3":
+        return make_demo_model
+    if arch == "deepseek_v32":
+        from engines.kt.families.deepseek_v32.demo_model import make_demo_model as make_demo_model_v32
+
+        return make_demo_model_v32
+    raise ValueError(f"arch: no demo model for {arch!r} (deepseek_v3, deepseek_v32)")
 
 
 def default_demo_model_dir() -> Path:

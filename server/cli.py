@@ -15,6 +15,7 @@ from server.settings import ENV_VARS, KEY_ALIASES, Settings
 log = logging.getLogger("ktserve")
 
 DEMO_MODEL_NAME = "ktserve-demo"
+DEMO_ARCHS = ("deepseek_v3", "deepseek_v32")
 
 
 class _Pairs(argparse.Action):
@@ -111,13 +112,9 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def make_demo_model(args: argparse.Namespace) -> int:
-    from engines.demo_model import make_demo_model as make
+    from engines.demo_model import demo_writer
 
-    try:
-        path = make(args.dir, seed=args.seed, arch=args.arch)
-    except ValueError as exc:
-        print(f"ktserve: {exc}", file=sys.stderr)
-        return 2
+    path = demo_writer(args.arch)(args.dir, seed=args.seed)
     print(path)
     return 0
 
@@ -126,12 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ktserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
-    demo = sub.add_parser("make-demo-model", help="write a tiny random-weight DeepSeek model (V3 unless --arch)")
+    demo = sub.add_parser("make-demo-model", help="write a tiny random-weight DeepSeek model (V3 by default)")
     demo.add_argument("dir")
+    demo.add_argument("--arch", default="deepseek_v3", choices=DEMO_ARCHS,
+                      help="deepseek_v3: the demo model; deepseek_v32: V3.2 in its released layout (FP8 blocks "
+                           "with weight_scale_inv, the lightning indexer, an MTP layer)")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--arch", default="deepseek_v3",
-                      help="the released layout to write: deepseek_v3 (BF16, the built-in demo) or deepseek_v32 "
-                           "(DeepSeek-V3.2: FP8 blocks with weight_scale_inv, the indexer, an MTP layer)")
     try:
         from evaluation.cli import add_arguments as add_eval_arguments
     except ImportError:

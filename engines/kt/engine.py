@@ -305,6 +305,7 @@ def _dense_only(requested: str, family: ModelFamily) -> str:
     if requested == "flashinfer":
         raise ValueError(f"attention_backend: flashinfer computes dense MLA; {family.name} attends sparsely "
                          "(use auto or torch)")
+    log.info("MLA attention of %s: torch (FlashInfer's paged MLA attends densely)", family.name)
     return "torch"
 
 
