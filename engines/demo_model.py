@@ -107,13 +107,19 @@ def make_demo_model(out_dir: str | Path, seed: int = DEMO_SEED, **overrides) -> 
     """Write the demo model into `out_dir` (created if missing) and return it; the same seed gives the same bytes.
     `overrides` change config keys, e.g. `kv_lora_rank=512, qk_rope_head_dim=64` for the latent width vLLM's
     CPU MLA kernel needs."""
+    config = demo_config(**overrides)
+    return write_model_dir(out_dir, config, _random_weights(config, seed))
+
+
+def write_model_dir(out_dir: str | Path, config: dict, weights: dict[str, torch.Tensor]) -> Path:
+    """A Hugging Face model directory (created if missing): config, generation config, sharded weights and
+    the DeepSeek tokenizer."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = demo_config(**overrides)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json",
                 {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
-    _write_shards(out, _random_weights(config, seed))
+    _write_shards(out, weights)
     _write_tokenizer(out)
     return out
 

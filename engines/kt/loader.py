@@ -206,4 +206,7 @@ def read_layer_experts(model_path: Path, prefix: str, num_experts: int, first: i
         return gate, up, fused["down_proj"][:count]
     if any(len(parts[w]) != count for w in ("gate_proj", "up_proj", "down_proj")):
         raise ValueError(f"model: routed experts incomplete in the checkpoint for {prefix}")
+    if any(t.dtype == torch.float8_e4m3fn for w in parts.values() for t in w.values()):
+        raise ValueError(f"model: {prefix} is stored in FP8 blocks; re-reading base experts from an FP8 checkpoint "
+                         "(expert LoRA, streamed copies over a weight cache) is not supported yet")
     return tuple(torch.stack([parts[w][e] for e in range(count)]) for w in ("gate_proj", "up_proj", "down_proj"))

@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 
 from engines.checkpoints.fp8 import quantize_blocks, ue8m0_to_float
-from engines.demo_model import (DEMO_SEED, _ones, _write_json, _write_shards, _write_tokenizer,
-                                decoder_layer_weights, demo_config, drawers)
+from engines.demo_model import DEMO_SEED, _ones, decoder_layer_weights, demo_config, drawers, write_model_dir
 
 INDEX_TOPK = 64
 # projections DeepSeek ships in FP8 (the last name component before `.weight`)
@@ -42,15 +41,8 @@ def v32_config(**overrides) -> dict:
 
 def make_demo_model(out_dir: str | Path, seed: int = DEMO_SEED, **overrides) -> Path:
     """Write the V3.2 demo into `out_dir` and return it; the same seed gives the same bytes."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     config = v32_config(**overrides)
-    _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json",
-                {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
-    _write_shards(out, released(random_bf16_weights(config, seed)))
-    _write_tokenizer(out)
-    return out
+    return write_model_dir(out_dir, config, released(random_bf16_weights(config, seed)))
 
 
 def random_bf16_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
