@@ -21,13 +21,13 @@ from engines.base import EngineConfig, ModelInfo, engine_options
 from engines.kt.expert_streaming import copy_bits, expert_copy_bytes, experts_within
 from engines.kt.expert_methods import METHODS
 from engines.kt.families import family_architectures, family_for
-from engines.kt.families.base import LoadContext, LoadedModel, ModelFamily
+from engines.kt.families.base import ExpertLayout, LoadContext, LoadedModel, ModelFamily
 from engines.kt.experts_cpu import RoutedExpertsCPU
 from engines.kt.flashinfer_mla import attention_for
 from engines.kt.kv_cache import LatentKVCache
 from engines.kt.mapped_experts import MAX_TOKENS as MAPPED_MAX_TOKENS
 from engines.kt.mapped_experts import triton_available
-from engines.kt.loader import iter_tensors, load_checkpoint, missing_tensors
+from engines.kt.loader import _PER_EXPERT, iter_tensors, load_checkpoint, missing_tensors
 from engines.kt.operators import OperatorOptions, fuse_rms_norms
 from engines.kt.options import KTOptions
 from engines.kt.runner import KTModelRunner, layer_devices, uses_cpu_experts
@@ -176,6 +176,7 @@ class KTEngine(LLMEngine):
                          eos_token_ids=eos_token_ids(config, tokenizer, context.model_path), details=details)
         return loaded.runner, tokenizer, info
 
+
 @dataclass(frozen=True, slots=True)
 class MLAVariant:
     """What a generation of the MLA architecture changes in how it loads (V2 / V3: nothing): how checkpoint
@@ -188,13 +189,18 @@ class MLAVariant:
 
 
 class MLAFamily(ModelFamily):
-    """DeepSeek V2 / V2-Lite / V3 / R1 (engines/kt/families/base.py's interface over this module's load path)."""
+    """DeepSeek V2 / V2-Lite / V3 / R1 (engines/kt/families/base.py's interface over this module's load path);
+    the base of the MLA generations that add to it (V3.2)."""
 
     name = "deepseek_mla"
     model_types = ("deepseek_v2", "deepseek_v3")
+    architectures = SUPPORTED_ARCHITECTURES
+    expert_layout = ExpertLayout(pattern=_PER_EXPERT, projections={"gate_proj": "gate", "up_proj": "up",
+                                                                   "down_proj": "down"}, format="bf16")
 
-    def __init__(self, architecture: str):
-        self.architectures = (architecture,)
+    def __init__(self, architecture: str | None = None):
+        if architecture is not None:  # the one this checkpoint names, for the model info
+            self.architectures = (architecture,)
 
     def default_rule_file(self, config: Any, gpus: int) -> str:
         return default_rule_file(config)

@@ -12,43 +12,26 @@ The MTP layer (`model.layers.<num_hidden_layers>.*`) is skipped by the loader; `
 a drafting head."""
 from __future__ import annotations
 
-import re
+from dataclasses import replace
 from typing import Any
 
-import torch
-from torch import nn
-
-from engines.kt.families.base import ExpertLayout, LoadContext, LoadedModel, ModelFamily
+from engines.kt.engine import MLAFamily, MLAVariant, load_mla
+from engines.kt.families.base import LoadContext, LoadedModel
 from engines.kt.families.deepseek_v32.cache import IndexedLatentKVCache
 from engines.kt.families.deepseek_v32.checkpoint import block_shape, dequantized
+from engines.kt.loader import iter_tensors
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 
-
-class DeepseekV32Family(ModelFamily):
+class DeepseekV32Family(MLAFamily):
     name = "deepseek_v32"
     model_types = ("deepseek_v32",)
     architectures = ("DeepseekV32ForCausalLM",)
-    expert_layout = ExpertLayout(
-        pattern=re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight)$"),
-        projections={"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}, format="fp8_blocks")
+    expert_layout = replace(MLAFamily.expert_layout, format="fp8_blocks")
 
     def default_rule_file(self, config: Any, gpus: int) -> str:
         return "DeepSeek-V3.2.yaml" if gpus else "DeepSeek-V3.2-CPU.yaml"
 
-    def build_model(self, config: Any) -> nn.Module:
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
-
-    def checkpoint_name(self, name: str) -> str | None:
-        return name  # released under the module paths transformers uses (the loader skips the MTP layer)
-
     def load(self, context: LoadContext) -> LoadedModel:
-        from engines.kt.engine import MLAVariant, load_mla
-        from engines.kt.loader import iter_tensors
-
         block = block_shape(context.config)
         variant = MLAVariant(
             read_tensors=lambda files, progress: dequantized(iter_tensors(files, progress), block),
