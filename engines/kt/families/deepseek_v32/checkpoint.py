@@ -45,7 +45,7 @@ def dequantized(tensors: Iterator[tuple[str, torch.Tensor]], block: tuple[int, i
         else:
             yield name, tensor
     if weights:
-        raise ValueError(f"model: {len(weights)} FP8 weights lack their {SCALE_SUFFIX[1:]} multipliers in the "
+        raise ValueError(f"model: {len(weights)} FP8 weights lack their weight{SCALE_SUFFIX} multipliers in the "
                          f"checkpoint, e.g. {', '.join(sorted(weights)[:3])}")
     if scales:
         raise ValueError(f"model: {len(scales)} weight{SCALE_SUFFIX} tensors have no FP8 weight beside them, e.g. "
