@@ -165,6 +165,9 @@ class KTEngine(LLMEngine):
                               dtype_setting=cfg.dtype, options=kt,
                               fold=_fold_devices(rules, rule_file, kt.kt_strict_placement))
         loaded = family.load(context)
+        encoder = family.chat_encoder(context.model_path, allow_checkpoint_code=cfg.trust_remote_code)
+        if encoder is not None and cfg.template is None:
+            family.install_chat_encoder(tokenizer, encoder)
         if loaded.torch_threads is not None:
             self.torch_threads = loaded.torch_threads
             torch.set_num_threads(loaded.torch_threads)

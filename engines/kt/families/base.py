@@ -111,6 +111,11 @@ class ModelFamily(ABC):
     def chat_encoder(self, model_path: Path, allow_checkpoint_code: bool = False) -> ChatEncoder | None:
         return None
 
+    def install_chat_encoder(self, tokenizer: Any, encoder: ChatEncoder) -> None:
+        """Make `encoder` the tokenizer's chat format (`apply_chat_template`, `tool_call_format`): the server
+        renders every chat through the tokenizer and never learns the family."""
+        raise NotImplementedError(f"{type(self).__name__} returns a chat encoder but cannot install it")
+
     def draft_names(self, name: str) -> str | None:
         """A checkpoint tensor of the multi-token-prediction layer -> its name in a draft module (None: not one)."""
         return None
