@@ -15,7 +15,7 @@ from server.settings import ENV_VARS, KEY_ALIASES, Settings
 log = logging.getLogger("ktserve")
 
 DEMO_MODEL_NAME = "ktserve-demo"
-DEMO_ARCHS = ("deepseek_v3", "deepseek_v4")
+DEMO_ARCHS = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
 
 
 class _Pairs(argparse.Action):
@@ -131,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("make-demo-model", help="write a tiny random-weight DeepSeek model (V3 by default)")
     demo.add_argument("dir")
     demo.add_argument("--arch", default="deepseek_v3", choices=DEMO_ARCHS,
-                      help="deepseek_v3: the demo model; deepseek_v4: V4 in its released layout (FP8 + MXFP4)")
+                      help="deepseek_v3: the demo model; deepseek_v32: V3.2 in its released layout (FP8 blocks with "
+                           "weight_scale_inv, the lightning indexer, an MTP layer); deepseek_v4: V4 in its released "
+                           "layout (FP8 + MXFP4)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--mtp", choices=("random", "last-layer"),
                       help="add a multi-token-prediction layer (for --speculative mtp): random, or a copy of the last "

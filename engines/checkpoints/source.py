@@ -53,7 +53,10 @@ class StoredTensor:
         """The weight in `dtype` on `device`: FP8 bytes travel as they are and are dequantized there."""
         if self.scale is not None:
             data = self.data.to(device)
-            return dequantize_blocks(data, self.scale.to(device), dtype or torch.bfloat16, self.block)
+            try:
+                return dequantize_blocks(data, self.scale.to(device), dtype or torch.bfloat16, self.block)
+            except ValueError as exc:  # a scale of the wrong shape: say which tensor
+                raise ValueError(f"model: {self.name}: {exc}") from None
         tensor = self.data
         if tensor.is_floating_point() and dtype is not None:
             tensor = tensor.to(dtype)
