@@ -74,7 +74,8 @@ def kt_fp8(fp8_dir):
 def logprob_diffs(server, tokenizer, reference) -> list[float]:
     text = tokenizer.decode(tokenizer.encode(TEXT)[:300], skip_special_tokens=True)
     ids = tokenizer.encode(text)
-    reply = server.openai().completions.create(model=server.engine.info.id, prompt=text, max_tokens=0, echo=True,
+    # the ids, BOS included, so the echoed logprobs line up with them (a text prompt's added BOS is not echoed)
+    reply = server.openai().completions.create(model=server.engine.info.id, prompt=ids, max_tokens=0, echo=True,
                                                logprobs=1)
     served, expected = reply.choices[0].logprobs.token_logprobs, forward_logprobs(reference, ids)
     return sorted(abs(served[i] - float(expected[i - 1, ids[i]])) for i in range(1, len(ids)))
