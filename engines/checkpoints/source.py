@@ -168,6 +168,19 @@ def checkpoint_files(model_path: Path) -> list[Path]:
     return found
 
 
+def iter_tensors(files: list[Path], progress: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in `files`, shard by shard, as stored: for a family reading a layout of its
+    own (V4's released names and `.scale` blocks), which SafetensorsSource does not pair."""
+    from safetensors import safe_open
+
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+        if progress is not None:
+            progress.update(1)
+
+
 def tensor_names(model_path: Path) -> set[str]:
     """Every tensor name of the checkpoint, from its index or its shards' headers (no tensor is read)."""
     from safetensors import safe_open

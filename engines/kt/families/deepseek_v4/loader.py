@@ -16,9 +16,10 @@ from torch import nn
 
 from engines.checkpoints import mxfp4
 from engines.checkpoints.fp8 import dequantize_blocks
+from engines.checkpoints.source import checkpoint_files, iter_tensors
 from engines.kt.experts_cpu import RoutedExpertsCPU
 from engines.kt.families.deepseek_v4.names import EXPERT, PROJECTIONS, is_draft, module_name
-from engines.kt.loader import checkpoint_files, float32_names, iter_tensors, missing_tensors, set_tensor
+from engines.kt.loader import float32_names, missing_tensors, set_tensor
 
 
 class _Experts:
