@@ -1,5 +1,6 @@
 """The "ktransformers" engine: DeepSeek V2/V2-Lite/V3/R1 with the routed experts on the CPU (kt-kernel)
-and everything else where the placement rules put it, usually one GPU.
+and everything else where the placement rules put it, usually one GPU. Every model loads through its family
+(engines/kt/families/): V2/V3 are this module's MLAFamily and `load_mla`, which V3.2 reuses; V4 has its own.
 
 Choosing a rule file: `kt_optimize_rule` when given (a path; a file name, or a path that does not exist,
 is looked up by file name in kt_optimize_rules/); otherwise the CPU-only file on a machine without CUDA,
