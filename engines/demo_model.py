@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -151,11 +152,15 @@ def demo_writer(arch: str):
     """The function writing a tiny random model of `arch` (a config.json model_type): (out_dir, seed) -> Path."""
     if arch == "deepseek_v3":
         return make_demo_model
+    if arch == "deepseek_v32":
+        from engines.kt.families.deepseek_v32.demo_model import make_demo_model_v32
+
+        return make_demo_model_v32
     if arch == "deepseek_v4":
         from engines.demo_model_v4 import make_demo_model_v4
 
         return make_demo_model_v4
-    raise ValueError(f"arch: no demo model for {arch!r} (deepseek_v3, deepseek_v4)")
+    raise ValueError(f"arch: no demo model for {arch!r} (deepseek_v3, deepseek_v32, deepseek_v4)")
 
 
 def default_demo_model_dir(mtp: str | None = None) -> Path:
@@ -249,15 +254,19 @@ def mtp_layer_tensors(config: dict, weights: dict[str, torch.Tensor], seed: int 
             f"{prefix}.shared_head.head.weight": weights["lm_head.weight"].clone()}
 
 
-def fp8_release(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`weights` in the layout of DeepSeek's FP8 releases: each projection's `.weight` as FP8 blocks plus its
-    `.weight_scale_inv`; embeddings, norms and the router stay as they were."""
-    from engines.checkpoints.fp8 import quantize_blocks
+def fp8_release(weights: dict[str, torch.Tensor], is_fp8: Callable[[str], bool] | None = None,
+                ue8m0: bool = False) -> dict[str, torch.Tensor]:
+    """`weights` in the layout of DeepSeek's FP8 releases: each projection's `.weight` (or each name `is_fp8`
+    accepts) as FP8 blocks plus its float32 `.weight_scale_inv`, powers of two when `ue8m0` (the V3.1 / V3.2
+    releases); embeddings, norms and the router stay as they were."""
+    from engines.checkpoints.fp8 import quantize_blocks, ue8m0_to_float
 
+    is_fp8 = is_fp8 or (lambda name: name.endswith("_proj.weight") or name.endswith("_proj_with_mqa.weight"))
     out: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
-        if name.endswith("_proj.weight") or name.endswith("_proj_with_mqa.weight"):
-            out[name], out[name + "_scale_inv"] = quantize_blocks(tensor)
+        if is_fp8(name):
+            out[name], scale = quantize_blocks(tensor, ue8m0=ue8m0)
+            out[name + "_scale_inv"] = ue8m0_to_float(scale) if ue8m0 else scale
         else:
             out[name] = tensor
     return out

@@ -15,7 +15,7 @@ from server.settings import ENV_VARS, KEY_ALIASES, Settings
 log = logging.getLogger("ktserve")
 
 DEMO_MODEL_NAME = "ktserve-demo"
-DEMO_ARCHS = ("deepseek_v3", "deepseek_v4")
+DEMO_ARCHS = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
 
 
 class _Pairs(argparse.Action):
@@ -115,9 +115,13 @@ def make_demo_model(args: argparse.Namespace) -> int:
     if args.format == "gguf":
         from engines.checkpoints.gguf.writer import write_demo_gguf
 
-        if args.mtp or args.arch != "deepseek_v3":
-            print("ktserve: --format gguf writes the deepseek_v3 demo, without a multi-token-prediction layer "
-                  "(--mtp needs --format bf16 or fp8)", file=sys.stderr)
+        if args.mtp:
+            print("ktserve: --mtp: the GGUF demo model has no multi-token-prediction layer (use --format bf16 or "
+                  "fp8)", file=sys.stderr)
+            return 2
+        if args.arch != "deepseek_v3":
+            print(f"ktserve: --format gguf writes the deepseek_v3 demo; {args.arch} is written in its released "
+                  "layout", file=sys.stderr)
             return 2
         try:
             files = write_demo_gguf(args.dir, {"experts": args.gguf_type, "attention": args.gguf_other_type,
@@ -146,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("make-demo-model", help="write a tiny random-weight DeepSeek model (V3 by default)")
     demo.add_argument("dir")
     demo.add_argument("--arch", default="deepseek_v3", choices=DEMO_ARCHS,
-                      help="deepseek_v3: the demo model; deepseek_v4: V4 in its released layout (FP8 + MXFP4)")
+                      help="deepseek_v3: the demo model; deepseek_v32: V3.2 in its released layout (FP8 blocks with "
+                           "weight_scale_inv, the lightning indexer, an MTP layer); deepseek_v4: V4 in its released "
+                           "layout (FP8 + MXFP4)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--mtp", choices=("random", "last-layer"),
                       help="add a multi-token-prediction layer (for --speculative mtp): random, or a copy of the last "

@@ -51,6 +51,57 @@ GPU_MIN_TOP1_AGREEMENT = 0.95
 GPU_MEDIAN_LOGPROB_DIFF = 0.1
 
 
+RIVER_TEXT = ("The history of the river begins in the mountains, where snow melts each spring and feeds a hundred "
+              "small streams. They join in the valley, turn the old mills, pass the market towns and slow down in "
+              "the plain, where farmers have dug canals for a thousand years. ") * 6
+
+
+def prompt_of_length(tokenizer, text: str, length: int) -> tuple[str, list[int]]:
+    """About the first `length` tokens of `text` as text, and its token ids as the server will see them."""
+    cut = tokenizer.decode(tokenizer.encode(text)[1:length], skip_special_tokens=True)
+    return cut, tokenizer.encode(cut)
+
+
+def logprob_diffs(server, tokenizer, model, prompt: tuple[str, list[int]]) -> tuple[list[float], float]:
+    """|served prompt logprob - `model`'s| at every position of `prompt` (text, ids), and the share of positions
+    where both rank the same token first."""
+    _, ids = prompt
+    # the ids, BOS included, so the echoed logprobs line up with them (a text prompt's added BOS is not echoed)
+    reply = server.openai().completions.create(model=server.engine.info.id, prompt=ids, max_tokens=0, echo=True,
+                                               logprobs=1)
+    served, expected = reply.choices[0].logprobs, forward_logprobs(model, ids)
+    diffs = [abs(served.token_logprobs[i] - float(expected[i - 1, ids[i]])) for i in range(1, len(ids))]
+    agree = sum(max(served.top_logprobs[i], key=served.top_logprobs[i].get)
+                == tokenizer.decode([int(expected[i - 1].argmax())]) for i in range(1, len(ids)))
+    return diffs, agree / (len(ids) - 1)
+
+
+def completion_text(server, prompt: str, max_tokens: int = 16, stream: bool = False) -> str:
+    """The greedy completion of a raw prompt, streamed or whole."""
+    client = server.openai()
+    kwargs = dict(model=server.engine.info.id, prompt=prompt, max_tokens=max_tokens, temperature=0)
+    if not stream:
+        return client.completions.create(**kwargs).choices[0].text
+    return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
+
+
+def completions_together(server, prompts: list[str], max_tokens: int = 16) -> list[str]:
+    """The greedy completions of `prompts`, all requested at once (bounded: two minutes in all)."""
+    import asyncio
+
+    client = server.async_openai()
+
+    async def one(prompt: str) -> str:
+        reply = await client.completions.create(model=server.engine.info.id, prompt=prompt, max_tokens=max_tokens,
+                                                temperature=0)
+        return reply.choices[0].text
+
+    async def together() -> list[str]:
+        return await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), timeout=120)
+
+    return asyncio.run(together())
+
+
 def logprob_tolerance(engine) -> float:
     """How closely served logprobs must match transformers' float32 forward pass: the HF engine computes the
     same float32 ops; the KT engine's kt-kernel experts round activations to bf16 (0.4% relative error)."""

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from transformers import DeepseekV2Config, DeepseekV3Config
+from transformers import DeepseekV2Config, DeepseekV3Config, DeepseekV32Config
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2ForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM
+from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32ForCausalLM
 
 from engines.kt.aliases import MLA_ATTENTION, MOE_WITH_CPU_EXPERTS, ROUTED_EXPERTS_CPU
 from engines.kt.rules import RuleError, apply_placement, device_folding, load_rules, plan_placement
@@ -48,6 +49,13 @@ def v4_model(layers: int) -> nn.Module:
               if k not in ("architectures", "model_type", "quantization_config", "torch_dtype")}
     with torch.device("meta"):
         return DeepseekV4ForCausalLM(DeepseekV4Config(**fields))
+
+
+def v32_model(layers: int, dense: int) -> nn.Module:
+    config = DeepseekV32Config(**TINY, num_hidden_layers=layers, first_k_dense_replace=dense, n_shared_experts=1,
+                               n_group=2, topk_group=1, q_lora_rank=16, index_n_heads=2, index_head_dim=8)
+    with torch.device("meta"):
+        return DeepseekV32ForCausalLM(config)
 
 
 def rules(tmp_path: Path, text: str, name: str = "rules.yaml"):
@@ -404,6 +412,7 @@ MODELS = {
     "v2": lambda: v2_model(layers=60, q_lora_rank=16),
     "v3": lambda: v3_model(layers=61, dense=3),
     "v4": lambda: v4_model(layers=6),
+    "v3.2": lambda: v32_model(layers=61, dense=3),
 }
 # file -> (models it is for, first device, the transfer map its header promises)
 SHIPPED = {
@@ -418,6 +427,8 @@ SHIPPED = {
     "DeepSeek-CPU.yaml": (["v2-lite", "v2", "v3"], "cpu", {}),
     "DeepSeek-V4-Flash.yaml": (["v4"], "cuda:0", {}),
     "DeepSeek-V4-CPU.yaml": (["v4"], "cpu", {}),
+    "DeepSeek-V3.2.yaml": (["v3.2"], "cuda:0", {}),
+    "DeepSeek-V3.2-CPU.yaml": (["v3.2"], "cpu", {}),
 }
 
 
@@ -449,7 +460,7 @@ def test_shipped_rule_file_places_every_weight_as_its_header_says(file_name, mod
         assert placement.device_of_param(name) == expected, name
 
 
-@pytest.mark.parametrize("model_name", sorted(set(MODELS) - {"v4"}))
+@pytest.mark.parametrize("model_name", SHIPPED["DeepSeek-CPU.yaml"][0])
 def test_cpu_rule_file_replaces_attention_and_routed_experts(model_name):
     model = MODELS[model_name]()
     placement = plan_placement(model, load_rules(SHIPPED_DIR / "DeepSeek-CPU.yaml"))
@@ -457,6 +468,13 @@ def test_cpu_rule_file_replaces_attention_and_routed_experts(model_name):
     layers = model.config.num_hidden_layers
     assert kinds.count(MLA_ATTENTION) == layers
     assert kinds.count(ROUTED_EXPERTS_CPU) == layers - model.config.first_k_dense_replace
+
+
+def test_dense_mla_rules_on_a_v32_model_are_an_error_naming_the_indexed_operator():
+    model = v32_model(layers=2, dense=1)
+    placement = plan_placement(model, load_rules(SHIPPED_DIR / "DeepSeek-CPU.yaml"), default_device="cpu")
+    with pytest.raises(RuleError, match="lightning indexer.*IndexedMLAAttention"):
+        apply_placement(model, placement, model.config)
 
 
 # --- the server's own path: CPU default device, KTransformers' files, machines with fewer GPUs ------------

@@ -117,8 +117,7 @@ def test_kt_weight_path_on_a_build_without_its_method_is_refused_naming_it(tmp_p
     folder.mkdir(parents=True)
     (folder / "INT8_gate_0_65536Byte_quant_.kt").write_bytes(b"")
     monkeypatch.setattr(kt_engine, "unavailable_reason", lambda m: "kt-kernel's avx2 build has none of AMXInt8_MOE")
-    engine = kt_engine.KTEngine.__new__(kt_engine.KTEngine)
-    engine.options = kt_engine.KTOptions(kt_weight_path=str(tmp_path))
+    options = kt_engine.KTOptions(kt_weight_path=str(tmp_path))
     config = type("Config", (), {"hidden_size": SIZE, "moe_intermediate_size": SIZE})
     with pytest.raises(ValueError, match=r"kt_weight_path .* holds AMXINT8 experts, but kt-kernel's avx2 build"):
-        engine._converted_experts(config)
+        kt_engine._converted_experts(options, config)

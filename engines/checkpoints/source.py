@@ -56,7 +56,10 @@ class StoredTensor:
         """The weight in `dtype` on `device`: FP8 bytes travel as they are and are dequantized there."""
         if self.scale is not None:
             data = self.data.to(device)
-            return dequantize_blocks(data, self.scale.to(device), dtype or torch.bfloat16, self.block)
+            try:
+                return dequantize_blocks(data, self.scale.to(device), dtype or torch.bfloat16, self.block)
+            except ValueError as exc:  # a scale of the wrong shape: say which tensor
+                raise ValueError(f"model: {self.name}: {exc}") from None
         tensor = self.data
         if tensor.is_floating_point() and dtype is not None:
             tensor = tensor.to(dtype)
@@ -187,7 +190,8 @@ def checkpoint_files(model_path: Path) -> list[Path]:
 
 
 def iter_tensors(files: list[Path], progress: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the shards, as stored, one at a time (model families with names of their own)."""
+    """(name, tensor) of every tensor in `files`, shard by shard, as stored: for a family reading a layout of its
+    own (V4's released names and `.scale` blocks), which SafetensorsSource does not pair."""
     from safetensors import safe_open
 
     for path in files:

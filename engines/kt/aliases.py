@@ -22,9 +22,10 @@ import torch
 
 DEFAULT = "default"
 MLA_ATTENTION = "engines.kt.operators.MLAAttention"
+INDEXED_MLA_ATTENTION = "engines.kt.operators.IndexedMLAAttention"
 MOE_WITH_CPU_EXPERTS = "engines.kt.operators.MoEWithCPUExperts"
 ROUTED_EXPERTS_CPU = "engines.kt.operators.RoutedExpertsCPU"
-OPERATORS = frozenset({MLA_ATTENTION, MOE_WITH_CPU_EXPERTS, ROUTED_EXPERTS_CPU})
+OPERATORS = frozenset({MLA_ATTENTION, INDEXED_MLA_ATTENTION, MOE_WITH_CPU_EXPERTS, ROUTED_EXPERTS_CPU})
 EXPERT_OPERATORS = frozenset({MOE_WITH_CPU_EXPERTS, ROUTED_EXPERTS_CPU})
 
 # kt-kernel weight formats, as our operators spell them.

@@ -99,12 +99,18 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     zero-padded to the key width (MLA's 128 against 192), since its flash kernel wants one head width. The
     GPU's memory-efficient kernel takes them as they are, and padded it ran a third slower
     (bench/results/nvidia-h100-2026-11-25-evening/)."""
-    n, length, dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    n, length = q.shape[-2], k.shape[-2]
+    return masked_sdpa(q, k, v, causal_lower_right(n, length) if n > 1 else None, scale)
+
+
+def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: Any, scale: float) -> torch.Tensor:
+    """As causal_sdpa, but each of the n queries sees the positions `keep` [n, L] marks (which include its own;
+    None: all of them)."""
+    dv = v.shape[-1]
     if dv < q.shape[-1] and not q.is_cuda:
         v = F.pad(v, (0, q.shape[-1] - dv))
-    mask = causal_lower_right(n, length) if n > 1 else None
     out = F.scaled_dot_product_attention(q.float().unsqueeze(0), k.float().unsqueeze(0), v.float().unsqueeze(0),
-                                         attn_mask=mask, scale=scale)
+                                         attn_mask=keep, scale=scale)
     return out[0, ..., :dv].to(q.dtype)
 
 
@@ -141,44 +147,65 @@ class MLAAttention(nn.Module):
     @classmethod
     def from_module(cls, module: nn.Module, name: str, config: Any, options: Any = None, device: str = "cpu",
                     absorb: bool = True, **_: Any) -> "MLAAttention":
+        if hasattr(module, "indexer"):  # dense attention would silently ignore the indexer's selection
+            raise ValueError("this attention has DeepSeek-V3.2's lightning indexer: replace it with "
+                             "engines.kt.operators.IndexedMLAAttention")
         return cls(module, config, layer_index(name), device, bool(absorb))
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(t, self.num_heads, self.nope + self.rope_dim)
-        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent)
-        q_pe, k_pe = self._apply_rope(q_pe.transpose(0, 1).unsqueeze(0), k_pe.view(1, 1, t, self.rope_dim),
-                                      batch.rope(x))
-        q_pe = q_pe[0].transpose(0, 1)
-        k_pe = k_pe.view(t, self.rope_dim)
-        write = batch.on(x.device, "write", lambda: torch.cat([s.write_slots for s in batch.spans]).to(x.device))
-        batch.cache.write(self.layer, write, latent, k_pe)
+        q_nope, q_pe, latent, k_pe = self._project(x, batch.rope(x))
+        batch.cache.write(self.layer, self._write_slots(x, batch), latent, k_pe)
         if batch.flash is not None:
             paged = batch.on(x.device, "paged", lambda: batch.flash.plan_spans(x.device, batch.spans))
-            return self.o_proj(self._paged(paged, q_nope, q_pe, batch).reshape(t, self.num_heads * self.v_dim))
-        out = torch.empty(t, self.num_heads, self.v_dim, dtype=x.dtype, device=x.device)
+            out = self._paged(paged, q_nope, q_pe, batch)
+        else:
+            out = self._attend_spans(x, q_nope, q_pe, batch)
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.v_dim))
+
+    def decode(self, x: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        """One new token for each of B sequences, attending in the latent space over fixed-shape gathers."""
+        q_nope, q_pe, latent, k_pe = self._project(x, batch.rope(x))
+        batch.cache.write(self.layer, batch.write_slots, latent, k_pe)
+        return self._decode_attend(x, q_nope, q_pe, batch, batch.mask)
+
+    def _project(self, x: torch.Tensor, rope: Any, q_low: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """[t, hidden] -> q_nope [t, h, nope], q_pe [t, h, rope] (rotated), latent [t, kv_lora_rank] (normed),
+        k_pe [t, rope] (rotated). `q_low`: the normed low-rank query, when the caller computed it already."""
+        t = x.shape[0]
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)) if q_low is None else q_low)
+        q_nope, q_pe = q.view(t, self.num_heads, self.nope + self.rope_dim).split([self.nope, self.rope_dim], -1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        q_pe, k_pe = self._apply_rope(q_pe.transpose(0, 1).unsqueeze(0), k_pe.view(1, 1, t, self.rope_dim), rope)
+        return q_nope, q_pe[0].transpose(0, 1), self.kv_a_layernorm(latent), k_pe.view(t, self.rope_dim)
+
+    @staticmethod
+    def _write_slots(x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        return batch.on(x.device, "write", lambda: torch.cat([s.write_slots for s in batch.spans]).to(x.device))
+
+    def _attend_spans(self, x: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: StepBatch,
+                      select: Callable[[Span, slice, torch.Tensor], torch.Tensor | None] | None = None
+                      ) -> torch.Tensor:
+        """Each span's queries over its cached positions: [t, h, v]. `select(span, rows, read_slots)` may
+        return which of the span's positions [0, start + n) each query attends to ([n, start + n] bool,
+        causality included); None, or no `select`: every earlier position."""
+        out = torch.empty(x.shape[0], self.num_heads, self.v_dim, dtype=x.dtype, device=x.device)
         for i, span in enumerate(batch.spans):
             read = batch.on(x.device, f"read{i}", lambda s=span: s.read_slots.to(x.device))
             cached_latent, cached_pe = batch.cache.read(self.layer, read)
             rows = slice(span.row, span.row + span.n)
+            keep = None if select is None else select(span, rows, read)
             attend = self._absorbed if self.absorb and span.n == 1 else self._expanded
-            out[rows] = attend(q_nope[rows], q_pe[rows], cached_latent.to(x.dtype), cached_pe.to(x.dtype), span)
-        return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
+            out[rows] = attend(q_nope[rows], q_pe[rows], cached_latent.to(x.dtype), cached_pe.to(x.dtype), span,
+                               keep)
+        return out
 
-    def decode(self, x: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
-        """One new token for each of B sequences, attending in the latent space over fixed-shape gathers."""
+    def _decode_attend(self, x: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: DecodeBatch,
+                       mask: torch.Tensor) -> torch.Tensor:
+        """The decode step's attention in the latent space over the positions `mask` [B, L] marks."""
         b = x.shape[0]
-        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_pe = q.view(b, self.num_heads, self.nope + self.rope_dim).split([self.nope, self.rope_dim], -1)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent)
-        q_pe, k_pe = self._apply_rope(q_pe.transpose(0, 1).unsqueeze(0), k_pe.view(1, 1, b, self.rope_dim),
-                                      batch.rope(x))
-        q_pe = q_pe[0].transpose(0, 1)
-        batch.cache.write(self.layer, batch.write_slots, latent, k_pe.view(b, self.rope_dim))
         q_latent = self._absorb_query(q_nope)
         if batch.paged is not None:
             out_latent = batch.paged.run(q_latent, q_pe, batch.cache, self.layer)
@@ -187,7 +214,7 @@ class MLAAttention(nn.Module):
             cached_latent, cached_pe = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)
             scores = (torch.bmm(q_latent, cached_latent.transpose(1, 2))
                       + torch.bmm(q_pe, cached_pe.transpose(1, 2))) * self.scaling
-            scores = scores.float().masked_fill(~batch.mask.unsqueeze(1), float("-inf"))
+            scores = scores.float().masked_fill(~mask.unsqueeze(1), float("-inf"))
             probs = torch.softmax(scores, dim=-1).to(x.dtype)
             out_latent = torch.bmm(probs, cached_latent)  # [B, H, latent]
         return self.o_proj(self._expand_output(out_latent).reshape(b, self.num_heads * self.v_dim))
@@ -239,8 +266,9 @@ class MLAAttention(nn.Module):
             out[rows] = self._expand_output(out_latent[rows], span.adapter)
         return out
 
-    def _expanded(self, q_nope, q_pe, latent, k_pe, span: Span) -> torch.Tensor:
-        """Expand the cached latents to per-head keys and values (prefill: many queries share them)."""
+    def _expanded(self, q_nope, q_pe, latent, k_pe, span: Span, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Expand the cached latents to per-head keys and values (prefill: many queries share them); `keep`
+        [n, L]: the positions each query sees, when not all earlier ones."""
         length = latent.shape[0]
         # the cached rows are this span's, whatever the step's other rows are
         kv = self.kv_b_proj(latent, adapter=span.adapter) if isinstance(self.kv_b_proj, LoraLinear) \
@@ -249,14 +277,18 @@ class MLAAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
-        return causal_sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), self.scaling).transpose(0, 1)
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        out = causal_sdpa(q, k, v, self.scaling) if keep is None else masked_sdpa(q, k, v, keep, self.scaling)
+        return out.transpose(0, 1)
 
-    def _absorbed(self, q_nope, q_pe, latent, k_pe, span: Span) -> torch.Tensor:
+    def _absorbed(self, q_nope, q_pe, latent, k_pe, span: Span, keep: torch.Tensor | None = None) -> torch.Tensor:
         """Attend in the latent space: fold kv_b's key half into the query and its value half into the
         output, so a decode step reads kv_lora_rank + rope numbers per cached token and expands nothing."""
         q_latent = self._absorb_query(q_nope, span.adapter)
         scores = (torch.einsum("nhr,lr->hnl", q_latent, latent)
                   + torch.einsum("nhd,ld->hnl", q_pe, k_pe)) * self.scaling
+        if keep is not None:
+            scores = scores.float().masked_fill(~keep, float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(latent.dtype)
         out_latent = torch.einsum("hnl,lr->nhr", probs, latent)
         return self._expand_output(out_latent, span.adapter)

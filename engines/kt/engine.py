@@ -1,5 +1,6 @@
 """The "ktransformers" engine: DeepSeek V2/V2-Lite/V3/R1 with the routed experts on the CPU (kt-kernel)
-and everything else where the placement rules put it, usually one GPU.
+and everything else where the placement rules put it, usually one GPU. Every model loads through its family
+(engines/kt/families/): V2/V3 are this module's MLAFamily and `load_mla`, which V3.2 reuses; V4 has its own.
 
 Choosing a rule file: `kt_optimize_rule` when given (a path; a file name, or a path that does not exist,
 is looked up by file name in kt_optimize_rules/); otherwise the CPU-only file on a machine without CUDA,
@@ -13,17 +14,17 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
 from engines.base import EngineConfig, ModelInfo, engine_options
-from engines.checkpoints.source import SafetensorsSource
-from engines.kt.cpuinfer import WorkerIsolation
+from engines.checkpoints.source import PER_EXPERT, SafetensorsSource
 from engines.kt.expert_streaming import copy_bits, expert_copy_bytes, experts_within
 from engines.kt.expert_methods import DEFAULT_METHOD, METHODS, default_method, normalize_method, unavailable_reason
 from engines.kt.families import FAMILIES, family_architectures, family_for
-from engines.kt.families.base import LoadContext, ModelFamily
+from engines.kt.families.base import ExpertLayout, LoadContext, LoadedModel, ModelFamily
 from engines.kt.experts_cpu import RoutedExpertsCPU
 from engines.kt.flashinfer_mla import attention_for
 from engines.kt.kv_cache import PAGE_TOKENS, LatentKVCache
@@ -160,12 +161,9 @@ class KTEngine(LLMEngine):
     def __init__(self, config: EngineConfig):
         super().__init__(config)
         self.options = engine_options(KTOptions, config.settings)
-        self._isolation = WorkerIsolation()
 
     def _load(self) -> tuple[ModelRunner, Any, ModelInfo]:
-        from transformers import AutoModelForCausalLM
-
-        from engines.kt.rules import apply_placement, load_rules, plan_placement
+        from engines.kt.rules import load_rules
 
         cfg, kt = self.config, self.options
         started = time.perf_counter()
@@ -177,10 +175,10 @@ class KTEngine(LLMEngine):
             if arch not in SUPPORTED_ARCHITECTURES:
                 raise ValueError(f"model: the ktransformers engine serves {', '.join(SUPPORTED_ARCHITECTURES)} "
                                  f"from GGUF files; {model_path} is {arch}")
-            family, tokenizer = None, gguf.tokenizer(cfg.template)
+            family, tokenizer = MLAFamily(arch), gguf.tokenizer(cfg.template)
         else:
             config, arch = architecture_config(model_path)
-            family = family_for(config)
+            family = family_for(config) or MLAFamily(arch)  # V2 / V3: the MLA generation served by load_mla
             tokenizer = load_tokenizer(str(model_path), cfg.template, cfg.trust_remote_code, config)
         max_len = context_length(config, tokenizer, cfg.max_model_len)
         if cfg.max_model_len is None and max_len > DEFAULT_MAX_MODEL_LEN:
@@ -189,213 +187,270 @@ class KTEngine(LLMEngine):
             max_len = DEFAULT_MAX_MODEL_LEN
         rule_file = resolve_rule_file(kt.kt_optimize_rule, config, family)
         rules = load_rules(rule_file)
-        if family is not None:
-            return self._load_family(family, config, tokenizer, max_len, rule_file, rules, started)
-        draft_layer, no_draft = self._draft_layer(model_path, config, gguf)
-        # the MTP layer is read only to draft with; then its copies of the embedding and LM head are not
-        source = gguf or SafetensorsSource(model_path, config.num_hidden_layers + (draft_layer is not None),
-                                           skip=mtp.SHARED_COPIES if draft_layer is not None else None)
-        converted, explicit = self._converted_experts(config)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-            if draft_layer is not None:
-                mtp.add_layer(model, config)  # placed and loaded as one more decoder layer, then taken out
-        placement = plan_placement(model, rules, default_device="cpu",
-                                   fold=_fold_devices(rules, rule_file, kt.kt_strict_placement))
-        default = default_method(source.experts_form)
-        choices = expert_methods_for(placement, explicit, rule_file, config, default, gguf)
-        stream_experts = _streamed_expert_count(kt, model, config,
-                                                max(copy_bits(METHODS[c.method].bits) for c in choices.values()))
-        options = OperatorOptions(max_tokens=cfg.chunk_size + cfg.max_concurrent, cpu_threads=kt.cpu_infer,
-                                  methods={m: c.method for m, c in choices.items()}, checkpoint=str(source.path),
-                                  default_method=default,
-                                  gpu_prefill_tokens=kt.kt_gpu_prefill_tokens if stream_experts != 0 else 0,
-                                  gpu_prefill_experts=stream_experts, expert_pad_from=kt.kt_expert_pad_from,
-                                  # kt-kernel holds every expert of a pre-converted layer: none is the GPU's own
-                                  gpu_read_experts=0 if converted else kt.kt_gpu_read_experts,
-                                  gpu_resident_experts=0 if converted else kt.kt_gpu_resident_experts)
-        apply_placement(model, placement, config, options)
-        gpu = any(d.startswith("cuda") for d in placement.devices.values())
-        dtype = resolve_dtype(cfg.dtype, torch.device("cuda" if gpu else "cpu"))
-        storage = load_checkpoint(model, source, placement.device_of_param, dtype,
-                                  getattr(config, "n_routed_experts", None) or config.num_experts,
-                                  weight_cache=self._weight_cache_dir(source.path), converted=converted)
-        log.info("checkpoint: %s; %s", storage.format, storage.summary())
-        self._finish_model(model, config, placement)
-        fused = fuse_rms_norms(model)
-        if fused:
-            log.info("%d RMSNorms on the GPU run as one fused kernel each", fused)
-        model.eval()
-        head = mtp.MTPHead.take(model, device_scope) if draft_layer is not None else None
-        devices = layer_devices(model)
-        kv_tokens = self._kv_tokens(max_len)
-        if kv_tokens < max_len:  # a request longer than the cache could never finish
-            log.info("serving a context of %d tokens: the KV cache (kv_cache_tokens) holds no more", kv_tokens)
-            max_len = kv_tokens
-        cache_devices = devices + ([head.device] if head is not None else [])  # the draft head's own KV layer
-        # one page more than asked for: the runner's scratch page, which no request uses
-        cache = LatentKVCache(layer_devices=cache_devices, num_tokens=kv_tokens + PAGE_TOKENS,
-                              latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim, dtype=dtype,
-                              prefix_cache=kt.prefix_cache)
-        flash = attention_for(kt.attention_backend, model.model.layers[0].self_attn, cache_devices, cache)
-        runner = KTModelRunner(model, devices, cache, max_len, flash=flash, draft_head=head,
-                               draft_unavailable=no_draft)
-        cpu_experts, all_on_gpus = uses_cpu_experts(model), all(d.type == "cuda" for d in devices)
-        if cpu_experts:
-            self.torch_threads = torch_thread_count(kt.cpu_infer, all_on_gpus)
-            torch.set_num_threads(self.torch_threads)
-        for streamer in options.streamers.active():
-            if streamer.mapped is not None:
-                streamer.mapped.warm_up()
-        if kt.kt_use_cuda_graph:
-            if gpu:
-                runner.capture_decode_graphs(self._graph_rows(head is not None))
-            else:
-                log.info("kt_use_cuda_graph: no GPU in the placement; decode runs without CUDA graphs")
-        _log_streamed_experts(options, options.gpu_prefill_tokens, cfg.chunk_size)
-        mapped, resident = _log_read_experts(model, kt.kt_gpu_read_experts, kt.kt_gpu_resident_experts)
-        if cpu_experts and all_on_gpus:
-            # every thread but kt-kernel's workers is GPU-side work (launching, sampling, the stream callbacks)
-            if kt.kt_isolate_workers:
-                log.info("kt_isolate_workers: %s", self._isolation.apply())
-            else:
-                log.info("kt_isolate_workers off: other threads may run on kt-kernel's worker cores")
-        padded = sorted({(r.start, r.stop) for m in model.modules() if isinstance(m, RoutedExpertsCPU)
-                         for r in [m.padded_tokens()] if r})
-        if padded:
-            log.info("expert calls of %s tokens go padded to %s rows, where kt-kernel's matrix kernels take them "
-                     "(kt_expert_pad_from)", "/".join(f"{a}-{b - 1}" for a, b in padded),
-                     "/".join(str(b) for _, b in padded))
-        if runner.deferring:
-            counts = sorted({layer.deferred for layer in runner.deferring})
-            log.info("expert deferral: in decode steps of up to %d sequences, %s of each token's %d experts in %d "
-                     "layers run one layer late, overlapping the next layer (n_deferred_experts in %s)",
-                     runner.defer_max_batch, "/".join(map(str, counts)), runner.deferring[0].top_k,
-                     len(runner.deferring), rule_file.name)
-        log.info("loaded %s with %s (%s, experts on the CPU: %s) in %.1fs", model_path.name, rule_file.name, dtype,
-                 cpu_experts, time.perf_counter() - started)
-        details = {"kt_optimize_rule": rule_file.name, "attention_backend": "torch" if flash is None else "flashinfer"}
-        streaming = options.streamers.active()
-        if streaming and kt.kt_gpu_prefill_tokens:
-            details["gpu_prefill_tokens"] = str(kt.kt_gpu_prefill_tokens)
-            details["gpu_prefill_copy_gbps"] = f"{min(s.pcie_bytes_per_s for s in streaming) / 1e9:.1f}"
-            details["gpu_prefill_experts"] = str(min(h.held for s in streaming for h in s.layers.values()))
-        details["gpu_read_experts"] = str(mapped)
-        details["gpu_resident_experts"] = str(resident)
-        if self._isolation.spare:
-            details["server_thread_cores"] = ",".join(map(str, sorted(self._isolation.spare)))
-        if padded:
-            details["expert_pad_from"] = str(min(a for a, _ in padded))
-        if runner.deferring:
-            details["experts_deferred"] = str(max(layer.deferred for layer in runner.deferring))
-        if head is not None:
-            details["speculative"] = f"mtp (model.layers.{draft_layer})"
-        for choice in choices.values():
-            details.update(choice.describe())
-        name = (cfg.model_name or gguf.name) if gguf else model_id(cfg)
-        info = ModelInfo(id=name, max_model_len=max_len, architecture=arch, engine=self.name,
-                         created=int(time.time()), eos_token_ids=eos_token_ids(config, tokenizer, model_path),
-                         vocab_size=config.vocab_size, details=details, checkpoint=storage)
-        return runner, tokenizer, info
-
-    def _load_family(self, family: ModelFamily, config: Any, tokenizer: Any, max_len: int, rule_file: Path,
-                     rules: list, started: float) -> tuple[ModelRunner, Any, ModelInfo]:
-        """A model of a listed family (engines/kt/families/): the family loads it and brings its runner."""
-        cfg, kt = self.config, self.options
-        context = LoadContext(model_path=Path(cfg.model_path), config=config, rule_file=rule_file, rules=rules,
+        context = LoadContext(model_path=model_path, config=config, rule_file=rule_file, rules=rules,
                               max_model_len=max_len, max_concurrent=cfg.max_concurrent, chunk_size=cfg.chunk_size,
                               dtype_setting=cfg.dtype, options=kt,
-                              fold=_fold_devices(rules, rule_file, kt.kt_strict_placement))
+                              fold=_fold_devices(rules, rule_file, kt.kt_strict_placement),
+                              speculative=engine_options(SpeculativeOptions, cfg.settings), gguf=gguf)
         loaded = family.load(context)
-        encoder = family.chat_encoder(context.model_path, allow_checkpoint_code=cfg.trust_remote_code)
+        encoder = family.chat_encoder(model_path, allow_checkpoint_code=cfg.trust_remote_code)
         if encoder is not None and cfg.template is None:
             family.install_chat_encoder(tokenizer, encoder)
         if loaded.torch_threads is not None:
             self.torch_threads = loaded.torch_threads
             torch.set_num_threads(loaded.torch_threads)
-        log.info("loaded %s (%s family) with %s in %.1fs", context.model_path.name, family.name, rule_file.name,
+        log.info("loaded %s (%s family) with %s in %.1fs", model_path.name, family.name, rule_file.name,
                  time.perf_counter() - started)
         details = {"kt_optimize_rule": rule_file.name, "model_family": family.name, **loaded.details}
-        info = ModelInfo(id=model_id(cfg), max_model_len=max_len, architecture=family.architectures[0],
-                         engine=self.name, created=int(time.time()),
-                         eos_token_ids=eos_token_ids(config, tokenizer, context.model_path),
+        name = (cfg.model_name or gguf.name) if gguf else model_id(cfg)
+        info = ModelInfo(id=name, max_model_len=loaded.max_model_len or max_len,
+                         architecture=family.architectures[0], engine=self.name, created=int(time.time()),
+                         eos_token_ids=eos_token_ids(config, tokenizer, model_path),
                          vocab_size=config.vocab_size, details=details, checkpoint=loaded.checkpoint)
         if loaded.checkpoint is not None:
             log.info("checkpoint: %s; %s", loaded.checkpoint.format, loaded.checkpoint.summary())
         return loaded.runner, tokenizer, info
 
-    def stop(self) -> None:
-        super().stop()
-        self._isolation.restore()
 
-    def _draft_layer(self, model_path: Path, config: Any, gguf: Any = None) -> tuple[int | None, str | None]:
-        """The MTP layer to draft with when speculative decoding asks for it, else None and, when it asked, why
-        there is none (the runtime logs it and serves without drafting)."""
-        if engine_options(SpeculativeOptions, self.config.settings).speculative != "mtp":
-            return None, None
-        if gguf is not None:
-            return None, (f"{gguf.path.name} is a GGUF checkpoint, whose multi-token-prediction layer ktserve does "
-                          "not read")
-        index = mtp.mtp_layer_index(model_path, config)
-        if index is None:
-            return None, (f"{model_path.name} has no multi-token-prediction layer (model.layers."
-                          f"{config.num_hidden_layers}.eh_proj.weight is not in the checkpoint)")
-        return index, None
+@dataclass(frozen=True, slots=True)
+class MLAVariant:
+    """What a generation of the MLA architecture changes in how load_mla loads it (V2 / V3: nothing): the cache
+    it attends over (`make_cache(config, **LatentKVCache's arguments)`), whether FlashInfer's dense paged MLA
+    may attend, and whether its MTP layer can draft (`speculative: mtp`)."""
 
-    def _graph_rows(self, drafting: bool) -> int:
-        """The most rows a decode step feeds: one per sequence, and a drafted sequence's draft tokens."""
-        rows = self.config.max_concurrent
-        if drafting:
-            spec = engine_options(SpeculativeOptions, self.config.settings)
-            rows = max(rows, min(rows, spec.speculative_max_batch) * (1 + spec.num_speculative_tokens))
-        return rows
+    make_cache: Callable = lambda config, **kwargs: LatentKVCache(**kwargs)
+    flashinfer: bool = True
+    drafts: bool = True
 
-    def _kv_tokens(self, max_len: int) -> int:
-        """KV capacity: as configured, else room for a few full-length requests within a fixed budget
-        (64k positions: 2 GB for V2-Lite's 27 layers x 576 bf16 values), never less than one request."""
-        if self.options.kv_cache_tokens:
-            return self.options.kv_cache_tokens
-        return max(max_len, min(max_len * min(self.config.max_concurrent, 4), DEFAULT_KV_BUDGET_TOKENS))
 
-    def _converted_experts(self, config: Any) -> tuple[Any, str | None]:
-        """kt-kernel's pre-converted experts (kt_weight_path) when given, and the experts method every layer must
-        then run (theirs; kt_method otherwise)."""
-        from engines.kt.expert_cache import ConvertedExperts
+class MLAFamily(ModelFamily):
+    """DeepSeek V2 / V2-Lite / V3 / R1 (and checkpoints of those architectures under their own model_type, e.g.
+    Kimi-K2) behind engines/kt/families/base.py's interface, loaded by load_mla; the base of the MLA generations
+    that add to it (V3.2)."""
 
-        kt = self.options
-        if not kt.kt_weight_path:
-            return None, kt.kt_method
-        converted = ConvertedExperts.open(kt.kt_weight_path, config.hidden_size, config.moe_intermediate_size)
-        if kt.kt_method and normalize_method(kt.kt_method, "kt_method") != converted.method:
-            raise ValueError(f"kt_method {kt.kt_method} disagrees with kt_weight_path {kt.kt_weight_path}, which holds "
-                             f"{converted.method} experts (unset kt_method, or kt_weight_path to convert at load)")
-        reason = unavailable_reason(converted.method)
-        if reason is not None:
-            raise ValueError(f"kt_weight_path {kt.kt_weight_path} holds {converted.method} experts, but {reason} "
-                             f"(unset kt_weight_path to convert the checkpoint's experts at load)")
-        log.info("kt_weight_path: %s experts of %d layers from %s", converted.method, len(converted.layers),
-                 converted.root)
-        return converted, converted.method
+    name = "deepseek_mla"
+    model_types = ("deepseek_v2", "deepseek_v3")
+    architectures = tuple(SUPPORTED_ARCHITECTURES)
+    expert_layout = ExpertLayout(pattern=PER_EXPERT, projections={"gate_proj": "gate", "up_proj": "up",
+                                                                  "down_proj": "down"}, format="bf16")
 
-    def _weight_cache_dir(self, model_path: Path) -> Path | None:
-        """Pre-quantized experts live under the cache root, one folder per model and expert method."""
-        if not self.options.kt_weight_cache:
-            return None
-        method = (self.options.kt_method or "rules").upper()
-        return Path(self.options.kt_weight_cache) / f"{model_path.resolve().name}-{method}"
+    def __init__(self, architecture: str | None = None):
+        if architecture is not None:  # the one this checkpoint names, for the model info
+            self.architectures = (architecture,)
 
-    @staticmethod
-    def _finish_model(model: Any, config: Any, placement: Any) -> None:
-        """What the checkpoint does not carry: the rotary tables (computed) and a tied LM head."""
-        rotary = model.model.rotary_emb
-        device = placement.device_of_param("model.rotary_emb.inv_freq")
-        with torch.device(device):
-            model.model.rotary_emb = type(rotary)(config=config)
-        if getattr(config, "tie_word_embeddings", False) and model.lm_head.weight.is_meta:
-            model.lm_head.weight = model.model.embed_tokens.weight
-        missing = missing_tensors(model)
-        if missing:
-            raise ValueError(f"model: the checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
+    def default_rule_file(self, config: Any, gpus: int) -> str:
+        return default_rule_file(config)
+
+    def build_model(self, config: Any) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        return name
+
+    def load(self, context: LoadContext) -> LoadedModel:
+        return load_mla(self, context)
+
+
+def load_mla(family: ModelFamily, context: LoadContext, variant: MLAVariant = MLAVariant()) -> LoadedModel:
+    """Build `family`'s model on the meta device, place it by the rules, stream the checkpoint in (FP8 releases
+    through SafetensorsSource) and return the KT runner over it, with the MTP layer as a draft head when
+    speculative decoding asks for it: the load path of every MLA generation (V2, V3, V3.2)."""
+    from engines.kt.rules import apply_placement, plan_placement
+
+    kt, config, rule_file, model_path = context.options, context.config, context.rule_file, context.model_path
+    chunk_size, max_concurrent = context.chunk_size, context.max_concurrent
+    draft_layer, no_draft = _draft_layer(family, context, variant)
+    # the MTP layer is read only to draft with; then its copies of the embedding and LM head are not
+    source = context.gguf or SafetensorsSource(model_path, config.num_hidden_layers + (draft_layer is not None),
+                                               skip=mtp.SHARED_COPIES if draft_layer is not None else None)
+    converted, explicit = _converted_experts(kt, config)
+    model = family.build_model(config)
+    if draft_layer is not None:
+        with torch.device("meta"):
+            mtp.add_layer(model, config)  # placed and loaded as one more decoder layer, then taken out
+    placement = plan_placement(model, context.rules, default_device="cpu", fold=context.fold)
+    default = default_method(source.experts_form)
+    choices = expert_methods_for(placement, explicit, rule_file, config, default, context.gguf)
+    bits = max((copy_bits(METHODS[c.method].bits) for c in choices.values()), default=8)  # none: torch experts
+    stream_experts = _streamed_expert_count(kt, model, config, bits)
+    options = OperatorOptions(max_tokens=chunk_size + max_concurrent, cpu_threads=kt.cpu_infer,
+                              methods={m: c.method for m, c in choices.items()}, checkpoint=str(source.path),
+                              default_method=default,
+                              gpu_prefill_tokens=kt.kt_gpu_prefill_tokens if stream_experts != 0 else 0,
+                              gpu_prefill_experts=stream_experts, expert_pad_from=kt.kt_expert_pad_from,
+                              # kt-kernel holds every expert of a pre-converted layer: none is the GPU's own
+                              gpu_read_experts=0 if converted else kt.kt_gpu_read_experts,
+                              gpu_resident_experts=0 if converted else kt.kt_gpu_resident_experts)
+    apply_placement(model, placement, config, options)
+    gpu = any(d.startswith("cuda") for d in placement.devices.values())
+    dtype = resolve_dtype(context.dtype_setting, torch.device("cuda" if gpu else "cpu"))
+    storage = load_checkpoint(model, source, placement.device_of_param, dtype,
+                              getattr(config, "n_routed_experts", None) or config.num_experts,
+                              weight_cache=_weight_cache_dir(kt, source.path), converted=converted)
+    _finish_model(model, config, placement)
+    fused = fuse_rms_norms(model)
+    if fused:
+        log.info("%d RMSNorms on the GPU run as one fused kernel each", fused)
+    model.eval()
+    head = mtp.MTPHead.take(model, device_scope) if draft_layer is not None else None
+    devices = layer_devices(model)
+    max_len = context.max_model_len
+    kv_tokens = _kv_tokens(context)
+    if kv_tokens < max_len:  # a request longer than the cache could never finish
+        log.info("serving a context of %d tokens: the KV cache (kv_cache_tokens) holds no more", kv_tokens)
+        max_len = kv_tokens
+    cache_devices = devices + ([head.device] if head is not None else [])  # the draft head's own KV layer
+    # one page more than asked for: the runner's scratch page, which no request uses
+    cache = variant.make_cache(config, layer_devices=cache_devices, num_tokens=kv_tokens + PAGE_TOKENS,
+                               latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim, dtype=dtype,
+                               prefix_cache=kt.prefix_cache)
+    backend = kt.attention_backend if variant.flashinfer else _dense_only(kt.attention_backend, family)
+    flash = attention_for(backend, model.model.layers[0].self_attn, cache_devices, cache)
+    runner = KTModelRunner(model, devices, cache, max_len, flash=flash, draft_head=head,
+                           draft_unavailable=no_draft)
+    loaded = LoadedModel(runner, checkpoint=storage, max_model_len=max_len)
+    cpu_experts, all_on_gpus = uses_cpu_experts(model), all(d.type == "cuda" for d in devices)
+    if cpu_experts:  # set here, before the warm-up and graph capture below, and recorded by the engine
+        loaded.torch_threads = torch_thread_count(kt.cpu_infer, all_on_gpus)
+        torch.set_num_threads(loaded.torch_threads)
+    for streamer in options.streamers.active():
+        if streamer.mapped is not None:
+            streamer.mapped.warm_up()
+    if kt.kt_use_cuda_graph:
+        if gpu:
+            runner.capture_decode_graphs(_graph_rows(context, head is not None))
+        else:
+            log.info("kt_use_cuda_graph: no GPU in the placement; decode runs without CUDA graphs")
+    _log_streamed_experts(options, options.gpu_prefill_tokens, chunk_size)
+    mapped, resident = _log_read_experts(model, kt.kt_gpu_read_experts, kt.kt_gpu_resident_experts)
+    if cpu_experts and all_on_gpus:
+        # every thread but kt-kernel's workers is GPU-side work (launching, sampling, the stream callbacks)
+        if kt.kt_isolate_workers:
+            log.info("kt_isolate_workers: %s", runner.isolation.apply())
+        else:
+            log.info("kt_isolate_workers off: other threads may run on kt-kernel's worker cores")
+    padded = sorted({(r.start, r.stop) for m in model.modules() if isinstance(m, RoutedExpertsCPU)
+                     for r in [m.padded_tokens()] if r})
+    if padded:
+        log.info("expert calls of %s tokens go padded to %s rows, where kt-kernel's matrix kernels take them "
+                 "(kt_expert_pad_from)", "/".join(f"{a}-{b - 1}" for a, b in padded),
+                 "/".join(str(b) for _, b in padded))
+    if runner.deferring:
+        counts = sorted({layer.deferred for layer in runner.deferring})
+        log.info("expert deferral: in decode steps of up to %d sequences, %s of each token's %d experts in %d "
+                 "layers run one layer late, overlapping the next layer (n_deferred_experts in %s)",
+                 runner.defer_max_batch, "/".join(map(str, counts)), runner.deferring[0].top_k,
+                 len(runner.deferring), rule_file.name)
+    log.info("%s: %s, experts on the CPU: %s", model_path.name, dtype, cpu_experts)
+    details = loaded.details
+    details["attention_backend"] = "torch" if flash is None else "flashinfer"
+    streaming = options.streamers.active()
+    if streaming and kt.kt_gpu_prefill_tokens:
+        details["gpu_prefill_tokens"] = str(kt.kt_gpu_prefill_tokens)
+        details["gpu_prefill_copy_gbps"] = f"{min(s.pcie_bytes_per_s for s in streaming) / 1e9:.1f}"
+        details["gpu_prefill_experts"] = str(min(h.held for s in streaming for h in s.layers.values()))
+    details["gpu_read_experts"] = str(mapped)
+    details["gpu_resident_experts"] = str(resident)
+    if runner.isolation.spare:
+        details["server_thread_cores"] = ",".join(map(str, sorted(runner.isolation.spare)))
+    if padded:
+        details["expert_pad_from"] = str(min(a for a, _ in padded))
+    if runner.deferring:
+        details["experts_deferred"] = str(max(layer.deferred for layer in runner.deferring))
+    if head is not None:
+        details["speculative"] = f"mtp (model.layers.{draft_layer})"
+    for choice in choices.values():
+        details.update(choice.describe())
+    return loaded
+
+
+def _dense_only(requested: str, family: ModelFamily) -> str:
+    """The attention backend for a family whose attention FlashInfer's dense paged MLA cannot compute."""
+    if requested == "flashinfer":
+        raise ValueError(f"attention_backend: flashinfer computes dense MLA; {family.name} attends sparsely "
+                         "(use auto or torch)")
+    log.info("MLA attention of %s: torch (FlashInfer's paged MLA attends densely)", family.name)
+    return "torch"
+
+
+def _draft_layer(family: ModelFamily, context: LoadContext, variant: MLAVariant) -> tuple[int | None, str | None]:
+    """The MTP layer to draft with when speculative decoding asks for it, else None and, when it asked, why
+    there is none (the runtime logs it and serves without drafting)."""
+    if context.speculative is None or context.speculative.speculative != "mtp":
+        return None, None
+    if not variant.drafts:
+        return None, f"{family.name} models do not draft with their MTP layer yet"
+    if context.gguf is not None:
+        return None, (f"{context.gguf.path.name} is a GGUF checkpoint, whose multi-token-prediction layer ktserve "
+                      "does not read")
+    config = context.config
+    index = mtp.mtp_layer_index(context.model_path, config)
+    if index is None:
+        return None, (f"{context.model_path.name} has no multi-token-prediction layer (model.layers."
+                      f"{config.num_hidden_layers}.eh_proj.weight is not in the checkpoint)")
+    return index, None
+
+
+def _graph_rows(context: LoadContext, drafting: bool) -> int:
+    """The most rows a decode step feeds: one per sequence, and a drafted sequence's draft tokens."""
+    rows = context.max_concurrent
+    if drafting:
+        spec = context.speculative
+        rows = max(rows, min(rows, spec.speculative_max_batch) * (1 + spec.num_speculative_tokens))
+    return rows
+
+
+def _kv_tokens(context: LoadContext) -> int:
+    """KV capacity: as configured, else room for a few full-length requests within a fixed budget
+    (64k positions: 2 GB for V2-Lite's 27 layers x 576 bf16 values), never less than one request."""
+    if context.options.kv_cache_tokens:
+        return context.options.kv_cache_tokens
+    max_len = context.max_model_len
+    return max(max_len, min(max_len * min(context.max_concurrent, 4), DEFAULT_KV_BUDGET_TOKENS))
+
+
+def _converted_experts(kt: KTOptions, config: Any) -> tuple[Any, str | None]:
+    """kt-kernel's pre-converted experts (kt_weight_path) when given, and the experts method every layer must
+    then run (theirs; kt_method otherwise)."""
+    from engines.kt.expert_cache import ConvertedExperts
+
+    if not kt.kt_weight_path:
+        return None, kt.kt_method
+    converted = ConvertedExperts.open(kt.kt_weight_path, config.hidden_size, config.moe_intermediate_size)
+    if kt.kt_method and normalize_method(kt.kt_method, "kt_method") != converted.method:
+        raise ValueError(f"kt_method {kt.kt_method} disagrees with kt_weight_path {kt.kt_weight_path}, which holds "
+                         f"{converted.method} experts (unset kt_method, or kt_weight_path to convert at load)")
+    reason = unavailable_reason(converted.method)
+    if reason is not None:
+        raise ValueError(f"kt_weight_path {kt.kt_weight_path} holds {converted.method} experts, but {reason} "
+                         f"(unset kt_weight_path to convert the checkpoint's experts at load)")
+    log.info("kt_weight_path: %s experts of %d layers from %s", converted.method, len(converted.layers),
+             converted.root)
+    return converted, converted.method
+
+
+def _weight_cache_dir(kt: KTOptions, model_path: Path) -> Path | None:
+    """Pre-quantized experts live under the cache root, one folder per model and expert method."""
+    if not kt.kt_weight_cache:
+        return None
+    method = (kt.kt_method or "rules").upper()
+    return Path(kt.kt_weight_cache) / f"{model_path.resolve().name}-{method}"
+
+
+def _finish_model(model: Any, config: Any, placement: Any) -> None:
+    """What the checkpoint does not carry: the rotary tables (computed) and a tied LM head."""
+    rotary = model.model.rotary_emb
+    device = placement.device_of_param("model.rotary_emb.inv_freq")
+    with torch.device(device):
+        model.model.rotary_emb = type(rotary)(config=config)
+    if getattr(config, "tie_word_embeddings", False) and model.lm_head.weight.is_meta:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    missing = missing_tensors(model)
+    if missing:
+        raise ValueError(f"model: the checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
 
 
 def _streamed_expert_count(kt: KTOptions, model: Any, config: Any, bits: int = 8) -> int | None:

@@ -6,6 +6,8 @@ Each operator class has `KWARGS` (what a rule may pass) and `from_module(module,
 loader). Engine-wide settings reach operators only through `OperatorOptions`, passed explicitly at injection.
 
 * `MLAAttention`       multi-head latent attention over the paged latent cache (engines/kt/attention.py).
+* `IndexedMLAAttention` MLA with DeepSeek-V3.2's lightning indexer choosing the positions each query attends
+                       to (engines/kt/families/deepseek_v32/attention.py).
 * `MoEWithCPUExperts`  router and shared experts on `device`, routed experts in kt-kernel on the CPU;
                        the CPU work runs while the shared experts run on the GPU.
 * `RoutedExpertsCPU`   only the routed experts (the transformers MoE block around it stays);
@@ -27,9 +29,10 @@ from engines.kt.expert_methods import DEFAULT_METHOD, normalize_method
 from engines.kt.expert_streaming import ExpertStreamers
 from engines.kt.experts import RoutedExperts
 from engines.kt.experts_cpu import RoutedExpertsCPU, SharedStaging
+from engines.kt.families.deepseek_v32.attention import IndexedMLAAttention
 
-__all__ = ["DecodeBatch", "FusedRMSNorm", "MLAAttention", "MoEWithCPUExperts", "OperatorOptions",
-           "RoutedExpertsCPU", "Span", "StepBatch", "fuse_rms_norms", "layer_index"]
+__all__ = ["DecodeBatch", "FusedRMSNorm", "IndexedMLAAttention", "MLAAttention", "MoEWithCPUExperts",
+           "OperatorOptions", "RoutedExpertsCPU", "Span", "StepBatch", "fuse_rms_norms", "layer_index"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engines.kt.cpuinfer import WorkerIsolation
 from engines.kt.kv_cache import BlockTable, LatentKVCache
 from engines.kt.attention import DecodeBatch, MLAAttention, Span, StepBatch
 from engines.kt import expert_deferral
@@ -71,6 +72,8 @@ class KTModelRunner(ModelRunner):
         self._scratch = BlockTable()
         cache.admit(self._scratch, [0], "", reuse=False)
         self.scratch_slot = int(cache.slots(self._scratch, 0, 1)[0])
+        # keeps the other threads off kt-kernel's worker cores once applied (engine.py); undone in close()
+        self.isolation = WorkerIsolation()
         self.graphs = None  # DecodeGraphs, once captured
         self._replayed = False  # the last decode step was a graph replay
         self.timer = StepTimer(self._experts, next(iter(self.devices)) if len(self.devices) == 1
@@ -395,6 +398,7 @@ class KTModelRunner(ModelRunner):
     def close(self) -> None:
         self.model = None  # type: ignore[assignment]
         self.layers = []
+        self.isolation.restore()
 
 
 def device_scope(device: torch.device):

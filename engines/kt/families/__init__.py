@@ -1,8 +1,9 @@
 """Model families the KT engine serves: config.json `model_type` -> "module:Class", imported only when chosen.
 
-engines/kt/families/base.py says what a family provides. The V2/V3 (MLA) generation is still served by
-engines/kt/engine.py's own path (`model_type`s not listed here); a family listed here takes over loading and
-running the model, and the engine, runtime and server stay unaware of its internals.
+engines/kt/families/base.py says what a family provides. A family listed here loads and runs the model, and
+the engine, runtime and server stay unaware of its internals. The V2/V3 (MLA) generation, every `model_type`
+not listed, is engines/kt/engine.py's MLAFamily, whose load path (`load_mla`) V3.2 reuses with its own
+attention and cache.
 """
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from typing import Any
 from engines.kt.families.base import ModelFamily
 
 FAMILIES: dict[str, str] = {
+    "deepseek_v32": "engines.kt.families.deepseek_v32.family:DeepseekV32Family",
     "deepseek_v4": "engines.kt.families.deepseek_v4.family:DeepseekV4Family",
 }
 
 
 def family_for(config: Any) -> ModelFamily | None:
-    """The family serving `config.model_type`, or None when the engine's built-in MLA path serves it."""
+    """The family serving `config.model_type`, or None when the engine's MLAFamily (V2 / V3) serves it."""
     target = FAMILIES.get(getattr(config, "model_type", ""))
     if target is None:
         return None

@@ -66,6 +66,8 @@ class LoadContext:
     dtype_setting: str | None  # EngineConfig.dtype
     options: Any  # engines.kt.options.KTOptions
     fold: dict[str, str] = field(default_factory=dict)  # rule devices this machine lacks -> where they run
+    speculative: Any = None  # engines.runtime.speculative.SpeculativeOptions: whether to draft, and how much
+    gguf: Any = None  # the opened GGUF checkpoint (engines/kt/gguf_checkpoint.py) when serving one, else None
 
 
 @dataclass(slots=True)
@@ -74,6 +76,7 @@ class LoadedModel:
     details: dict[str, str] = field(default_factory=dict)  # facts for ModelInfo.details (/version)
     torch_threads: int | None = None  # torch's intra-op threads beside kt-kernel's workers; None: unchanged
     checkpoint: Any = None  # engines.base.CheckpointStorage: the format and each part's storage (/version)
+    max_model_len: int | None = None  # the context served, where the family's cache holds less than asked
 
 
 class ChatEncoder(Protocol):

@@ -1,0 +1,39 @@
+"""DeepSeek-V3.2 / V3.2-Exp (`model_type: deepseek_v32`) in the KT engine: V3 plus DeepSeek Sparse Attention.
+
+V3.2 loads through V3's path (engines/kt/engine.py: load_mla), so the checkpoint is read as any DeepSeek FP8
+release is (engines/checkpoints/source.py: FP8 blocks with `weight_scale_inv`, the indexer's `wq_b` and `wk`
+among them, dequantized on their device; the routed experts kept as FP8 blocks where the experts method reads
+them, else converted; the MTP layer skipped). What V3.2 adds is here and in this folder:
+- the attention: MLA plus the lightning indexer's top-k selection (attention.py: IndexedMLAAttention, which
+  the rule files name as engines.kt.operators.IndexedMLAAttention);
+- the cache: the latent cache plus the indexer's keys in the same slots (cache.py);
+- FlashInfer's paged MLA computes dense attention, so V3.2 attends in torch;
+- its MTP layer does not draft yet (`speculative: mtp` serves without drafting and says so);
+- the demo checkpoint writer (demo_model.py)."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from engines.kt.engine import MLAFamily, MLAVariant, load_mla
+from engines.kt.families.base import LoadContext, LoadedModel
+from engines.kt.families.deepseek_v32.cache import IndexedLatentKVCache
+
+VARIANT = MLAVariant(
+    make_cache=lambda config, **kwargs: IndexedLatentKVCache(index_dim=config.index_head_dim, **kwargs),
+    flashinfer=False, drafts=False)
+
+
+class DeepseekV32Family(MLAFamily):
+    name = "deepseek_v32"
+    model_types = ("deepseek_v32",)
+    architectures = ("DeepseekV32ForCausalLM",)
+    expert_layout = replace(MLAFamily.expert_layout, format="fp8_blocks")
+
+    def default_rule_file(self, config: Any, gpus: int) -> str:
+        return "DeepSeek-V3.2.yaml" if gpus else "DeepSeek-V3.2-CPU.yaml"
+
+    def load(self, context: LoadContext) -> LoadedModel:
+        loaded = load_mla(self, context, VARIANT)
+        loaded.details["index_topk"] = str(context.config.index_topk)
+        return loaded
