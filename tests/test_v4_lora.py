@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_error
-from v4_helpers import V4_LOGPROB_TOLERANCE, reference_logprobs, v4_reference_model
-from v4_lora_helpers import make_kt_sft_v4_adapter, merged_reference
+from v4_helpers import reference_logprobs, v4_reference_model
+from v4_lora_helpers import V4_LORA_TOLERANCE, make_kt_sft_v4_adapter, merged_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = ("The old lighthouse keeper counted the ships that passed each night, writing their names in a "
@@ -55,8 +55,8 @@ def test_kt_sft_v4_adapter_logprobs_match_the_merged_reference(v4_server, v4_mod
     base = reference_logprobs(v4_reference_model(v4_model_dir), ids)
     diffs = [abs(served[i] - float(merged[i - 1, ids[i]])) for i in range(1, len(ids))]
     moved = [abs(float(base[i - 1, ids[i]] - merged[i - 1, ids[i]])) for i in range(1, len(ids))]
-    assert max(diffs) < V4_LOGPROB_TOLERANCE
-    assert max(moved) > 10 * V4_LOGPROB_TOLERANCE  # the adapter changes the model well beyond the tolerance
+    assert max(diffs) < V4_LORA_TOLERANCE
+    assert max(moved) > 1000 * V4_LORA_TOLERANCE  # the adapter moves the logprobs far beyond the tolerance
 
 
 def test_kt_sft_v4_adapter_card_says_where_its_expert_lora_runs(v4_server, kt_adapters):
@@ -122,4 +122,4 @@ def test_kt_sft_v4_adapter_on_the_avx2_build_matches_the_merged_reference(v4_mod
     assert out.returncode == 0, out.stderr[-2000:]
     measured = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
     assert measured["variant"] == "avx2"
-    assert measured["max_diff"] < V4_LOGPROB_TOLERANCE
+    assert measured["max_diff"] < V4_LORA_TOLERANCE

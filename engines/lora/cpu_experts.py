@@ -10,7 +10,9 @@ LoRA gets one `CPUExpertsLora`, shared by every adapter on that layer, with one 
   to the largest rank loaded (exact), with the scale folded into B. Used when this build has the SFT kernel
   of the layer's method (engines/kt/expert_methods.py).
 * `TorchBackend` — everywhere else (the avx2 build has no SFT kernels; FP8 / RAWINT4 / LLAMAFILE have none, and
-  DeepSeek-V4's MXFP4 experts are not wired to kt-kernel's `MXFP4_SFT_MOE` yet; V4's SwiGLU clamp applies):
+  DeepSeek-V4's MXFP4 experts stay off kt-kernel's `MXFP4_SFT_MOE`: it runs on every build, but its LoRA'd
+  outputs were ~1% off per layer against float32, which moved the tiny V4's logprobs by up to 1.1 from the
+  merged reference where this backend stays within 1e-4; V4's SwiGLU clamp applies here):
   the layer's experts in bf16 plus each adapter's factors, computed in float32 with torch. Exact up to bf16
   weights, slower than the kernel.
 

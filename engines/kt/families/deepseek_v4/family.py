@@ -72,8 +72,8 @@ class DeepseekV4Family(ModelFamily):
         storage = CheckpointStorage("safetensors, DeepSeek-V4 release: FP8 e4m3 in 128x128 blocks (UE8M0 scales), "
                                     "MXFP4 routed experts",
                                     (("experts", experts), ("the rest", f"{dtype_name(dtype)} from FP8")))
-        details["expert_lora"] = ("torch on the LoRA'd rows (kt-kernel's MXFP4_SFT_MOE is not used for serving "
-                                  "yet)")
+        details["expert_lora"] = ("torch on the LoRA'd rows, base experts in bf16 (kt-kernel's MXFP4_SFT_MOE: "
+                                  "not used, see engines/lora/cpu_experts.py)")
         return LoadedModel(runner=V4ModelRunner(model, context.max_model_len, context.model_path), details=details,
                            torch_threads=threads, checkpoint=storage)
 
