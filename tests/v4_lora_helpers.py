@@ -5,7 +5,7 @@ its output folder:
 
 * `adapter_config.json` + `adapter_model.safetensors` — PEFT's LoRA on the non-expert projections of
   transformers' `DeepseekV4ForCausalLM` (attention `q_a_proj` / `q_b_proj` / `kv_proj` / `o_b_proj`, the
-  compressors' and indexers' projections, the shared experts), keys
+  compressors' `kv_proj` / `gate_proj`, the shared experts), keys
   `base_model.model.model.layers.N.<module>.lora_{A,B}.weight`;
 * `fused_expert_lora.safetensors` — the routed experts' LoRA of kt-kernel's `MXFP4_SFT_MOE` wrappers, BF16,
   `layers.N.experts.{gate,up,down}_lora_{a,b}`, A `[E, r, in]`, B `[E, out, r]`;
@@ -19,28 +19,30 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import torch
 
 RANK, ALPHA = 4, 8.0
 # Served logprobs with the adapter vs the merged float32 reference: the LoRA'd rows' experts run in float32 torch
-# on the bf16 (exact for MXFP4) base experts. Measured: 1.5e-5 over 150 positions (prompt chunks of 50, then
-# decode steps) on both the avx512_bf16 and avx2 builds; the adapter itself moves them by up to 2.8.
+# on the bf16 (exact for MXFP4) base experts. Measured: 1.9e-5 over 150 positions (prompt chunks of 50, then
+# decode steps) on both the avx512_bf16 and avx2 builds; the adapter itself moves them by up to 2.9.
 V4_LORA_TOLERANCE = 1e-3
 LORA_GAIN = 0.15  # the update's size relative to the weight it changes: moves the logprobs, keeps the model sane
-EXCLUDED = ("o_a_proj",)  # V4's grouped output projection: PEFT's Linear LoRA does not fit it
+# the modules KT-SFT trains LoRA on for V4 (kt_kernel/sft/export_dsv4_sglang_adapter.py: _TARGET)
+TARGETS = re.compile(r"^model\.layers\.\d+\.(?:self_attn\.(?:q_a_proj|q_b_proj|kv_proj|o_b_proj|"
+                     r"compressor\.(?:kv_proj|gate_proj))|mlp\.shared_experts\.(?:gate_proj|up_proj|down_proj))$")
 
 
 def target_linears(model_dir: Path) -> dict[str, tuple[int, int]]:
-    """Every linear of the V4 model that KT-SFT's PEFT LoRA would target: name -> weight shape [out, in]."""
+    """The linears of the V4 model that KT-SFT's PEFT LoRA targets: name -> weight shape [out, in]."""
     from transformers import AutoConfig
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4ForCausalLM
 
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(AutoConfig.from_pretrained(model_dir))
-    return {name: tuple(m.weight.shape) for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and name.startswith("model.layers.") and not name.endswith(EXCLUDED)}
+    return {name: tuple(m.weight.shape) for name, m in model.named_modules() if TARGETS.match(name)}
 
 
 def _sha256(path: Path) -> str:
