@@ -123,3 +123,24 @@ def test_kt_sft_v4_adapter_on_the_avx2_build_matches_the_merged_reference(v4_mod
     measured = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
     assert measured["variant"] == "avx2"
     assert measured["max_diff"] < V4_LORA_TOLERANCE
+
+
+def test_kt_sft_manifest_accepts_a_copy_of_its_checkpoint_that_its_cache_manifest_vouches_for(v4_model_dir,
+                                                                                              tmp_path):
+    """A copy has other inodes, so kt-kernel's fingerprint differs; KT-SFT's non-expert cache manifest still
+    records the portable identity (hashes, sizes, sampled payload) of the files it was trained on."""
+    from engines.lora import kt_manifest
+
+    recorded = kt_manifest.native_identity(v4_model_dir, with_files=True)
+    recorded["shards"] = [{**s, "file_identity": {"device": 1, "inode": 2, "ctime_ns": 3}} for s in recorded["shards"]]
+    (tmp_path / "kt_non_expert_manifest.json").write_text(json.dumps(
+        {"source": {"model_name_or_path": "/elsewhere/DeepSeek-V4-Flash", "fingerprint": "f" * 64,
+                    "identity": recorded}}))
+    binding = kt_manifest.CheckpointBinding("kt_adapter_manifest.json", "/elsewhere/DeepSeek-V4-Flash", "f" * 64,
+                                            str(tmp_path / "kt_non_expert_manifest.json"), 4, 8.0)
+    kt_manifest.check(binding, v4_model_dir, "adapter")  # accepted: the same files
+    recorded["config_sha256"] = "0" * 64
+    (tmp_path / "kt_non_expert_manifest.json").write_text(json.dumps(
+        {"source": {"fingerprint": "f" * 64, "identity": recorded}}))
+    with pytest.raises(ValueError, match="/elsewhere/DeepSeek-V4-Flash"):
+        kt_manifest.check(binding, v4_model_dir, "adapter")
