@@ -364,6 +364,7 @@ class AdapterInfo:
     path: str
     created: int
     size_bytes: int = 0  # the adapter's tensors in memory
+    expert_lora: str | None = None  # where its routed-expert LoRA runs (a kt-kernel SFT kernel, or torch); None: none
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str, what: str | None = None) -> None:

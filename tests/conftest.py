@@ -133,12 +133,20 @@ def v4_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def v4_server(v4_model_dir) -> Iterator[RunningServer]:
-    """The tiny V4 served by the ktransformers engine on the CPU (MXFP4 experts), thinking parsed."""
+def v4_adapter_root(tmp_path_factory) -> Path:
+    """Where the V4 server may load adapters from at run time (tests/test_v4_lora.py writes them there)."""
+    return tmp_path_factory.mktemp("v4-adapters")
+
+
+@pytest.fixture(scope="session")
+def v4_server(v4_model_dir, v4_adapter_root) -> Iterator[RunningServer]:
+    """The tiny V4 served by the ktransformers engine on the CPU (MXFP4 experts), thinking parsed, runtime
+    adapter loading from `v4_adapter_root`."""
     from helpers import require_kt_kernel
 
     require_kt_kernel()
-    running = start_server(v4_model_dir, engine="ktransformers", cpu_infer=1, reasoning_parser="deepseek_r1")
+    running = start_server(v4_model_dir, engine="ktransformers", cpu_infer=1, reasoning_parser="deepseek_r1",
+                           adapter_roots=[str(v4_adapter_root)])
     yield running
     running.stop()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -71,10 +72,11 @@ def reference_logprobs(model, token_ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-def served_logprobs(model_dir: Path, token_ids: list[int], chunks: list[int]) -> torch.Tensor:
+def served_logprobs(model_dir: Path, token_ids: list[int], chunks: list[int], adapter: Path | None = None
+                    ) -> torch.Tensor:
     """log-softmax of the KT engine's V4 runner fed `token_ids` in prompt chunks of `chunks` tokens, then one
     token a step (as decoding feeds it): row i predicts token i + 1. Loads the model as the engine does, with
-    the CPU rule file."""
+    the CPU rule file; with `adapter`, that adapter directory is installed and applied."""
     from transformers import AutoConfig
 
     from engines.kt.engine import RULES_DIR
@@ -91,8 +93,14 @@ def served_logprobs(model_dir: Path, token_ids: list[int], chunks: list[int]) ->
                           options=KTOptions(cpu_infer=1))
     runner = family_for(config).load(context).runner
 
+    if adapter is not None:
+        from engines.lora import read_adapter
+
+        runner.lora.install("adapter", runner.lora.prepare(read_adapter(adapter)))
+
     class Seq:
         runner_state = None
+        request = SimpleNamespace(adapter=None if adapter is None else "adapter")
 
     seq = Seq()
     seq.token_ids = token_ids
@@ -114,9 +122,15 @@ if __name__ == "__main__":  # run in a child process under another kt-kernel bui
     import sys
 
     directory, count = Path(sys.argv[1]), int(sys.argv[2])
+    adapter = Path(sys.argv[3]) if len(sys.argv) > 3 else None  # a KT-SFT adapter: compared with it merged
     ids = torch.randint(100, 120000, (count,), generator=torch.Generator().manual_seed(0)).tolist()
-    served = served_logprobs(directory, ids, [count // 3, count // 3])
-    reference = reference_logprobs(v4_reference_model(directory), ids)
+    served = served_logprobs(directory, ids, [count // 3, count // 3], adapter)
+    if adapter is None:
+        reference = reference_logprobs(v4_reference_model(directory), ids)
+    else:
+        from v4_lora_helpers import merged_reference
+
+        reference = reference_logprobs(merged_reference(directory, adapter), ids)
     import kt_kernel
 
     print(json.dumps({"variant": kt_kernel.__cpu_variant__, "max_diff": max_next_token_diff(served, reference, ids),

@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -232,6 +232,8 @@ class RoutedExpertsCPU(nn.Module):
         self.gpu_device = torch.device(gpu_device)
         self.out_device = torch.device(out_device) if out_device is not None else None
         self.checkpoint = checkpoint  # where expert LoRA re-reads this layer's base experts from
+        # a family whose checkpoint names its experts its own way sets how to re-read them (read_base_weights)
+        self.base_reader: Callable[[int | None], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self.deferred = check_deferred(deferred, top_k)  # experts per token a decode step runs one layer late
         self.defer_into: int | None = None  # the layer that takes them (expert_deferral.link); None: no deferral
         self.deferral = deferral if deferral is not None else ExpertDeferral()  # shared by the model's layers
@@ -333,6 +335,8 @@ class RoutedExpertsCPU(nn.Module):
         """This layer's experts from the checkpoint (with `first`, only experts [0, first))."""
         from engines.kt.loader import read_layer_experts
 
+        if self.base_reader is not None:
+            return self.base_reader(first)
         if self.checkpoint is None:
             raise ValueError(f"expert LoRA on layer {self.layer_idx}: the base model's checkpoint is unknown")
         return read_layer_experts(Path(self.checkpoint), f"model.layers.{self.layer_idx}.mlp.experts",

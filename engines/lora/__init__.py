@@ -13,7 +13,9 @@ Formats (`read_adapter(path)` tells them apart; anything else is refused with th
   is `lora_alpha / r` (`/ sqrt(r)` with `use_rslora`), with `alpha_pattern` honoured; r comes from the shapes.
 * **KTransformers fused-expert LoRA** — `fused_expert_lora.safetensors` beside the PEFT files, keys
   `layers.{i}.experts.{gate,up,down}_lora_{a,b}`, A `[E, r, in]`, B `[E, out, r]`, scale `lora_alpha / r`
-  from the directory's `adapter_config.json` (kt-kernel's SFT scaling).
+  from the directory's `adapter_config.json` (kt-kernel's SFT scaling). KT-SFT's `kt_adapter_manifest.json`
+  beside them (engines/lora/kt_manifest.py) binds the adapter to the checkpoint it was trained on: its files'
+  hashes are checked when read, its base checkpoint when installed (a mismatch is refused naming both).
 * **GGUF LoRA** — a `.gguf` file as llama.cpp's `convert_lora_to_gguf.py` writes it (`general.type` =
   adapter, tensors `blk.N.<llama.cpp name>.weight.lora_{a,b}`, scale `adapter.lora.alpha / r`), or a
   directory holding exactly one such file.

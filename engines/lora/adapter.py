@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -83,6 +84,8 @@ class LoraAdapter:
     value_head: ValueHead | None = None
     # expert updates that need the model's expert count and sizes to be laid out (engines.lora.bind)
     pending: list = field(default_factory=list)
+    # the checkpoint a KT-SFT adapter was trained on (engines/lora/kt_manifest.py), checked against the served one
+    binding: Any = None
 
     @property
     def has_expert_lora(self) -> bool:

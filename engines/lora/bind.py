@@ -36,6 +36,12 @@ def expert_sizes(module: nn.Module) -> tuple[int, int, int] | None:
     return None
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """An nn.Linear applied as `x @ W.T` on the last dimension, which a LoRA update can follow; DeepSeek-V4's
+    grouped `o_a_proj` (an nn.Linear with `n_groups`, block-diagonal over head groups) is not one."""
+    return isinstance(module, nn.Linear) and not hasattr(module, "n_groups")
+
+
 def describe(model: nn.Module, hidden_size: int) -> ModelTargets:
     targets = ModelTargets(hidden_size)
     for name, module in model.named_modules():
@@ -44,7 +50,7 @@ def describe(model: nn.Module, hidden_size: int) -> ModelTargets:
             targets.experts[int(match.group(1))] = sizes
         elif name.startswith(UNSUPPORTED_MODULES):
             continue
-        elif isinstance(base, nn.Linear) or (_ROUTER.match(name) and getattr(base, "weight", None) is not None):
+        elif _plain_linear(base) or (_ROUTER.match(name) and getattr(base, "weight", None) is not None):
             targets.linears[name] = tuple(base.weight.shape)
     return targets
 

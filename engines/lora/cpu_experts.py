@@ -9,7 +9,10 @@ LoRA gets one `CPUExpertsLora`, shared by every adapter on that layer, with one 
   so one copy of the base experts serves every adapter. The kernel has one rank: adapters are zero-padded
   to the largest rank loaded (exact), with the scale folded into B. Used when this build has the SFT kernel
   of the layer's method (engines/kt/expert_methods.py).
-* `TorchBackend` — everywhere else (the avx2 build has no SFT kernels; FP8 / RAWINT4 / LLAMAFILE have none):
+* `TorchBackend` — everywhere else (the avx2 build has no SFT kernels; FP8 / RAWINT4 / LLAMAFILE have none, and
+  DeepSeek-V4's MXFP4 experts stay off kt-kernel's `MXFP4_SFT_MOE`: it runs on every build, but its LoRA'd
+  outputs were ~1% off per layer against float32, which moved the tiny V4's logprobs by up to 1.1 from the
+  merged reference where this backend stays within 1e-4; V4's SwiGLU clamp applies here):
   the layer's experts in bf16 plus each adapter's factors, computed in float32 with torch. Exact up to bf16
   weights, slower than the kernel.
 
@@ -42,6 +45,7 @@ class CPUExperts(Protocol):
     hidden_size: int
     intermediate_size: int
     chunk_tokens: int
+    swiglu_limit: float  # DeepSeek-V4's clamp of the SwiGLU inputs; 0 for none
     lora: "CPUExpertsLora | None"
 
     def sft_kernel(self) -> tuple[type, Any] | None:
@@ -133,6 +137,7 @@ class TorchBackend:
         gate, up, down = experts.read_base_weights()
         self.gate_up = torch.cat([gate, up], dim=1).to("cpu", torch.bfloat16).contiguous()
         self.down = down.to("cpu", torch.bfloat16).contiguous()
+        self.limit = float(getattr(experts, "swiglu_limit", 0.0) or 0.0)
 
     @staticmethod
     def adopt(updates: dict) -> dict:
@@ -140,7 +145,8 @@ class TorchBackend:
 
     @torch.no_grad()
     def run(self, updates: dict, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return experts_in_torch(hidden.float(), ids, weights.float(), self.gate_up, self.down, updates)
+        return experts_in_torch(hidden.float(), ids, weights.float(), self.gate_up, self.down, updates,
+                                limit=self.limit)
 
 
 # ------------------------------------------------------------------------------------------ one layer

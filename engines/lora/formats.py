@@ -9,7 +9,8 @@ from engines.lora.adapter import AdapterFormatError, LoraAdapter
 from engines.lora.files import AdapterFiles
 
 FORMATS = ("a PEFT directory (adapter_config.json + adapter_model.safetensors or .bin, optionally with "
-           "KTransformers' fused_expert_lora.safetensors)", "a GGUF LoRA file (llama.cpp convert_lora_to_gguf)",
+           "KTransformers' fused_expert_lora.safetensors and KT-SFT's kt_adapter_manifest.json)",
+           "a GGUF LoRA file (llama.cpp convert_lora_to_gguf)",
            "a directory with only a reward value head (value_head.safetensors)")
 
 
@@ -32,7 +33,7 @@ def read_adapter(path: str | Path, roots: Sequence[str | Path] = ()) -> LoraAdap
 
 
 def _read(p: Path, files: AdapterFiles) -> LoraAdapter:
-    from engines.lora import gguf_format, kt_format, peft_format, value_head
+    from engines.lora import gguf_format, kt_format, kt_manifest, peft_format, value_head
 
     if not p.exists():
         raise AdapterFormatError(f"adapter path {str(p)!r} does not exist")
@@ -43,7 +44,9 @@ def _read(p: Path, files: AdapterFiles) -> LoraAdapter:
             return gguf_format.read(p, files)
         raise AdapterFormatError(f"{p.name} is not a supported adapter format; supported: {'; '.join(FORMATS)}")
     if files.has(p / "adapter_config.json"):
+        binding = kt_manifest.read(p, files)
         adapter = peft_format.read(p, files)
+        adapter.binding = binding
         kt_format.read_into(adapter, p, files)
     elif len(ggufs := sorted(p.glob("*.gguf"))) == 1:
         adapter = gguf_format.read(ggufs[0], files)

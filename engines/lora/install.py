@@ -6,19 +6,23 @@ adapter needs them and stay (a wrapper with no update for the step's adapters co
 from __future__ import annotations
 
 import itertools
+import logging
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from engines.lora import kt_manifest
 from engines.lora.adapter import LoraAdapter
 from engines.lora.bind import ModelTargets, bind, describe
 from engines.lora.cpu_experts import CPUExperts, CPUExpertsLora
 from engines.lora.modules import LoraContext, LoraLinear, RouterLora, TorchExpertsLora
 
 _ROUTER = re.compile(r"\.mlp\.gate$")
+log = logging.getLogger("ktserve.lora")
 
 
 @dataclass
@@ -26,14 +30,16 @@ class PreparedAdapter:
     linears: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
     experts: dict[int, Any] = field(default_factory=dict)  # layer -> what the experts module's install takes
     nbytes: int = 0
+    expert_lora: str | None = None  # where the routed-expert LoRA runs, for /v1/models and the log
 
 
 class LoraModules:
     """The LoRA wrappers of one model and the context its runner fills for each forward."""
 
-    def __init__(self, model: nn.Module, hidden_size: int):
+    def __init__(self, model: nn.Module, hidden_size: int, checkpoint: Path | None = None):
         self.model = model
         self.hidden_size = hidden_size
+        self.checkpoint = checkpoint  # the served checkpoint, which KT-SFT manifests are checked against
         self.context = LoraContext()
         self._wrapped: dict[str, nn.Module] = {}
         # name -> which install it is: a name unloaded and loaded again is a different adapter (prefix caching)
@@ -45,6 +51,12 @@ class LoraModules:
 
     # --------------------------------------------------------------------------- any thread
     def prepare(self, adapter: LoraAdapter) -> PreparedAdapter:
+        if adapter.binding is not None:
+            if self.checkpoint is not None:
+                kt_manifest.check(adapter.binding, self.checkpoint, adapter.path)
+            else:
+                log.warning("adapter %s: this runner does not know its checkpoint's files, so %s's binding to %s "
+                            "is not checked", adapter.path, kt_manifest.FILE, adapter.binding.model_name_or_path)
         bind(adapter, self.targets())
         prepared = PreparedAdapter()
         for name, update in adapter.linears.items():
@@ -56,7 +68,11 @@ class LoraModules:
             module = self._experts_base(layer)
             if isinstance(module, CPUExperts):  # experts in kt-kernel: engines/lora/cpu_experts.py
                 prepared.experts[layer] = CPUExpertsLora.prepare(module, updates)
+                sft = module.sft_kernel()
+                prepared.expert_lora = (f"kt-kernel {sft[0].__name__}" if sft is not None else
+                                        "torch (the LoRA'd rows, base experts in bf16)")
             else:
+                prepared.expert_lora = "torch (transformers' experts)"
                 device, dtype = module.gate_up_proj.device, module.gate_up_proj.dtype
                 prepared.experts[layer] = {p: (u.a.to(device, dtype), u.b.to(device, dtype), u.scale)
                                            for p, u in updates.items()}

@@ -1,6 +1,7 @@
 """KTransformers' fused-expert LoRA: `fused_expert_lora.safetensors` beside the PEFT files of an adapter
 fine-tuned with kt-kernel's SFT experts. Keys `layers.{i}.experts.{gate,up,down}_lora_{a,b}`, A `[E, r, in]`,
-B `[E, out, r]`; scale `lora_alpha / r` from `adapter_config.json`, as kt-kernel's SFT kernels apply it."""
+B `[E, out, r]` (BF16 as KT-SFT saves them); scale `lora_alpha / r` as kt-kernel's SFT kernels apply it, alpha from
+KT-SFT's `kt_adapter_manifest.json` (`lora.alpha`) when there is one, else from `adapter_config.json`."""
 from __future__ import annotations
 
 import re
@@ -47,6 +48,11 @@ def read_into(adapter: LoraAdapter, directory: Path, files: AdapterFiles = Adapt
             raise AdapterFormatError(f"{path}: layer {layer} {proj}_proj experts already have a LoRA in "
                                      f"adapter_model.safetensors")
         rank = a.shape[1]
-        scale = float(config.get("lora_alpha", rank)) / rank
+        binding = adapter.binding  # KT-SFT's manifest records the experts' rank and alpha
+        if binding is not None and binding.lora_rank not in (None, rank):
+            raise AdapterFormatError(f"{path}: {source} has rank {rank}; {binding.manifest} says lora.rank is "
+                                     f"{binding.lora_rank}")
+        alpha = binding.lora_alpha if binding is not None and binding.lora_alpha else config.get("lora_alpha", rank)
+        scale = float(alpha) / rank
         adapter.experts.setdefault(layer, {})[proj] = ExpertLora(a, b, scale, source)
     adapter.format = "peft+fused-experts" if adapter.linears or adapter.pending else "fused-experts"

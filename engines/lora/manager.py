@@ -56,7 +56,8 @@ class AdapterManager:
             adapter = read_adapter(path, roots)
             prepared = self.modules.prepare(adapter)
             self._run_on_engine(lambda: self.modules.install(name, prepared))
-            info = AdapterInfo(name=name, path=str(path), created=int(time.time()), size_bytes=prepared.nbytes)
+            info = AdapterInfo(name=name, path=str(path), created=int(time.time()), size_bytes=prepared.nbytes,
+                               expert_lora=prepared.expert_lora)
             with self._lock:
                 self._visible[name] = _Entry(info, adapter, prepared.nbytes)
             return info

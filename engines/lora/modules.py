@@ -134,9 +134,11 @@ ExpertUpdates = dict[str, tuple[torch.Tensor, torch.Tensor, float]]  # projectio
 
 
 def experts_in_torch(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                     down: torch.Tensor, updates: ExpertUpdates, act=F.silu) -> torch.Tensor:
+                     down: torch.Tensor, updates: ExpertUpdates, act=F.silu, limit: float = 0.0) -> torch.Tensor:
     """sum_k w_k * down_e(act(gate_e x) * up_e x) with LoRA updates, for fused transformers weights
-    gate_up [E, 2I, H] and down [E, H, I], computed in hidden's dtype (weights are cast one expert at a time)."""
+    gate_up [E, 2I, H] and down [E, H, I], computed in hidden's dtype (weights are cast one expert at a time).
+    With `limit` (DeepSeek-V4's swiglu_limit), gate is clamped from above and up to [-limit, limit] before the
+    product, LoRA included, as V4's experts do."""
     inter = gate_up.shape[1] // 2
     out = torch.zeros_like(hidden)
     for expert in torch.unique(ids[ids >= 0]).tolist():
@@ -147,6 +149,8 @@ def experts_in_torch(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
             gate = gate + _expert_low_rank(x, updates["gate"], expert)
         if "up" in updates:
             up = up + _expert_low_rank(x, updates["up"], expert)
+        if limit:
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
         h = act(gate) * up
         y = F.linear(h, down[expert].to(h.dtype))
         if "down" in updates:
@@ -172,14 +176,15 @@ class TorchExpertsLora(nn.Module):
     def forward(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         names = self.context.active(self.updates)
         base = self.lora_base
-        act = getattr(base, "act_fn", F.silu)
+        act, limit = getattr(base, "act_fn", F.silu), float(getattr(base, "limit", 0.0) or 0.0)
         if names and self.context.rows.single is not MIXED:
-            return experts_in_torch(hidden, ids, weights, base.gate_up_proj, base.down_proj, self.updates[names[0]], act)
+            return experts_in_torch(hidden, ids, weights, base.gate_up_proj, base.down_proj, self.updates[names[0]],
+                                    act, limit)
         out = base(hidden, ids, weights)
         for name in names:
             rows = self.context.rows.index(name, hidden.device)
             part = experts_in_torch(hidden.index_select(0, rows), ids.index_select(0, rows),
                                     weights.index_select(0, rows), base.gate_up_proj, base.down_proj,
-                                    self.updates[name], act)
+                                    self.updates[name], act, limit)
             out.index_copy_(0, rows, part.to(out.dtype))
         return out

@@ -181,7 +181,8 @@ class LLMEngine(Engine):
             self._adapters = AdapterManager(modules, self.run_on_engine_thread, self._info.id)
         for name, path in self.config.adapters.items():  # before the thread starts: installed inline
             info = self.load_adapter(name, path)
-            log.info("adapter %s loaded from %s", info.name, info.path)
+            log.info("adapter %s loaded from %s%s", info.name, info.path,
+                     f" (routed-expert LoRA: {info.expert_lora})" if info.expert_lora else "")
 
     async def score(self, prompts: list[list[int]], adapter: str | None = None) -> list[float]:
         """The value head (the adapter's, else the model directory's) on each prompt's last final hidden state."""

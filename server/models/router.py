@@ -21,8 +21,11 @@ def model_cards(engine: Engine) -> list[dict[str, Any]]:
 
 def adapter_card(engine: Engine, adapter: AdapterInfo) -> dict[str, Any]:
     info = engine.info
-    return {"id": adapter.name, "object": "model", "created": adapter.created, "owned_by": "ktserve",
+    card = {"id": adapter.name, "object": "model", "created": adapter.created, "owned_by": "ktserve",
             "root": adapter.path, "parent": info.id, "max_model_len": info.max_model_len}
+    if adapter.expert_lora:
+        card["expert_lora"] = adapter.expert_lora
+    return card
 
 
 @router.get("/v1/models")

@@ -72,7 +72,9 @@ class DeepseekV4Family(ModelFamily):
         storage = CheckpointStorage("safetensors, DeepSeek-V4 release: FP8 e4m3 in 128x128 blocks (UE8M0 scales), "
                                     "MXFP4 routed experts",
                                     (("experts", experts), ("the rest", f"{dtype_name(dtype)} from FP8")))
-        return LoadedModel(runner=V4ModelRunner(model, context.max_model_len), details=details,
+        details["expert_lora"] = ("torch on the LoRA'd rows, base experts in bf16 (kt-kernel's MXFP4_SFT_MOE: "
+                                  "not used, see engines/lora/cpu_experts.py)")
+        return LoadedModel(runner=V4ModelRunner(model, context.max_model_len, context.model_path), details=details,
                            torch_threads=threads, checkpoint=storage)
 
     def chat_encoder(self, model_path: Path, allow_checkpoint_code: bool = False) -> ChatEncoder | None:

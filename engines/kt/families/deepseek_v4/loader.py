@@ -8,6 +8,7 @@ Peak host memory: what stays on the CPU plus one layer's packed experts."""
 from __future__ import annotations
 
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,7 @@ def load_v4_checkpoint(model: nn.Module, model_path: Path, device_of: Any, dtype
         if expert:
             stage = staged.setdefault(layer, _Experts(num_experts))
             if stage.add(expert.group(3), int(expert.group(2)), expert.group(4), tensor):
-                _load_experts(model, layer, staged.pop(layer), device_of, dtype)
+                _load_experts(model, layer, staged.pop(layer), device_of, dtype, model_path)
             continue
         if name.endswith(".scale") or tensor.dtype == torch.float8_e4m3fn:
             stem = name.rpartition(".")[0]
@@ -112,10 +113,32 @@ def _put(model: nn.Module, target: str, tensor: torch.Tensor, device_of: Any, dt
     return True
 
 
-def _load_experts(model: nn.Module, layer: int, stage: _Experts, device_of: Any, dtype: torch.dtype) -> None:
+def read_layer_experts(model_path: Path, layer: int, num_experts: int, first: int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer's routed experts re-read from the release and dequantized: gate, up [E, I, H], down [E, H, I]
+    (with `first`, experts [0, first)). Expert LoRA computes the LoRA'd rows from these
+    (engines/lora/cpu_experts.py); only this layer's tensors are read."""
+    from safetensors import safe_open
+
+    count = num_experts if first is None else min(first, num_experts)
+    stage = _Experts(count)
+    for path in checkpoint_files(model_path):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                match = EXPERT.match(name)
+                if match and int(match.group(1)) == layer and int(match.group(2)) < count:
+                    stage.add(match.group(3), int(match.group(2)), match.group(4), f.get_tensor(name))
+    if len(stage.parts) != count * 6:
+        raise ValueError(f"model: routed experts of layer {layer} are incomplete in {model_path}")
+    return stage.dequantized()
+
+
+def _load_experts(model: nn.Module, layer: int, stage: _Experts, device_of: Any, dtype: torch.dtype,
+                  model_path: Path) -> None:
     prefix = f"model.layers.{layer}.mlp.experts"
     module = model.get_submodule(prefix)
     if isinstance(module, RoutedExpertsCPU):
+        module.base_reader = partial(read_layer_experts, model_path, layer, stage.num_experts)
         if module.method == "MXFP4" and module.streamer is None and not module.gpu_experts and not module.owned:
             module.load_packed(stage.packed())
         else:  # another method (converted here) or experts the GPU keeps copies of

@@ -7,14 +7,21 @@ compressed entries) in `seq.runner_state`; a step runs one forward per sequence 
 or one decode token) and the shared scheduler batches requests continuously around it. That is the simple
 correct form: the CPU experts see one sequence's tokens per call, and nothing is captured in CUDA graphs.
 Caches are not paged or bounded by a budget: a sliding window of `sliding_window` positions plus one
-compressed entry per 4 (CSA) or 128 (HCA) positions per layer, freed when the request ends."""
+compressed entry per 4 (CSA) or 128 (HCA) positions per layer, freed when the request ends.
+
+LoRA adapters (PEFT, KT-SFT's fused expert LoRA and manifest) go through the shared `LoraModules`: a forward
+is one sequence's, so its rows all use that request's adapter (`AdapterRows.uniform`), and requests with
+different adapters or none share a step."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from engines.lora.install import LoraModules
+from engines.lora.modules import AdapterRows
 from engines.runtime.model_runner import ModelRunner, ScheduledChunk
 from engines.runtime.sequence import Sequence
 
@@ -22,7 +29,7 @@ from engines.runtime.sequence import Sequence
 class V4ModelRunner(ModelRunner):
     chunked_prefill = True
 
-    def __init__(self, model: nn.Module, max_model_len: int):
+    def __init__(self, model: nn.Module, max_model_len: int, checkpoint: Path | None = None):
         from transformers.cache_utils import DynamicCache
 
         self.model = model
@@ -32,6 +39,7 @@ class V4ModelRunner(ModelRunner):
         self.head_device = model.lm_head.weight.device
         self._new_cache = lambda: DynamicCache(config=self.config)
         self._live = 0  # sequences holding a cache
+        self.lora = LoraModules(model, self.config.hidden_size, checkpoint)
 
     def _cache(self, seq: Sequence) -> Any:
         if seq.runner_state is None:
@@ -40,18 +48,21 @@ class V4ModelRunner(ModelRunner):
         return seq.runner_state
 
     @torch.inference_mode()
-    def _hidden(self, cache: Any, token_ids: list[int], start: int, end: int) -> torch.Tensor:
-        """Final (hc-collapsed, normed) hidden states of positions [start, end), extending `cache`."""
+    def _hidden(self, cache: Any, token_ids: list[int], start: int, end: int, adapter: str | None) -> torch.Tensor:
+        """Final (hc-collapsed, normed) hidden states of positions [start, end) with `adapter` applied,
+        extending `cache`."""
         ids = torch.tensor([token_ids[start:end]], device=self.device)
         positions = torch.arange(start, end, device=self.device)[None]
-        out = self.model.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
+        with self.lora.context.step(AdapterRows.uniform(adapter)):
+            out = self.model.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
         return out.last_hidden_state[0]
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
         logits: list[torch.Tensor | None] = []
         for chunk in chunks:
-            hidden = self._hidden(self._cache(chunk.seq), chunk.seq.token_ids, chunk.start, chunk.end)
+            seq = chunk.seq
+            hidden = self._hidden(self._cache(seq), seq.token_ids, chunk.start, chunk.end, seq.request.adapter)
             if chunk.all_logits:
                 rows = hidden
             elif chunk.samples:
@@ -71,9 +82,7 @@ class V4ModelRunner(ModelRunner):
         return 0, 0  # not a paged pool: no fixed capacity to report
 
     def final_hidden_states(self, prompts: list[list[int]], adapter: str | None) -> list[torch.Tensor]:
-        if adapter is not None:
-            raise ValueError("adapter: the DeepSeek-V4 runner serves no adapters yet")
-        return [self._hidden(self._new_cache(), p, 0, len(p)).float().cpu() for p in prompts]
+        return [self._hidden(self._new_cache(), p, 0, len(p), adapter).float().cpu() for p in prompts]
 
     def close(self) -> None:
         self.model = None  # type: ignore[assignment]
