@@ -1,6 +1,6 @@
 """Decode runs that need a fresh process, merged into the parent's bench.json.
 
-Two things are fixed for the life of a process: kt-kernel's worker pool (its thread count, engines/kt/cpuinfer.py)
+Two things are fixed for the life of a process: kt-kernel's worker pool (its thread count, engines/kt/experts/cpuinfer.py)
 and kt-kernel's CPU build (picked at import; `KT_KERNEL_CPU_VARIANT` forces a lower one). So the thread sweep
 and the avx2 run each start `python -m bench.run --only decode` in a child process on the same checkpoint, and
 take the `kt` section of the child's bench.json. The decode of each method but the primary runs in one too: in

@@ -48,7 +48,7 @@ def profile_engine(model_dir: str, method: str, graphs: bool) -> None:
 
 
 def profile_experts(method: str) -> None:
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.cpu import RoutedExpertsCPU
 
     experts = RoutedExpertsCPU(layer_idx=500, num_experts=64, top_k=6, hidden_size=2048, intermediate_size=1408,
                                method=method, max_tokens=64)

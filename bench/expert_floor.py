@@ -29,8 +29,8 @@ def cold_layers(method: str, count: int, threads: int) -> list:
     """`count` V2-Lite MoE layers of random experts in `method` (layers taken in turn read cold experts), with
     torch kept off kt-kernel's cores."""
     from bench.expert_split import random_experts
-    from engines.kt.cpuinfer import physical_cores
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.cpuinfer import physical_cores
+    from engines.kt.experts.cpu import RoutedExpertsCPU
 
     torch.set_num_threads(max(1, physical_cores() - threads))  # as the engine does: torch off kt-kernel's cores
     layers = []

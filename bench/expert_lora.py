@@ -33,7 +33,7 @@ def timed(fn, repeat: int) -> float:
 
 
 def main() -> None:
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.cpu import RoutedExpertsCPU
     from engines.lora.adapter import ExpertLora
     from engines.lora.cpu_experts import CPUExpertsLora
     from engines.lora.modules import AdapterRows, LoraContext
@@ -44,7 +44,7 @@ def main() -> None:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--method", default="BF16")
     args = p.parse_args()
-    from engines.kt.cpuinfer import physical_cores
+    from engines.kt.experts.cpuinfer import physical_cores
 
     torch.set_num_threads(max(1, physical_cores() - args.threads))  # as the engine does: torch off kt's cores
     E, H, I, K, R = args.experts, args.hidden, args.inter, args.top_k, args.rank

@@ -6,7 +6,7 @@
 Prints one JSON line per (method, tokens) with the median milliseconds of a call, the bytes of expert weights
 one token reads (top_k experts x 3 matrices) and the bandwidth that implies; then one summary line. The
 default shape is one DeepSeek-V2-Lite MoE layer. `KT_KERNEL_CPU_VARIANT=avx2` measures the build an AVX2-only
-CPU gets. The fallback order in engines/kt/expert_methods.py (AMXINT8 -> FP8 -> BF16) follows these figures.
+CPU gets. The fallback order in engines/kt/experts/methods.py (AMXINT8 -> FP8 -> BF16) follows these figures.
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import torch
 
 
 def main() -> None:
-    from engines.kt.cpuinfer import default_cpu_threads
-    from engines.kt.expert_methods import METHODS, available_methods, cpu_variant
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.cpuinfer import default_cpu_threads
+    from engines.kt.experts.methods import METHODS, available_methods, cpu_variant
+    from engines.kt.experts.cpu import RoutedExpertsCPU
 
     p = argparse.ArgumentParser(prog="python -m bench.expert_methods")
     for name, default in (("experts", 64), ("hidden", 2048), ("inter", 1408), ("top-k", 6)):
@@ -39,7 +39,7 @@ def main() -> None:
     weights = tuple((torch.rand(E, *shape, generator=gen) - 0.5).mul_(0.05).bfloat16()
                     for shape in ((I, H), (I, H), (H, I)))
     threads = args.threads or default_cpu_threads()
-    from engines.kt.cpuinfer import physical_cores
+    from engines.kt.experts.cpuinfer import physical_cores
 
     torch.set_num_threads(max(1, physical_cores() - threads))  # as the engine does: torch off kt's cores
     summary = {"cpu_variant": cpu_variant(), "threads": threads, "shape": [E, H, I, K]}

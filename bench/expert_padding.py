@@ -2,7 +2,7 @@
 
 kt-kernel's AMX-family MoE kernels compute a call of up to 4 x experts / top_k tokens (42 for V2-Lite) on a
 vector path whose cost grows with every token an expert gets, and larger calls with matrix kernels that read
-each chosen expert once (engines/kt/expert_methods.py, `matrix_tokens`). A decode step of 16-42 sequences picks
+each chosen expert once (engines/kt/experts/methods.py, `matrix_tokens`). A decode step of 16-42 sequences picks
 most of a layer's experts, several tokens each, on the vector path. This times one V2-Lite MoE layer cold
 (several layers in rotation, fresh inputs every call, as bench.expert_floor does) for each method and token
 count, as it comes and padded with expert-less rows to the matrix path, and checks both give the same output.
@@ -33,7 +33,7 @@ def _time(layers: list, inputs: list) -> float:
 
 def measure(method: str, tokens: list[int], layer_count: int, calls: int, threads: int) -> list[dict]:
     from bench.expert_floor import cold_layers
-    from engines.kt.expert_methods import matrix_tokens
+    from engines.kt.experts.methods import matrix_tokens
 
     layers = cold_layers(method, layer_count, threads)
     g = torch.Generator().manual_seed(1)
@@ -67,7 +67,7 @@ def pays_from(rows: list[dict]) -> int | None:
 
 
 def main() -> None:
-    from engines.kt.cpuinfer import default_cpu_threads
+    from engines.kt.experts.cpuinfer import default_cpu_threads
 
     p = argparse.ArgumentParser(prog="python -m bench.expert_padding")
     p.add_argument("--methods", default="AMXINT8,AMXINT4")

@@ -30,9 +30,9 @@ def random_experts(experts: int, inter: int, seed: int) -> tuple[torch.Tensor, .
 
 
 def main() -> None:
-    from engines.kt.cpuinfer import default_cpu_threads
-    from engines.kt.expert_methods import METHODS
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.cpuinfer import default_cpu_threads
+    from engines.kt.experts.methods import METHODS
+    from engines.kt.experts.cpu import RoutedExpertsCPU
 
     p = argparse.ArgumentParser(prog="python -m bench.expert_split")
     p.add_argument("--methods", default="AMXINT8,AMXINT4")

@@ -26,7 +26,7 @@ from bench.expert_floor import EXPERTS, HIDDEN, INTER, TOP_K  # one V2-Lite MoE 
 
 
 def _layers(method: str, count: int, max_tokens: int, streamer, threads: int | None):
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.cpu import RoutedExpertsCPU
 
     layers = []
     for i in range(count):
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int)
     p.add_argument("--held", default="", help="comma-separated counts of experts a budget keeps copies of")
     args = p.parse_args(argv)
-    from engines.kt.expert_streaming import ExpertStreamer, HostExperts
+    from engines.kt.experts.streaming import ExpertStreamer, HostExperts
 
     held_counts = [n for n in args.held.split(",") if n]
     if not all(n.isdigit() and int(n) > 0 for n in held_counts):

@@ -1,5 +1,5 @@
 """Decode-sized expert calls with part of the experts read by the GPU straight from host memory
-(`kt_gpu_read_experts`, engines/kt/mapped_experts.py): V2-Lite MoE layers (64 experts of 2048 x 1408, top-6,
+(`kt_gpu_read_experts`, engines/kt/experts/mapped.py): V2-Lite MoE layers (64 experts of 2048 x 1408, top-6,
 random weights, random routing), each call on the stream path the engine's decode takes (copies to pinned
 buffers, kt-kernel started and awaited from the CUDA stream), timed per layer with CUDA events over many calls
 that rotate through the layers so that no cache holds their experts.
@@ -24,8 +24,8 @@ from bench.expert_floor import EXPERTS, HIDDEN, INTER, TOP_K  # one V2-Lite MoE 
 
 
 def _layers(method: str, count: int, streamers, threads: int | None) -> list:
-    from engines.kt.experts_cpu import RoutedExpertsCPU
-    from engines.kt.mapped_experts import MAX_TOKENS
+    from engines.kt.experts.cpu import RoutedExpertsCPU
+    from engines.kt.experts.mapped import MAX_TOKENS
 
     layers = []
     for i in range(count):
@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     if not all(s == "auto" or (s.isdigit() and int(s) <= EXPERTS) for s in shares):
         p.error(f"--shares: expected 'auto' or whole numbers up to {EXPERTS}, got {args.shares!r}")
     sizes = [int(t) for t in args.tokens.split(",")]
-    from engines.kt.expert_streaming import ExpertStreamers
-    from engines.kt.mapped_experts import MAX_TOKENS
+    from engines.kt.experts.streaming import ExpertStreamers
+    from engines.kt.experts.mapped import MAX_TOKENS
 
     if max(sizes) > MAX_TOKENS:
         p.error(f"--tokens: calls of at most {MAX_TOKENS} tokens go through the mapped experts")

@@ -97,13 +97,13 @@ def two_gpu_rules(config: dict, first_of_second: int) -> str:
     name: '^model\\.layers\\.\\d+\\.mlp$'
     class: transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE
   replace:
-    class: engines.kt.operators.MoEWithCPUExperts
+    class: engines.kt.placement.operators.MoEWithCPUExperts
   recursive: false
 - match:
     name: '^model\\.layers\\.\\d+\\.self_attn$'
     class: transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention
   replace:
-    class: engines.kt.operators.MLAAttention
+    class: engines.kt.placement.operators.MLAAttention
   recursive: false
 """
 
@@ -125,7 +125,7 @@ def gpu_memory(gpus: int) -> dict:
 
 class MultiGpuBench:
     def __init__(self, args: argparse.Namespace):
-        from engines.kt.cpuinfer import default_cpu_threads
+        from engines.kt.experts.cpuinfer import default_cpu_threads
 
         self.args = args
         self.started = time.perf_counter()

@@ -349,7 +349,7 @@ def gguf_main(argv: list[str]) -> int:
     from bench.peer_build import quantizer
     from bench.run import default_model_dir
     from bench.shapes import SHAPES
-    from engines.kt.cpuinfer import default_cpu_threads
+    from engines.kt.experts.cpuinfer import default_cpu_threads
 
     p = argparse.ArgumentParser(prog="python -m bench.peers gguf")
     p.add_argument("--work", type=Path, default=DEFAULT_WORK)

@@ -180,7 +180,7 @@ def weight_cache_wired() -> bool:
 class Bench:
     def __init__(self, args: argparse.Namespace, started: float):
         from bench.sysinfo import device_slug, environment
-        from engines.kt.cpuinfer import default_cpu_threads
+        from engines.kt.experts.cpuinfer import default_cpu_threads
 
         self.args, self.started = args, started
         self.shape: Shape = SHAPES[args.shape]
@@ -207,7 +207,7 @@ class Bench:
     # ------------------------------------------------------------------------------------ planning
     def _methods(self) -> dict[str, str | None]:
         """KT method -> None if runnable here, else why not."""
-        from engines.kt.expert_methods import available_methods
+        from engines.kt.experts.methods import available_methods
 
         try:
             here = available_methods()
@@ -246,7 +246,7 @@ class Bench:
 
     def sweep_threads(self) -> list[int]:
         """The thread counts of the sweep: the default and default + each offset, between 1 and cores - 1."""
-        from engines.kt.cpuinfer import physical_cores
+        from engines.kt.experts.cpuinfer import physical_cores
 
         top = max(1, physical_cores() - 1)
         return sorted({n for n in (self.threads + o for o in (0, *THREAD_OFFSETS)) if 1 <= n <= top})
@@ -362,12 +362,12 @@ class Bench:
         model_type = self.shape.config["model_type"]
         importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
         # A phase whose module is missing fails later with its own message; nothing fails here.
-        for name in ("engines.kt.engine", "engines.kt.operators", "engines.kt.rules", "engines.hf.engine",
+        for name in ("engines.kt.engine", "engines.kt.placement.operators", "engines.kt.placement.rules", "engines.hf.engine",
                      "server.app"):
             with contextlib.suppress(ImportError):
                 importlib.import_module(name)
         with stdout_to(self.log_path), contextlib.suppress(ImportError):
-            from engines.kt.cpuinfer import load_ext
+            from engines.kt.experts.cpuinfer import load_ext
 
             load_ext()
         return time.perf_counter() - started
@@ -493,7 +493,7 @@ class Bench:
         if not weight_cache_wired():
             section.update(status="not supported", reason="engines/kt/engine.py and loader.py do not read "
                            "the kt_weight_cache setting; RoutedExpertsCPU can save/load quantized experts "
-                           "(engines/kt/experts_cpu.py) but nothing passes it a folder")
+                           "(engines/kt/experts/cpu.py) but nothing passes it a folder")
             return
         self.close_engines()
         cache = self.model_dir.with_name(self.model_dir.name + "-kt-cache")

@@ -46,7 +46,7 @@ def device_slug() -> str:
     """A short name for the results folder: the GPU (e.g. nvidia-h100-80gb-hbm3), or cpu-<cores>c."""
     name = gpu_name()
     if name is None:
-        from engines.kt.cpuinfer import physical_cores
+        from engines.kt.experts.cpuinfer import physical_cores
 
         return f"cpu-{physical_cores()}c"
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
@@ -54,7 +54,7 @@ def device_slug() -> str:
 
 def environment(cpu_threads: int) -> dict:
     """Versions, machine and date, for the top of bench.json."""
-    from engines.kt.cpuinfer import physical_cores
+    from engines.kt.experts.cpuinfer import physical_cores
 
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -39,7 +39,7 @@ def layer_bytes(config: dict) -> int:
 
 
 def layers_that_fit(out: Path) -> int:
-    from engines.kt.expert_methods import memory_available
+    from engines.kt.experts.methods import memory_available
 
     per_layer = layer_bytes(flash_config(1))
     disk = shutil.disk_usage(out.parent if not out.exists() else out).free

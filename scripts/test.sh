@@ -61,7 +61,7 @@ fi
 status=0
 "$python" -m pytest "$@" || status=$?
 
-loaded="$("$python" -c 'from engines.kt.expert_methods import cpu_variant; print(cpu_variant())' 2>/dev/null || echo none)"
+loaded="$("$python" -c 'from engines.kt.experts.methods import cpu_variant; print(cpu_variant())' 2>/dev/null || echo none)"
 variants="${KTSERVE_TEST_VARIANTS-avx2}"
 if [ "$whole_suite" = 1 ] && [ "$loaded" != none ]; then
   for variant in $variants; do

@@ -113,7 +113,7 @@ def require_kt_kernel() -> None:
     import pytest
 
     try:
-        from engines.kt.cpuinfer import load_ext
+        from engines.kt.experts.cpuinfer import load_ext
         load_ext()
     except ImportError as exc:
         pytest.skip(f"kt-kernel does not load on this CPU: {exc}", allow_module_level=True)

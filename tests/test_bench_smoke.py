@@ -144,7 +144,7 @@ def tiny_quick_run(tmp_path: Path, phases: str, *extra: str) -> dict:
 @pytest.mark.slow
 def test_tiny_quick_run_writes_decode_and_http_figures_with_units(tmp_path):
     require_kt_kernel()
-    from engines.kt.expert_methods import available_methods
+    from engines.kt.experts.methods import available_methods
 
     methods = ("AMXINT8", "AMXINT4", "BF16")
     here = [m for m in methods if m in available_methods()]  # avx2 builds have no AMX classes

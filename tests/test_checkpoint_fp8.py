@@ -21,8 +21,8 @@ require_kt_kernel()
 from engines.checkpoints.fp8 import dequantize_blocks  # noqa: E402
 from engines.checkpoints.source import SafetensorsSource  # noqa: E402
 from engines.demo_model import make_demo_model  # noqa: E402
-from engines.kt import expert_methods  # noqa: E402
-from engines.kt.experts_cpu import RoutedExpertsCPU  # noqa: E402
+from engines.kt.experts import methods as expert_methods  # noqa: E402
+from engines.kt.experts.cpu import RoutedExpertsCPU  # noqa: E402
 
 # kt-kernel's FP8 kernel reads the released blocks and rounds activations to bf16, while transformers computes in
 # float32 on the same dequantized weights. Measured on the FP8 demo over 299 teacher-forced positions: median

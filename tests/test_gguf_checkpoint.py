@@ -141,8 +141,8 @@ def test_the_metadata_config_is_the_original_config(q4k_parts, demo_model_dir):
 
 def test_experts_of_another_method_are_converted_from_the_blocks_and_cached(q4k_parts, tmp_path):
     from engines.checkpoints.gguf import GGUFExperts
-    from engines.kt.expert_methods import best_method
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.methods import best_method
+    from engines.kt.experts.cpu import RoutedExpertsCPU
     from engines.checkpoints.source import StorageNotes
     from engines.kt.loader import ExpertPlacer
 

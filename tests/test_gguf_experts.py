@@ -18,7 +18,7 @@ from ops_support import REPO, child_pythonpath
 require_kt_kernel()
 
 from engines.checkpoints.gguf.quants import quantize  # noqa: E402
-from engines.kt.expert_methods import (LLAMAFILE_IN_PLACE, METHODS, choose_gguf_method,  # noqa: E402
+from engines.kt.experts.methods import (LLAMAFILE_IN_PLACE, METHODS, choose_gguf_method,  # noqa: E402
                                        choose_method, cpu_variant, llamafile_computes)
 
 # Relative error of the writer's blocks against the values they quantize (random normal rows): a few times
@@ -46,7 +46,7 @@ def kernel_error(kind: str, tokens: int) -> float | None:
     import gguf
     import torch.nn.functional as F
 
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.cpu import RoutedExpertsCPU
 
     E, H, I, K = 8, 256, 512, 2
     g = torch.Generator().manual_seed(0)
@@ -72,7 +72,7 @@ def kernel_errors(env: dict[str, str]) -> tuple[str, dict]:
     """(the build, {type: [error at 1 token, at 24 tokens] or None}) from a child process with `env` (another
     kt-kernel build)."""
     code = ("import json, sys\nsys.path.insert(0, 'tests')\nfrom test_gguf_experts import TYPES, kernel_error\n"
-            "from engines.kt.expert_methods import cpu_variant\n"
+            "from engines.kt.experts.methods import cpu_variant\n"
             "errors = {k: kernel_error(k, 1) for k in TYPES}\n"
             "print(json.dumps([cpu_variant(), {k: None if e is None else [e, kernel_error(k, 24)] "
             "for k, e in errors.items()}]))\n")
@@ -117,7 +117,7 @@ def test_experts_of_a_type_the_build_does_not_compute_are_converted_to_a_4_bit_m
 
 
 def test_experts_of_too_small_a_model_for_llamafile_are_converted():
-    from engines.kt.expert_methods import ExpertShape
+    from engines.kt.experts.methods import ExpertShape
 
     shape = ExpertShape(2048, 1408, 10 ** 9)  # V2-Lite's 1408 is no multiple of 256
     choice = choose_gguf_method({"Q8_0"}, shape=shape)

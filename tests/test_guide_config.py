@@ -53,7 +53,7 @@ def test_the_guide_config_serves_its_adapter_under_the_directory_name(guide_serv
 
 
 def test_the_guide_rule_file_is_found_by_name_and_its_method_is_one_this_cpu_runs(guide_server):
-    from engines.kt.expert_methods import available_methods
+    from engines.kt.experts.methods import available_methods
 
     running, _ = guide_server
     details = running.http().get("/version").json()["engine_details"]

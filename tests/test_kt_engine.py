@@ -10,7 +10,7 @@ from helpers import require_kt_kernel, chat_prompt_ids, forward_logprobs, greedy
 
 require_kt_kernel()
 
-from engines.kt.expert_methods import best_method  # noqa: E402
+from engines.kt.experts.methods import best_method  # noqa: E402
 
 # The 8-bit experts method of this CPU's kt-kernel build: AMXINT8 where the build has it, FP8 on avx2.
 INT8 = best_method(8)
@@ -179,7 +179,7 @@ def test_a_streaming_budget_too_small_for_one_expert_says_so_and_serves_from_the
 
 
 def test_decode_steps_padded_to_the_matrix_kernels_give_the_unpadded_tokens(demo_model_dir):
-    from engines.kt.expert_methods import pads_to_matrix
+    from engines.kt.experts.methods import pads_to_matrix
 
     if not pads_to_matrix(INT8):
         pytest.skip(f"this build's {INT8} kernel has no matrix switch to pad across")

@@ -1,4 +1,4 @@
-"""Expert deferral (`n_deferred_experts`, engines/kt/expert_deferral.py): in decode steps each token's lowest-
+"""Expert deferral (`n_deferred_experts`, engines/kt/experts/deferral.py): in decode steps each token's lowest-
 weighted experts of a layer join the next layer's output; prompt steps and the last CPU-experts layer never
 defer. The layer-level tests check the arithmetic against a torch reference on kt-kernel's BF16 experts
 (blocking path); tests/test_kt_gpu.py checks the stream-ordered path and CUDA graphs on a GPU."""
@@ -15,9 +15,9 @@ from helpers import require_kt_kernel
 
 require_kt_kernel()
 
-from engines.kt.expert_deferral import (  # noqa: E402
+from engines.kt.experts.deferral import (  # noqa: E402
     ExpertDeferral, check_deferred, link, max_batch, split_deferred)
-from engines.kt.experts_cpu import RoutedExpertsCPU, SharedStaging  # noqa: E402
+from engines.kt.experts.cpu import RoutedExpertsCPU, SharedStaging  # noqa: E402
 from test_kt_experts_cpu import (  # noqa: E402,F401 (weights: the fixture)
     E, H, I, K, MAX_TOKENS, TOLERANCE, reference, rel_err, routing, weights)
 
@@ -161,7 +161,7 @@ def write_rules(folder, device: str):
             kwargs: {{generate_device: cpu, generate_op: KExpertsCPU, out_device: "{device}", n_deferred_experts: [{DEFERRED}]}}
           recursive: false
         - match: {{name: '^model\\.layers\\.\\d+\\.self_attn$'}}
-          replace: {{class: engines.kt.operators.MLAAttention}}
+          replace: {{class: engines.kt.placement.operators.MLAAttention}}
           recursive: false
         """))
     return path

@@ -1,4 +1,4 @@
-"""Choosing the experts method (engines/kt/expert_methods.py) from what this CPU's kt-kernel build runs.
+"""Choosing the experts method (engines/kt/experts/methods.py) from what this CPU's kt-kernel build runs.
 
 The avx2 build is what an AMD EPYC Rome/Milan or an older Xeon loads; `KT_KERNEL_CPU_VARIANT=avx2` forces
 it on any x86-64 machine, so these tests check the non-AMX path wherever CI runs."""
@@ -16,7 +16,7 @@ from ops_support import ServerProcess, child_pythonpath
 
 require_kt_kernel()
 
-from engines.kt.expert_methods import (  # noqa: E402
+from engines.kt.experts.methods import (  # noqa: E402
     ExpertsUnsupportedError, available_methods, choose_method, cpu_variant, normalize_method)
 
 AVX2 = {"KT_KERNEL_CPU_VARIANT": "avx2"}
@@ -24,7 +24,7 @@ AVX2 = {"KT_KERNEL_CPU_VARIANT": "avx2"}
 
 def choices_on_avx2(*calls: str) -> list:
     """Run choose_method(...) calls (Python argument text) under the avx2 build; their results or errors."""
-    code = ("import json\nfrom engines.kt.expert_methods import choose_method\nout = []\n"
+    code = ("import json\nfrom engines.kt.experts.methods import choose_method\nout = []\n"
             + "".join(f"try:\n    c = choose_method({call})\n    out.append([c.method, c.reason])\n"
                       f"except ValueError as e:\n    out.append(['error', str(e)])\n" for call in calls)
             + "print(json.dumps(out))\n")
@@ -59,14 +59,14 @@ def test_on_avx2_rule_methods_fall_back_to_the_fastest_replacement_and_say_why()
 
 def test_on_avx2_an_8_bit_rule_keeps_8_bits_when_bf16_experts_would_not_fit_in_memory():
     shape = "ExpertShape(7168, 2048, 10 ** 15)"  # a petabyte of bf16 experts; 8 bits still too big: most compact
-    [(method, reason)] = choices_on_avx2(f"'AMXINT8', shape=__import__('engines.kt.expert_methods', "
+    [(method, reason)] = choices_on_avx2(f"'AMXINT8', shape=__import__('engines.kt.experts.methods', "
                                          f"fromlist=['x']).{shape}")
     assert method in ("LLAMAFILE", "FP8") and "none fits in memory" in reason
 
 
 def test_on_avx2_a_replacement_must_fit_the_model_sizes():
     # V2-Lite: intermediate 1408 is no multiple of LLAMAFILE's 256, so the compact 8-bit choice is FP8
-    [(method, _)] = choices_on_avx2("'AMXINT8', shape=__import__('engines.kt.expert_methods', "
+    [(method, _)] = choices_on_avx2("'AMXINT8', shape=__import__('engines.kt.experts.methods', "
                                     "fromlist=['x']).ExpertShape(2048, 1408, 10 ** 15)")
     assert method == "FP8"
 

@@ -1,4 +1,4 @@
-"""Streamed experts (engines/kt/expert_streaming.py, `kt_gpu_prefill_tokens`): the arithmetic of the GPU side,
+"""Streamed experts (engines/kt/experts/streaming.py, `kt_gpu_prefill_tokens`): the arithmetic of the GPU side,
 the buffer ring and the split, checked on the CPU (the same code with plain copies instead of a copy stream).
 The GPU path itself: tests/test_kt_gpu_streamed_experts.py."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engines.kt.expert_streaming import (CPU_EXPERT_BYTES_PER_S, GROUP, INT4_GROUP, RING, ExpertStreamer,
+from engines.kt.experts.streaming import (CPU_EXPERT_BYTES_PER_S, GROUP, INT4_GROUP, RING, ExpertStreamer,
                                          HostExperts, dequantize_int4, expert_copy_bytes, experts_within,
                                          split_experts)
 
@@ -223,8 +223,8 @@ def test_a_layer_loaded_from_the_weight_cache_streams_the_checkpoint_weights(dem
     from helpers import require_kt_kernel
 
     require_kt_kernel()
-    from engines.kt.expert_methods import best_method
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.methods import best_method
+    from engines.kt.experts.cpu import RoutedExpertsCPU
     from engines.kt.loader import read_layer_experts
 
     def layer(streamer: ExpertStreamer) -> RoutedExpertsCPU:
@@ -247,8 +247,8 @@ def test_a_layer_with_a_budget_registers_copies_of_its_first_experts_only(demo_m
     from helpers import require_kt_kernel
 
     require_kt_kernel()
-    from engines.kt.expert_methods import best_method
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.methods import best_method
+    from engines.kt.experts.cpu import RoutedExpertsCPU
     from engines.kt.loader import read_layer_experts
 
     def layer(streamer: ExpertStreamer) -> RoutedExpertsCPU:
@@ -310,7 +310,7 @@ def test_the_budget_gives_each_expert_layer_the_experts_it_holds(demo_model_dir,
 
 def test_the_start_up_log_says_what_a_chunk_of_streamed_experts_copies(caplog):
     from engines.kt.engine import _log_streamed_experts
-    from engines.kt.operators import OperatorOptions
+    from engines.kt.placement.operators import OperatorOptions
 
     options = OperatorOptions(gpu_prefill_tokens=128)
     streamer = options.streamers.for_device(torch.device("cpu"))

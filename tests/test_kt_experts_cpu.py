@@ -24,13 +24,13 @@ import torch.nn.functional as F
 
 require_kt_kernel()
 
-from engines.kt.cpuinfer import (  # noqa: E402
+from engines.kt.experts.cpuinfer import (  # noqa: E402
     default_cpu_threads, default_thread_choice, physical_cores, pool_threads, resolve_thread_count, shared_cpu_infer)
-from engines.kt import expert_methods  # noqa: E402
-from engines.kt.expert_methods import (  # noqa: E402
+from engines.kt.experts import methods as expert_methods  # noqa: E402
+from engines.kt.experts.methods import (  # noqa: E402
     METHODS, ExpertsUnsupportedError, available_methods, cpu_variant, default_pad_from, matrix_tokens, pads_to_matrix,
     reads_in_place)
-from engines.kt.experts_cpu import RoutedExpertsCPU, SharedStaging  # noqa: E402
+from engines.kt.experts.cpu import RoutedExpertsCPU, SharedStaging  # noqa: E402
 
 E, K, H, I = 16, 4, 256, 256
 MAX_TOKENS = 32
@@ -122,14 +122,14 @@ def on_avx2(code: str) -> str:
 
 
 def construction_error(kwargs: str) -> str:
-    return ("from engines.kt.experts_cpu import RoutedExpertsCPU\n"
+    return ("from engines.kt.experts.cpu import RoutedExpertsCPU\n"
             f"try:\n    RoutedExpertsCPU(layer_idx=0, num_experts=8, top_k=2, {kwargs})\n"
             "except ValueError as exc:\n    print(type(exc).__name__, exc)\n")
 
 
 def test_avx2_build_runs_bf16_fp8_rawint4_and_llamafile_but_no_amx_methods():
     # kt-kernel's avx2 build (what a CPU without AVX-512 gets: AMD EPYC Rome/Milan) has no AMX* classes.
-    lines = on_avx2("from engines.kt.expert_methods import available_methods, cpu_variant\n"
+    lines = on_avx2("from engines.kt.experts.methods import available_methods, cpu_variant\n"
                     "print(cpu_variant(), ' '.join(available_methods()))\n"
                     + construction_error("hidden_size=128, intermediate_size=128, method='AMXINT8'")).splitlines()
     assert lines[0].split() == ["avx2", "BF16", "FP8", "RAWINT4", "LLAMAFILE"]
@@ -144,13 +144,13 @@ def test_default_cpu_threads_leave_two_cores_or_an_eighth_free(cores, threads):
 
 def test_the_pool_logs_its_thread_count_and_why():
     code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
-            "from engines.kt.cpuinfer import shared_cpu_infer; shared_cpu_infer()")
+            "from engines.kt.experts.cpuinfer import shared_cpu_infer; shared_cpu_infer()")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert f"started with {default_cpu_threads()} threads: {physical_cores()} physical cores less" in out.stderr
 
 
 def test_more_threads_than_physical_cores_are_cut_to_the_core_count(caplog):
-    with caplog.at_level(logging.WARNING, logger="engines.kt.cpuinfer"):
+    with caplog.at_level(logging.WARNING, logger="engines.kt.experts.cpuinfer"):
         assert resolve_thread_count(physical_cores() + 3) == physical_cores()
     assert "physical cores" in caplog.text
 
@@ -166,7 +166,7 @@ def test_worker_pool_is_one_per_process_and_the_first_thread_count_wins(caplog):
     if physical_cores() == 1:
         pytest.skip("needs two cores to ask for a different thread count")
     other = 1 if pool_threads() != 1 else 2
-    with caplog.at_level(logging.WARNING, logger="engines.kt.cpuinfer"):
+    with caplog.at_level(logging.WARNING, logger="engines.kt.experts.cpuinfer"):
         assert shared_cpu_infer(other) is pool
     assert "already runs" in caplog.text
 
@@ -326,7 +326,7 @@ def test_unknown_llamafile_block_type_is_refused():
 
 def test_llamafile_q8_0_blocks_are_the_ones_gguf_writes(weights):
     gguf = pytest.importorskip("gguf")
-    from engines.kt.experts_cpu import _to_ggml_blocks
+    from engines.kt.experts.cpu import _to_ggml_blocks
 
     gate = weights[0][:2]
     expected = gguf.quants.quantize(gate.float().numpy(), gguf.GGMLQuantizationType.Q8_0)
@@ -496,7 +496,7 @@ def test_bf16_has_nothing_to_cache(weights, tmp_path):
 
 
 def test_loading_kt_kernel_keeps_ieee_subnormals_in_this_thread():
-    from engines.kt.cpuinfer import load_ext
+    from engines.kt.experts.cpuinfer import load_ext
 
     load_ext()
     assert 2.2250738585072014e-308 / 2 != 0.0

@@ -28,7 +28,7 @@ def kt_gpu(demo_model_dir):
 
 
 def test_stream_ordered_experts_equal_the_blocking_path():
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.cpu import RoutedExpertsCPU
 
     torch.manual_seed(0)
     experts = RoutedExpertsCPU(layer_idx=90, num_experts=16, top_k=4, hidden_size=256, intermediate_size=256,
@@ -45,7 +45,7 @@ def test_stream_ordered_experts_equal_the_blocking_path():
 
 
 def test_a_padded_stream_ordered_call_equals_the_unpadded_blocking_one():
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.cpu import RoutedExpertsCPU
 
     torch.manual_seed(0)
     weights = [torch.randn(16, 256, 256, dtype=torch.bfloat16) * 0.05 for _ in range(3)]
@@ -93,7 +93,7 @@ def test_attention_runs_on_the_gpu_and_experts_on_the_cpu(kt_gpu):
 
 
 def test_rms_norms_on_the_gpu_run_fused(kt_gpu):
-    from engines.kt.operators import FusedRMSNorm
+    from engines.kt.placement.operators import FusedRMSNorm
 
     norms = [m for m in kt_gpu.engine._runner.model.modules() if type(m).__name__.endswith("RMSNorm")]
     assert norms and all(isinstance(m, FusedRMSNorm) and m.weight.is_cuda for m in norms)
@@ -102,7 +102,7 @@ def test_rms_norms_on_the_gpu_run_fused(kt_gpu):
 def test_a_fused_rms_norm_is_one_kernel_on_the_gpu():
     from torch.profiler import ProfilerActivity, profile
 
-    from engines.kt.operators import FusedRMSNorm
+    from engines.kt.placement.operators import FusedRMSNorm
 
     norm = FusedRMSNorm(torch.nn.Parameter(torch.rand(2048, dtype=torch.bfloat16, device="cuda")), 1e-6)
     x = torch.randn(4, 2048, dtype=torch.bfloat16, device="cuda")

@@ -1,4 +1,4 @@
-"""Experts the GPU reads straight from pinned host memory (`kt_gpu_read_experts`, engines/kt/mapped_experts.py),
+"""Experts the GPU reads straight from pinned host memory (`kt_gpu_read_experts`, engines/kt/experts/mapped.py),
 run on a GPU machine (pytest -m gpu). Asserts agreement, never time."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from engines.kt.mapped_experts import MAX_TOKENS
+from engines.kt.experts.mapped import MAX_TOKENS
 from test_kt_expert_streaming import E, H, I, TOP_K, assert_close, layer_weights, reference, routing
 
 pytestmark = [pytest.mark.gpu,
@@ -17,13 +17,13 @@ pytestmark = [pytest.mark.gpu,
 
 def host_copies(held: int, bits: int = 8, first: int = 0):
     """Pinned `bits`-bit copies of experts [first, held) of layer_weights(0)."""
-    from engines.kt.expert_streaming import HostExperts
+    from engines.kt.experts.streaming import HostExperts
 
     return HostExperts.quantize(*(w[first:held] for w in layer_weights(0)), bits=bits, work_device="cuda", pin=True)
 
 
 def test_a_device_view_reads_the_pinned_host_memory_it_covers():
-    from engines.kt.mapped_experts import device_view
+    from engines.kt.experts.mapped import device_view
 
     host = host_copies(4)
     view = device_view(host.down, torch.device("cuda"))
@@ -34,7 +34,7 @@ def test_a_device_view_reads_the_pinned_host_memory_it_covers():
 
 @pytest.mark.parametrize("tokens", [1, 5, 64, 128])
 def test_the_kernels_compute_the_experts_below_the_share_as_the_int8_reference(tokens):
-    from engines.kt.mapped_experts import MappedExperts
+    from engines.kt.experts.mapped import MappedExperts
 
     host = host_copies(held=16)
     mapped = MappedExperts(torch.device("cuda"))
@@ -47,8 +47,8 @@ def test_the_kernels_compute_the_experts_below_the_share_as_the_int8_reference(t
 @pytest.mark.parametrize("resident", [4, 16], ids=["some-in-gpu-memory", "all-in-gpu-memory"])
 @pytest.mark.parametrize("tokens", [1, 128])
 def test_the_kernels_read_experts_in_gpu_memory_and_the_rest_from_host_memory_as_the_int8_reference(tokens, resident):
-    from engines.kt.expert_streaming import HostExperts
-    from engines.kt.mapped_experts import MappedExperts
+    from engines.kt.experts.streaming import HostExperts
+    from engines.kt.experts.mapped import MappedExperts
 
     whole = host_copies(held=16)
     first = HostExperts(*(t[:resident] for t in whole.tensors())).to("cuda")
@@ -65,8 +65,8 @@ def test_the_kernels_read_experts_in_gpu_memory_and_the_rest_from_host_memory_as
 def test_the_int4_kernels_compute_the_experts_below_the_share_as_the_int4_reference(tokens, resident):
     """4-bit methods' copies: packed rows (here padded: 128 and 64 weights to blocks of 256) and group scales read
     where they lie, host or GPU memory."""
-    from engines.kt.expert_streaming import HostExperts
-    from engines.kt.mapped_experts import MappedExperts
+    from engines.kt.experts.streaming import HostExperts
+    from engines.kt.experts.mapped import MappedExperts
 
     whole = host_copies(held=16, bits=4)
     first = HostExperts(*(t[:resident] for t in whole.tensors())).to("cuda") if resident else None
@@ -82,8 +82,8 @@ def test_the_int4_kernels_compute_the_experts_below_the_share_as_the_int4_refere
 def test_int4_copies_unpack_on_the_gpu_to_the_weights_torch_unpacks(rows, cols):
     """The ring's chunks scale a group's int4 experts into bf16 with one kernel a matrix: the same bits as
     `dequantize_int4`, every block and group of a row, padded columns left out."""
-    from engines.kt.expert_streaming import _quantize_int4, dequantize_int4
-    from engines.kt.mapped_experts import dequantize_int4_into
+    from engines.kt.experts.streaming import _quantize_int4, dequantize_int4
+    from engines.kt.experts.mapped import dequantize_int4_into
 
     packed, scale = _quantize_int4(torch.randn(3, rows, cols, device="cuda") * 0.02)
     out = torch.full((3, rows, cols), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -95,7 +95,7 @@ def test_registered_copies_stay_readable_after_the_caller_drops_them():
     """A HostExperts unpins its memory when it goes; the kernels must not read memory no longer pinned."""
     import gc
 
-    from engines.kt.mapped_experts import MappedExperts
+    from engines.kt.experts.mapped import MappedExperts
 
     host = host_copies(held=16)
     hidden, ids, weights = routing(3)
@@ -110,8 +110,8 @@ def test_registered_copies_stay_readable_after_the_caller_drops_them():
 
 def experts_layer(held: int | None = None, owned: int = 0, read: int | None = None, resident: int = 0,
                   method: str = "BF16", hidden: int = H, inter: int = I):
-    from engines.kt.expert_streaming import ExpertStreamers
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.streaming import ExpertStreamers
+    from engines.kt.experts.cpu import RoutedExpertsCPU
 
     torch.manual_seed(0)
     layer = RoutedExpertsCPU(layer_idx=91, num_experts=E, top_k=TOP_K, hidden_size=hidden, intermediate_size=inter,
@@ -173,7 +173,7 @@ def test_decode_calls_queued_back_to_back_each_get_their_own_experts():
 @pytest.mark.parametrize("tokens", [4, 100, 200], ids=["decode-read-in-place", "short-chunk-read-in-place",
                                                        "chunk-streamed"])
 def test_a_layer_whose_first_experts_the_gpu_owns_equals_kt_kernel_computing_all(tokens, resident):
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.cpu import RoutedExpertsCPU
 
     owned = experts_layer(owned=7, resident=resident)
     assert (owned.streamer.resident_experts(91), owned.streamer.layers[91].held) == (resident, 7 - resident)
@@ -195,9 +195,9 @@ def test_a_layer_whose_first_experts_the_gpu_owns_equals_kt_kernel_computing_all
 def test_a_4_bit_layer_computes_the_experts_the_gpu_owns_from_their_int4_copies(tokens, resident):
     """AMXINT4: kt-kernel computes the others as it would have (checked against a layer holding every expert, the
     owned ones zeroed: their products vanish), the GPU the owned ones as their int4 copies say."""
-    from engines.kt.expert_methods import unavailable_reason
-    from engines.kt.expert_streaming import HostExperts
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.methods import unavailable_reason
+    from engines.kt.experts.streaming import HostExperts
+    from engines.kt.experts.cpu import RoutedExpertsCPU
 
     if unavailable_reason("AMXINT4") is not None:
         pytest.skip(f"AMXINT4: {unavailable_reason('AMXINT4')}")
@@ -258,7 +258,7 @@ def test_int8_servers_whose_gpu_owns_experts_agree_with_kt_kernel_alone(demo_mod
 def test_int4_servers_whose_gpu_owns_experts_stay_as_close_to_bf16_as_kt_kernel_alone(demo_model_dir):
     """The experts the GPU owns are its own int4 copies (a scale per 128 weights), not kt-kernel's AMXINT4 form:
     the served model must stay as faithful to the 16-bit one as kt-kernel computing every expert is."""
-    from engines.kt.expert_methods import unavailable_reason
+    from engines.kt.experts.methods import unavailable_reason
 
     if unavailable_reason("AMXINT4") is not None:
         pytest.skip(f"AMXINT4: {unavailable_reason('AMXINT4')}")

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu,
 
 require_kt_kernel()
 
-from engines.kt.expert_methods import best_method  # noqa: E402
+from engines.kt.experts.methods import best_method  # noqa: E402
 
 INT8 = best_method(8)  # results independent of the step's other tokens (tests/test_kt_speculative.py)
 PROMPTS = ("Tell me about rivers.", "Write a haiku about the sea.", "1, 2, 3,")

@@ -1,4 +1,4 @@
-"""Streamed experts on a GPU (`kt_gpu_prefill_tokens`, engines/kt/expert_streaming.py): prompt chunks split
+"""Streamed experts on a GPU (`kt_gpu_prefill_tokens`, engines/kt/experts/streaming.py): prompt chunks split
 each layer's routed experts between the GPU (int8 weights streamed from pinned host memory) and kt-kernel
 (run on a GPU machine: pytest -m gpu). Asserts agreement, never time."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu,
 
 
 def experts_layer(streamer, layer_idx=90, held=None):
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.cpu import RoutedExpertsCPU
 
     torch.manual_seed(0)
     experts = RoutedExpertsCPU(layer_idx=layer_idx, num_experts=24, top_k=4, hidden_size=256,
@@ -36,7 +36,7 @@ def routed(tokens):
 
 @pytest.mark.parametrize("pcie_share", [1.0, 0.5], ids=["all-on-the-gpu", "split-with-the-cpu"])
 def test_a_streamed_chunk_equals_the_experts_on_the_cpu(pcie_share):
-    from engines.kt.expert_streaming import ExpertStreamer
+    from engines.kt.experts.streaming import ExpertStreamer
 
     streamer = ExpertStreamer(torch.device("cuda"))
     experts = experts_layer(streamer)
@@ -52,7 +52,7 @@ def test_a_streamed_chunk_equals_the_experts_on_the_cpu(pcie_share):
 
 
 def test_a_chunk_streams_only_the_experts_a_budget_holds_and_equals_the_cpu():
-    from engines.kt.expert_streaming import ExpertStreamer
+    from engines.kt.experts.streaming import ExpertStreamer
 
     streamer = ExpertStreamer(torch.device("cuda"))
     experts = experts_layer(streamer, held=10)  # kt_gpu_prefill_memory: copies of the first 10 of 24
@@ -65,7 +65,7 @@ def test_a_chunk_streams_only_the_experts_a_budget_holds_and_equals_the_cpu():
 
 
 def test_decode_sized_calls_stay_on_the_cpu():
-    from engines.kt.expert_streaming import ExpertStreamer
+    from engines.kt.experts.streaming import ExpertStreamer
 
     streamer = ExpertStreamer(torch.device("cuda"))
     experts = experts_layer(streamer)
@@ -84,7 +84,7 @@ def streamed_server(demo_model_dir):
 
 def test_prompt_logprobs_with_streamed_experts_agree_with_transformers(streamed_server, tokenizer,
                                                                      reference_model):
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.cpu import RoutedExpertsCPU
 
     layers = [m for m in streamed_server.engine._runner.model.modules()
               if isinstance(m, RoutedExpertsCPU) and m.streamer is not None]
@@ -120,7 +120,7 @@ def decode_streaming_server(demo_model_dir):
 
 def test_decode_steps_of_enough_sequences_stream_their_experts_outside_the_graphs(decode_streaming_server,
                                                                                   monkeypatch):
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.cpu import RoutedExpertsCPU
 
     server = decode_streaming_server
     runner = server.engine._runner

@@ -1,4 +1,4 @@
-"""Experts the GPU reads from host memory (`kt_gpu_read_experts`, engines/kt/mapped_experts.py): the balance
+"""Experts the GPU reads from host memory (`kt_gpu_read_experts`, engines/kt/experts/mapped.py): the balance
 between the two readers, which calls take the path, and a layer whose first experts kt-kernel no longer holds,
 checked on the CPU (where the GPU side's arithmetic runs as plain torch). The kernels:
 tests/test_kt_gpu_mapped_experts.py."""
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engines.kt.expert_streaming import ExpertStreamer, ExpertStreamers, HostExperts
-from engines.kt.mapped_experts import MAX_TOKENS, decode_experts
+from engines.kt.experts.streaming import ExpertStreamer, ExpertStreamers, HostExperts
+from engines.kt.experts.mapped import MAX_TOKENS, decode_experts
 from server.settings import load_settings
 
 INT8_EXPERT = 3 * 2048 * 1408  # one V2-Lite expert's bytes in int8
@@ -31,7 +31,7 @@ def test_the_gpu_never_takes_more_experts_than_the_layer_holds_copies_of():
 
 
 def layer_with(streamer, **kwargs):
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.cpu import RoutedExpertsCPU
 
     kwargs.setdefault("read_experts", None)  # the balance, as the engine asks by default
     return RoutedExpertsCPU(layer_idx=3, num_experts=16, top_k=4, hidden_size=128, intermediate_size=64,
@@ -72,8 +72,8 @@ def test_streamers_read_copies_in_place_only_on_cuda_devices():
 
 
 def test_operators_built_outside_the_engine_read_nothing_from_host_memory_unless_asked():
-    from engines.kt.experts_cpu import RoutedExpertsCPU
-    from engines.kt.operators import OperatorOptions
+    from engines.kt.experts.cpu import RoutedExpertsCPU
+    from engines.kt.placement.operators import OperatorOptions
 
     assert OperatorOptions().gpu_read_experts == 0
     plain = RoutedExpertsCPU(layer_idx=3, num_experts=16, top_k=4, hidden_size=128, intermediate_size=64,
@@ -93,21 +93,21 @@ def test_the_setting_defaults_to_the_balance_and_zero_turns_it_off():
     ids=["int8-balance", "fp8-balance", "int4-balance-of-int4-copies", "asked-for-int4", "bf16-not-by-default", "off",
          "asked-for-bf16", "kt-kernel-keeps-a-tokens-worth", "never-rawint4"])
 def test_how_many_experts_the_gpu_owns(monkeypatch, setting, method, bits, owned):
-    import engines.kt.mapped_experts as mapped
+    import engines.kt.experts.mapped as mapped
 
     monkeypatch.setattr(mapped, "triton_available", lambda: True)
     assert mapped.owned_experts(setting, method, bits, 64, top_k=6) == owned
 
 
 def test_without_triton_the_gpu_owns_no_expert(monkeypatch):
-    import engines.kt.mapped_experts as mapped
+    import engines.kt.experts.mapped as mapped
 
     monkeypatch.setattr(mapped, "triton_available", lambda: False)
     assert mapped.owned_experts(None, "AMXINT8", 8, 64, top_k=6) == 0
 
 
 def owned_layer(owned: int, method: str = "BF16", **kwargs):
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.cpu import RoutedExpertsCPU
     from test_kt_expert_streaming import E, H, I, TOP_K
 
     kwargs.setdefault("streamer", ExpertStreamer(torch.device("cpu")))
@@ -117,7 +117,7 @@ def owned_layer(owned: int, method: str = "BF16", **kwargs):
 
 
 def test_a_layer_whose_first_experts_the_gpu_owns_equals_kt_kernel_computing_all():
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.cpu import RoutedExpertsCPU
     from test_kt_expert_streaming import E, H, I, TOP_K, assert_close, layer_weights, routing
 
     owned = owned_layer(7)
@@ -132,7 +132,7 @@ def test_a_layer_whose_first_experts_the_gpu_owns_equals_kt_kernel_computing_all
 
 @pytest.mark.parametrize("resident", [3, 7], ids=["some", "all"])
 def test_owned_experts_kept_in_gpu_memory_compute_what_kt_kernel_computing_all_does(resident):
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.cpu import RoutedExpertsCPU
     from test_kt_expert_streaming import E, H, I, TOP_K, assert_close, layer_weights, routing
 
     owned = owned_layer(7, resident_experts=resident)  # the CPU stands in for GPU memory here
@@ -168,14 +168,14 @@ def test_resident_experts_are_at_most_the_experts_the_gpu_owns():
     (0, "AMXINT8", 0), (10, "AMXINT8", 10), (10, "AMXINT4", 10), (10, "BF16", 10), (10, "RAWINT4", 0),
     (58, "AMXINT8", 58)], ids=["off", "int8", "int4", "bf16", "never-rawint4", "kt-kernel-keeps-a-tokens-worth"])
 def test_how_many_experts_stay_in_gpu_memory(monkeypatch, setting, method, resident):
-    import engines.kt.mapped_experts as mapped
+    import engines.kt.experts.mapped as mapped
 
     monkeypatch.setattr(mapped, "triton_available", lambda: True)
     assert mapped.resident_experts(setting, method, 64, top_k=6) == resident
 
 
 def test_asking_more_experts_in_gpu_memory_than_kt_kernel_can_spare_names_the_setting_and_the_limit(monkeypatch):
-    import engines.kt.mapped_experts as mapped
+    import engines.kt.experts.mapped as mapped
 
     monkeypatch.setattr(mapped, "triton_available", lambda: True)
     with pytest.raises(ValueError, match=r"kt_gpu_resident_experts=59: .* at most 58"):
@@ -203,7 +203,7 @@ def test_routing_past_the_models_experts_is_refused_in_the_models_numbering():
 def test_an_owned_layers_weight_cache_holds_both_parts_and_no_other_split_takes_it(tmp_path):
     import json
 
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.cpu import RoutedExpertsCPU
 
     def fp8_layer(owned: int, resident: int = 0) -> RoutedExpertsCPU:  # cacheable on every build; sizes of 128
         return RoutedExpertsCPU(layer_idx=5, num_experts=20, top_k=4, hidden_size=128, intermediate_size=128,
@@ -240,13 +240,13 @@ def test_an_owned_layers_weight_cache_holds_both_parts_and_no_other_split_takes_
 
 
 def test_the_gpu_side_of_a_4_bit_layer_holds_int4_copies_and_of_others_int8():
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.cpu import RoutedExpertsCPU
 
     def layer(method: str) -> RoutedExpertsCPU:
         return RoutedExpertsCPU(layer_idx=5, num_experts=20, top_k=4, hidden_size=128, intermediate_size=128,
                                 method=method, max_tokens=64)
 
-    from engines.kt.expert_methods import available_methods
+    from engines.kt.experts.methods import available_methods
 
     widths = {"AMXINT4": 4, "RAWINT4": 4, "AMXINT8": 8, "FP8": 8, "BF16": 8}  # the AMX ones where this build has them
     here = [m for m in widths if m in available_methods()]
@@ -256,7 +256,7 @@ def test_the_gpu_side_of_a_4_bit_layer_holds_int4_copies_and_of_others_int8():
 
 def test_cached_copies_of_the_other_width_are_not_read(tmp_path):
     """A cache written when 4-bit layers' copies were int8 (or the other way round) is quantized again."""
-    from engines.kt.expert_cache import LayerCache
+    from engines.kt.experts.cache import LayerCache
     from test_kt_expert_streaming import layer_weights
 
     cache = LayerCache(tmp_path, 5, "AMXINT4", 13, hidden_size=128, intermediate_size=64, first_expert=7)

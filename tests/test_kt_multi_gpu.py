@@ -61,7 +61,7 @@ def demo_meta_model():
 
 def plan_for(rule_file: Path, gpus: int, model=None):
     """The placement the server plans for `rule_file` on a machine with `gpus` GPUs (CPU default device)."""
-    from engines.kt.rules import device_folding, load_rules, plan_placement
+    from engines.kt.placement.rules import device_folding, load_rules, plan_placement
 
     rules = load_rules(rule_file)
     return plan_placement(model if model is not None else demo_meta_model(), rules, default_device="cpu",
@@ -169,7 +169,7 @@ class Served:
 
 def serve_and_observe(model_dir: Path, tokenizer, rule_file: Path, cuda_graph: bool, method: str,
                       resident: int) -> Served:
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.cpu import RoutedExpertsCPU
 
     running = start_server(model_dir, engine="ktransformers", kt_method=method, kt_optimize_rule=str(rule_file),
                            kt_use_cuda_graph=cuda_graph, kt_gpu_resident_experts=resident)

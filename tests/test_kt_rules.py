@@ -1,4 +1,4 @@
-"""Placement rules (engines/kt/rules.py): matching, aliasing of KTransformers files, shipped rule files."""
+"""Placement rules (engines/kt/placement/rules.py): matching, aliasing of KTransformers files, shipped rule files."""
 
 import logging
 import re
@@ -13,8 +13,8 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2ForCa
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM
 from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32ForCausalLM
 
-from engines.kt.aliases import MLA_ATTENTION, MOE_WITH_CPU_EXPERTS, ROUTED_EXPERTS_CPU
-from engines.kt.rules import RuleError, apply_placement, device_folding, load_rules, plan_placement
+from engines.kt.placement.aliases import MLA_ATTENTION, MOE_WITH_CPU_EXPERTS, ROUTED_EXPERTS_CPU
+from engines.kt.placement.rules import RuleError, apply_placement, device_folding, load_rules, plan_placement
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_DIR = ROOT / "kt_optimize_rules"
@@ -86,7 +86,7 @@ def test_first_matching_rule_wins(tmp_path):
 def test_rule_with_name_and_class_needs_both_to_match(tmp_path):
     placement = plan_placement(v3_model(dense=1), rules(tmp_path, rf"""
         - match: {{name: '^model\.layers\.\d+\.mlp$', class: {V3}.DeepseekV3MoE}}
-          replace: {{class: engines.kt.operators.MoEWithCPUExperts}}
+          replace: {{class: engines.kt.placement.operators.MoEWithCPUExperts}}
         """))
     # Layer 0's mlp has the right name but is the dense DeepseekV3MLP.
     assert sorted(placement.replacements) == ["model.layers.1.mlp", "model.layers.2.mlp", "model.layers.3.mlp"]
@@ -127,7 +127,7 @@ def test_the_empty_name_matches_the_model_itself(tmp_path):
 def test_routed_expert_weights_are_planned_on_the_cpu(tmp_path):
     placement = plan_placement(v3_model(), rules(tmp_path, r"""
         - match: {name: '^model\.layers\.1\.mlp$'}
-          replace: {class: engines.kt.operators.MoEWithCPUExperts, kwargs: {device: "cuda:0"}}
+          replace: {class: engines.kt.placement.operators.MoEWithCPUExperts, kwargs: {device: "cuda:0"}}
           recursive: false
         """))
     assert placement.device_of_param("model.layers.1.mlp.experts.gate_up_proj") == "cpu"
@@ -139,9 +139,9 @@ def test_operator_inside_another_operator_is_an_error(tmp_path):
     with pytest.raises(RuleError, match=r"rules.yaml:\d+: rule 1: replace.class: .*inside model.layers.1.mlp"):
         plan_placement(v3_model(), rules(tmp_path, r"""
             - match: {name: '^model\.layers\.1\.mlp$'}
-              replace: {class: engines.kt.operators.MoEWithCPUExperts}
+              replace: {class: engines.kt.placement.operators.MoEWithCPUExperts}
             - match: {name: 'shared_experts$'}
-              replace: {class: engines.kt.operators.MLAAttention}
+              replace: {class: engines.kt.placement.operators.MLAAttention}
             """))
 
 
@@ -309,7 +309,7 @@ def test_bad_device_is_an_error_naming_file_index_and_key(tmp_path):
 def test_unknown_top_level_key_is_an_error_naming_file_index_and_key(tmp_path):
     message = error_of(tmp_path, """
         - match: {name: 'experts$'}
-          replace: {class: engines.kt.operators.RoutedExpertsCPU}
+          replace: {class: engines.kt.placement.operators.RoutedExpertsCPU}
           recursve: false
         """)
     assert "bad.yaml:2: rule 0: recursve: unknown key" in message
@@ -327,9 +327,9 @@ def test_operator_kwarg_outside_its_KWARGS_is_an_error_and_changes_nothing(tmp_p
     model = v3_model()
     placement = plan_placement(model, rules(tmp_path, r"""
         - match: {name: 'self_attn$'}
-          replace: {class: engines.kt.operators.MLAAttention}
+          replace: {class: engines.kt.placement.operators.MLAAttention}
         - match: {name: '\.mlp$', class: ktransformers.models.modeling_deepseek_v3.DeepseekV3MoE}
-          replace: {class: engines.kt.operators.MoEWithCPUExperts, kwargs: {threads: 4, absorb: true}}
+          replace: {class: engines.kt.placement.operators.MoEWithCPUExperts, kwargs: {threads: 4, absorb: true}}
         """))
     with pytest.raises(RuleError, match=r"rules\.yaml:4: rule 1: replace\.kwargs\.absorb: not accepted by FakeMoE"):
         apply_placement(model, placement, model.config, operator_resolver=fake_operators)
@@ -341,7 +341,7 @@ def test_an_operator_that_cannot_take_the_matched_module_is_an_error_naming_the_
     model = v3_model(layers=2, dense=1)
     placement = plan_placement(model, rules(tmp_path, r"""
         - match: {name: '\.mlp$'}
-          replace: {class: engines.kt.operators.MoEWithCPUExperts, kwargs: {method: BF16}}
+          replace: {class: engines.kt.placement.operators.MoEWithCPUExperts, kwargs: {method: BF16}}
         """))
     with pytest.raises(RuleError, match=r"rules\.yaml:2: rule 0: replace: MoEWithCPUExperts cannot replace "
                                         r"model\.layers\.0\.mlp \(DeepseekV3MLP\)"):
@@ -352,7 +352,7 @@ def test_a_kwarg_value_the_operator_refuses_is_an_error_naming_the_rule_and_the_
     model = v3_model(layers=2, dense=1, moe_intermediate_size=32)  # sizes kt-kernel's BF16 kernel takes
     placement = plan_placement(model, rules(tmp_path, r"""
         - match: {name: '\.mlp$', class: ktransformers.models.modeling_deepseek_v3.DeepseekV3MoE}
-          replace: {class: engines.kt.operators.MoEWithCPUExperts, kwargs: {method: BF16, n_deferred_experts: 99}}
+          replace: {class: engines.kt.placement.operators.MoEWithCPUExperts, kwargs: {method: BF16, n_deferred_experts: 99}}
         """))
     with pytest.raises(RuleError, match=r"rules\.yaml:2: rule 0: replace: .*n_deferred_experts=99 must be below"):
         apply_placement(model, placement, model.config)
@@ -360,7 +360,7 @@ def test_a_kwarg_value_the_operator_refuses_is_an_error_naming_the_rule_and_the_
 # --- applying -------------------------------------------------------------------------------------------
 
 class FakeOperator(nn.Module):
-    """Stands in for an engines.kt.operators class: same from_module/KWARGS protocol, no kernels."""
+    """Stands in for an engines.kt.placement.operators class: same from_module/KWARGS protocol, no kernels."""
 
     KWARGS = frozenset({"device"})
 
@@ -582,7 +582,7 @@ def test_missing_relative_rule_path_is_found_by_file_name_among_ours():
 def test_fused_rms_norm_equals_transformers_within_one_rounding():
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
 
-    from engines.kt.operators import FusedRMSNorm
+    from engines.kt.placement.operators import FusedRMSNorm
 
     torch.manual_seed(0)
     reference = DeepseekV3RMSNorm(512, eps=1e-6).to(torch.bfloat16)
@@ -594,7 +594,7 @@ def test_fused_rms_norm_equals_transformers_within_one_rounding():
 
 
 def test_only_norms_on_a_gpu_are_fused():
-    from engines.kt.operators import FusedRMSNorm, fuse_rms_norms
+    from engines.kt.placement.operators import FusedRMSNorm, fuse_rms_norms
 
     model = DeepseekV3ForCausalLM(DeepseekV3Config(**TINY, num_hidden_layers=2, first_k_dense_replace=1))
     assert fuse_rms_norms(model) == 0

@@ -19,7 +19,7 @@ from helpers import require_kt_kernel
 
 require_kt_kernel()
 
-from engines.kt.expert_methods import best_method  # noqa: E402
+from engines.kt.experts.methods import best_method  # noqa: E402
 
 INT8 = best_method(8)
 

@@ -18,10 +18,10 @@ from helpers import require_kt_kernel
 require_kt_kernel()
 
 from engines.kt import engine as kt_engine  # noqa: E402
-from engines.kt.cpuinfer import load_ext, shared_cpu_infer  # noqa: E402
-from engines.kt.expert_cache import ConvertedExperts  # noqa: E402
-from engines.kt.expert_methods import unavailable_reason  # noqa: E402
-from engines.kt.experts_cpu import RoutedExpertsCPU  # noqa: E402
+from engines.kt.experts.cpuinfer import load_ext, shared_cpu_infer  # noqa: E402
+from engines.kt.experts.cache import ConvertedExperts  # noqa: E402
+from engines.kt.experts.methods import unavailable_reason  # noqa: E402
+from engines.kt.experts.cpu import RoutedExpertsCPU  # noqa: E402
 from engines.kt.loader import read_layer_experts  # noqa: E402
 
 MOE_LAYERS, EXPERTS, SIZE = (1, 2, 3), 16, 256  # the demo model's routed experts

@@ -1,4 +1,4 @@
-"""WorkerIsolation (engines/kt/cpuinfer.py): with the non-expert model on a GPU, the server's own threads leave
+"""WorkerIsolation (engines/kt/experts/cpuinfer.py): with the non-expert model on a GPU, the server's own threads leave
 the cores kt-kernel's pinned workers run on, and get them back when the engine stops.
 
 Each case runs in a child process, whose threads' cores it changes; a "worker" there is a thread pinned to one
@@ -21,7 +21,7 @@ if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
 
 SCRIPT = textwrap.dedent('''
     import json, os, sys, threading
-    from engines.kt.cpuinfer import WorkerIsolation
+    from engines.kt.experts.cpuinfer import WorkerIsolation
 
     allowed = sorted(os.sched_getaffinity(0))
     pinned = allowed[:int(sys.argv[1])]
@@ -92,7 +92,7 @@ def test_workers_on_every_core_leave_the_other_threads_alone():
 
 
 def test_server_threads_avoid_the_hyperthread_siblings_of_worker_cores():
-    from engines.kt.cpuinfer import server_cores
+    from engines.kt.experts.cpuinfer import server_cores
 
     # 4 cores, 2 threads each: CPU n and n + 4 share a core; workers pinned to CPUs 0-2
     def siblings(cpu: int) -> set[int]:

@@ -134,7 +134,7 @@ INT8_MIN_TOP1_AGREEMENT = 0.85
 
 def test_int8_expert_lora_agrees_with_the_merged_reference(demo_model_dir, adapters, tokenizer):
     require_kt_kernel()
-    from engines.kt.expert_methods import best_method
+    from engines.kt.experts.methods import best_method
 
     running = start_server(demo_model_dir, engine="ktransformers", kt_method=best_method(8),
                            adapters={"experts": str(adapters["experts"][0])})

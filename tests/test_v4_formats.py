@@ -37,7 +37,7 @@ def test_mxfp4_rejects_a_scale_of_the_wrong_shape():
 
 def test_kt_kernel_mxfp4_experts_compute_the_clamped_swiglu_of_the_released_weights():
     require_kt_kernel()
-    from engines.kt.experts_cpu import RoutedExpertsCPU
+    from engines.kt.experts.cpu import RoutedExpertsCPU
 
     gen = torch.Generator().manual_seed(0)
     experts, hidden, inter, limit = 4, 128, 64, 2.0

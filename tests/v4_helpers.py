@@ -83,7 +83,7 @@ def served_logprobs(model_dir: Path, token_ids: list[int], chunks: list[int], ad
     from engines.kt.families import family_for
     from engines.kt.families.base import LoadContext
     from engines.kt.options import KTOptions
-    from engines.kt.rules import load_rules
+    from engines.kt.placement.rules import load_rules
     from engines.runtime.model_runner import ScheduledChunk
 
     config = AutoConfig.from_pretrained(model_dir)

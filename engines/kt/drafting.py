@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engines.kt.attention import StepBatch
+from engines.kt.attention.mla import StepBatch
 from engines.runtime.sequence import Sequence
 
 

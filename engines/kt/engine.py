@@ -7,7 +7,7 @@ is looked up by file name in kt_optimize_rules/); otherwise the CPU-only file on
 and the single-GPU file for the architecture when there is one. A rule file naming more GPUs than this
 machine has is folded onto the GPUs there are (else the CPU) with one warning, unless
 `kt_strict_placement` is set. The experts method each rule asks for is replaced by the closest one this
-CPU runs (engines/kt/expert_methods.py), logged once and reported in the model info."""
+CPU runs (engines/kt/experts/methods.py), logged once and reported in the model info."""
 from __future__ import annotations
 
 import json
@@ -21,18 +21,18 @@ import torch
 
 from engines.base import EngineConfig, ModelInfo, engine_options
 from engines.checkpoints.source import PER_EXPERT, SafetensorsSource
-from engines.kt.expert_streaming import copy_bits, expert_copy_bytes, experts_within
-from engines.kt.expert_methods import DEFAULT_METHOD, METHODS, default_method, normalize_method, unavailable_reason
+from engines.kt.experts.streaming import copy_bits, expert_copy_bytes, experts_within
+from engines.kt.experts.methods import DEFAULT_METHOD, METHODS, default_method, normalize_method, unavailable_reason
 from engines.kt.families import FAMILIES, family_architectures, family_for
 from engines.kt.families.base import ExpertLayout, LoadContext, LoadedModel, ModelFamily
-from engines.kt.experts_cpu import RoutedExpertsCPU
-from engines.kt.flashinfer_mla import attention_for
-from engines.kt.kv_cache import PAGE_TOKENS, LatentKVCache
-from engines.kt.mapped_experts import MAX_TOKENS as MAPPED_MAX_TOKENS
-from engines.kt.mapped_experts import triton_available
+from engines.kt.experts.cpu import RoutedExpertsCPU
+from engines.kt.attention.flashinfer_mla import attention_for
+from engines.kt.attention.kv_cache import PAGE_TOKENS, LatentKVCache
+from engines.kt.experts.mapped import MAX_TOKENS as MAPPED_MAX_TOKENS
+from engines.kt.experts.mapped import triton_available
 from engines.kt.loader import load_checkpoint, missing_tensors
 from engines.kt import mtp
-from engines.kt.operators import OperatorOptions, fuse_rms_norms
+from engines.kt.placement.operators import OperatorOptions, fuse_rms_norms
 from engines.kt.options import KTOptions
 from engines.kt.gguf_checkpoint import open_gguf
 from engines.kt.runner import KTModelRunner, device_scope, layer_devices, uses_cpu_experts
@@ -99,7 +99,7 @@ def _gpu_count() -> int:
 
 def _fold_devices(rules: list, rule_file: Path, strict: bool) -> dict[str, str]:
     """The rules' devices this machine lacks -> where they run instead (warned once; an error when strict)."""
-    from engines.kt.rules import device_folding
+    from engines.kt.placement.rules import device_folding
 
     gpus = _gpu_count()
     fold = device_folding(rules, gpus)
@@ -119,8 +119,8 @@ def expert_methods_for(placement: Any, explicit: str | None, rule_file: Path, co
     """For each experts method the rules ask for (`default` where a rule names none): the MethodChoice that
     serves it (logged once each). A GGUF checkpoint's experts run as its blocks allow, whatever the rules ask
     (`choose_gguf_method`)."""
-    from engines.kt.aliases import EXPERT_OPERATORS
-    from engines.kt.expert_methods import (ExpertShape, choose_gguf_method, choose_method, cpu_variant,
+    from engines.kt.placement.aliases import EXPERT_OPERATORS
+    from engines.kt.experts.methods import (ExpertShape, choose_gguf_method, choose_method, cpu_variant,
                                            normalize_method)
 
     layers = [kwargs for rule, kwargs in placement.replacements.values() if rule.replace in EXPERT_OPERATORS]
@@ -150,7 +150,7 @@ def torch_thread_count(cpu_infer: int | None, gpu: bool) -> int:
     kt-kernel leaves are taken by that thread and the CUDA thread that runs kt-kernel's stream callbacks;
     a second torch thread, spinning after every sampling op, would make one busy thread more than there are
     cores: torch gets 1."""
-    from engines.kt.cpuinfer import physical_cores, resolve_thread_count
+    from engines.kt.experts.cpuinfer import physical_cores, resolve_thread_count
 
     return 1 if gpu else max(1, physical_cores() - resolve_thread_count(cpu_infer))
 
@@ -163,7 +163,7 @@ class KTEngine(LLMEngine):
         self.options = engine_options(KTOptions, config.settings)
 
     def _load(self) -> tuple[ModelRunner, Any, ModelInfo]:
-        from engines.kt.rules import load_rules
+        from engines.kt.placement.rules import load_rules
 
         cfg, kt = self.config, self.options
         started = time.perf_counter()
@@ -258,7 +258,7 @@ def load_mla(family: ModelFamily, context: LoadContext, variant: MLAVariant = ML
     """Build `family`'s model on the meta device, place it by the rules, stream the checkpoint in (FP8 releases
     through SafetensorsSource) and return the KT runner over it, with the MTP layer as a draft head when
     speculative decoding asks for it: the load path of every MLA generation (V2, V3, V3.2)."""
-    from engines.kt.rules import apply_placement, plan_placement
+    from engines.kt.placement.rules import apply_placement, plan_placement
 
     kt, config, rule_file, model_path = context.options, context.config, context.rule_file, context.model_path
     chunk_size, max_concurrent = context.chunk_size, context.max_concurrent
@@ -415,7 +415,7 @@ def _kv_tokens(context: LoadContext) -> int:
 def _converted_experts(kt: KTOptions, config: Any) -> tuple[Any, str | None]:
     """kt-kernel's pre-converted experts (kt_weight_path) when given, and the experts method every layer must
     then run (theirs; kt_method otherwise)."""
-    from engines.kt.expert_cache import ConvertedExperts
+    from engines.kt.experts.cache import ConvertedExperts
 
     if not kt.kt_weight_path:
         return None, kt.kt_method

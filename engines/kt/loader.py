@@ -24,7 +24,7 @@ from torch import nn
 from engines.base import CheckpointStorage
 from engines.checkpoints.source import (CheckpointSource, ExpertsLayer, SafetensorsSource, StorageNotes,
                                         StoredTensor)
-from engines.kt.experts import RoutedExperts
+from engines.kt.experts.protocol import RoutedExperts
 
 log = logging.getLogger("ktserve.engine.kt")
 

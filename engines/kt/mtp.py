@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engines.kt.attention import MLAAttention, StepBatch
+from engines.kt.attention.mla import MLAAttention, StepBatch
 from engines.checkpoints.source import tensor_names
 
 # the MTP layer's copies of the main model's embedding and LM head: the main model's own serve instead
@@ -74,8 +74,9 @@ class MTPHead(nn.Module):
         block = layers[-1]
         if not isinstance(block.self_attn, MLAAttention):
             raise ValueError(f"placement rules: the multi-token-prediction layer's attention, model.layers."
-                             f"{len(layers) - 1}.self_attn, must be replaced by engines.kt.operators.MLAAttention "
-                             f"like the other layers' (found {type(block.self_attn).__name__})")
+                             f"{len(layers) - 1}.self_attn, must be replaced by "
+                             f"engines.kt.placement.operators.MLAAttention like the other layers' (found "
+                             f"{type(block.self_attn).__name__})")
         model.model.layers = nn.ModuleList(layers[:-1])
         return cls(block, model.model.embed_tokens, model.lm_head, scope)
 

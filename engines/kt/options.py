@@ -8,8 +8,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class KTOptions:
     kt_optimize_rule: str | None = None  # rule file (engine.py: resolve_rule_file); None: this machine's default
-    cpu_infer: int | None = None  # kt-kernel worker threads; None: engines/kt/cpuinfer.py's default
-    kt_method: str | None = None  # override of the rules' experts method (engines/kt/expert_methods.py)
+    cpu_infer: int | None = None  # kt-kernel worker threads; None: engines/kt/experts/cpuinfer.py's default
+    kt_method: str | None = None  # override of the rules' experts method (engines/kt/experts/methods.py)
     kt_strict_placement: bool = False  # a rule device this machine lacks is an error, not folded
     kt_weight_cache: str | None = None  # root folder of pre-quantized experts
     kt_weight_path: str | None = None  # kt-kernel's pre-converted experts (expert_cache.ConvertedExperts), read-only
@@ -17,10 +17,11 @@ class KTOptions:
     kv_cache_tokens: int | None = None  # KV capacity in tokens; default from max_model_len x max_concurrent
     prefix_cache: bool = True  # share full KV pages between requests with the same token prefix
     attention_backend: str = "auto"  # "auto" | "flashinfer" | "torch" (MLA attention on CUDA)
-    kt_isolate_workers: bool = True  # GPU placements: other threads leave kt-kernel's worker cores (cpuinfer.py)
+    # GPU placements: other threads leave kt-kernel's worker cores (experts/cpuinfer.py)
+    kt_isolate_workers: bool = True
     kt_gpu_prefill_tokens: int = 0  # expert calls this large (chunks, decode batches) stream part to the GPU; 0: off
     kt_gpu_prefill_memory: float | None = None  # GB of host memory the streamed copies may take; None: every expert
-    kt_gpu_read_experts: int | None = None  # experts the GPU reads from host memory (mapped_experts.py); None: auto
-    kt_gpu_resident_experts: int = 0  # experts of each MoE layer kept in GPU memory (mapped_experts.py); 0: none
+    kt_gpu_read_experts: int | None = None  # experts the GPU reads from host memory (experts/mapped.py); None: auto
+    kt_gpu_resident_experts: int = 0  # experts of each MoE layer kept in GPU memory (experts/mapped.py); 0: none
     gguf_path: str | None = None  # a GGUF checkpoint; model_path then holds config and tokenizer (gguf_checkpoint.py)
     kt_expert_pad_from: int | None = None  # expert calls this large go padded to kt-kernel's matrix path; 0: never

@@ -10,14 +10,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from engines.kt.cpuinfer import WorkerIsolation
-from engines.kt.kv_cache import BlockTable, LatentKVCache
-from engines.kt.attention import DecodeBatch, MLAAttention, Span, StepBatch
-from engines.kt import expert_deferral
+from engines.kt.experts.cpuinfer import WorkerIsolation
+from engines.kt.attention.kv_cache import BlockTable, LatentKVCache
+from engines.kt.attention.mla import DecodeBatch, MLAAttention, Span, StepBatch
+from engines.kt.experts import deferral as expert_deferral
 from engines.kt.drafting import DraftHead, Drafter
-from engines.kt.expert_deferral import ExpertDeferral
-from engines.kt.experts import RoutedExperts
-from engines.kt.operators import MoEWithCPUExperts
+from engines.kt.experts.deferral import ExpertDeferral
+from engines.kt.experts.protocol import RoutedExperts
+from engines.kt.placement.operators import MoEWithCPUExperts
 from engines.kt.step_timing import StepTimer
 from engines.lora.install import LoraModules
 from engines.lora.modules import AdapterRows
@@ -41,7 +41,7 @@ class KTModelRunner(ModelRunner):
                  max_model_len: int, flash: Any = None, draft_head: DraftHead | None = None,
                  draft_unavailable: str | None = None):
         self.model = model
-        self.flash = flash  # engines.kt.flashinfer_mla.FlashInferMLA when FlashInfer attends; None: torch
+        self.flash = flash  # engines.kt.attention.flashinfer_mla.FlashInferMLA when FlashInfer attends; None: torch
         self.inner = model.model
         self.layers = list(self.inner.layers)
         self.layer_devices = layer_devices
@@ -50,7 +50,8 @@ class KTModelRunner(ModelRunner):
         for i, layer in enumerate(self.layers):
             if not isinstance(layer.self_attn, MLAAttention):
                 raise ValueError(f"placement rules: model.layers.{i}.self_attn must be replaced by "
-                                 f"engines.kt.operators.MLAAttention (found {type(layer.self_attn).__name__})")
+                                 f"engines.kt.placement.operators.MLAAttention (found "
+                                 f"{type(layer.self_attn).__name__})")
         self._experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
         self._streamers = list({id(e.streamer): e.streamer for e in self._experts if e.streamer is not None}.values())
         # decode steps run each layer's deferred experts into the next layer's (n_deferred_experts), through the

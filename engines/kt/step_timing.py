@@ -1,6 +1,6 @@
 """Where a KT model step's time goes: GPU work, CPU experts, and the stalls between them.
 
-On a GPU the experts run stream-ordered (engines/kt/experts_cpu.py): Python never blocks on them, the GPU
+On a GPU the experts run stream-ordered (engines/kt/experts/cpu.py): Python never blocks on them, the GPU
 stream does, inside kt-kernel's stream wait. So the wait is measured where it happens, with CUDA events on
 that stream (they also work inside captured CUDA graphs: `external=True` makes them event-record nodes):
 
@@ -95,7 +95,7 @@ class StepTimer:
     Timing never fails a step: if reading the events fails, GPU timing is switched off with a warning."""
 
     def __init__(self, experts: list, device: torch.device):
-        self.experts = experts  # engines.kt.experts.RoutedExperts: `.host_times`, `.events`
+        self.experts = experts  # engines.kt.experts.protocol.RoutedExperts: `.host_times`, `.events`
         self.totals = StepTimes()
         self.device = device
         self.cuda = device.type == "cuda" and timing_event() is not None

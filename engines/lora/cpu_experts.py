@@ -8,7 +8,7 @@ LoRA gets one `CPUExpertsLora`, shared by every adapter on that layer, with one 
   in the amx and avx512 builds) compute the MLP with the LoRA inside and switch LoRA pointers between calls,
   so one copy of the base experts serves every adapter. The kernel has one rank: adapters are zero-padded
   to the largest rank loaded (exact), with the scale folded into B. Used when this build has the SFT kernel
-  of the layer's method (engines/kt/expert_methods.py).
+  of the layer's method (engines/kt/experts/methods.py).
 * `TorchBackend` — everywhere else (the avx2 build has no SFT kernels; FP8 / RAWINT4 / LLAMAFILE have none, and
   DeepSeek-V4's MXFP4 experts stay off kt-kernel's `MXFP4_SFT_MOE`: it runs on every build, but its LoRA'd
   outputs were ~1% off per layer against float32, which moved the tiny V4's logprobs by up to 1.1 from the
@@ -36,7 +36,7 @@ _RANK_STEP = 8  # kernel ranks are rounded up to this, so a slightly larger adap
 
 @runtime_checkable
 class CPUExperts(Protocol):
-    """What expert LoRA needs of a CPU-experts layer (engines/kt/experts_cpu.py: RoutedExpertsCPU). The
+    """What expert LoRA needs of a CPU-experts layer (engines/kt/experts/cpu.py: RoutedExpertsCPU). The
     kt-kernel specifics come through it, so LoRA code never imports an engine."""
 
     layer_idx: int

@@ -59,7 +59,7 @@ class LoadContext:
     model_path: Path
     config: Any  # the transformers config
     rule_file: Path
-    rules: list  # parsed placement rules (engines/kt/rules.py: load_rules)
+    rules: list  # parsed placement rules (engines/kt/placement/rules.py: load_rules)
     max_model_len: int
     max_concurrent: int
     chunk_size: int

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engines.kt.attention import DecodeBatch, MLAAttention, Span, StepBatch, layer_index
+from engines.kt.attention.mla import DecodeBatch, MLAAttention, Span, StepBatch, layer_index
 
 
 class IndexedMLAAttention(MLAAttention):

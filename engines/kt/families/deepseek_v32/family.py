@@ -4,8 +4,8 @@ V3.2 loads through V3's path (engines/kt/engine.py: load_mla), so the checkpoint
 release is (engines/checkpoints/source.py: FP8 blocks with `weight_scale_inv`, the indexer's `wq_b` and `wk`
 among them, dequantized on their device; the routed experts kept as FP8 blocks where the experts method reads
 them, else converted; the MTP layer skipped). What V3.2 adds is here and in this folder:
-- the attention: MLA plus the lightning indexer's top-k selection (attention.py: IndexedMLAAttention, which
-  the rule files name as engines.kt.operators.IndexedMLAAttention);
+- the attention: MLA plus the lightning indexer's top-k selection (attention/mla.py: IndexedMLAAttention, which
+  the rule files name as engines.kt.placement.operators.IndexedMLAAttention);
 - the cache: the latent cache plus the indexer's keys in the same slots (cache.py);
 - FlashInfer's paged MLA computes dense attention, so V3.2 attends in torch;
 - its MTP layer does not draft yet (`speculative: mtp` serves without drafting and says so);

@@ -40,8 +40,8 @@ class DeepseekV4Family(ModelFamily):
         from engines.kt.engine import expert_methods_for, torch_thread_count
         from engines.kt.families.deepseek_v4.loader import load_v4_checkpoint
         from engines.kt.families.deepseek_v4.runner import V4ModelRunner
-        from engines.kt.operators import OperatorOptions
-        from engines.kt.rules import apply_placement, plan_placement
+        from engines.kt.placement.operators import OperatorOptions
+        from engines.kt.placement.rules import apply_placement, plan_placement
         from engines.base import CheckpointStorage
         from engines.checkpoints.source import dtype_name
         from engines.model_files import resolve_dtype

@@ -18,7 +18,7 @@ from torch import nn
 from engines.checkpoints import mxfp4
 from engines.checkpoints.fp8 import dequantize_blocks
 from engines.checkpoints.source import checkpoint_files, iter_tensors
-from engines.kt.experts_cpu import RoutedExpertsCPU
+from engines.kt.experts.cpu import RoutedExpertsCPU
 from engines.kt.families.deepseek_v4.names import EXPERT, PROJECTIONS, is_draft, module_name
 from engines.kt.loader import float32_names, missing_tensors, set_tensor
 

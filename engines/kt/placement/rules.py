@@ -6,7 +6,7 @@ Rule file format (KTransformers' ``optimize_rules`` format), a YAML list of::
         name: "^model\\.layers\\.\\d+\\.mlp$"     # re.search'ed against the full dotted module path
         class: transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE   # isinstance check
       replace:
-        class: engines.kt.operators.MoEWithCPUExperts   # an operator, or `default` (keep the module)
+        class: engines.kt.placement.operators.MoEWithCPUExperts   # an operator, or `default` (keep the module)
         kwargs: {device: "cuda:0", method: AMXINT8}
       recursive: false                                  # default true
 
@@ -25,7 +25,7 @@ Rule file format (KTransformers' ``optimize_rules`` format), a YAML list of::
   enclosing MoEWithCPUExperts.
 
 KTransformers' class names and kwargs (``generate_device``, ``backend: AMXInt8``, ``transfer_map`` ...)
-are translated by the tables in ``engines.kt.aliases``. Every mistake a user can make raises RuleError
+are translated by the tables in ``engines.kt.placement.aliases``. Every mistake a user can make raises RuleError
 naming the file, the rule index (0-based, plus its line) and the offending key.
 """
 
@@ -41,9 +41,9 @@ import torch
 import yaml
 from torch import nn
 
-from engines.kt.aliases import (DEFAULT, MATCH_CLASS_ALIASES, MOE_WITH_CPU_EXPERTS, ROUTED_EXPERTS_CPU,
+from engines.kt.placement.aliases import (DEFAULT, MATCH_CLASS_ALIASES, MOE_WITH_CPU_EXPERTS, ROUTED_EXPERTS_CPU,
                                 KwargError, normalize_device, resolve_replace_class, translate_kwargs)
-from engines.kt.expert_methods import ExpertsUnsupportedError
+from engines.kt.experts.methods import ExpertsUnsupportedError
 
 log = logging.getLogger("ktserve.kt.rules")
 
@@ -94,7 +94,7 @@ class Rule:
     index: int
     name: str | None
     cls: str | None
-    replace: str  # "default" or one of engines.kt.aliases.OPERATORS
+    replace: str  # "default" or one of engines.kt.placement.aliases.OPERATORS
     kwargs: dict
     recursive: bool = True
     source: str = "<rules>"
@@ -354,13 +354,13 @@ def plan_placement(model: nn.Module, rules: list[Rule], default_device: str = "c
 def apply_placement(model: nn.Module, placement: Placement, config, options=None,
                     operator_resolver=import_dotted) -> None:
     """Swap in the planned operators, each built with ``from_module(module, path, config, options, **kwargs)``
-    (``options``: engines.kt.operators.OperatorOptions; its defaults when None). Every operator is resolved
+    (``options``: engines.kt.placement.operators.OperatorOptions; its defaults when None). Every operator is resolved
     and its kwargs checked against its ``KWARGS`` before the first swap, so an unknown operator or kwarg leaves
     the model untouched; an operator that refuses its module or a kwarg's value stops the swaps there, with
     an error naming the rule. New modules are built under ``torch.device("meta")``: no weights move here; the loader
     streams them in afterwards."""
     if options is None:
-        from engines.kt.operators import OperatorOptions
+        from engines.kt.placement.operators import OperatorOptions
 
         options = OperatorOptions()
     swaps = []

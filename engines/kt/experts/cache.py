@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from engines.kt.expert_streaming import HostExperts
+    from engines.kt.experts.streaming import HostExperts
 
 FORMAT = 2
 KT_FILES = {"AMXINT8": ("INT8", 8), "AMXINT4": ("INT4", 4)}  # method -> kt-kernel's file prefix, bits
@@ -127,7 +127,7 @@ class LayerCache:
         hold `first_expert` experts of this shape and form."""
         from safetensors import safe_open
 
-        from engines.kt.expert_streaming import COPY_TENSORS, HostExperts
+        from engines.kt.experts.streaming import COPY_TENSORS, HostExperts
 
         try:
             saved = safe_open(str(self._copies_path()), framework="pt")

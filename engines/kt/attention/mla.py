@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from engines.kt.kv_cache import LatentKVCache
+from engines.kt.attention.kv_cache import LatentKVCache
 from engines.lora.modules import LoraLinear
 
 _LAYER = re.compile(r"layers\.(\d+)(\.|$)")
@@ -50,7 +50,7 @@ class StepBatch:
     positions: torch.Tensor  # [T] on the CPU
     cache: LatentKVCache
     rotary: nn.Module
-    flash: Any = None  # engines.kt.flashinfer_mla.FlashInferMLA when FlashInfer attends; None: torch
+    flash: Any = None  # engines.kt.attention.flashinfer_mla.FlashInferMLA when FlashInfer attends; None: torch
     _on_device: dict[tuple[str, str], Any] = field(default_factory=dict)
 
     def on(self, device: torch.device, key: str, make: Callable[[], Any]) -> Any:
@@ -78,7 +78,7 @@ class DecodeBatch:
     mask: torch.Tensor  # [B, L] bool
     cache: LatentKVCache
     rotary: nn.Module
-    paged: Any = None  # a planned engines.kt.flashinfer_mla.PagedMLA when FlashInfer attends; None: torch
+    paged: Any = None  # a planned engines.kt.attention.flashinfer_mla.PagedMLA when FlashInfer attends; None: torch
     _rope: Any = None
 
     def rope(self, x: torch.Tensor) -> Any:
@@ -149,7 +149,7 @@ class MLAAttention(nn.Module):
                     absorb: bool = True, **_: Any) -> "MLAAttention":
         if hasattr(module, "indexer"):  # dense attention would silently ignore the indexer's selection
             raise ValueError("this attention has DeepSeek-V3.2's lightning indexer: replace it with "
-                             "engines.kt.operators.IndexedMLAAttention")
+                             "engines.kt.placement.operators.IndexedMLAAttention")
         return cls(module, config, layer_index(name), device, bool(absorb))
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from engines.kt.mapped_experts import MappedExperts
+    from engines.kt.experts.mapped import MappedExperts
 
 log = logging.getLogger("ktserve.engine.kt")
 
@@ -171,7 +171,7 @@ def _host_tensors(specs: list[tuple[tuple[int, ...], torch.dtype]], pin: bool
     unpin = None
     if pin:
         cudart = torch.cuda.cudart()
-        # portable and mapped: any GPU may read it, by copies or straight from a kernel (mapped_experts.py)
+        # portable and mapped: any GPU may read it, by copies or straight from a kernel (experts/mapped.py)
         flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED
         if int(cudart.cudaHostRegister(block.data_ptr(), total, flags)) != 0:
             raise RuntimeError(f"could not pin {total} bytes of host memory for the GPU's copies of experts; "
@@ -287,7 +287,7 @@ class ExpertStreamer:
     resident: dict[int, HostExperts] = field(default_factory=dict)
     stats: StreamStats = field(default_factory=StreamStats)
     pcie_bytes_per_s: float | None = None  # measured when the first layer registers
-    # the kernels that let decode steps read held experts straight from host memory (engines/kt/mapped_experts.py),
+    # the kernels that let decode steps read held experts straight from host memory (engines/kt/experts/mapped.py),
     # set up when the first layer registers copies to be read so; None: none do
     mapped: "MappedExperts | None" = None
 
@@ -296,11 +296,11 @@ class ExpertStreamer:
         self.group = GROUP  # experts per copy; set when the first layer registers
         self._gate_up: torch.Tensor | None = None  # the group being computed, in bf16 (`_build_scratch`)
         self._down: torch.Tensor | None = None
-        # int4 copies into that bf16 form: a group by one Triton kernel a matrix on a GPU (mapped_experts.py), else
+        # int4 copies into that bf16 form: a group by one Triton kernel a matrix on a GPU (experts/mapped.py), else
         # an expert at a time by torch (a group's temporaries would take ~0.5 GB each for V3)
         self._unpack_int4 = None
         if self.device.type == "cuda":
-            from engines.kt.mapped_experts import dequantize_int4_into, triton_available
+            from engines.kt.experts.mapped import dequantize_int4_into, triton_available
 
             self._unpack_int4 = dequantize_int4_into if triton_available() else None
         self._next = 0  # the ring slot the next copy fills
@@ -312,7 +312,7 @@ class ExpertStreamer:
                  resident: HostExperts | None = None) -> None:
         """Keep `layer`'s copies: `host` in host memory, after the first experts `resident` keeps in the device's.
         With `read_in_place`, decode steps may also read them on the GPU straight from where they lie
-        (engines/kt/mapped_experts.py: on a CUDA device, where Triton is installed); `top_k` (the router's) sizes
+        (engines/kt/experts/mapped.py: on a CUDA device, where Triton is installed); `top_k` (the router's) sizes
         those steps' scratch."""
         if host.held == 0 and (resident is None or resident.held == 0):
             raise ValueError(f"streamed experts of layer {layer}: the copy holds no expert")
@@ -328,7 +328,7 @@ class ExpertStreamer:
         if self.pcie_bytes_per_s is None and host.held:
             self.pcie_bytes_per_s = self._measure_copy(host)
         if read_in_place and self.mapped is None and self.device.type == "cuda":
-            from engines.kt.mapped_experts import MappedExperts, triton_available
+            from engines.kt.experts.mapped import MappedExperts, triton_available
 
             self.mapped = MappedExperts(self.device) if triton_available() else None
         if read_in_place and self.mapped is not None:

@@ -200,7 +200,7 @@ class ExpertsUnsupportedError(ValueError):
 
 
 def _moe_module() -> Any | None:
-    from engines.kt.cpuinfer import load_ext
+    from engines.kt.experts.cpuinfer import load_ext
 
     try:
         return load_ext().moe

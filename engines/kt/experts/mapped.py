@@ -9,7 +9,7 @@ mapped/): the kernels below read the experts at 46-47 GB/s (50-51 since `down` r
 kt-kernel computing half of a token's experts meanwhile slowed by 9% (0.55 -> 0.60 ms a V2-Lite layer), so both
 sides together read ~90 GB/s where kt-kernel alone reads ~50.
 
-The GPU reads int8 copies of a layer's first experts (`HostExperts`, engines/kt/expert_streaming.py), int4 ones for
+The GPU reads int8 copies of a layer's first experts (`HostExperts`, engines/kt/experts/streaming.py), int4 ones for
 4-bit methods (the same kernels, compiled apart for that form, unpack them and read their group scales beside them). By
 default (`kt_gpu_read_experts`, `owned_experts`) those experts are the GPU's alone: kt-kernel is built over the others,
 so host memory holds one copy of each expert, and every call computes them on the GPU (here up to `MAX_TOKENS` tokens,
@@ -32,12 +32,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.kt.expert_streaming import CPU_EXPERT_BYTES_PER_S, INT4_GROUP, HostExperts, copy_bits
+from engines.kt.experts.streaming import CPU_EXPERT_BYTES_PER_S, INT4_GROUP, HostExperts, copy_bits
 
 log = logging.getLogger("ktserve.engine.kt")
 
 # Calls of up to this many tokens (decode steps, short chunks) go through the kernels, longer ones through the
-# streamer's ring (engines/kt/expert_streaming.py). The kernels are bound by reading the experts, so a call of 128
+# streamer's ring (engines/kt/experts/streaming.py). The kernels are bound by reading the experts, so a call of 128
 # tokens costs them what one of 64 does (H100 machine, 2026-11-27, `python -m bench.mapped_experts --tokens 64,128`
 # with this at 128, every V2-Lite expert on the GPU: AMXINT4's int4 copies 6.70 / 6.57 ms a layer, AMXINT8's int8
 # 10.94 / 11.34), while the ring's per-expert matrix products from Python and its host sync per layer made a

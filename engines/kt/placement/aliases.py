@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT = "default"
-MLA_ATTENTION = "engines.kt.operators.MLAAttention"
-INDEXED_MLA_ATTENTION = "engines.kt.operators.IndexedMLAAttention"
-MOE_WITH_CPU_EXPERTS = "engines.kt.operators.MoEWithCPUExperts"
-ROUTED_EXPERTS_CPU = "engines.kt.operators.RoutedExpertsCPU"
+MLA_ATTENTION = "engines.kt.placement.operators.MLAAttention"
+INDEXED_MLA_ATTENTION = "engines.kt.placement.operators.IndexedMLAAttention"
+MOE_WITH_CPU_EXPERTS = "engines.kt.placement.operators.MoEWithCPUExperts"
+ROUTED_EXPERTS_CPU = "engines.kt.placement.operators.RoutedExpertsCPU"
 OPERATORS = frozenset({MLA_ATTENTION, INDEXED_MLA_ATTENTION, MOE_WITH_CPU_EXPERTS, ROUTED_EXPERTS_CPU})
 EXPERT_OPERATORS = frozenset({MOE_WITH_CPU_EXPERTS, ROUTED_EXPERTS_CPU})
 
@@ -174,7 +174,7 @@ KWARG_ALIASES: dict[str, KwargAlias] = {
 }
 """``replace.kwargs`` rows for KTransformers' names. Our own kwargs (``device``, ``method``, ``absorb``,
 ``gpu_experts``, ``threads``) and the KTransformers names we implement as they are (``n_deferred_experts``:
-engines/kt/expert_deferral.py) pass through; the operator's ``KWARGS`` decides whether it accepts them."""
+engines/kt/experts/deferral.py) pass through; the operator's ``KWARGS`` decides whether it accepts them."""
 
 OPS: dict[str, str] = {
     "KExpertsCPU": "experts",      # kt-kernel on the CPU: exactly our routed experts
@@ -216,7 +216,7 @@ def resolve_replace_class(name: str) -> str:
         return CLASS_ALIASES[name].target
     raise KwargError("replace.class", f"unknown operator class {name!r}; use 'default', one of "
                                       f"{sorted(OPERATORS)}, or a KTransformers class listed in "
-                                      "engines.kt.aliases.CLASS_ALIASES")
+                                      "engines.kt.placement.aliases.CLASS_ALIASES")
 
 
 UNSUPPORTED_DEVICES = {

@@ -1,17 +1,17 @@
-"""The operators placement rules can name (`replace.class: engines.kt.operators.<Name>`), and the options
+"""The operators placement rules can name (`replace.class: engines.kt.placement.operators.<Name>`), and the options
 every operator is built with.
 
 Each operator class has `KWARGS` (what a rule may pass) and `from_module(module, name, config, options,
 **kwargs)`, which builds it from the module it replaces (on the meta device; weights arrive later from the
 loader). Engine-wide settings reach operators only through `OperatorOptions`, passed explicitly at injection.
 
-* `MLAAttention`       multi-head latent attention over the paged latent cache (engines/kt/attention.py).
+* `MLAAttention`       multi-head latent attention over the paged latent cache (engines/kt/attention/mla.py).
 * `IndexedMLAAttention` MLA with DeepSeek-V3.2's lightning indexer choosing the positions each query attends
                        to (engines/kt/families/deepseek_v32/attention.py).
 * `MoEWithCPUExperts`  router and shared experts on `device`, routed experts in kt-kernel on the CPU;
                        the CPU work runs while the shared experts run on the GPU.
 * `RoutedExpertsCPU`   only the routed experts (the transformers MoE block around it stays);
-                       engines/kt/experts_cpu.py.
+                       engines/kt/experts/cpu.py.
 
 `fuse_rms_norms` is not a rule's operator: the engine applies it to every RMSNorm that lands on a GPU.
 """
@@ -23,12 +23,12 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from engines.kt.attention import DecodeBatch, MLAAttention, Span, StepBatch, layer_index
-from engines.kt.expert_deferral import ExpertDeferral
-from engines.kt.expert_methods import DEFAULT_METHOD, normalize_method
-from engines.kt.expert_streaming import ExpertStreamers
-from engines.kt.experts import RoutedExperts
-from engines.kt.experts_cpu import RoutedExpertsCPU, SharedStaging
+from engines.kt.attention.mla import DecodeBatch, MLAAttention, Span, StepBatch, layer_index
+from engines.kt.experts.deferral import ExpertDeferral
+from engines.kt.experts.methods import DEFAULT_METHOD, normalize_method
+from engines.kt.experts.streaming import ExpertStreamers
+from engines.kt.experts.protocol import RoutedExperts
+from engines.kt.experts.cpu import RoutedExpertsCPU, SharedStaging
 from engines.kt.families.deepseek_v32.attention import IndexedMLAAttention
 
 __all__ = ["DecodeBatch", "FusedRMSNorm", "IndexedMLAAttention", "MLAAttention", "MoEWithCPUExperts",
@@ -41,23 +41,23 @@ class OperatorOptions:
 
     max_tokens: int = 512  # most tokens one expert call sees: chunk_size + max_concurrent
     cpu_threads: int | None = None  # kt-kernel worker threads (cpu_infer); None = the default
-    # the method a rule asks for -> the method that serves (engines/kt/expert_methods.py: choose_method)
+    # the method a rule asks for -> the method that serves (engines/kt/experts/methods.py: choose_method)
     methods: Mapping[str, str] = field(default_factory=dict)
     checkpoint: str | None = None  # the model directory (expert LoRA re-reads base experts from it)
     # the host buffers the model's CPU-expert layers take turns with (one model: one instance)
     staging: SharedStaging = field(default_factory=SharedStaging, compare=False, repr=False)
-    # the state decode steps pass deferred experts between layers in (engines/kt/expert_deferral.py)
+    # the state decode steps pass deferred experts between layers in (engines/kt/experts/deferral.py)
     deferral: ExpertDeferral = field(default_factory=ExpertDeferral, compare=False, repr=False)
     # expert calls of at least this many tokens on a GPU compute part of the experts there, their weights
-    # streamed by the model's streamers (engines/kt/expert_streaming.py); 0: off
+    # streamed by the model's streamers (engines/kt/experts/streaming.py); 0: off
     gpu_prefill_tokens: int = 0
     # how many of each layer's experts (the first ones) keep those copies (kt_gpu_prefill_memory); None: all
     gpu_prefill_experts: int | None = None
-    # expert calls of at least this many tokens are padded up to kt-kernel's matrix path (experts_cpu.py:
+    # expert calls of at least this many tokens are padded up to kt-kernel's matrix path (experts/cpu.py:
     # matrix_tokens); None: the method's measured default, 0: never
     expert_pad_from: int | None = None
     streamers: ExpertStreamers = field(default_factory=ExpertStreamers, compare=False, repr=False)
-    # how many of each layer's experts the GPU reads from host memory (kt_gpu_read_experts, mapped_experts.py);
+    # how many of each layer's experts the GPU reads from host memory (kt_gpu_read_experts, experts/mapped.py);
     # None: the balance of the two readers; 0: none (operators built outside the engine, unless they ask)
     gpu_read_experts: int | None = 0
     # how many of each layer's experts (the first ones) the GPU keeps in its own memory (kt_gpu_resident_experts)

@@ -1,17 +1,17 @@
 """Routed experts of one DeepSeek MoE layer, computed on the CPU by kt-kernel: the `RoutedExpertsCPU` operator.
 
 `RoutedExpertsCPU` holds all routed experts of a layer as one kt-kernel MoE object, in one of the methods
-of engines/kt/expert_methods.py (which also says which of them this CPU's kt-kernel build runs), and
+of engines/kt/experts/methods.py (which also says which of them this CPU's kt-kernel build runs), and
 computes `sum_k w_k * down(silu(gate(x)) * up(x))` for the experts the router picked. Experts named in
 `gpu_experts` ("hot experts") are kept as torch tensors on `gpu_device` and computed there with torch;
-kt-kernel skips them. Work is submitted to the process-wide worker pool (engines/kt/cpuinfer.py) so that
+kt-kernel skips them. Work is submitted to the process-wide worker pool (engines/kt/experts/cpuinfer.py) so that
 `submit()` returns at once and the caller can run GPU work before `sync()`. Rows of adapters with expert
 LoRA are handed to `lora` (engines/lora/cpu_experts.py) and computed there. With `n_deferred_experts`, decode
-steps leave each token's lowest-weighted experts running into the next layer (engines/kt/expert_deferral.py).
+steps leave each token's lowest-weighted experts running into the next layer (engines/kt/experts/deferral.py).
 
 As an operator of the placement rules it takes `device` (where its output goes), `method`, `gpu_experts`,
 `threads` and `n_deferred_experts`; engine-wide settings arrive explicitly in `OperatorOptions`
-(engines/kt/operators.py).
+(engines/kt/placement/operators.py).
 """
 from __future__ import annotations
 
@@ -28,14 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.checkpoints import mxfp4
-from engines.kt.attention import layer_index
-from engines.kt.cpuinfer import check_thread_count, load_ext, shared_cpu_infer
-from engines.kt.expert_cache import LayerCache
-from engines.kt.expert_deferral import Deferred, ExpertDeferral, check_deferred, split_deferred
-from engines.kt.expert_streaming import ExpertStreamer, HostExperts, copy_bits, expert_copy_bytes
-from engines.kt.mapped_experts import OWNABLE_METHODS, decode_experts, owned_experts, resident_experts
-from engines.kt.mapped_experts import MAX_TOKENS as MAPPED_MAX_TOKENS
-from engines.kt.expert_methods import (CLAMPING_METHODS, METHODS, ExpertsUnsupportedError, check_llamafile_type,
+from engines.kt.attention.mla import layer_index
+from engines.kt.experts.cpuinfer import check_thread_count, load_ext, shared_cpu_infer
+from engines.kt.experts.cache import LayerCache
+from engines.kt.experts.deferral import Deferred, ExpertDeferral, check_deferred, split_deferred
+from engines.kt.experts.streaming import ExpertStreamer, HostExperts, copy_bits, expert_copy_bytes
+from engines.kt.experts.mapped import OWNABLE_METHODS, decode_experts, owned_experts, resident_experts
+from engines.kt.experts.mapped import MAX_TOKENS as MAPPED_MAX_TOKENS
+from engines.kt.experts.methods import (CLAMPING_METHODS, METHODS, ExpertsUnsupportedError, check_llamafile_type,
                                        default_pad_from, kernel_class, llamafile_computes, matrix_tokens,
                                        pads_to_matrix, quantize_fp8_blocks, quantize_int4_groups, reads_in_place,
                                        sft_kernel_class, unavailable_reason)
@@ -43,8 +43,8 @@ from engines.kt.step_timing import ExpertEvents, HostTimes
 
 if TYPE_CHECKING:
     from engines.checkpoints.source import ExpertsLayer
-    from engines.kt.expert_cache import ConvertedExperts
-    from engines.kt.operators import OperatorOptions
+    from engines.kt.experts.cache import ConvertedExperts
+    from engines.kt.placement.operators import OperatorOptions
     from engines.lora.cpu_experts import CPUExpertsLora
 
 __all__ = ["ExpertsUnsupportedError", "RoutedExpertsCPU"]
@@ -178,7 +178,7 @@ def _check_config(method: str, *, threads: int | None, activation: str, llamafil
         raise ValueError(f"activation {activation!r} is not supported; kt-kernel experts use 'silu'")
     reason = unavailable_reason(method)
     if reason is not None:
-        from engines.kt.expert_methods import available_methods
+        from engines.kt.experts.methods import available_methods
 
         raise ExpertsUnsupportedError(f"experts method {method!r} is not supported here: {reason}; this CPU and "
                                       f"kt-kernel build support: {', '.join(available_methods()) or 'none'}")
@@ -239,7 +239,7 @@ class RoutedExpertsCPU(nn.Module):
         self.deferral = deferral if deferral is not None else ExpertDeferral()  # shared by the model's layers
         self._deferred_in: torch.Tensor | None = None  # the predecessor's deferred output, on the stream path
         # calls of at least `stream_tokens` tokens (prompt chunks, eager decode steps) hand part of the experts
-        # to the GPU (engines/kt/expert_streaming.py); None: all on the CPU
+        # to the GPU (engines/kt/experts/streaming.py); None: all on the CPU
         self.streamer = streamer if stream_tokens > 0 and stream_experts != 0 else None
         self.stream_tokens = stream_tokens
         # the experts (the first ones) the GPU side keeps copies of, hence may take (kt_gpu_prefill_memory)
@@ -265,7 +265,7 @@ class RoutedExpertsCPU(nn.Module):
         # whether decode calls read this layer's copies on the GPU where they lie, host or GPU memory (mapped_experts)
         self._read_in_place = bool(self.owned or self._mapped_share)
         # calls of `pad_from` tokens or more that kt-kernel would compute on its per-token vector path are padded
-        # with expert-less rows up to its matrix path (expert_methods.py: `matrix_tokens`); 0: never; None: the
+        # with expert-less rows up to its matrix path (experts/methods.py: `matrix_tokens`); 0: never; None: the
         # method's measured default
         self.pad_from = default_pad_from(method, self.kernel_experts, top_k) if pad_from is None else pad_from
         # the rows a padded call is handed; 0 where this build's kernel has no matrix switch to pad across
@@ -823,7 +823,7 @@ class RoutedExpertsCPU(nn.Module):
 
     def mapped_experts(self, tokens: int) -> int:
         """How many experts (the first ones) a call of `tokens` computes on the GPU straight from their host
-        copies (engines/kt/mapped_experts.py): decode steps and other calls of a few tokens; 0: none."""
+        copies (engines/kt/experts/mapped.py): decode steps and other calls of a few tokens; 0: none."""
         mapped = self.streamer.mapped if self.streamer is not None else None
         if self.owned and 0 < tokens <= MAPPED_MAX_TOKENS:
             if mapped is None:  # the engine hands experts over only where the kernels run

@@ -1,11 +1,11 @@
 """What the KT engine asks of one MoE layer's routed experts, wherever they run.
 
-`RoutedExpertsCPU` (experts_cpu.py: kt-kernel on the CPU, hot experts in torch on the GPU) implements it;
-which kt-kernel class serves a method is decided in one place, expert_methods.py. The loader fills a layer
-through `load_stored` / `load_quantized` / `load_converted`; `MoEWithCPUExperts` (operators.py) drives it with
+`RoutedExpertsCPU` (experts/cpu.py: kt-kernel on the CPU, hot experts in torch on the GPU) implements it;
+which kt-kernel class serves a method is decided in one place, experts/methods.py. The loader fills a layer
+through `load_stored` / `load_quantized` / `load_converted`; `MoEWithCPUExperts` (placement/operators.py) drives it with
 `submit` and then `wait`, so the shared experts run on the GPU in between; the runner's step timer reads
 `host_times` and `events` (step_timing.py), and expert deferral links the layers through `deferred` / `defer_into`
-(expert_deferral.py). Expert LoRA reaches a layer through the narrower `engines.lora.cpu_experts.CPUExperts`,
+(experts/deferral.py). Expert LoRA reaches a layer through the narrower `engines.lora.cpu_experts.CPUExperts`,
 so LoRA code never imports this engine."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from engines.kt.expert_deferral import ExpertDeferral
+from engines.kt.experts.deferral import ExpertDeferral
 
 
 @runtime_checkable
@@ -22,7 +22,7 @@ class RoutedExperts(Protocol):
     layer_idx: int
     num_experts: int
     top_k: int
-    method: str  # the experts method that serves (engines/kt/expert_methods.py)
+    method: str  # the experts method that serves (engines/kt/experts/methods.py)
     gpu_experts: list[int]  # experts computed on the GPU (hot experts); the rest on the CPU
     out_device: torch.device | None  # where results go (None: the input's device)
     deferred: int  # experts per token a decode step leaves running into the next layer (n_deferred_experts)

@@ -3,12 +3,12 @@
 
 Storage is paged: each layer owns one [num_blocks * block_size, latent + rope] tensor on that layer's device,
 and each sequence a `BlockTable` of block ids. Which block belongs to whom, and which full pages are kept for
-reuse by later requests with the same prefix, is the `BlockPool`'s business (block_pool.py)."""
+reuse by later requests with the same prefix, is the `BlockPool`'s business (attention/block_pool.py)."""
 from __future__ import annotations
 
 import torch
 
-from engines.kt.block_pool import BlockPool, BlockTable, extend_hashes
+from engines.kt.attention.block_pool import BlockPool, BlockTable, extend_hashes
 
 __all__ = ["BlockTable", "LatentKVCache", "PAGE_TOKENS"]
 
