@@ -41,6 +41,7 @@ class ModelRunner(ABC):
     lora: object | None = None  # engines.lora.install.LoraModules when the runner serves LoRA adapters
     drafts: bool = False  # propose() works: the model has a draft head (speculative decoding)
     draft_unavailable: str | None = None  # why not, when drafting was asked for (logged by the runtime)
+    draft_max_batch: int | None = None  # the most sequences a drafted step may verify at once; None: the options'
 
     @abstractmethod
     def execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:

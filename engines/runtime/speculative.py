@@ -116,7 +116,7 @@ class Speculator:
     def attach(self, chunks: list[ScheduledChunk]) -> None:
         """Give each decoding chunk its sequence's draft, or none when the step decodes too many sequences."""
         decoding = [c for c in chunks if c.seq.draft]
-        if len(decoding) > self.max_batch:
+        if len(decoding) > min(self.max_batch, self.runner.draft_max_batch or self.max_batch):
             for chunk in decoding:
                 chunk.seq.draft = ()
             return
