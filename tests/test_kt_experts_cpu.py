@@ -127,12 +127,12 @@ def construction_error(kwargs: str) -> str:
             "except ValueError as exc:\n    print(type(exc).__name__, exc)\n")
 
 
-def test_avx2_build_runs_bf16_fp8_rawint4_and_llamafile_but_no_amx_methods():
+def test_avx2_build_runs_bf16_fp8_rawint4_llamafile_and_mxfp4_but_no_amx_methods():
     # kt-kernel's avx2 build (what a CPU without AVX-512 gets: AMD EPYC Rome/Milan) has no AMX* classes.
     lines = on_avx2("from engines.kt.experts.methods import available_methods, cpu_variant\n"
                     "print(cpu_variant(), ' '.join(available_methods()))\n"
                     + construction_error("hidden_size=128, intermediate_size=128, method='AMXINT8'")).splitlines()
-    assert lines[0].split() == ["avx2", "BF16", "FP8", "RAWINT4", "LLAMAFILE"]
+    assert lines[0].split() == ["avx2", "BF16", "FP8", "RAWINT4", "LLAMAFILE", "MXFP4"]
     assert lines[1].startswith("ExpertsUnsupportedError") and "'AMXINT8'" in lines[1] and "FP8" in lines[1]
 
 
