@@ -82,6 +82,11 @@ class KTModelRunner(ModelRunner):
         # speculative decoding: the family's draft head, fed the final hidden states of every step
         self.drafter = Drafter(draft_head, self) if draft_head is not None else None
         self.drafts = self.drafter is not None
+        if any(d.type == "cuda" for d in layer_devices):
+            # on a GPU a step drafts for one decoding sequence at most: on an H200, batches of three drafting
+            # sequences left the replies the same batch gets without drafting (eager and from CUDA graphs, not on
+            # every run) while single sequences matched in every run; not yet explained (README: speculative decoding)
+            self.draft_max_batch = 1
         self.draft_unavailable = draft_unavailable
 
     def capture_decode_graphs(self, max_batch: int) -> None:
@@ -122,10 +127,6 @@ class KTModelRunner(ModelRunner):
         # arithmetic does not depend on whether a graph served it
         if self.deferring:
             self.defer_max_batch = max(b for b in self.graphs.batch_sizes if b <= self.defer_max_batch)
-        # drafted steps replayed from graphs are verified one sequence at a time: on an H200 a batch of three
-        # drafting sequences replayed from graphs left the replies of the same batch without drafting at its
-        # 6th token (eager steps and single sequences matched), not yet explained (README: speculative decoding)
-        self.draft_max_batch = 1
         with torch.inference_mode(), torch.cuda.device(self.embed_device):  # the model's GPU need not be cuda:0
             try:
                 self.graphs.capture()

@@ -41,7 +41,8 @@ class ModelRunner(ABC):
     lora: object | None = None  # engines.lora.install.LoraModules when the runner serves LoRA adapters
     drafts: bool = False  # propose() works: the model has a draft head (speculative decoding)
     draft_unavailable: str | None = None  # why not, when drafting was asked for (logged by the runtime)
-    draft_max_batch: int | None = None  # the most sequences a drafted step may verify at once; None: the options'
+    # the most decoding sequences a step drafts for (more: the draft head sits the step out); None: the options'
+    draft_max_batch: int | None = None
 
     @abstractmethod
     def execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:

@@ -112,11 +112,16 @@ class Speculator:
                  options.speculative, options.num_speculative_tokens, options.speculative_max_batch)
         return cls(runner, options)
 
+    @property
+    def batch_limit(self) -> int:
+        """The most decoding sequences a step drafts for: the options', within what the runner allows."""
+        return min(self.max_batch, self.runner.draft_max_batch or self.max_batch)
+
     # ------------------------------------------------------------------------------ before the step
     def attach(self, chunks: list[ScheduledChunk]) -> None:
         """Give each decoding chunk its sequence's draft, or none when the step decodes too many sequences."""
         decoding = [c for c in chunks if c.seq.draft]
-        if len(decoding) > min(self.max_batch, self.runner.draft_max_batch or self.max_batch):
+        if len(decoding) > self.batch_limit:
             for chunk in decoding:
                 chunk.seq.draft = ()
             return
@@ -162,7 +167,9 @@ class Speculator:
         """Let the runner's draft head take in what the step computed for `seqs` (those still running) and draft
         for the ones that decode next. A failure here costs only the drafts (logged): outputs never depend on them."""
         decoding = [s for s in seqs if not s.in_prefill]
-        drafting = len(decoding) <= self.max_batch
+        drafting = len(decoding) <= self.batch_limit
+        if not drafting and self.runner.draft_max_batch is not None:
+            return  # the runner's head sits such steps out (ModelRunner.draft_max_batch); drafts stay empty
         depths = [self._depth(s) if drafting and not s.in_prefill else 0 for s in seqs]
         try:
             with torch.inference_mode():
