@@ -26,6 +26,7 @@ UNSUPPORTED_SUFFIXES = ("kv_b_proj", "mlp.gate")
 class PreparedAdapter:
     path: str
     nbytes: int
+    expert_lora: str | None = None  # vLLM serves no routed-expert LoRA (refused in `prepare`)
 
 
 class VLLMAdapters:
