@@ -3,14 +3,17 @@
     python -m bench.peers pack SDIST... [--out .peers]     # here: slim the PyPI source archives for a device call
     python -m bench.peers build [--sources .peers]         # on the GPU machine: build both (resumable)
     python -m bench.peers [bench.run options]              # = python -m bench.run --only baseline,decode,ttft,http,peers
+    python -m bench.peers table B/bench.json C/bench.json [--out peers.json]   # one table from several calls
 
 The `peers` phase of bench.run (bench/run.py) builds both engines with CUDA (bench/peer_build.py, trimmed to the
 GGUF types used), converts the run's random checkpoint to GGUF with llama.cpp's converter (bench/peer_gguf.py),
 quantizes it to Q8_0 and Q4_0 (against ktserve's AMXINT8 and AMXINT4 experts), runs each engine's llama-bench
 (decode: 128 tokens after 512 of context; prefill: 512 / 2,048 / 8,192 tokens) and llama-server under the
-`http` phase's streaming clients (16 and 32, with as many slots), then sets ktserve's figures of the same run
-beside theirs: bench.json's `peers` holds `engines` (name, version, bits, figures) and `ratios` (ktserve / the
-best peer at the primary method's bits). See bench/README.md."""
+`http` phase's streaming clients (16 and 32, with as many slots), serves the very same GGUF files with ktserve
+(its own row, e.g. "ktserve (GGUF Q8_0)", measured by the code that measures its safetensors run), then sets
+ktserve's figures of the same run beside theirs: bench.json's `peers` holds `engines` (name, version, bits,
+figures) and `ratios` (ktserve / the best peer at the primary method's bits), `ratios_by_bits` and
+`ratios_gguf_by_bits`. See bench/README.md."""
 from __future__ import annotations
 
 import argparse
@@ -29,6 +32,7 @@ QUANT_FOR = {"AMXINT8": "Q8_0", "AMXINT4": "Q4_0"}  # ktserve's experts -> the G
 BITS = {"AMXINT8": "INT8", "AMXINT4": "INT4", "Q8_0": "8-bit", "Q4_0": "4-bit"}
 PREFILL = (512, 2048, 8192)
 CLIENTS = (16, 32)
+GGUF_ROW_SECONDS = 150  # the most one ktserve-on-GGUF row may take (load, decode, prefill, two rounds)
 RATIOS = ("decode", "prefill_2048", "prefill_8192", "clients_16", "clients_32")
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SOURCES = REPO / ".peers"
@@ -45,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers-work", type=Path, default=DEFAULT_WORK,
                    help="where the peers are unpacked and built; a build left unfinished there continues")
     p.add_argument("--peers-repetitions", type=int, default=2, help="llama-bench -r (default 2)")
+    p.add_argument("--peers-build-budget", type=float, default=150,
+                   help="seconds the phase may spend finishing the peers' builds (default 150; `python -m bench.peers "
+                        "build` does them ahead); a peer still unbuilt is left out, its build recorded")
     p.add_argument("--peers-engines", type=engine_list, default=ENGINE_NAMES,
                    help=f"comma-separated peers to build and run, of: {','.join(ENGINE_NAMES)} (default: both; "
                         "llama.cpp's archive is unpacked for its GGUF converter either way)")
@@ -79,7 +86,8 @@ def run_peers(bench: Any, deadline: float, save: Callable[[dict], None]) -> dict
     work: Path = args.peers_work
     work.mkdir(parents=True, exist_ok=True)
     unpack(converter["llama.cpp"], work)
-    section["build"] = build_all(archives, work, os.cpu_count() or 1, deadline - 60, torch.cuda.is_available())
+    build_deadline = min(deadline - 60, time.perf_counter() + args.peers_build_budget)
+    section["build"] = build_all(archives, work, os.cpu_count() or 1, build_deadline, torch.cuda.is_available())
     save(section)
     ready = {name: binaries(work, name) for name, b in section["build"].items() if b.get("finished")}
     quantize = quantizer(work)
@@ -91,6 +99,14 @@ def run_peers(bench: Any, deadline: float, save: Callable[[dict], None]) -> dict
 
     peers = [Peer(name, path, version_of(path) or "?", bench.threads) for name, path in ready.items()]
     measured: dict[tuple[str, str], dict] = {}
+    on_gguf: dict[str, dict] = section.setdefault("ktserve_gguf", {})
+
+    def refresh() -> None:
+        section["engines"] = engine_entries(bench, measured, on_gguf)
+        save(section)
+
+    # the first file (the primary method's bits) gets every figure; the others decode only. Peers' llama-bench
+    # first, then ktserve on the same file, then the servers, 16 clients of each peer before 32 of either
     for i, quant in enumerate(quants):
         gguf = Path(files[quant]["path"])
         for peer in peers:
@@ -98,17 +114,16 @@ def run_peers(bench: Any, deadline: float, save: Callable[[dict], None]) -> dict
                 "name": peer.name, "version": f"{section['build'][peer.name].get('package')} ({peer.version})",
                 "bits": quant, "gguf": str(gguf), "runs": []})
             measure_bench(peer, gguf, entry, args.peers_repetitions, deadline, work, decode_only=i > 0)
-            section["engines"] = engine_entries(bench, measured)
-            save(section)
-        if i == 0:
+            refresh()
+        on_gguf[quant] = measure_ktserve_gguf(bench, gguf, min(deadline - 20, time.perf_counter() + GGUF_ROW_SECONDS),
+                                              full=i == 0)
+        refresh()
+        for level in CLIENTS if i == 0 else ():
             for peer in peers:
-                measure_server(peer, gguf, measured[(peer.name, quant)], bench, deadline, work)
-                section["engines"] = engine_entries(bench, measured)
-                save(section)
-    section["ktserve_on_gguf"] = ktserve_on_gguf(files)
-    section["engines"] = engine_entries(bench, measured)
-    section["ratios"] = ratios(section["engines"], bench.primary)
-    section["ratios_by_bits"] = {QUANT_FOR[m]: ratios(section["engines"], m) for m in methods}
+                measure_server(peer, gguf, measured[(peer.name, quant)], bench, level, deadline, work)
+                refresh()
+    section["engines"] = engine_entries(bench, measured, on_gguf)
+    section.update(with_ratios(section["engines"], bench.primary))
     return section
 
 
@@ -197,37 +212,68 @@ def measure_bench(peer: Any, gguf: Path, entry: dict, repetitions: int, deadline
         entry["runs"].append(run_bench(label, cmd, work / f"{peer.name}.log", left - 5))
 
 
-def measure_server(peer: Any, gguf: Path, entry: dict, bench: Any, deadline: float, work: Path) -> None:
+def measure_server(peer: Any, gguf: Path, entry: dict, bench: Any, level: int, deadline: float, work: Path) -> None:
+    """One round of `level` streaming clients against the peer's llama-server with as many slots."""
     from bench.peer_runs import run_clients, serving
 
     plan = bench.plan
-    for level in CLIENTS:
-        left = deadline - time.perf_counter()
-        if left < 40:
-            entry.setdefault("skipped", []).append(f"{level} clients: {left:.0f}s left")
-            continue
-        context = level * (plan.http_prompt + plan.http_tokens + 64)
-        try:
-            with serving(lambda port: peer.server(gguf, level, context, port), work / f"{peer.name}-server.log",
-                         min(180.0, left - 20)) as (url, sampler, cmd):
-                rnd = run_clients(url, level, plan.http_prompt, plan.http_tokens, bench.vocab,
-                                  min(plan.http_round_timeout, deadline - time.perf_counter() - 10))
-                entry.setdefault("servers", []).append({"slots": level, "command": cmd, "round": rnd,
-                                                        "memory": sampler.stop()})
-        except (RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
-            entry.setdefault("servers", []).append({"slots": level, "failed": f"{type(exc).__name__}: {exc}"})
+    left = deadline - time.perf_counter()
+    if left < 40:
+        entry.setdefault("skipped", []).append(f"{level} clients: {left:.0f}s left")
+        return
+    context = level * (plan.http_prompt + plan.http_tokens + 64)
+    try:
+        with serving(lambda port: peer.server(gguf, level, context, port), work / f"{peer.name}-server.log",
+                     min(180.0, left - 20)) as (url, sampler, cmd):
+            rnd = run_clients(url, level, plan.http_prompt, plan.http_tokens, bench.vocab,
+                              min(plan.http_round_timeout, deadline - time.perf_counter() - 10))
+            entry.setdefault("servers", []).append({"slots": level, "command": cmd, "round": rnd,
+                                                    "memory": sampler.stop()})
+    except (RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
+        entry.setdefault("servers", []).append({"slots": level, "failed": f"{type(exc).__name__}: {exc}"})
 
 
-def ktserve_on_gguf(files: dict) -> dict:
-    """ktserve on the peers' own GGUF file: the hook for a GGUF checkpoint loader (engines/checkpoints/gguf).
-    Until one is in the tree the entry says so; with one, this is where the KT engine's decode runs on
-    files[quant]["path"] (bench/child_runs.py's child_decode with that path as the model) beside the rest."""
-    import importlib.util
+def measure_ktserve_gguf(bench: Any, gguf: Path, deadline: float, full: bool) -> dict:
+    """ktserve serving the peers' own GGUF file as its model (no kt_method: the experts run as the file's blocks
+    allow, engines/kt/experts/methods.py's choose_gguf_method): batch-1 decode as the decode phase measures it,
+    and with `full` the ttft phase's prompts and one round each of CLIENTS streaming clients as the http phase
+    sends them, through the same code (bench/engine_runs.py, bench/http_load.py). A failure is recorded in the
+    entry, and the peers' rounds still run."""
+    import traceback
+    from dataclasses import replace
 
-    if importlib.util.find_spec("engines.checkpoints.gguf") is None:
-        return {"status": "not run", "reason": "no GGUF checkpoint loader in this tree (engines/checkpoints/gguf)",
-                "files": {q: f["path"] for q, f in files.items() if isinstance(f, dict) and "path" in f}}
-    return {"status": "not run", "reason": "a GGUF loader is present; its decode is not wired into bench.peers yet"}
+    from bench.engine_runs import EngineRun, release_memory, ttft_points
+    from bench.http_load import run_clients, serving
+    from bench.run import RULES
+    from bench.sysinfo import memory_snapshot
+
+    plan = replace(bench.plan, http_levels=CLIENTS)  # the engine sized for the rounds it serves here
+    entry: dict = {"model": str(gguf), "kt_method": None}
+    run = None
+    try:
+        run = EngineRun("ktransformers", bench.kt_config(RULES, model=gguf, plan=plan), bench.log_path,
+                        label=f"GGUF {gguf.name}")
+        run.warm_up(bench.vocab)
+        entry.update(load_time=fig(run.load_time, "s", note="engine.start() on the GGUF file"),
+                     engine_details=dict(run.engine.info.details), memory_after_load=run.memory_after_load)
+        entry["decode"] = run.decode(plan.decode_prompt, plan.decode_tokens, bench.vocab, deadline, None)
+        if full:
+            entry["ttft"] = ttft_points(run, plan.ttft_prompts, plan.ttft_decode_tokens, bench.vocab, deadline)
+            left = deadline - time.perf_counter()
+            if left > 10:
+                with serving(run.engine, str(gguf)) as url:
+                    entry["http"] = run_clients(url, run.engine.info.id, plan, bench.vocab, left)
+            else:
+                entry["http"] = {"skipped": f"{left:.0f}s left"}
+        entry["memory"] = memory_snapshot(run.rss_reset)
+    except Exception as exc:  # the peers' rounds still run; the entry says what failed
+        entry["failed"] = f"{type(exc).__name__}: {exc}"
+        entry["traceback"] = traceback.format_exc().strip().splitlines()[-6:]
+    finally:
+        if run is not None:
+            entry["host_rss_after_stop"] = run.close()
+        release_memory()
+    return entry
 
 
 # ------------------------------------------------------------------------------------------------ figures
@@ -257,43 +303,65 @@ def peer_figures(entry: dict) -> dict:
     return figures
 
 
-def ktserve_figures(results: dict, method: str) -> dict:
-    """The same figures for ktserve's `method` from this run's decode, ttft and http phases."""
-    kt = (results.get("kt") or {}).get(method) or {}
-    figures = {"decode": (kt.get("decode") or {}).get("decode_throughput", fig(None, "tok/s"))}
-    primary = (results.get("meta") or {}).get("primary")
-    if method == primary:
-        for point in (results.get("ttft") or {}).get("points", []):
-            figures[f"prefill_{point['prompt_tokens']}"] = fig(
-                (point.get("prefill_throughput") or {}).get("value"), "tok/s", note="prompt tokens / time to first token")
-        for rnd in (results.get("http") or {}).get("rounds", []):
-            if rnd["concurrency"] in CLIENTS:
-                figures[f"clients_{rnd['concurrency']}"] = rnd["output_throughput"]
-    memory = kt.get("memory") or {}
+def kt_figures(decode: dict | None, points: list[dict], rounds: list[dict], memory: dict | None) -> dict:
+    """decode, prefill_<n>, clients_<n>, gpu_memory and host_memory of one ktserve engine from what the decode,
+    ttft and http measurements (bench/engine_runs.py, bench/http_load.py) wrote."""
+    figures = {"decode": (decode or {}).get("decode_throughput", fig(None, "tok/s"))}
+    for point in points:
+        figures[f"prefill_{point['prompt_tokens']}"] = fig(
+            (point.get("prefill_throughput") or {}).get("value"), "tok/s", note="prompt tokens / time to first token")
+    for rnd in rounds:
+        if rnd.get("concurrency") in CLIENTS and rnd.get("output_throughput"):
+            figures[f"clients_{rnd['concurrency']}"] = rnd["output_throughput"]
+    memory = memory or {}
     figures["gpu_memory"] = memory.get("gpu_used_nvidia_smi") or memory.get("gpu_peak_allocated") or fig(None, "GB")
     figures["host_memory"] = memory.get("host_rss_peak") or fig(None, "GB")
     return figures
 
 
-def engine_entries(bench: Any, measured: dict[tuple[str, str], dict]) -> list[dict]:
-    """ktserve's entry for each method measured, then each peer's; in the order of the methods' bits."""
+def ktserve_figures(results: dict, method: str) -> dict:
+    """ktserve's figures for `method` from this run's decode phase, and for the primary method its ttft and http
+    phases too."""
+    kt = (results.get("kt") or {}).get(method) or {}
+    primary = method == (results.get("meta") or {}).get("primary")
+    return kt_figures(kt.get("decode"), (results.get("ttft") or {}).get("points", []) if primary else [],
+                      (results.get("http") or {}).get("rounds", []) if primary else [], kt.get("memory"))
+
+
+def gguf_row_name(quant: str) -> str:
+    return f"ktserve (GGUF {quant})"
+
+
+def engine_entries(bench: Any, measured: dict[tuple[str, str], dict], on_gguf: dict[str, dict] | None = None
+                   ) -> list[dict]:
+    """For each bits in turn: ktserve's entry for the method measured, ktserve's on the GGUF file (`on_gguf`:
+    quant -> measure_ktserve_gguf's entry), then each peer's."""
     out = []
     results = bench.results.data
     version = _ktserve_version()
     for method, quant in QUANT_FOR.items():
         if (results.get("kt") or {}).get(method, {}).get("decode"):
             out.append({"name": "ktserve", "version": version, "bits": method, "figures": ktserve_figures(results, method)})
+        row = (on_gguf or {}).get(quant)
+        if row is not None:
+            details = row.get("engine_details") or {}
+            out.append({"name": gguf_row_name(quant), "version": version, "bits": quant, "gguf": row.get("model"),
+                        "experts_method": details.get("experts_method"), **{k: row[k] for k in ("failed",) if k in row},
+                        "figures": kt_figures(row.get("decode"), row.get("ttft") or [],
+                                              (row.get("http") or {}).get("rounds") or [], row.get("memory"))})
         for (name, q), entry in measured.items():
             if q == quant:
                 out.append({**{k: v for k, v in entry.items() if k != "figures"}, "figures": peer_figures(entry)})
     return out
 
 
-def ratios(engines: list[dict], method: str) -> dict:
-    """ktserve / the best peer for each figure of RATIOS at `method`'s bits (None where either is missing)."""
+def ratios(engines: list[dict], method: str, gguf: bool = False) -> dict:
+    """ktserve / the best peer for each figure of RATIOS at `method`'s bits (None where either is missing); with
+    `gguf`, ktserve's row on the GGUF file of those bits instead of its own method's."""
     quant = QUANT_FOR.get(method)
-    ours = next((e["figures"] for e in engines if e["name"] == "ktserve" and e["bits"] == method), {})
-    theirs = [e for e in engines if e["name"] != "ktserve" and e["bits"] == quant]
+    name, bits = (gguf_row_name(quant), quant) if gguf else ("ktserve", method)
+    ours = next((e["figures"] for e in engines if e["name"] == name and e["bits"] == bits), {})
+    theirs = [e for e in engines if not e["name"].startswith("ktserve") and e["bits"] == quant]
     out = {}
     for key in RATIOS:
         value = (ours.get(key) or {}).get("value")
@@ -302,6 +370,30 @@ def ratios(engines: list[dict], method: str) -> dict:
         out[key] = fig(value / peer_value if value and peer_value else None, "x",
                        best_peer=best["name"] if peer_value else None)
     return out
+
+
+def with_ratios(engines: list[dict], primary: str) -> dict:
+    """`ratios` (the primary method's bits), `ratios_by_bits` and `ratios_gguf_by_bits` (each bits measured)."""
+    measured = [m for m, q in QUANT_FOR.items() if any(e["bits"] in (m, q) for e in engines)]
+    return {"ratios": ratios(engines, primary),
+            "ratios_by_bits": {QUANT_FOR[m]: ratios(engines, m) for m in measured},
+            "ratios_gguf_by_bits": {QUANT_FOR[m]: ratios(engines, m, gguf=True) for m in measured}}
+
+
+def merge_sections(sections: list[dict], primary: str = "AMXINT8") -> dict:
+    """One peers section from several runs' (e.g. one call at 8 bits, one at 4): each engine row (name, bits)
+    from the last run that has it, in the order of the bits; the ratios computed again over them all."""
+    rows: dict[tuple[str, str], dict] = {}
+    for section in sections:
+        for e in section.get("engines", []):
+            rows[(e["name"], e["bits"])] = e
+    order = {b: i for i, b in enumerate(x for m, q in QUANT_FOR.items() for x in (m, q))}
+    engines = sorted(rows.values(), key=lambda e: order.get(e["bits"], len(order)))  # stable: rows keep their order
+    threads = sorted({s.get("threads") for s in sections if s.get("threads") is not None})
+    return {"threads": threads[0] if len(threads) == 1 else threads, "engines": engines,
+            **with_ratios(engines, primary),
+            "merged_from": [{"quants": s.get("quants"), "build": s.get("build"), "gguf": s.get("gguf")}
+                            for s in sections]}
 
 
 def _ktserve_version() -> str:
@@ -322,19 +414,25 @@ def peers_lines(section: dict) -> list[str]:
 
     lines = [f"peers ({section.get('threads')} threads each; decode tg128 after 512 tokens; prefill tok/s; aggregate "
              f"tok/s of 16 / 32 streaming clients; peak GPU / host memory GB)",
-             f"{'engine':<14}{'bits':<9}{'decode':>8}{'pp512':>8}{'pp2048':>8}{'pp8192':>8}{'16 cl':>8}{'32 cl':>8}"
+             f"{'engine':<21}{'bits':<9}{'decode':>8}{'pp512':>8}{'pp2048':>8}{'pp8192':>8}{'16 cl':>8}{'32 cl':>8}"
              f"{'GPU GB':>8}{'host GB':>8}"]
     for e in section.get("engines", []):
         f = e["figures"]
-        lines.append(f"{e['name']:<14}{e['bits']:<9}{v(f, 'decode'):>8}{v(f, 'prefill_512', '.0f'):>8}"
+        lines.append(f"{e['name']:<21}{e['bits']:<9}{v(f, 'decode'):>8}{v(f, 'prefill_512', '.0f'):>8}"
                      f"{v(f, 'prefill_2048', '.0f'):>8}{v(f, 'prefill_8192', '.0f'):>8}{v(f, 'clients_16'):>8}"
                      f"{v(f, 'clients_32'):>8}{v(f, 'gpu_memory'):>8}{v(f, 'host_memory'):>8}")
-    for quant, r in (section.get("ratios_by_bits") or {"": section.get("ratios") or {}}).items():
-        parts = [f"{k} {v(r, k, '.2f')}" + (f" ({r[k]['best_peer']})" if r.get(k, {}).get("best_peer") else "")
-                 for k in RATIOS if (r.get(k) or {}).get("value") is not None]
-        if parts:
-            lines.append(f"ktserve / best peer{' at ' + quant if quant else ''}: " + ", ".join(parts))
-    for name, b in (section.get("build") or {}).items():
+    for label, key in (("ktserve", "ratios_by_bits"), ("ktserve on the GGUF", "ratios_gguf_by_bits")):
+        default = {"": section.get("ratios") or {}} if key == "ratios_by_bits" else {}
+        for quant, r in (section.get(key) or default).items():
+            parts = [f"{k} {v(r, k, '.2f')}" + (f" ({r[k]['best_peer']})" if r.get(k, {}).get("best_peer") else "")
+                     for k in RATIOS if (r.get(k) or {}).get("value") is not None]
+            if parts:
+                lines.append(f"{label} / best peer{' at ' + quant if quant else ''}: " + ", ".join(parts))
+    for e in section.get("engines", []):
+        if e.get("failed"):
+            lines.append(f"{e['name']} {e['bits']}: failed: {e['failed']}")
+    builds = [section.get("build")] + [m.get("build") for m in section.get("merged_from", [])]
+    for name, b in ((n, b) for build in builds for n, b in (build or {}).items()):
         lines.append(f"build {name}: " + ("reused" if b.get("reused") else
                      f"{b.get('steps_done')}/{b.get('steps_total')} steps in {b.get('seconds')} s"
                      + ("" if b.get("finished") else " (unfinished)") + (f" {b['failed']}" if b.get("failed") else "")))
@@ -375,6 +473,31 @@ def gguf_main(argv: list[str]) -> int:
     except subprocess.TimeoutExpired as exc:  # the next call starts the step again
         print(f"out of time: {' '.join(map(str, exc.cmd[:4]))}... stopped after {exc.timeout:.0f}s", flush=True)
         return 1
+    return 0
+
+
+def table_main(argv: list[str]) -> int:
+    """`python -m bench.peers table`: the peers sections of several runs' bench.json as one table."""
+    p = argparse.ArgumentParser(prog="python -m bench.peers table")
+    p.add_argument("results", type=Path, nargs="+", help="bench.json files (a row measured in several: the last's)")
+    p.add_argument("--out", type=Path, help="write the merged section here as JSON ({\"peers\": ...})")
+    p.add_argument("--primary", default="AMXINT8", choices=sorted(QUANT_FOR), help="the bits of `ratios`")
+    args = p.parse_args(argv)
+    sections = []
+    for path in args.results:
+        try:
+            section = json.loads(path.read_text()).get("peers")
+        except (OSError, ValueError) as exc:
+            p.error(f"{path}: {exc}")
+        if not section:
+            p.error(f"{path}: no peers section")
+        sections.append(section)
+    merged = merge_sections(sections, args.primary)
+    merged["sources"] = [str(path) for path in args.results]
+    print("\n".join(peers_lines(merged)), flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"peers": merged}, indent=1))
     return 0
 
 
@@ -423,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if all(b.get("finished") for b in result.values()) else 1
     if argv[:1] == ["gguf"]:
         return gguf_main(argv[1:])
+    if argv[:1] == ["table"]:
+        return table_main(argv[1:])
     from bench import run
 
     if not any(a == "--only" or a.startswith("--only=") for a in argv):

@@ -46,6 +46,7 @@ import shutil  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
+from dataclasses import replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -114,6 +115,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the http phase's clients ask for max_tokens N but each reads only the plan's tokens and "
                         "closes its stream, as batch evaluations ask for large max_tokens and stop early; the "
                         "rounds' peak_running shows how many run at once (e.g. 4000)")
+    p.add_argument("--http-levels", metavar="N,N", type=levels,
+                   help="the http phase's concurrency levels, one round each (default: the shape's plan, e.g. "
+                        "1,4,16,32); the peers table reads 16 and 32")
     p.add_argument("--client-temperature", type=float, default=0.0, metavar="T",
                    help="the streaming clients' temperature (default 0: greedy)")
     p.add_argument("--client-top-p", type=float, default=1.0, metavar="P",
@@ -142,6 +146,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if bad:
         p.error(f"--methods: unknown method(s) {', '.join(bad)}; known: {', '.join(KT_METHODS + (RULES,))}")
     return args
+
+
+def levels(text: str) -> tuple[int, ...]:
+    """--http-levels: positive whole numbers, comma-separated."""
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        out = ()
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive client counts")
+    return out
 
 
 def missing(*modules: str) -> list[str]:
@@ -185,6 +200,8 @@ class Bench:
         self.args, self.started = args, started
         self.shape: Shape = SHAPES[args.shape]
         self.plan: Plan = self.shape.quick if args.quick else self.shape.plan
+        if getattr(args, "http_levels", None):
+            self.plan = replace(self.plan, http_levels=args.http_levels)
         self.budget = args.budget or self.plan.budget
         self.threads = args.threads or default_cpu_threads()
         self.cuda_graph = getattr(args, "cuda_graph", True) and _has_cuda()
@@ -278,17 +295,19 @@ class Bench:
 
         return ceiling_for(self.results.get("cpu_bandwidth"), method)
 
-    def kt_config(self, method: str, **settings):
-        """The KT engine's config; `settings` add to or replace its ktransformers settings (engines/kt/options.py)."""
+    def kt_config(self, method: str, model: Path | None = None, plan: Plan | None = None, **settings):
+        """The KT engine's config on this run's checkpoint (or `model`, e.g. a GGUF file) sized for this run's plan
+        (or `plan`); `settings` add to or replace its ktransformers settings (engines/kt/options.py)."""
         from engines.base import EngineConfig
 
-        return EngineConfig(model_path=str(self.model_dir), model_name=f"bench-{self.shape.name}",
-                            max_concurrent=max(self.plan.http_levels),
-                            max_model_len=max(self.plan.max_model_len(),
-                                              self.plan.http_prompt + (self.args.http_max_tokens or 0)),
+        plan = plan or self.plan
+        return EngineConfig(model_path=str(model or self.model_dir), model_name=f"bench-{self.shape.name}",
+                            max_concurrent=max(plan.http_levels),
+                            max_model_len=max(plan.max_model_len(),
+                                              plan.http_prompt + (self.args.http_max_tokens or 0)),
                             chunk_size=self.args.chunk_size,
                             settings={"kt_method": None if method == RULES else method, "cpu_infer": self.threads,
-                                      "kv_cache_tokens": self.plan.kv_cache_tokens(),
+                                      "kv_cache_tokens": plan.kv_cache_tokens(),
                                       "kt_use_cuda_graph": self.cuda_graph, "kt_optimize_rule": self.args.rules,
                                       "kt_gpu_prefill_tokens": self.args.gpu_prefill_tokens,
                                       **self.args.settings, **settings})

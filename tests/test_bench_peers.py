@@ -120,3 +120,76 @@ def test_peer_sources_are_found_packed_or_as_downloaded_for_the_engines_asked(tm
     assert find_archives(tmp_path, engine_list("ik_llama.cpp")) == {"ik_llama.cpp": tmp_path / "ik_llama.cpp.tar.xz"}
     with pytest.raises(argparse.ArgumentTypeError, match="unknown peer.*vllm"):
         engine_list("llama.cpp,vllm")
+
+
+def _row(name: str, bits: str, **values: float) -> dict:
+    return {"name": name, "bits": bits, "figures": {k: {"value": v, "unit": "tok/s"} for k, v in values.items()}}
+
+
+def test_ktserve_on_the_peers_gguf_file_gets_its_own_row_measured_like_its_safetensors_run(tmp_path):
+    """ktserve serves the GGUF file itself (tiny shape, on this CPU): its row has a decode rate, a prefill rate per
+    ttft prompt and the 16- and 32-client aggregates, and its ratio to the best peer at those bits."""
+    from helpers import require_kt_kernel
+
+    require_kt_kernel()
+    pytest.importorskip("openai")
+    import time
+
+    from bench.checkpoint import build_checkpoint
+    from bench.peer_gguf import conversion_folder
+    from bench.peers import engine_entries, measure_ktserve_gguf, peers_lines, with_ratios
+    from bench.run import Bench, parse_args
+    from bench.shapes import SHAPES
+    from engines.checkpoints.gguf.writer import write_gguf
+
+    shape = SHAPES["tiny"]
+    model = tmp_path / "tiny"
+    build_checkpoint(model, shape.config, shard_bytes=shape.plan.shard_bytes)
+    # the folder llama.cpp's converter reads in the benchmark (tokenizer cut to the vocabulary), written by ours
+    folder = conversion_folder(model, tmp_path / "convert")
+    (gguf,) = write_gguf(folder, tmp_path / "model-Q8_0.gguf", {"experts": "Q8_0", "attention": "Q8_0", "other": "Q8_0"})
+    bench = Bench(parse_args(["--shape", "tiny", "--quick", "--only", "peers", "--model-dir", str(model),
+                              "--out", str(tmp_path / "out"), "--threads", "1"]), time.perf_counter())
+    bench.vocab = 1000
+    row = measure_ktserve_gguf(bench, gguf, time.perf_counter() + 120, full=True)
+    assert "failed" not in row, row.get("traceback")
+    peer = {("llama.cpp", "Q8_0"): {"name": "llama.cpp", "version": "v", "bits": "Q8_0", "runs": [{"label": "decode",
+            "records": [{"n_prompt": 0, "n_gen": 128, "n_depth": 512, "avg_ts": 1.0}]}], "servers": [
+            {"slots": 16, "round": {"output_throughput": {"value": 1.0, "unit": "tok/s"}}}]}}
+    engines = engine_entries(bench, peer, {"Q8_0": row})
+    assert [(e["name"], e["bits"]) for e in engines] == [("ktserve (GGUF Q8_0)", "Q8_0"), ("llama.cpp", "Q8_0")]
+    ours = engines[0]["figures"]
+    assert engines[0]["gguf"] == str(gguf) and engines[0]["experts_method"]
+    for key in ("decode", *(f"prefill_{n}" for n in bench.plan.ttft_prompts), "clients_16", "clients_32"):
+        assert ours[key]["value"] > 0, key
+    r = with_ratios(engines, "AMXINT8")["ratios_gguf_by_bits"]["Q8_0"]
+    assert r["decode"]["value"] == pytest.approx(ours["decode"]["value"]) and r["decode"]["best_peer"] == "llama.cpp"
+    assert any(line.startswith("ktserve (GGUF Q8_0)") for line in peers_lines({"engines": engines}))
+
+
+def test_peers_table_merges_the_calls_at_8_and_4_bits_into_one_with_ratios_per_bits(tmp_path, capsys):
+    from bench.peers import main
+
+    eight = {"threads": 14, "quants": ["Q8_0"], "engines": [
+        _row("ktserve", "AMXINT8", decode=40.0, clients_16=100.0), _row("ktserve (GGUF Q8_0)", "Q8_0", decode=30.0),
+        _row("llama.cpp", "Q8_0", decode=36.0, clients_16=50.0), _row("ik_llama.cpp", "Q8_0", decode=20.0)]}
+    four = {"threads": 14, "quants": ["Q4_0"], "engines": [
+        _row("ktserve", "AMXINT4", decode=60.0), _row("ik_llama.cpp", "Q4_0", decode=50.0)]}
+    files = []
+    for name, section in (("b", eight), ("c", four)):
+        (tmp_path / name).mkdir()
+        files.append(tmp_path / name / "bench.json")
+        files[-1].write_text(json.dumps({"peers": section}))
+    assert main(["table", *map(str, files), "--out", str(tmp_path / "peers.json")]) == 0
+    merged = json.loads((tmp_path / "peers.json").read_text())["peers"]
+    assert [(e["name"], e["bits"]) for e in merged["engines"]] == [
+        ("ktserve", "AMXINT8"), ("ktserve (GGUF Q8_0)", "Q8_0"), ("llama.cpp", "Q8_0"), ("ik_llama.cpp", "Q8_0"),
+        ("ktserve", "AMXINT4"), ("ik_llama.cpp", "Q4_0")]
+    by_bits = merged["ratios_by_bits"]
+    assert by_bits["Q8_0"]["decode"]["value"] == pytest.approx(40 / 36, rel=1e-4) and by_bits["Q8_0"]["decode"]["best_peer"] == "llama.cpp"
+    assert by_bits["Q8_0"]["clients_16"]["value"] == pytest.approx(2.0)
+    assert by_bits["Q4_0"]["decode"]["value"] == pytest.approx(60 / 50)
+    assert merged["ratios_gguf_by_bits"]["Q8_0"]["decode"]["value"] == pytest.approx(30 / 36, rel=1e-4)
+    printed = capsys.readouterr().out
+    assert "ktserve / best peer at Q4_0: decode 1.20 (ik_llama.cpp)" in printed
+    assert "ktserve on the GGUF / best peer at Q8_0: decode 0.83 (llama.cpp)" in printed
