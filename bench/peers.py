@@ -129,9 +129,9 @@ def run_peers(bench: Any, deadline: float, save: Callable[[dict], None]) -> dict
 
 def make_ggufs(model_dir: Path, work: Path, bin_dir: Path | None, quants: list[str], threads: int,
                deadline: float) -> dict:
-    """The checkpoint as bf16 GGUF (llama.cpp's converter), then each of `quants` (llama-quantize in `bin_dir`);
-    files already made from this checkpoint are reused, and the bf16 file goes once every quant exists. In the
-    first folder with room: under /tmp, else /dev/shm."""
+    """The checkpoint as bf16 GGUF (llama.cpp's converter), then each of `quants` (llama-quantize in `bin_dir`) and
+    the other QUANT_FOR files; files already made from this checkpoint are reused, and the bf16 file goes once
+    every one of them exists. In the first folder with room: under /tmp, else /dev/shm."""
     from bench.checkpoint import checkpoint_bytes
 
     fingerprint = json.loads((model_dir / "bench-model.json").read_text())["fingerprint"]
@@ -150,9 +150,12 @@ def make_ggufs(model_dir: Path, work: Path, bin_dir: Path | None, quants: list[s
             "command": "python -m bench.peer_gguf --llama-cpp <llama.cpp tree> --model <checkpoint> --outtype bf16",
             "time": fig(time.perf_counter() - started, "s"), "size": fig(bf16.stat().st_size / 1e9, "GB")}))
     out: dict = {"folder": str(folder), "convert": json.loads(record.read_text()) if record.exists() else None}
-    for quant, path in wanted.items():
+    every = {q: folder / f"model-{q}.gguf" for q in QUANT_FOR.values()}
+    # `quants` first; while the bf16 file is there the other bits' files too, so that it can go (a call measuring
+    # 8 bits after a build call that made only Q8_0 leaves no bf16 file for the 4-bit call to lack)
+    for quant, path in {**wanted, **every}.items():
         if not path.exists():
-            if bin_dir is None:
+            if bin_dir is None or not bf16.exists():
                 continue
             started = time.perf_counter()
             part = path.with_suffix(".part")
@@ -162,11 +165,15 @@ def make_ggufs(model_dir: Path, work: Path, bin_dir: Path | None, quants: list[s
             path.with_suffix(".json").write_text(json.dumps({
                 "command": f"llama-quantize model-bf16.gguf model-{quant}.gguf {quant} {threads}",
                 "time": fig(time.perf_counter() - started, "s")}))
-        made = path.with_suffix(".json")
-        out[quant] = {"path": str(path), "size": fig(path.stat().st_size / 1e9, "GB"),
-                      **(json.loads(made.read_text()) if made.exists() else {})}
-    if quants and all(p.exists() for p in wanted.values()):
+        if quant in wanted:
+            made = path.with_suffix(".json")
+            out[quant] = {"path": str(path), "size": fig(path.stat().st_size / 1e9, "GB"),
+                          **(json.loads(made.read_text()) if made.exists() else {})}
+    if all(p.exists() for p in every.values()):
         bf16.unlink(missing_ok=True)
+    missing = [q for q in quants if q not in out]
+    if missing and bin_dir is not None:
+        raise RuntimeError(f"no {'/'.join(missing)} GGUF file in {folder} and no bf16 file to quantize it from")
     return out
 
 

@@ -154,7 +154,7 @@ _V2_LITE = Plan(
     offload_prompt=512, offload_tokens=8, offload_gpu_memory="6GiB", bandwidth_bytes=2 * GiB, budget=540,
     estimates={"build": 50, "imports": 10, "baseline": 10, "decode:AMXINT8": 55, "ttft": 45, "http": 60,
                "avx2": 70, "decode:AMXINT4": 60, "decode:BF16": 60, "attention": 260, "load": 40, "hf": 65,
-               "offload": 70, "peers": 200, "mtp": 200})
+               "offload": 70, "peers": 300, "mtp": 200})
 _V2_LITE_QUICK = replace(
     _V2_LITE, decode_tokens=32, ttft_prompts=(512, 2048), ttft_decode_tokens=16, http_levels=(1, 4, 16),
     http_tokens=16, attention_contexts=(512, 4096), attention_clients=16, attention_tokens=16, offload_prompt=128,
