@@ -217,6 +217,18 @@ def test_the_primary_method_decodes_first_and_serves_the_ttft_and_http_phases(tm
     assert bench.results["meta"]["primary"] == "AMXINT4"
 
 
+def test_http_levels_replace_the_plans_rounds_and_size_the_engine_for_them(tmp_path):
+    import argparse
+
+    from bench.run import Bench, levels, parse_args
+
+    bench = Bench(parse_args(["--only", "http", "--http-levels", "16,32", "--out", str(tmp_path),
+                              "--model-dir", str(tmp_path / "model")]), 0.0)
+    assert bench.plan.http_levels == (16, 32) and bench.kt_config("AMXINT8").max_concurrent == 32
+    with pytest.raises(argparse.ArgumentTypeError, match="'4,0' is not a comma-separated list"):
+        levels("4,0")
+
+
 def test_a_method_decoded_in_a_child_is_set_against_this_runs_ceiling(tmp_path, monkeypatch):
     from bench.run import Bench, parse_args
 
