@@ -8,6 +8,7 @@ at a time; each layer's routed experts come as one `GGUFExperts`, whose blocks a
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from engines.checkpoints.source import StoredTensor
 from engines.checkpoints.gguf.files import SPLIT_NAME, GGUFFiles
 
 log = logging.getLogger("ktserve.checkpoints.gguf")
+DEQUANTIZE_THREADS = max(1, min(8, (os.cpu_count() or 1) - 1))  # experts dequantized at once while converting
 
 
 @dataclass
@@ -47,12 +49,19 @@ class GGUFExperts:
         return {proj: (self.files.tensor_bytes(name), self.files.type_name(name)) for proj, name in self.names.items()}
 
     def dequantized(self, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """gate, up, down in `dtype`, dequantized one expert at a time (one expert's float32 temporaries)."""
+        """gate, up, down in `dtype`, dequantized one expert at a time on DEQUANTIZE_THREADS threads (one expert's
+        float32 temporaries each): the gguf package's numpy dequantizes ~100M values a second on one core and
+        releases the GIL, and a V2-Lite GGUF's experts are 14.4G values."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(name: str, e: int) -> torch.Tensor:
+            return torch.from_numpy(self.files.dequantized(name, e)).to(dtype)
+
         out = []
-        for proj in ("gate", "up", "down"):
-            name = self.names[proj]
-            out.append(torch.stack([torch.from_numpy(self.files.dequantized(name, e)).to(dtype)
-                                    for e in range(self.num_experts())]))
+        with ThreadPoolExecutor(DEQUANTIZE_THREADS, thread_name_prefix="gguf-dequantize") as pool:
+            for proj in ("gate", "up", "down"):
+                name = self.names[proj]
+                out.append(torch.stack(list(pool.map(lambda e, name=name: one(name, e), range(self.num_experts())))))
         return out[0], out[1], out[2]
 
 
