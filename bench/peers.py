@@ -33,6 +33,7 @@ BITS = {"AMXINT8": "INT8", "AMXINT4": "INT4", "Q8_0": "8-bit", "Q4_0": "4-bit"}
 PREFILL = (512, 2048, 8192)
 CLIENTS = (16, 32)
 GGUF_ROW_SECONDS = 150  # the most one ktserve-on-GGUF row may take (load, decode, prefill, two rounds)
+GGUF_ROW_MIN_SECONDS = 90  # and the least it starts with: the load alone is not bounded by the deadline
 RATIOS = ("decode", "prefill_2048", "prefill_8192", "clients_16", "clients_32")
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SOURCES = REPO / ".peers"
@@ -256,6 +257,9 @@ def measure_ktserve_gguf(bench: Any, gguf: Path, deadline: float, full: bool) ->
 
     plan = replace(bench.plan, http_levels=CLIENTS)  # the engine sized for the rounds it serves here
     entry: dict = {"model": str(gguf), "kt_method": None}
+    left = deadline - time.perf_counter()
+    if left < GGUF_ROW_MIN_SECONDS:
+        return {**entry, "skipped": f"{left:.0f}s left, {GGUF_ROW_MIN_SECONDS}s needed to start"}
     run = None
     try:
         run = EngineRun("ktransformers", bench.kt_config(RULES, model=gguf, plan=plan), bench.log_path,
@@ -353,7 +357,8 @@ def engine_entries(bench: Any, measured: dict[tuple[str, str], dict], on_gguf: d
         if row is not None:
             details = row.get("engine_details") or {}
             out.append({"name": gguf_row_name(quant), "version": version, "bits": quant, "gguf": row.get("model"),
-                        "experts_method": details.get("experts_method"), **{k: row[k] for k in ("failed",) if k in row},
+                        "experts_method": details.get("experts_method"),
+                        **{k: row[k] for k in ("failed", "skipped") if k in row},
                         "figures": kt_figures(row.get("decode"), row.get("ttft") or [],
                                               (row.get("http") or {}).get("rounds") or [], row.get("memory"))})
         for (name, q), entry in measured.items():
@@ -436,8 +441,10 @@ def peers_lines(section: dict) -> list[str]:
             if parts:
                 lines.append(f"{label} / best peer{' at ' + quant if quant else ''}: " + ", ".join(parts))
     for e in section.get("engines", []):
-        if e.get("failed"):
-            lines.append(f"{e['name']} {e['bits']}: failed: {e['failed']}")
+        for what in ("failed", "skipped"):
+            if e.get(what):  # a peer's skipped steps are a list
+                lines.append(f"{e['name']} {e['bits']}: {what}: "
+                             f"{e[what] if isinstance(e[what], str) else '; '.join(e[what])}")
     builds = [section.get("build")] + [m.get("build") for m in section.get("merged_from", [])]
     for name, b in ((n, b) for build in builds for n, b in (build or {}).items()):
         lines.append(f"build {name}: " + ("reused" if b.get("reused") else

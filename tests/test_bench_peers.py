@@ -147,7 +147,7 @@ def test_ktserve_on_the_peers_gguf_file_gets_its_own_row_measured_like_its_safet
     build_checkpoint(model, shape.config, shard_bytes=shape.plan.shard_bytes)
     # the folder llama.cpp's converter reads in the benchmark (tokenizer cut to the vocabulary), written by ours
     folder = conversion_folder(model, tmp_path / "convert")
-    (gguf,) = write_gguf(folder, tmp_path / "model-Q8_0.gguf", {"experts": "Q8_0", "attention": "Q8_0", "other": "Q8_0"})
+    (gguf,) = write_gguf(folder, tmp_path / "model-Q8_0.gguf", dict.fromkeys(("experts", "attention", "other"), "Q8_0"))
     bench = Bench(parse_args(["--shape", "tiny", "--quick", "--only", "peers", "--model-dir", str(model),
                               "--out", str(tmp_path / "out"), "--threads", "1"]), time.perf_counter())
     bench.vocab = 1000
@@ -186,10 +186,27 @@ def test_peers_table_merges_the_calls_at_8_and_4_bits_into_one_with_ratios_per_b
         ("ktserve", "AMXINT8"), ("ktserve (GGUF Q8_0)", "Q8_0"), ("llama.cpp", "Q8_0"), ("ik_llama.cpp", "Q8_0"),
         ("ktserve", "AMXINT4"), ("ik_llama.cpp", "Q4_0")]
     by_bits = merged["ratios_by_bits"]
-    assert by_bits["Q8_0"]["decode"]["value"] == pytest.approx(40 / 36, rel=1e-4) and by_bits["Q8_0"]["decode"]["best_peer"] == "llama.cpp"
+    assert by_bits["Q8_0"]["decode"]["value"] == pytest.approx(40 / 36, rel=1e-4)
+    assert by_bits["Q8_0"]["decode"]["best_peer"] == "llama.cpp"
     assert by_bits["Q8_0"]["clients_16"]["value"] == pytest.approx(2.0)
     assert by_bits["Q4_0"]["decode"]["value"] == pytest.approx(60 / 50)
     assert merged["ratios_gguf_by_bits"]["Q8_0"]["decode"]["value"] == pytest.approx(30 / 36, rel=1e-4)
     printed = capsys.readouterr().out
     assert "ktserve / best peer at Q4_0: decode 1.20 (ik_llama.cpp)" in printed
     assert "ktserve on the GGUF / best peer at Q8_0: decode 0.83 (llama.cpp)" in printed
+
+
+def test_ktserve_on_a_gguf_file_is_skipped_with_the_reason_when_the_phase_has_no_time_left_for_its_load():
+    import time
+
+    from bench.peers import GGUF_ROW_MIN_SECONDS, engine_entries, measure_ktserve_gguf, peers_lines
+
+    from bench.shapes import SHAPES
+
+    bench = SimpleNamespace(plan=SHAPES["v2-lite"].plan, results=SimpleNamespace(data={}))
+    row = measure_ktserve_gguf(bench, Path("model-Q4_0.gguf"), time.perf_counter() + GGUF_ROW_MIN_SECONDS / 2,
+                               full=True)
+    assert row["skipped"].endswith(f"left, {GGUF_ROW_MIN_SECONDS}s needed to start")
+    (entry,) = engine_entries(bench, {}, {"Q4_0": row})
+    assert entry["figures"]["decode"]["value"] is None
+    assert any(line.startswith("ktserve (GGUF Q4_0) Q4_0: skipped: ") for line in peers_lines({"engines": [entry]}))
