@@ -17,6 +17,7 @@ the program with a message rather than run some other code. FlashAttention keeps
 variants (GGML_CUDA_FA_ALL_QUANTS off, ik's GGML_IQK_FA_ALL_QUANTS off)."""
 from __future__ import annotations
 
+import io
 import re
 import shutil
 import subprocess
@@ -40,6 +41,7 @@ class Engine:
     targets: tuple[str, ...]
     cmake: tuple[str, ...]
     drop: tuple[str, ...]  # folders of the tree the build and the converter never read
+    supply: tuple[tuple[str, str], ...] = ()  # (path, text): files the build reads that the archive lacks
 
 
 COMMON_CMAKE = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_CCACHE=OFF",
@@ -53,9 +55,20 @@ ENGINES = {  # built in this order: llama.cpp first, its llama-quantize makes th
         "ik_llama.cpp", "ik-llama-cpp-python==0.1.5", "vendor/ik_llama.cpp",
         ("llama-bench", "llama-server", "llama-quantize"),
         ("-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_EXAMPLES=ON", "-DGGML_IQK_FA_ALL_QUANTS=OFF"),
-        ("models", "docs", "media", "github-data", "tests", "examples/llama.android", "spm-headers", "poetry.lock")),
+        ("models", "docs", "media", "github-data", "tests", "examples/llama.android", "spm-headers", "poetry.lock"),
+        # common/CMakeLists.txt runs `cmake -P common/cmake/build-info-gen-cpp.cmake` (from the tree's root) to
+        # write build-info.cpp, and the PyPI archive leaves that script out; this is the script as llama.cpp had it
+        # (the tree has no git data, so the commit reads "unknown")
+        (("common/cmake/build-info-gen-cpp.cmake",
+          'include(${CMAKE_CURRENT_SOURCE_DIR}/cmake/build-info.cmake)\n'
+          'set(TEMPLATE_FILE "${CMAKE_CURRENT_SOURCE_DIR}/common/build-info.cpp.in")\n'
+          'set(OUTPUT_FILE "${CMAKE_CURRENT_SOURCE_DIR}/common/build-info.cpp")\n'
+          'configure_file(${TEMPLATE_FILE} ${OUTPUT_FILE})\n'),)),
 }
 
+# a script a CMakeLists.txt runs or includes through its own folder: `-P "${CMAKE_CURRENT_SOURCE_DIR}/x"`,
+# `include(${CMAKE_CURRENT_SOURCE_DIR}/x)` (a `-P` script's own paths are relative to the folder it runs in)
+_CMAKE_READS = re.compile(r'(?:-P\s+|include\(\s*)"?\$\{CMAKE_CURRENT_SOURCE_DIR\}/([^"\s)$]+)')
 _INSTANCE = re.compile(r"^(mmq|mmvq)-instance-(\w+?)(_id)?\.cu$")
 _CALLS = (re.compile(r"\bmul_mat_q_case(?:_id)?<GGML_TYPE_(\w+)[^>]*>\([^;]*\);"),
           re.compile(r"\bmul_mat_vec_(\w+?)_q8_1_cuda\([^;]*\);"))
@@ -68,13 +81,26 @@ def sdist_stem(engine: Engine) -> str:
     return f"{package.replace('-', '_')}-{version}"
 
 
+def cmake_reads(scripts: dict[str, str]) -> set[str]:
+    """The scripts that CMakeLists.txt files ({path in the tree: text}) run or include by their own folder's
+    path, as paths in the tree."""
+    reads = set()
+    for path, text in scripts.items():
+        folder = path.rpartition("/")[0]
+        reads |= {f"{folder}/{m}" if folder else m for m in _CMAKE_READS.findall(text)}
+    return reads
+
+
 def pack(sdist: Path, out_dir: Path) -> Path:
-    """The engine tree of one PyPI source archive, without ENGINES[...].drop, as out_dir/<engine>.tar.xz."""
+    """The engine tree of one PyPI source archive, without ENGINES[...].drop and with ENGINES[...].supply, as
+    out_dir/<engine>.tar.xz. A script its CMakeLists.txt files run or include that is in neither is an error here
+    rather than in the build on the GPU machine."""
     engine = next((e for e in ENGINES.values() if sdist.name.startswith(sdist_stem(e))), None)
     if engine is None:
         raise ValueError(f"{sdist}: not one of {', '.join(e.package for e in ENGINES.values())}")
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / f"{engine.name}.tar.xz"
+    kept, scripts = set(), {}
     with tarfile.open(sdist) as src, tarfile.open(target, "w:xz", preset=6) as dst:
         for member in src:
             head, _, rest = member.name.partition("/")
@@ -86,6 +112,22 @@ def pack(sdist: Path, out_dir: Path) -> Path:
             member.name = f"{engine.name}/{inner}"
             member.pax_headers = {k: v for k, v in member.pax_headers.items() if k != "path"}  # a long name's
             dst.addfile(member, src.extractfile(member) if member.isfile() else None)
+            kept.add(inner)
+            if member.isfile() and inner.rpartition("/")[2] == "CMakeLists.txt":
+                scripts[inner] = src.extractfile(member).read().decode("utf-8", "replace")
+        for inner, text in engine.supply:
+            if inner in kept:
+                continue
+            data = text.encode()
+            info = tarfile.TarInfo(f"{engine.name}/{inner}")
+            info.size, info.mode, info.mtime = len(data), 0o644, time.time()
+            dst.addfile(info, io.BytesIO(data))
+            kept.add(inner)
+    missing = sorted(cmake_reads(scripts) - kept)
+    if missing:
+        target.unlink()
+        raise ValueError(f"{sdist}: its CMake scripts read {', '.join(missing)}, which the archive lacks "
+                         f"(bench/peer_build.py ENGINES[{engine.name!r}].supply)")
     return target
 
 

@@ -122,6 +122,49 @@ def test_peer_sources_are_found_packed_or_as_downloaded_for_the_engines_asked(tm
         engine_list("llama.cpp,vllm")
 
 
+def _sdist(path: Path, files: dict[str, str]) -> Path:
+    """A PyPI-like source archive of ik-llama-cpp-python holding `files` under its vendored tree."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in files.items():
+            info = tarfile.TarInfo(f"ik_llama_cpp_python-0.1.5/vendor/ik_llama.cpp/{name}")
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    return path
+
+
+_RUNS_BUILD_INFO = 'COMMAND ${CMAKE_COMMAND} -P "${CMAKE_CURRENT_SOURCE_DIR}/cmake/build-info-gen-cpp.cmake"\n'
+
+
+def test_packed_ik_tree_has_the_build_info_script_its_cmake_runs_though_the_archive_lacks_it(tmp_path):
+    import tarfile
+
+    from bench.peer_build import pack
+
+    sdist = _sdist(tmp_path / "ik_llama_cpp_python-0.1.5.tar.gz", {
+        "CMakeLists.txt": "include(${CMAKE_CURRENT_SOURCE_DIR}/cmake/build-info.cmake)\n",
+        "cmake/build-info.cmake": "set(BUILD_NUMBER 0)\n", "common/CMakeLists.txt": _RUNS_BUILD_INFO,
+        "common/build-info.cpp.in": "int LLAMA_BUILD_NUMBER = @BUILD_NUMBER@;\n"})
+    with tarfile.open(pack(sdist, tmp_path / "packed")) as tar:
+        script = tar.extractfile("ik_llama.cpp/common/cmake/build-info-gen-cpp.cmake").read().decode()
+        assert "ik_llama.cpp/cmake/build-info.cmake" in tar.getnames()
+    assert "include(${CMAKE_CURRENT_SOURCE_DIR}/cmake/build-info.cmake)" in script
+    assert "configure_file(${TEMPLATE_FILE} ${OUTPUT_FILE})" in script and "common/build-info.cpp.in" in script
+
+
+def test_packing_stops_naming_a_script_the_cmake_files_run_that_the_archive_lacks(tmp_path):
+    from bench.peer_build import pack
+
+    sdist = _sdist(tmp_path / "ik_llama_cpp_python-0.1.5.tar.gz", {
+        "CMakeLists.txt": "", "common/CMakeLists.txt": _RUNS_BUILD_INFO,
+        "ggml/src/CMakeLists.txt": "include(${CMAKE_CURRENT_SOURCE_DIR}/cmake/gone.cmake)\n"})
+    with pytest.raises(ValueError, match=r"ggml/src/cmake/gone\.cmake, which the archive lacks"):
+        pack(sdist, tmp_path / "packed")
+    assert not (tmp_path / "packed" / "ik_llama.cpp.tar.xz").exists()
+
+
 def _row(name: str, bits: str, **values: float) -> dict:
     return {"name": name, "bits": bits, "figures": {k: {"value": v, "unit": "tok/s"} for k, v in values.items()}}
 
