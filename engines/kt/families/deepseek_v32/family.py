@@ -1,6 +1,6 @@
 """DeepSeek-V3.2 / V3.2-Exp (`model_type: deepseek_v32`) in the KT engine: V3 plus DeepSeek Sparse Attention.
 
-V3.2 loads through V3's path (engines/kt/engine.py: load_mla), so the checkpoint is read as any DeepSeek FP8
+V3.2 loads through V3's path (engines/kt/families/deepseek_mla/load.py: load_mla), so the checkpoint is read as any DeepSeek FP8
 release is (engines/checkpoints/source.py: FP8 blocks with `weight_scale_inv`, the indexer's `wq_b` and `wk`
 among them, dequantized on their device; the routed experts kept as FP8 blocks where the experts method reads
 them, else converted; the MTP layer skipped). What V3.2 adds is here and in this folder:
@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from engines.kt.engine import MLAFamily, MLAVariant, load_mla
+from engines.kt.families.deepseek_mla.family import MLAFamily
+from engines.kt.families.deepseek_mla.load import MLAVariant, load_mla
 from engines.kt.families.base import LoadContext, LoadedModel
 from engines.kt.families.deepseek_v32.cache import IndexedLatentKVCache
 
