@@ -20,12 +20,12 @@ from typing import Any
 import torch
 
 from engines.base import EngineConfig, ModelInfo, engine_options
+from engines.checkpoints.source import SafetensorsSource, open_source
 from engines.kt.experts.methods import DEFAULT_METHOD
 from engines.kt.families import FAMILIES, family_architectures, family_for
 from engines.kt.families.base import LoadContext, ModelFamily
 from engines.kt.families.deepseek_mla.family import SUPPORTED_ARCHITECTURES, MLAFamily
 from engines.kt.options import KTOptions
-from engines.kt.gguf_checkpoint import open_gguf
 from engines.model_files import context_length, eos_token_ids, load_tokenizer, model_id
 from engines.runtime.llm_engine import LLMEngine
 from engines.runtime.model_runner import ModelRunner
@@ -91,10 +91,10 @@ def _fold_devices(rules: list, rule_file: Path, strict: bool) -> dict[str, str]:
 
 
 def expert_methods_for(placement: Any, explicit: str | None, rule_file: Path, config: Any,
-                       default: str = DEFAULT_METHOD, gguf: Any = None) -> dict[str, Any]:
+                       default: str = DEFAULT_METHOD, source: Any = None) -> dict[str, Any]:
     """For each experts method the rules ask for (`default` where a rule names none): the MethodChoice that
-    serves it (logged once each). A GGUF checkpoint's experts run as its blocks allow, whatever the rules ask
-    (`choose_gguf_method`)."""
+    serves it (logged once each). A GGUF checkpoint's experts (`source`) run as its blocks allow, whatever the
+    rules ask (`choose_gguf_method`)."""
     from engines.kt.placement.aliases import EXPERT_OPERATORS
     from engines.kt.experts.methods import (ExpertShape, choose_gguf_method, choose_method, cpu_variant,
                                            normalize_method)
@@ -104,8 +104,8 @@ def expert_methods_for(placement: Any, explicit: str | None, rule_file: Path, co
     experts = getattr(config, "n_routed_experts", None) or config.num_experts
     shape = ExpertShape(config.hidden_size, config.moe_intermediate_size,
                         len(layers) * experts * 3 * config.hidden_size * config.moe_intermediate_size)
-    if gguf is not None:
-        choice = choose_gguf_method(set(gguf.expert_types()), explicit=explicit, shape=shape)
+    if source is not None and source.experts_form == "ggml":
+        choice = choose_gguf_method(set(source.expert_types()), explicit=explicit, shape=shape)
         choices = dict.fromkeys(sorted(asked), choice)
     else:
         choices = {m: choose_method(m, explicit=explicit, source=f"rule file {rule_file.name}", shape=shape)
@@ -144,7 +144,8 @@ class KTEngine(LLMEngine):
         cfg, kt = self.config, self.options
         started = time.perf_counter()
         model_path = Path(cfg.model_path)
-        gguf = open_gguf(model_path, kt.gguf_path)  # None: safetensors in model_path
+        source = open_source(model_path, kt.gguf_path)
+        gguf = None if isinstance(source, SafetensorsSource) else source  # a GGUF brings its config and tokenizer
         if gguf is not None:
             config = gguf.config()
             arch = (config.architectures or ["?"])[0]
@@ -167,7 +168,7 @@ class KTEngine(LLMEngine):
                               max_model_len=max_len, max_concurrent=cfg.max_concurrent, chunk_size=cfg.chunk_size,
                               dtype_setting=cfg.dtype, options=kt,
                               fold=_fold_devices(rules, rule_file, kt.kt_strict_placement),
-                              speculative=engine_options(SpeculativeOptions, cfg.settings), gguf=gguf)
+                              speculative=engine_options(SpeculativeOptions, cfg.settings), source=source)
         loaded = family.load(context)
         encoder = family.chat_encoder(model_path, allow_checkpoint_code=cfg.trust_remote_code)
         if encoder is not None and cfg.template is None:

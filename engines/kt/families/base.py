@@ -67,7 +67,7 @@ class LoadContext:
     options: Any  # engines.kt.options.KTOptions
     fold: dict[str, str] = field(default_factory=dict)  # rule devices this machine lacks -> where they run
     speculative: Any = None  # engines.runtime.speculative.SpeculativeOptions: whether to draft, and how much
-    gguf: Any = None  # the opened GGUF checkpoint (engines/kt/gguf_checkpoint.py) when serving one, else None
+    source: Any = None  # the checkpoint (engines/checkpoints/source.py: open_source), for families that read it so
 
 
 @dataclass(slots=True)

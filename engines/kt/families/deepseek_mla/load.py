@@ -10,7 +10,6 @@ from typing import Any, Callable
 
 import torch
 
-from engines.checkpoints.source import SafetensorsSource
 from engines.kt import mtp
 from engines.kt.attention.flashinfer_mla import attention_for
 from engines.kt.attention.kv_cache import PAGE_TOKENS, LatentKVCache
@@ -42,9 +41,9 @@ class MLAVariant:
 
 
 def load_mla(family: ModelFamily, context: LoadContext, variant: MLAVariant = MLAVariant()) -> LoadedModel:
-    """Build `family`'s model on the meta device, place it by the rules, stream the checkpoint in (FP8 releases
-    through SafetensorsSource) and return the KT runner over it, with the MTP layer as a draft head when
-    speculative decoding asks for it: the load path of every MLA generation (V2, V3, V3.2)."""
+    """Build `family`'s model on the meta device, place it by the rules, stream the checkpoint in (the engine's
+    `context.source`: BF16 or FP8 safetensors, or GGUF) and return the KT runner over it, with the MTP layer as a
+    draft head when speculative decoding asks for it: the load path of every MLA generation (V2, V3, V3.2)."""
     from engines.kt.engine import expert_methods_for, torch_thread_count  # the engine's, shared by every family
     from engines.kt.placement.rules import apply_placement, plan_placement
 
@@ -52,8 +51,8 @@ def load_mla(family: ModelFamily, context: LoadContext, variant: MLAVariant = ML
     chunk_size, max_concurrent = context.chunk_size, context.max_concurrent
     draft_layer, no_draft = _draft_layer(family, context, variant)
     # the MTP layer is read only to draft with; then its copies of the embedding and LM head are not
-    source = context.gguf or SafetensorsSource(model_path, config.num_hidden_layers + (draft_layer is not None),
-                                               skip=mtp.SHARED_COPIES if draft_layer is not None else None)
+    source = context.source.for_layers(config.num_hidden_layers + (draft_layer is not None),
+                                       skip=mtp.SHARED_COPIES if draft_layer is not None else None)
     converted, explicit = _converted_experts(kt, config)
     model = family.build_model(config)
     if draft_layer is not None:
@@ -61,7 +60,7 @@ def load_mla(family: ModelFamily, context: LoadContext, variant: MLAVariant = ML
             mtp.add_layer(model, config)  # placed and loaded as one more decoder layer, then taken out
     placement = plan_placement(model, context.rules, default_device="cpu", fold=context.fold)
     default = default_method(source.experts_form)
-    choices = expert_methods_for(placement, explicit, rule_file, config, default, context.gguf)
+    choices = expert_methods_for(placement, explicit, rule_file, config, default, source)
     bits = max((copy_bits(METHODS[c.method].bits) for c in choices.values()), default=8)  # none: torch experts
     stream_experts = _streamed_expert_count(kt, model, config, bits)
     options = OperatorOptions(max_tokens=chunk_size + max_concurrent, cpu_threads=kt.cpu_infer,
@@ -171,8 +170,8 @@ def _draft_layer(family: ModelFamily, context: LoadContext, variant: MLAVariant)
         return None, None
     if not variant.drafts:
         return None, f"{family.name} models do not draft with their MTP layer yet"
-    if context.gguf is not None:
-        return None, (f"{context.gguf.path.name} is a GGUF checkpoint, whose multi-token-prediction layer ktserve "
+    if context.source.experts_form == "ggml":
+        return None, (f"{context.source.path.name} is a GGUF checkpoint, whose multi-token-prediction layer ktserve "
                       "does not read")
     config = context.config
     index = mtp.mtp_layer_index(context.model_path, config)
