@@ -7,6 +7,7 @@ What makes it V3.2's release rather than the V3 demo with two more keys:
   `weight_scale_inv` per 128x128 block, a power of two as in the V3.1/V3.2 releases; embeddings, LM head,
   norms, routers, the indexer's `k_norm` and `weights_proj` stay bf16 (the routing bias float32);
 - the indexer's tensors sit under `model.layers.N.self_attn.indexer.*`;
+- no jinja chat template: the conversation format is V3.2's own (chat.py);
 - one multi-token-prediction layer follows the decoder layers (`model.layers.<num_hidden_layers>.*`: a whole
   decoder layer with its own indexer, plus `enorm`, `hnorm`, `eh_proj`, its own `embed_tokens` and
   `shared_head`), which serving skips.
@@ -44,7 +45,9 @@ def v32_config(**overrides) -> dict:
 def make_demo_model_v32(out_dir: str | Path, seed: int = DEMO_SEED, **overrides) -> Path:
     """Write the V3.2 demo into `out_dir` and return it; the same seed gives the same bytes."""
     config = v32_config(**overrides)
-    return write_model_dir(out_dir, config, fp8_release(random_bf16_weights(config, seed), is_fp8, ue8m0=True))
+    # no jinja chat template, as the final release (its format is V3.2's own, encoded in Python: chat.py)
+    return write_model_dir(out_dir, config, fp8_release(random_bf16_weights(config, seed), is_fp8, ue8m0=True),
+                           chat_template=False)
 
 
 def is_fp8(name: str) -> bool:

@@ -1,7 +1,6 @@
 """The DeepSeek-V4 family (V4-Flash, V4-Pro): what the KT engine's registry returns for `deepseek_v4`."""
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -10,8 +9,6 @@ from torch import nn
 
 from engines.kt.families.base import ChatEncoder, ExpertLayout, LoadContext, LoadedModel, ModelFamily
 from engines.kt.families.deepseek_v4 import names
-
-log = logging.getLogger("ktserve.engine.kt")
 
 
 class DeepseekV4Family(ModelFamily):
@@ -80,20 +77,13 @@ class DeepseekV4Family(ModelFamily):
     def chat_encoder(self, model_path: Path, allow_checkpoint_code: bool = False) -> ChatEncoder | None:
         """The release's `encoding/encoding_dsv4.py` when the user allows running the model folder's code
         (trust_remote_code), else our implementation of the same format."""
-        from engines.kt.families.deepseek_v4.chat import V4ChatFormat, checkpoint_encoder
+        from engines.kt.families.deepseek_v4.chat import ENCODER_FILE, V4ChatFormat
+        from engines.kt.families.dsml_chat import choose_encoder
 
-        if allow_checkpoint_code:
-            encoder = checkpoint_encoder(model_path)
-            if encoder is not None:
-                log.info("chat format: the checkpoint's encoding/encoding_dsv4.py (trust_remote_code)")
-                return encoder
-        elif (model_path / "encoding" / "encoding_dsv4.py").is_file():
-            log.info("chat format: ktserve's DeepSeek-V4 encoder (the model folder's encoding/encoding_dsv4.py "
-                     "runs only with trust_remote_code)")
-        return V4ChatFormat()
+        return choose_encoder(model_path, allow_checkpoint_code, V4ChatFormat(), ENCODER_FILE, takes_effort=True)
 
     def install_chat_encoder(self, tokenizer: Any, encoder: ChatEncoder) -> None:
-        from engines.kt.families.deepseek_v4.chat import install
+        from engines.kt.families.dsml_chat import install
 
         install(tokenizer, encoder)
 
