@@ -32,12 +32,11 @@ DEFAULT_KV_BUDGET_TOKENS = 65536
 @dataclass(frozen=True, slots=True)
 class MLAVariant:
     """What a generation of the MLA architecture changes in how load_mla loads it (V2 / V3: nothing): the cache
-    it attends over (`make_cache(config, **LatentKVCache's arguments)`), whether FlashInfer's dense paged MLA
-    may attend, and whether its MTP layer can draft (`speculative: mtp`)."""
+    it attends over (`make_cache(config, **LatentKVCache's arguments)`), and whether FlashInfer's dense paged MLA
+    may attend."""
 
     make_cache: Callable = lambda config, **kwargs: LatentKVCache(**kwargs)
     flashinfer: bool = True
-    drafts: bool = True
 
 
 def load_mla(family: ModelFamily, context: LoadContext, variant: MLAVariant = MLAVariant()) -> LoadedModel:
@@ -49,7 +48,7 @@ def load_mla(family: ModelFamily, context: LoadContext, variant: MLAVariant = ML
 
     kt, config, rule_file, model_path = context.options, context.config, context.rule_file, context.model_path
     chunk_size, max_concurrent = context.chunk_size, context.max_concurrent
-    draft_layer, no_draft = _draft_layer(family, context, variant)
+    draft_layer, no_draft = _draft_layer(context)
     # the MTP layer is read only to draft with; then its copies of the embedding and LM head are not
     source = context.source.for_layers(config.num_hidden_layers + (draft_layer is not None),
                                        skip=mtp.SHARED_COPIES if draft_layer is not None else None)
@@ -163,13 +162,11 @@ def _dense_only(requested: str, family: ModelFamily) -> str:
     return "torch"
 
 
-def _draft_layer(family: ModelFamily, context: LoadContext, variant: MLAVariant) -> tuple[int | None, str | None]:
+def _draft_layer(context: LoadContext) -> tuple[int | None, str | None]:
     """The MTP layer to draft with when speculative decoding asks for it, else None and, when it asked, why
     there is none (the runtime logs it and serves without drafting)."""
     if context.speculative is None or context.speculative.speculative != "mtp":
         return None, None
-    if not variant.drafts:
-        return None, f"{family.name} models do not draft with their MTP layer yet"
     if context.source.experts_form == "ggml":
         return None, (f"{context.source.path.name} is a GGUF checkpoint, whose multi-token-prediction layer ktserve "
                       "does not read")

@@ -3,12 +3,13 @@
 V3.2 loads through V3's path (engines/kt/families/deepseek_mla/load.py: load_mla), so the checkpoint is read as any DeepSeek FP8
 release is (engines/checkpoints/source.py: FP8 blocks with `weight_scale_inv`, the indexer's `wq_b` and `wk`
 among them, dequantized on their device; the routed experts kept as FP8 blocks where the experts method reads
-them, else converted; the MTP layer skipped). What V3.2 adds is here and in this folder:
+them, else converted; the MTP layer skipped unless it drafts). What V3.2 adds is here and in this folder:
 - the attention: MLA plus the lightning indexer's top-k selection (attention/mla.py: IndexedMLAAttention, which
   the rule files name as engines.kt.placement.operators.IndexedMLAAttention);
 - the cache: the latent cache plus the indexer's keys in the same slots (cache.py);
 - FlashInfer's paged MLA computes dense attention, so V3.2 attends in torch;
-- its MTP layer does not draft yet (`speculative: mtp` serves without drafting and says so);
+- its MTP layer drafts as V3's does (`speculative: mtp`, engines/kt/mtp.py): a V3.2 decoder layer with its own
+  indexer, placed and loaded as one more layer, attending over its own layer of the indexed cache;
 - the conversation format, encoded in Python as the release does (chat.py; engines/kt/families/dsml_chat.py:
   what it shares with V4's);
 - the demo checkpoint writer (demo_model.py)."""
@@ -25,7 +26,7 @@ from engines.kt.families.deepseek_v32.cache import IndexedLatentKVCache
 
 VARIANT = MLAVariant(
     make_cache=lambda config, **kwargs: IndexedLatentKVCache(index_dim=config.index_head_dim, **kwargs),
-    flashinfer=False, drafts=False)
+    flashinfer=False)
 
 
 class DeepseekV32Family(MLAFamily):
