@@ -23,7 +23,8 @@ What a family provides:
   `engines.runtime.model_runner.ModelRunner`: the shared scheduler hands it chunks of sequences and takes
   logits back; it keeps each sequence's cache in `seq.runner_state` and frees it in `release`.
 * **`chat_encoder(model_path, allow_checkpoint_code)`**: a `ChatEncoder` when the family's conversation
-  format is not a jinja chat template (V4 ships Python, `encoding/encoding_dsv4.py`), else None (the
+  format is not a jinja chat template (V3.2 and V4 ship Python, `encoding/encoding_dsv32.py`,
+  `encoding_dsv4.py`; engines/kt/families/dsml_chat.py), else None (the
   tokenizer's template serves). `allow_checkpoint_code` is the user's explicit opt-in to run code from the
   model folder (as transformers' trust_remote_code).
 
