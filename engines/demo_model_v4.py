@@ -83,21 +83,24 @@ def demo_config_v4(**overrides) -> dict:
     return config
 
 
-def make_demo_model_v4(out_dir: str | Path, seed: int = DEMO_SEED, mtp: str = "random", **overrides) -> Path:
-    """Write the tiny V4 into `out_dir` and return it; the same seed gives the same bytes. `mtp`: "random" or
-    "last-layer" (`copy_last_layer_as_mtp`)."""
-    if mtp not in ("random", "last-layer"):
-        raise ValueError(f"mtp: {mtp!r} is not random or last-layer")
+def make_demo_model_v4(out_dir: str | Path, seed: int = DEMO_SEED, mtp: str | None = "random", **overrides) -> Path:
+    """Write the tiny V4 into `out_dir` and return it; the same seed gives the same bytes (the main model's whatever
+    `mtp` is). `mtp`: the multi-token-prediction layer, "random", "last-layer" (`copy_last_layer_as_mtp`) or None
+    (a checkpoint without one)."""
+    if mtp not in ("random", "last-layer", None):
+        raise ValueError(f"mtp: {mtp!r} is not random, last-layer or None")
     config = demo_config_v4(**overrides)
     weights = V4Weights(config, seed).all()
     if mtp == "last-layer":
         weights.update(copy_last_layer_as_mtp(config, weights))
+    elif mtp is None:
+        weights = {name: t for name, t in weights.items() if not name.startswith("mtp.")}
     return write_model_dir(out_dir, config, weights)
 
 
 def copy_last_layer_as_mtp(config: dict, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """An MTP layer (`mtp.0.*`) whose block is the model's last layer (its compressor aside: the MTP block attends
-    over a sliding window only), `e_proj` passing the next token's embedding through and `h_proj` zero, and the
+    over a sliding window only), `e_proj` passing the next token's (normed) embedding through and `h_proj` zero, the
     model's own final norm and hyper-connection head: its draft follows the model's path closely, so it is
     accepted far more often than a random layer's (the mechanism's ceiling with random weights). `weights`: the
     checkpoint's tensors under their released names."""
@@ -109,6 +112,7 @@ def copy_last_layer_as_mtp(config: dict, weights: dict[str, torch.Tensor]) -> di
     for name, matrix in (("e_proj", torch.eye(hidden)), ("h_proj", torch.zeros(hidden, hidden))):
         weight, scale = quantize_blocks(matrix, ue8m0=True)
         out[f"mtp.0.{name}.weight"], out[f"mtp.0.{name}.scale"] = weight, scale.view(torch.float8_e8m0fnu)
+    out["mtp.0.enorm.weight"], out["mtp.0.hnorm.weight"] = torch.ones(hidden), torch.ones(hidden)
     out["mtp.0.norm.weight"] = weights["norm.weight"].clone()
     for part in ("fn", "base", "scale"):
         out[f"mtp.0.hc_head_{part}"] = weights[f"hc_head_{part}"].clone()
