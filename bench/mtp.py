@@ -12,7 +12,11 @@ a folder of its own that links the checkpoint's shards and adds one shard for th
 
 Each runs in its own KT engine (the primary method), decoding one greedy request after the same prompt as the
 decode phase, and reports tok/s, the acceptance rate, the time per step and the speed that step time would give
-at a trained MTP layer's acceptance (TRAINED_ACCEPTANCE); `off` is the same engine without drafting. Run alone: python -m bench.run --only mtp [--no-cuda-graph]."""
+at a trained MTP layer's acceptance (TRAINED_ACCEPTANCE); `off` is the same engine without drafting. Run alone: python -m bench.run --only mtp [--no-cuda-graph].
+
+On the V4 shape (`python -m bench.run --shape v4-flash --only mtp [--v4-layers N]`; `--quick`: the tiny demo
+V4's dimensions, a CPU check) `measure_v4` does the same with V4's MTP layer in the released layout (`mtp.0.*`,
+`v4_variant`): random, or the last layer copied with `e_proj` passing the next token's embedding through."""
 from __future__ import annotations
 
 import json

@@ -5,13 +5,12 @@ main weights the same as the plain V4 server's, whose replies it must give. The 
 128 while decoding, where the heavily compressed layer closes its first window."""
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import pytest
 
 from conftest import start_server
-from helpers import require_kt_kernel
+from helpers import completions_together, require_kt_kernel
 
 require_kt_kernel()
 
@@ -54,15 +53,8 @@ def test_v4_greedy_replies_with_drafting_equal_the_replies_without_it(drafting, 
 
 
 def test_v4_three_requests_drafting_at_once_get_the_replies_each_gets_alone(drafting, expected):
-    async def run():
-        client = drafting.async_openai()
-        replies = await asyncio.gather(*[client.completions.create(
-            model=drafting.engine.info.id, prompt=p, max_tokens=TOKENS, temperature=0,
-            extra_body={"ignore_eos": True}) for p in PROMPTS])
-        return [r.choices[0].text for r in replies]
-
     before = drafting.engine.stats().draft_tokens
-    assert asyncio.run(asyncio.wait_for(run(), timeout=240)) == [expected[p] for p in PROMPTS]
+    assert completions_together(drafting, list(PROMPTS), TOKENS, ignore_eos=True) == [expected[p] for p in PROMPTS]
     assert drafting.engine.stats().draft_tokens > before
 
 
