@@ -85,7 +85,7 @@ def completion_text(server, prompt: str, max_tokens: int = 16, stream: bool = Fa
     return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
 
 
-def completions_together(server, prompts: list[str], max_tokens: int = 16) -> list[str]:
+def completions_together(server, prompts: list[str], max_tokens: int = 16, ignore_eos: bool = False) -> list[str]:
     """The greedy completions of `prompts`, all requested at once (bounded: two minutes in all)."""
     import asyncio
 
@@ -93,7 +93,7 @@ def completions_together(server, prompts: list[str], max_tokens: int = 16) -> li
 
     async def one(prompt: str) -> str:
         reply = await client.completions.create(model=server.engine.info.id, prompt=prompt, max_tokens=max_tokens,
-                                                temperature=0)
+                                                temperature=0, extra_body={"ignore_eos": ignore_eos})
         return reply.choices[0].text
 
     async def together() -> list[str]:

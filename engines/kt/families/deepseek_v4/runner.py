@@ -11,7 +11,10 @@ compressed entry per 4 (CSA) or 128 (HCA) positions per layer, freed when the re
 
 LoRA adapters (PEFT, KT-SFT's fused expert LoRA and manifest) go through the shared `LoraModules`: a forward
 is one sequence's, so its rows all use that request's adapter (`AdapterRows.uniform`), and requests with
-different adapters or none share a step."""
+different adapters or none share a step.
+
+With `speculative: mtp` the checkpoint's MTP layer drafts (drafting.py): a drafted chunk feeds the sequence's last
+token and its draft, and gets logits at each."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,7 +32,8 @@ from engines.runtime.sequence import Sequence
 class V4ModelRunner(ModelRunner):
     chunked_prefill = True
 
-    def __init__(self, model: nn.Module, max_model_len: int, checkpoint: Path | None = None):
+    def __init__(self, model: nn.Module, max_model_len: int, checkpoint: Path | None = None, drafting: Any = None,
+                 draft_unavailable: str | None = None):
         from transformers.cache_utils import DynamicCache
 
         self.model = model
@@ -40,6 +44,10 @@ class V4ModelRunner(ModelRunner):
         self._new_cache = lambda: DynamicCache(config=self.config)
         self._live = 0  # sequences holding a cache
         self.lora = LoraModules(model, self.config.hidden_size, checkpoint)
+        self.drafting = drafting  # engines/kt/families/deepseek_v4/drafting.py: V4Drafting, or None
+        self.drafts, self.draft_unavailable = drafting is not None, draft_unavailable
+        if drafting is not None:
+            drafting.bind(lambda adapter: self.lora.context.step(AdapterRows.uniform(adapter)))
 
     def _cache(self, seq: Sequence) -> Any:
         if seq.runner_state is None:
@@ -61,19 +69,29 @@ class V4ModelRunner(ModelRunner):
     def execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
         logits: list[torch.Tensor | None] = []
         for chunk in chunks:
-            seq = chunk.seq
-            hidden = self._hidden(self._cache(seq), seq.token_ids, chunk.start, chunk.end, seq.request.adapter)
+            seq, cache = chunk.seq, self._cache(chunk.seq)
+            tokens = self.drafting.feed(chunk, cache) if self.drafting is not None else seq.token_ids
+            hidden = self._hidden(cache, tokens, chunk.start, chunk.end + len(chunk.draft), seq.request.adapter)
+            if self.drafting is not None:
+                self.drafting.fed(chunk, cache)
             if chunk.all_logits:
                 rows = hidden
-            elif chunk.samples:
-                rows = hidden[-1:]
+            elif chunk.samples:  # the last position, and each draft token's
+                rows = hidden[-1 - len(chunk.draft):]
             else:
                 logits.append(None)
                 continue
             logits.append(self.model.lm_head(rows.to(self.head_device)).float())
         return logits
 
+    def propose(self, seqs: list[Sequence], depths: list[int]) -> list[list[int]]:
+        if self.drafting is None:
+            return super().propose(seqs, depths)
+        return self.drafting.propose(seqs, depths)
+
     def release(self, seq: Sequence) -> None:
+        if self.drafting is not None:
+            self.drafting.forget(seq)
         if seq.runner_state is not None:
             seq.runner_state = None
             self._live -= 1
