@@ -72,11 +72,8 @@ def reference_logprobs(model, token_ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-def served_logprobs(model_dir: Path, token_ids: list[int], chunks: list[int], adapter: Path | None = None
-                    ) -> torch.Tensor:
-    """log-softmax of the KT engine's V4 runner fed `token_ids` in prompt chunks of `chunks` tokens, then one
-    token a step (as decoding feeds it): row i predicts token i + 1. Loads the model as the engine does, with
-    the CPU rule file; with `adapter`, that adapter directory is installed and applied."""
+def load_v4_runner(model_dir: Path, max_concurrent: int = 2):
+    """The KT engine's V4 runner for `model_dir`, loaded as the engine loads it, with the CPU rule file."""
     from transformers import AutoConfig
 
     from engines.kt.engine import RULES_DIR
@@ -84,26 +81,33 @@ def served_logprobs(model_dir: Path, token_ids: list[int], chunks: list[int], ad
     from engines.kt.families.base import LoadContext
     from engines.kt.options import KTOptions
     from engines.kt.placement.rules import load_rules
-    from engines.runtime.model_runner import ScheduledChunk
 
     config = AutoConfig.from_pretrained(model_dir)
     rule_file = RULES_DIR / "DeepSeek-V4-CPU.yaml"
     context = LoadContext(model_path=model_dir, config=config, rule_file=rule_file, rules=load_rules(rule_file),
-                          max_model_len=1024, max_concurrent=2, chunk_size=256, dtype_setting="auto",
+                          max_model_len=1024, max_concurrent=max_concurrent, chunk_size=256, dtype_setting="auto",
                           options=KTOptions(cpu_infer=1))
-    runner = family_for(config).load(context).runner
+    return family_for(config).load(context).runner
 
+
+def runner_sequence(token_ids: list[int], adapter: str | None = None) -> SimpleNamespace:
+    """What a runner reads of a scheduled sequence: its tokens, its request's adapter, its runner state."""
+    return SimpleNamespace(token_ids=token_ids, runner_state=None, request=SimpleNamespace(adapter=adapter))
+
+
+def served_logprobs(model_dir: Path, token_ids: list[int], chunks: list[int], adapter: Path | None = None
+                    ) -> torch.Tensor:
+    """log-softmax of the KT engine's V4 runner fed `token_ids` in prompt chunks of `chunks` tokens, then one
+    token a step (as decoding feeds it): row i predicts token i + 1. Loads the model as the engine does, with
+    the CPU rule file; with `adapter`, that adapter directory is installed and applied."""
+    from engines.runtime.model_runner import ScheduledChunk
+
+    runner = load_v4_runner(model_dir)
     if adapter is not None:
         from engines.lora import read_adapter
 
         runner.lora.install("adapter", runner.lora.prepare(read_adapter(adapter)))
-
-    class Seq:
-        runner_state = None
-        request = SimpleNamespace(adapter=None if adapter is None else "adapter")
-
-    seq = Seq()
-    seq.token_ids = token_ids
+    seq = runner_sequence(token_ids, None if adapter is None else "adapter")
     sizes = chunks + [1] * (len(token_ids) - sum(chunks))
     rows, start = [], 0
     for n in sizes:
