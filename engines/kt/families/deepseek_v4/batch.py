@@ -2,25 +2,28 @@
 
 The step's tokens (prompt chunks and decode tokens of many sequences) are one flat run of rows, [1, rows, ...]
 in transformers' shapes. Everything that works row by row sees all of them at once: the embeddings, the
-hyper-connections (mHC) around each block, the norms, the routers (hash routing by each row's token id), the
+hyper-connections (mHC) around each block, the norms, attention's query / key-value / output projections and
+their rotary embedding (each row at its own position), the routers (hash routing by each row's token id), the
 routed experts (so kt-kernel gets every row of the step in one call per layer), the shared expert, the final
-hyper-head and norm. Only attention looks at sequences: each sequence's rows attend with its own rotary
-positions, its own sliding-window mask and its own cache (sliding-window keys, compressor and indexer state),
-one sequence after another.
+hyper-head and norm. Only the part of attention that reads a cache looks at sequences: each sequence's rows
+extend its own sliding-window keys, run its compressor and indexer over their state, and attend under its own
+sliding-window mask, one sequence after another.
 
-The layer's arithmetic is `DeepseekV4DecoderLayer.forward` and the MoE block's is `DeepseekV4SparseMoeBlock`'s,
-written out here so attention can be split by sequence and the CPU experts overlapped with the shared expert
+The arithmetic is transformers' (`DeepseekV4DecoderLayer`, `DeepseekV4Attention`, `DeepseekV4SparseMoeBlock`),
+written out here so attention can be cut at its cache and the CPU experts overlapped with the shared expert
 (`submit`, shared expert, `wait`) without renaming any module: placement rules, the checkpoint loader and LoRA
 adapters address the same module paths as in transformers' model.
 
-LoRA: the step's `AdapterRows` cover the flat rows; inside one sequence's attention the context holds that
-sequence's adapter alone (its rows are all the attention's linears see)."""
+LoRA: the step's `AdapterRows` cover the flat rows, and the linears that see all of them get them flat
+([rows, features]: a LoRA'd linear picks its adapters' rows in dim 0); inside one sequence's cached part the
+context holds that sequence's adapter alone."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engines.lora.modules import AdapterRows, LoraContext
@@ -39,13 +42,12 @@ class Piece:
 
 @dataclass(slots=True)
 class _Segment:
-    """One piece's rows [row, row + n) of the step and what its attention needs."""
+    """One piece's rows [row, row + n) of the step and what its cached attention needs."""
 
     row: int
     n: int
     cache: Any
     positions: torch.Tensor  # [1, n]
-    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]
     mask: torch.Tensor | None
     rows: AdapterRows
 
@@ -54,6 +56,9 @@ class V4Batch:
     """Runs steps of many sequences through a placed `DeepseekV4ForCausalLM`'s layers."""
 
     def __init__(self, model: nn.Module, lora: LoraContext):
+        from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+
+        self.v4 = v4
         self.inner = model.model
         self.config = model.config
         self.layers = list(self.inner.layers)
@@ -80,40 +85,68 @@ class V4Batch:
                 mask = create_sliding_window_causal_mask(config=self.config, inputs_embeds=embeds[:, cut],
                                                          attention_mask=None, cache=p.cache,
                                                          position_ids=positions[:, cut])
-                segments.append(_Segment(row=first, n=n, cache=p.cache, positions=positions[:, cut],
-                                         rope={k: (cos[:, cut], sin[:, cut]) for k, (cos, sin) in rope.items()},
-                                         mask=mask, rows=AdapterRows.uniform(adapter)))
+                segments.append(_Segment(row=first, n=n, cache=p.cache, positions=positions[:, cut], mask=mask,
+                                         rows=AdapterRows.uniform(adapter)))
             hidden = embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
             for layer in self.layers:
-                hidden = self._layer(layer, hidden, ids, segments)
+                hidden = self._layer(layer, hidden, ids, rope, segments)
         return hidden[0]
 
     def final(self, streams: torch.Tensor) -> torch.Tensor:
         """The final hidden states (hyper-head collapse, then the norm) of [rows, hc, hidden] streams: [rows, hidden]."""
         return self.inner.norm(self.inner.hc_head(streams[None]))[0]
 
-    def _layer(self, layer: nn.Module, hidden: torch.Tensor, ids: torch.Tensor,
+    def _layer(self, layer: nn.Module, hidden: torch.Tensor, ids: torch.Tensor, rope: dict,
                segments: list[_Segment]) -> torch.Tensor:
         post, comb, collapsed = layer.attn_hc(hidden)
-        hidden = _mix(post, comb, self._attention(layer.self_attn, layer.input_layernorm(collapsed), segments),
-                      hidden)
+        attended = self._attention(layer.self_attn, layer.input_layernorm(collapsed), rope, segments)
+        hidden = _mix(post, comb, attended, hidden)
         post, comb, collapsed = layer.ffn_hc(hidden)
-        return _mix(post, comb, self._moe(layer.mlp, layer.post_attention_layernorm(collapsed), ids),
-                    hidden)
+        return _mix(post, comb, self._moe(layer.mlp, layer.post_attention_layernorm(collapsed), ids), hidden)
 
-    def _attention(self, attention: nn.Module, x: torch.Tensor, segments: list[_Segment]) -> torch.Tensor:
+    def _attention(self, attn: nn.Module, x: torch.Tensor, rope: dict, segments: list[_Segment]) -> torch.Tensor:
+        """`DeepseekV4Attention.forward` with its projections over all rows and its cached part per sequence."""
+        flat, rows = x[0], x.shape[1]
+        cos, sin = rope[attn.rope_layer_type]
+        q_residual = attn.q_a_norm(attn.q_a_proj(flat))
+        q = attn.q_b_proj(q_residual).view(1, rows, -1, attn.head_dim).transpose(1, 2)
+        q = self.v4.apply_rotary_pos_emb(attn.q_b_norm(q), cos, sin)
+        kv = attn.kv_norm(attn.kv_proj(flat)).view(1, rows, -1, attn.head_dim).transpose(1, 2)
+        kv = self.v4.apply_rotary_pos_emb(kv, cos, sin)
         out = []
         for s in segments:
+            cut = slice(s.row, s.row + s.n)
             with self.lora.step(s.rows):
-                o, _ = attention(x[:, s.row:s.row + s.n], position_embeddings=s.rope, position_ids=s.positions,
-                                 attention_mask=s.mask, cache=s.cache)
-            out.append(o)
-        return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+                out.append(self._cached(attn, q[:, :, cut], kv[:, :, cut], x[:, cut], q_residual[None, cut], s))
+        attended = out[0] if len(out) == 1 else torch.cat(out, dim=1)  # [1, rows, heads, head_dim]
+        # V carried the keys' rotation: undo it at each query's position before the grouped output projection
+        attended = self.v4.apply_rotary_pos_emb(attended.transpose(1, 2), cos, -sin).transpose(1, 2)
+        grouped = attn.o_a_proj(attended.reshape(rows, attn.config.o_groups, -1)).flatten(1)
+        return attn.o_b_proj(grouped)[None]
+
+    def _cached(self, attn: nn.Module, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
+                s: _Segment) -> torch.Tensor:
+        """One sequence's rows through its cache: sliding-window keys, then the compressor's (and indexer's)
+        entries appended with their per-query bias, then attention with the sinks. [1, n, heads, head_dim]."""
+        kv = s.cache.update(kv, kv, attn.layer_idx)[0]
+        bias = None
+        if attn.compressor is not None:
+            compressed, bias = attn.compressor(x, q_residual, s.positions, s.cache, attn.layer_idx)
+            kv = torch.cat([kv, compressed], dim=2)
+        mask = s.mask
+        if isinstance(mask, torch.Tensor) and kv.shape[2] > mask.shape[-1]:
+            mask = (torch.cat([mask, bias.to(mask.dtype)], dim=-1) if bias is not None
+                    else F.pad(mask, (0, kv.shape[2] - mask.shape[-1]), value=0.0))
+        interface = self.v4.ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
+                                                                  self.v4.eager_attention_forward)
+        out, _ = interface(attn, q, kv, kv, mask, dropout=0.0, scaling=attn.scaling,
+                           sliding_window=attn.sliding_window, s_aux=attn.sinks)
+        return out
 
     @staticmethod
     def _moe(mlp: nn.Module, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """`DeepseekV4SparseMoeBlock` on flat rows (a LoRA'd shared expert indexes its adapters' rows in dim 0);
-        CPU experts are started first and waited for after the shared expert."""
+        """`DeepseekV4SparseMoeBlock` on flat rows; CPU experts are started first and waited for after the shared
+        expert."""
         flat = x.reshape(-1, x.shape[-1])
         _, weights, indices = mlp.gate(x, ids) if mlp.is_hash else mlp.gate(x)
         experts = mlp.experts
