@@ -112,12 +112,9 @@ def main() -> int:
     p.add_argument("--threads", type=int, help="kt-kernel threads (cpu_infer); default: the engine's")
     p.add_argument("--out", help="also write v4-batch.json into this folder")
     args = p.parse_args()
-    results = run(args)
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "v4-batch.json").write_text(text + "\n")
+    from bench.report import print_and_write
+
+    print_and_write(run(args), args.out, "v4-batch.json")
     return 0
 
 

@@ -172,10 +172,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    results = run(args)
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "v4-flash.json").write_text(text + "\n")
+    from bench.report import print_and_write
+
+    print_and_write(run(args), args.out, "v4-flash.json")
     return 0

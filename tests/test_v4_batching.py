@@ -13,11 +13,10 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
-from helpers import require_kt_kernel
+from helpers import failing_steps, poisoned_request, require_kt_kernel, run_beside_a_stream, stream_chat
 from v4_helpers import (batched_vs_solo, feeding_plan, load_v4_runner, max_next_token_diff, runner_sequence,
                         stepped_logprobs)
 from v4_lora_helpers import make_kt_sft_v4_adapter
@@ -25,6 +24,7 @@ from v4_lora_helpers import make_kt_sft_v4_adapter
 require_kt_kernel()
 
 ROOT = Path(__file__).resolve().parents[1]
+POISON = 77_777  # a prompt token the injected fault looks for
 # Batched vs alone, next-token logprobs: the non-expert float32 GEMMs round differently for another number of rows
 # (1e-7 here), which kt-kernel's bf16 expert inputs now and then turn into one bf16 step. Measured on both the
 # avx512_bf16 and avx2 builds: 0.0095 for the four sequences below, 0.0090 for the avx2 test's three, 1.9e-5 for
@@ -176,42 +176,16 @@ def test_concurrent_v4_greedy_requests_each_equal_their_solo_output(v4_server):
 
 
 def test_a_v4_request_whose_step_fails_fails_alone_while_its_neighbour_streams_on(v4_server):
-    poison = 77_777
-    runner = v4_server.engine._runner
-    execute = runner.execute
-    shared = []
-
-    def faulty_execute(chunks):
-        """A fault in a step that carries the poisoned request, struck after the rest of the step ran: the rerun
-        must not feed the neighbour's positions into its cache a second time."""
-        poisoned = [c for c in chunks if poison in c.seq.request.prompt_token_ids]
-        if not poisoned:
-            return execute(chunks)
-        others = [c for c in chunks if c not in poisoned]
-        shared.append(bool(others))
-        if others:
-            execute(others)
-        raise RuntimeError("injected fault")
-
-    content, alone = PROMPTS[0], complete(v4_server, PROMPTS[0], 32)
-
-    async def main() -> tuple[str, httpx.Response]:
-        stream = await v4_server.async_openai().completions.create(
-            model=v4_server.engine.info.id, prompt=content, temperature=0, max_tokens=32, stream=True)
-        text, reply = [], None
-        async for chunk in stream:
-            if reply is None:  # the neighbour streams: the poisoned request joins its steps
-                async with httpx.AsyncClient(base_url=v4_server.base_url, timeout=60) as http:
-                    reply = await http.post("/v1/completions", json={
-                        "model": v4_server.engine.info.id, "prompt": [poison, 100, 200], "max_tokens": 4})
-            text.append(chunk.choices[0].text if chunk.choices else "")
-        return "".join(text), reply
-
-    runner.execute = faulty_execute
-    try:
-        text, reply = asyncio.run(asyncio.wait_for(main(), timeout=240))
-    finally:
-        del runner.execute
+    """The fault strikes after the rest of the step ran: the rerun must not feed the neighbour's positions into
+    its V4 cache a second time."""
+    content = "Describe a lighthouse in one paragraph."
+    alone = stream_text(v4_server, content)
+    with failing_steps(v4_server.engine._runner, POISON) as shared:
+        text, reply = run_beside_a_stream(v4_server, content, 32, lambda: poisoned_request(v4_server, POISON))
     assert reply.status_code == 500 and "injected fault" in reply.json()["error"]["message"]
     assert any(shared)
     assert text == alone
+
+
+def stream_text(server, content: str) -> str:
+    return asyncio.run(asyncio.wait_for(stream_chat(server, content, 32), timeout=120))[0]

@@ -61,7 +61,8 @@ class DeepseekV4Family(ModelFamily):
         load_v4_checkpoint(model, context.model_path, placement.device_of_param, dtype)
         model.eval()
         details = {"attention_backend": "torch (transformers' DeepSeek-V4 modules)", "cuda_graphs": "none (V4 runner)",
-                   "v4_caches": "per sequence (transformers DynamicCache)"}
+                   "v4_caches": "per sequence (transformers DynamicCache)",
+                   "v4_steps": "batched: a step's rows together, attention's cached part per sequence"}
         for choice in choices.values():
             details.update(choice.describe())
         cpu_experts = any(c.method for c in choices.values())
