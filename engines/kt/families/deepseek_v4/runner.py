@@ -99,15 +99,31 @@ class V4ModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def final_hidden_states(self, prompts: list[list[int]], adapter: str | None) -> list[torch.Tensor]:
-        """The prompts in one step, each on a fresh cache dropped afterwards."""
-        streams = self.batch.hidden_streams([Piece(p, 0, len(p), self._new_cache(), adapter) for p in prompts])
-        hidden = self.batch.final(streams).float().cpu()
-        out, row = [], 0
-        for p in prompts:
-            out.append(hidden[row:row + len(p)])
-            row += len(p)
+        """The prompts in steps of up to max_model_len tokens (one prompt at least), each on a fresh cache
+        dropped afterwards."""
+        out: list[torch.Tensor] = []
+        for group in _groups(prompts, self.max_model_len):
+            streams = self.batch.hidden_streams([Piece(p, 0, len(p), self._new_cache(), adapter) for p in group])
+            hidden = self.batch.final(streams).float().cpu()
+            row = 0
+            for p in group:
+                out.append(hidden[row:row + len(p)])
+                row += len(p)
         return out
 
     def close(self) -> None:
         self.model = None  # type: ignore[assignment]
         self.batch = None  # type: ignore[assignment]
+
+
+def _groups(prompts: list[list[int]], tokens: int) -> list[list[list[int]]]:
+    """`prompts` in order, in groups of at most `tokens` tokens (a longer prompt alone)."""
+    groups: list[list[list[int]]] = []
+    size = 0
+    for prompt in prompts:
+        if not groups or size + len(prompt) > tokens:
+            groups.append([])
+            size = 0
+        groups[-1].append(prompt)
+        size += len(prompt)
+    return groups
