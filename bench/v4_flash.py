@@ -193,11 +193,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    from bench.report import print_and_write
+
     results = run(args)
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        name = "v4-flash-mtp.json" if "mtp" in results else "v4-flash.json"
-        (Path(args.out) / name).write_text(text + "\n")
+    print_and_write(results, args.out, "v4-flash-mtp.json" if "mtp" in results else "v4-flash.json")
     return 0

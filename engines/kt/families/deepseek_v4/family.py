@@ -35,7 +35,6 @@ class DeepseekV4Family(ModelFamily):
 
     def load(self, context: LoadContext) -> LoadedModel:
         from engines.kt.engine import expert_methods_for, torch_thread_count
-        from engines.kt.families.deepseek_v4.drafting import V4Drafting
         from engines.kt.families.deepseek_v4.loader import load_v4_checkpoint
         from engines.kt.families.deepseek_v4.mtp import V4DraftHead, add_draft_block
         from engines.kt.families.deepseek_v4.runner import V4ModelRunner
@@ -63,9 +62,10 @@ class DeepseekV4Family(ModelFamily):
         _build_rotary_tables(model, config, placement.device_of_param)
         load_v4_checkpoint(model, context.model_path, placement.device_of_param, dtype, draft_layer=draft_layer)
         model.eval()
-        drafting = V4Drafting(model, V4DraftHead.take(model)) if draft_layer is not None else None
+        head = V4DraftHead.take(model) if draft_layer is not None else None
         details = {"attention_backend": "torch (transformers' DeepSeek-V4 modules)", "cuda_graphs": "none (V4 runner)",
-                   "v4_caches": "per sequence (transformers DynamicCache)"}
+                   "v4_caches": "per sequence (transformers DynamicCache)",
+                   "v4_steps": "batched: a step's rows together, attention's cached part per sequence"}
         for choice in choices.values():
             details.update(choice.describe())
         cpu_experts = any(c.method for c in choices.values())
@@ -78,9 +78,9 @@ class DeepseekV4Family(ModelFamily):
                                     (("experts", experts), ("the rest", f"{dtype_name(dtype)} from FP8")))
         details["expert_lora"] = ("torch on the LoRA'd rows, base experts in bf16 (kt-kernel's MXFP4_SFT_MOE: "
                                   "not used, see engines/lora/cpu_experts.py)")
-        if drafting is not None:
+        if head is not None:
             details["speculative"] = "mtp (mtp.0: sliding-window attention over its own cache per sequence)"
-        runner = V4ModelRunner(model, context.max_model_len, context.model_path, drafting=drafting,
+        runner = V4ModelRunner(model, context.max_model_len, context.model_path, head=head,
                                draft_unavailable=no_draft)
         return LoadedModel(runner=runner, details=details, torch_threads=threads, checkpoint=storage)
 
@@ -109,10 +109,6 @@ def _draft_layer(context: LoadContext) -> tuple[int | None, str | None]:
     if not has_mtp_layer(context.model_path):
         return None, (f"{context.model_path.name} has no multi-token-prediction layer ({MARKER} is not in the "
                       "checkpoint)")
-    # a drafted step's new keys stay in the sliding window until verification says how many to keep (rewind.py)
-    if spec.num_speculative_tokens + 1 >= config.sliding_window:
-        raise ValueError(f"num_speculative_tokens: {spec.num_speculative_tokens} is too many for this model's "
-                         f"sliding window of {config.sliding_window} (at most {config.sliding_window - 2})")
     return config.num_hidden_layers, None
 
 

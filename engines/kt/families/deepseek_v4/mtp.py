@@ -21,7 +21,6 @@ it."""
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ import torch
 from torch import nn
 
 from engines.checkpoints.source import tensor_names
-from engines.kt.families.deepseek_v4.rewind import restore, snapshot
+from engines.kt.families.deepseek_v4.caches import SequenceCache
 from engines.runtime.sequence import Sequence
 
 MARKER = "mtp.0.e_proj.weight"  # a checkpoint with this tensor ships the MTP layer
@@ -66,13 +65,6 @@ def add_draft_block(model: nn.Module, config: Any) -> int:
     return len(model.model.layers) - 1
 
 
-@dataclass(slots=True)
-class _HeadCache:
-    cache: Any  # transformers DynamicCache of one sliding-window layer
-    length: int = 0  # positions written
-    committed: tuple[int, list] | None = None  # (length, snapshot) after the last accepted positions
-
-
 class V4DraftHead(nn.Module):
     """The draft head (engines/kt/drafting.py: DraftHead) of a V4 checkpoint; it runs one sequence at a time over
     that sequence's cache, so its batch is the list of (sequence, start, end) pieces itself (`draft_batch`)."""
@@ -85,7 +77,8 @@ class V4DraftHead(nn.Module):
         inner = model.model
         # the main model's, not this module's parameters
         self._embed, self._lm_head, self._rotary = [inner.embed_tokens], [model.lm_head], [inner.rotary_emb]
-        self._caches: dict[str, _HeadCache] = {}
+        # per sequence, a cache of one sliding-window layer, marked after the last accepted positions it wrote
+        self._caches: dict[str, SequenceCache] = {}
 
     @classmethod
     def take(cls, model: nn.Module) -> "V4DraftHead":
@@ -135,23 +128,22 @@ class V4DraftHead(nn.Module):
                                                  cache=entry.cache, position_ids=positions)
         x = b(x, input_ids=ids, position_embeddings=rotary, position_ids=positions, attention_mask=mask,
               cache=entry.cache)
-        entry.length = end
+        entry.commit(end)
         if end <= seq.num_computed:  # accepted positions: what the next proposal starts from
-            entry.committed = (end, snapshot(entry.cache))
+            entry.mark()
         return x[0]
 
-    def _cache_at(self, seq: Sequence, start: int) -> _HeadCache:
+    def _cache_at(self, seq: Sequence, start: int) -> SequenceCache:
         """The sequence's cache holding positions [0, start): drafted positions past the accepted ones dropped (the
         head writes them again from the main model's states once verified)."""
         from transformers.cache_utils import DynamicCache
 
         entry = self._caches.get(seq.id)
-        if entry is not None and entry.length != start:
-            if entry.committed is not None and entry.committed[0] == start:
-                restore(entry.cache, entry.committed[1])
-                entry.length = start
+        if entry is not None and entry.computed != start:
+            if entry.marked == start:
+                entry.rollback()
             else:
                 entry = None  # a step the head missed: start afresh (drafts worse for a while, outputs unchanged)
         if entry is None:
-            entry = self._caches[seq.id] = _HeadCache(DynamicCache(config=self.config))
+            entry = self._caches[seq.id] = SequenceCache(DynamicCache(config=self.config))
         return entry
