@@ -201,3 +201,32 @@ def test_v4_hidden_states_of_prompts_taken_together_equal_each_prompts_own(runne
         alone = runner.final_hidden_states([prompt], None)[0]
         assert states.shape == alone.shape == (len(prompt), runner.config.hidden_size)
         assert torch.allclose(states, alone, rtol=0, atol=V4_HIDDEN_TOLERANCE)
+
+
+def test_a_v4_cache_taken_back_to_a_drafts_accepted_length_gives_what_feeding_only_the_accepted_tokens_gives(
+        runner, prompts):
+    """Speculative decoding: a verifying step feeds the last token and a draft; the next step starts at the
+    accepted length (none, some or all of the draft kept), and the cache must hold exactly the accepted positions.
+    The draft steps cross compressor windows (every 4 positions) so a rejected position's compressed entry and
+    buffer must go too."""
+    from engines.runtime.model_runner import ScheduledChunk
+
+    tokens = prompts[1][:30]
+    drafted = runner_sequence(list(tokens))
+    runner.execute([ScheduledChunk(seq=drafted, start=0, end=30)])
+    drafted.token_ids.append(prompts[2][9])  # the prompt's next token
+    # (draft, how many of it the step keeps): partly, none, all, then one more partial
+    for draft, kept in ((prompts[0][:3], 1), (prompts[2][:3], 0), (prompts[3][:2], 2), (prompts[0][5:8], 2)):
+        start = len(drafted.token_ids) - 1
+        runner.execute([ScheduledChunk(seq=drafted, start=start, end=start + 1, draft=tuple(draft))])
+        drafted.token_ids += list(draft[:kept]) + [prompts[2][10 + kept]]  # the kept drafts, then the correction
+    start = len(drafted.token_ids) - 1
+    last = runner.execute([ScheduledChunk(seq=drafted, start=start, end=start + 1, all_logits=True)])[0]
+    plain = runner_sequence(list(drafted.token_ids))
+    runner.execute([ScheduledChunk(seq=plain, start=0, end=30)])
+    for position in range(30, start):
+        runner.execute([ScheduledChunk(seq=plain, start=position, end=position + 1)])
+    expected = runner.execute([ScheduledChunk(seq=plain, start=start, end=start + 1, all_logits=True)])[0]
+    diff = float((torch.log_softmax(last.cpu(), -1) - torch.log_softmax(expected.cpu(), -1)).abs().max())
+    print(json.dumps({"v4_draft_taken_back_max_logprob_diff": diff}))
+    assert diff < V4_BATCH_TOLERANCE
