@@ -1,8 +1,8 @@
 """DeepSeek-V4 steps batch their sequences (engines/kt/families/deepseek_v4/batch.py): the sequences of a step go
 through the model's layers as one batch of rows, the routed experts in one kt-kernel call per layer, attention
 per sequence over its own cache. Each sequence gets what it gets alone (also with different adapters in one
-step), a step that fails leaves every cache as it was, and on the server concurrent greedy requests equal their
-solo runs while a request whose step fails fails alone."""
+step), a step that fails leaves every cache as it was, a verified draft's cache goes back to its accepted length,
+and on the server concurrent greedy requests equal their solo runs while a request whose step fails fails alone."""
 from __future__ import annotations
 
 import asyncio
