@@ -16,7 +16,10 @@ adapters address the same module paths as in transformers' model.
 
 LoRA: the step's `AdapterRows` cover the flat rows, and the linears that see all of them get them flat
 ([rows, features]: a LoRA'd linear picks its adapters' rows in dim 0); inside one sequence's cached part the
-context holds that sequence's adapter alone."""
+context holds that sequence's adapter alone.
+
+A piece that verifies a draft carries a `record` (caches.py: StepRecord): its cached part notes there the keys it
+appends and the compressor inputs it runs, so its cache can later be taken back to the draft's accepted length."""
 from __future__ import annotations
 
 from dataclasses import dataclass
