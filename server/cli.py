@@ -133,11 +133,14 @@ def make_demo_model(args: argparse.Namespace) -> int:
         return 0
     from engines.demo_model import demo_writer
 
-    if args.arch != "deepseek_v3" and (args.format != "bf16" or args.mtp):
-        print(f"--format and --mtp apply to the deepseek_v3 demo; {args.arch} is written in its released layout",
+    if args.arch != "deepseek_v3" and args.format != "bf16":
+        print(f"--format applies to the deepseek_v3 demo; {args.arch} is written in its released layout",
               file=sys.stderr)
         return 2
-    options = {"fmt": args.format, "mtp": args.mtp} if args.arch == "deepseek_v3" else {}
+    if args.arch == "deepseek_v3":
+        options = {"fmt": args.format, "mtp": args.mtp}
+    else:
+        options = {"mtp": args.mtp} if args.mtp else {}
     path = demo_writer(args.arch)(args.dir, seed=args.seed, **options)
     print(path)
     return 0
@@ -156,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--mtp", choices=("random", "last-layer"),
                       help="add a multi-token-prediction layer (for --speculative mtp): random, or a copy of the last "
-                           "layer (drafts accepted more often); bf16 and fp8 only")
+                           "layer (drafts accepted more often); bf16 and fp8 only; deepseek_v32 and deepseek_v4 "
+                           "always have one, random unless this says last-layer")
     demo.add_argument("--format", choices=("bf16", "fp8", "gguf"), default="bf16",
                       help="bf16: a Hugging Face folder of bf16 safetensors; fp8: as DeepSeek ships its FP8 releases "
                            "(128x128 blocks, weight_scale_inv, an MTP layer); gguf: a llama.cpp deepseek2 GGUF "

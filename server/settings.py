@@ -140,7 +140,7 @@ class Settings(BaseModel):
                                               "compute every prompt whole")
     speculative: Literal["mtp"] | None = engine_setting(
         None, "speculative decoding: mtp drafts with the checkpoint's multi-token-prediction layer (DeepSeek-V3, R1, "
-              "V3.1) and verifies the draft in the next step, output unchanged (ktransformers engine); default: off")
+              "V3.1, V4) and verifies the draft in the next step, output unchanged (ktransformers engine); default: off")
     num_speculative_tokens: int = engine_setting(1, "draft tokens per decode step (speculative)", ge=1, le=8)
     speculative_max_batch: int = engine_setting(4, "draft while at most this many sequences decode; larger steps "
                                                    "decode without drafts (speculative)", ge=1)

@@ -1,6 +1,11 @@
 """Reference computations the end-to-end tests compare the server against."""
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
 import torch
 
 
@@ -85,7 +90,7 @@ def completion_text(server, prompt: str, max_tokens: int = 16, stream: bool = Fa
     return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
 
 
-def completions_together(server, prompts: list[str], max_tokens: int = 16) -> list[str]:
+def completions_together(server, prompts: list[str], max_tokens: int = 16, ignore_eos: bool = False) -> list[str]:
     """The greedy completions of `prompts`, all requested at once (bounded: two minutes in all)."""
     import asyncio
 
@@ -93,7 +98,7 @@ def completions_together(server, prompts: list[str], max_tokens: int = 16) -> li
 
     async def one(prompt: str) -> str:
         reply = await client.completions.create(model=server.engine.info.id, prompt=prompt, max_tokens=max_tokens,
-                                                temperature=0)
+                                                temperature=0, extra_body={"ignore_eos": ignore_eos})
         return reply.choices[0].text
 
     async def together() -> list[str]:
@@ -127,3 +132,65 @@ def assert_error(r, status: int, param: str | None = None) -> dict:
     if param is not None:
         assert error["param"] == param, error
     return error
+
+
+async def stream_chat(server, content: str, max_tokens: int, started: asyncio.Event | None = None
+                      ) -> tuple[str, str | None]:
+    """A greedy chat stream read to its end: (text, finish reason); `started` is set at the first delta."""
+    stream = await server.async_openai().chat.completions.create(
+        model=server.engine.info.id, messages=[{"role": "user", "content": content}], temperature=0,
+        max_tokens=max_tokens, stream=True)
+    text, finish = [], None
+    async for chunk in stream:
+        if started is not None:
+            started.set()
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    return "".join(text), finish
+
+
+def run_beside_a_stream(server, content: str, max_tokens: int, other) -> tuple[str, object]:
+    """Stream `content`; once its first delta arrived, call `other()` in a thread. (the stream's text, what
+    `other` returned)."""
+    async def main():
+        started = asyncio.Event()
+        neighbour = asyncio.create_task(stream_chat(server, content, max_tokens, started))
+        await asyncio.wait_for(started.wait(), timeout=120)
+        result = await asyncio.to_thread(other)
+        text, _ = await neighbour
+        return text, result
+
+    return asyncio.run(asyncio.wait_for(main(), timeout=240))
+
+
+@contextmanager
+def failing_steps(runner, poison: int) -> Iterator[list[bool]]:
+    """While open, `runner.execute` fails every step that carries a request whose prompt holds token `poison`,
+    after running the step's other chunks (so the engine's rerun of them must not compute their positions on top
+    of the first run's: KV rows, cache growth). Yields, per such step, whether other requests shared it."""
+    execute = runner.execute
+    shared: list[bool] = []
+
+    def faulty_execute(chunks):
+        poisoned = [c for c in chunks if poison in c.seq.request.prompt_token_ids]
+        if not poisoned:
+            return execute(chunks)
+        others = [c for c in chunks if c not in poisoned]
+        shared.append(bool(others))
+        if others:
+            execute(others)
+        raise RuntimeError("injected fault")
+
+    runner.execute = faulty_execute
+    try:
+        yield shared
+    finally:
+        del runner.execute
+
+
+def poisoned_request(server, poison: int) -> httpx.Response:
+    """A completion whose prompt carries token `poison` (see failing_steps)."""
+    with server.http() as http:
+        return http.post("/v1/completions", json={"model": server.engine.info.id, "prompt": [poison, 100, 200],
+                                                   "max_tokens": 4})

@@ -383,3 +383,17 @@ def test_fp8_shapes_are_written_as_deepseek_ships_its_fp8_releases(tmp_path):
     assert [e.prefix for e in experts] == ["model.layers.1.mlp.experts"] and experts[0].stored_as == "FP8"
     assert SHAPES["v2-lite-fp8"].fp8 and checkpoint_bytes(SHAPES["v2-lite-fp8"].config)[1] < \
         checkpoint_bytes(SHAPES["v2-lite"].config)[1] * 0.6
+
+
+@pytest.mark.slow
+def test_bench_v4_batch_prints_each_levels_aggregate_decode_and_one_expert_call_a_step(tmp_path):
+    require_kt_kernel()
+    done = subprocess.run([sys.executable, "-m", "bench.v4_batch", "--model-dir", str(tmp_path / "v4-small"),
+                           "--layers", "2", "--clients", "1,3", "--prompt", "16", "--tokens", "6",
+                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=SMOKE_TIMEOUT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads((tmp_path / "v4-batch.json").read_text())
+    assert [level["clients"] for level in data["levels"]] == [1, 3]
+    for level in data["levels"]:
+        assert level["decode_tok_s_total"] > 0 and level["wall_tok_s"] > 0
+    assert data["levels"][1]["expert_calls_per_step"] < 1.5  # three sequences' rows in one call, not three

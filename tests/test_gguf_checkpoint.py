@@ -264,6 +264,16 @@ def test_a_layer_s_experts_read_again_come_from_the_gguf_dequantized(q4k_parts):
         assert read.shape[0] == 3 and torch.equal(read.float(), whole[:3].to(torch.bfloat16).float())
 
 
+def test_one_picker_opens_a_gguf_file_its_folder_or_gguf_path_and_else_safetensors(q4k_parts, demo_model_dir):
+    from engines.checkpoints.source import SafetensorsSource, open_source
+
+    for path in (q4k_parts[0], q4k_parts[0].parent):
+        assert isinstance(open_source(path), GGUFCheckpoint)
+    beside = open_source(demo_model_dir, gguf_path=q4k_parts[0])  # KTransformers' model_path + gguf_path
+    assert isinstance(beside, GGUFCheckpoint) and beside.hf_dir == demo_model_dir
+    assert isinstance(open_source(demo_model_dir), SafetensorsSource)
+
+
 def test_make_demo_model_refuses_an_mtp_layer_in_gguf(tmp_path, capsys):
     from server.cli import main
 

@@ -1,6 +1,7 @@
 """DeepSeek-V3.2 in the ktransformers engine on the CPU: the tiny V3.2 demo in DeepSeek's released layout (FP8
 with weight_scale_inv, the lightning indexer, an MTP layer) served through the OpenAI API and checked against
-transformers' DeepseekV32ForCausalLM run on the dequantized weights. The prompts run past the demo's
+transformers' DeepseekV32ForCausalLM run on the dequantized weights; chats in V3.2's own format
+(tests/test_v32_chat.py checks the format itself). The prompts run past the demo's
 index_topk (64), so the indexer's selection decides which positions attention sees."""
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ KT_MIN_TOP1_AGREEMENT = 0.97
 
 @pytest.fixture(scope="module")
 def kt_v32(v32_dir):
-    running = start_server(v32_dir, engine="ktransformers", kt_method="BF16")
+    running = start_server(v32_dir, engine="ktransformers", kt_method="BF16", reasoning_parser="deepseek_r1")
     yield running
     running.stop()
 
@@ -135,3 +136,29 @@ def test_version_says_the_fp8_release_and_how_the_indexer_and_experts_are_held(k
     # kt_method=BF16 converts the FP8 experts; attention (the indexer's wq_b and wk among it) is dequantized
     assert checkpoint["storage"]["experts"] == "BF16 from FP8"
     assert "from FP8" in checkpoint["storage"]["attention"]
+
+
+def test_chats_are_rendered_in_v32_s_own_format_tools_and_thinking_included(kt_v32, v32_tokenizer):
+    from engines.kt.families.deepseek_v32.chat import V32ChatFormat
+
+    from test_v32_chat import CONVERSATIONS, WEATHER
+
+    body = {"messages": CONVERSATIONS[2], "tools": [WEATHER], "chat_template_kwargs": {"thinking": True}}
+    with kt_v32.http() as http:
+        tokens = http.post("/tokenize", json=body).json()["tokens"]
+    expected = V32ChatFormat().encode(CONVERSATIONS[2], tools=[WEATHER], thinking=True)
+    assert tokens == v32_tokenizer.encode(expected, add_special_tokens=False)
+
+
+def test_a_thinking_chat_answers_in_reasoning_content_streamed_as_whole(kt_v32):
+    client, model = kt_v32.openai(), kt_v32.engine.info.id
+    messages = [{"role": "user", "content": "Say something."}]
+    thinking = {"chat_template_kwargs": {"thinking": True}}
+    whole = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
+                                           extra_body=thinking).choices[0].message
+    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
+                                                 extra_body=thinking, stream=True))
+    streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+    plain = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
+    assert whole.reasoning_content and streamed == whole.reasoning_content
+    assert not getattr(plain.choices[0].message, "reasoning_content", None) and plain.choices[0].message.content

@@ -289,7 +289,7 @@ def test_reading_the_first_experts_of_a_layer_gives_those_of_the_whole_layer(dem
 def test_the_budget_gives_each_expert_layer_the_experts_it_holds(demo_model_dir, caplog):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from engines.kt.engine import _streamed_expert_count
+    from engines.kt.families.deepseek_mla.load import _streamed_expert_count
     from engines.kt.options import KTOptions
 
     config = AutoConfig.from_pretrained(demo_model_dir)
@@ -309,7 +309,7 @@ def test_the_budget_gives_each_expert_layer_the_experts_it_holds(demo_model_dir,
 
 
 def test_the_start_up_log_says_what_a_chunk_of_streamed_experts_copies(caplog):
-    from engines.kt.engine import _log_streamed_experts
+    from engines.kt.families.deepseek_mla.expert_notes import log_streamed_experts
     from engines.kt.placement.operators import OperatorOptions
 
     options = OperatorOptions(gpu_prefill_tokens=128)
@@ -317,7 +317,7 @@ def test_the_start_up_log_says_what_a_chunk_of_streamed_experts_copies(caplog):
     streamer.register(1, HostExperts.quantize(*layer_weights(1)))
     streamer.pcie_bytes_per_s = streamer.layers[1].nbytes / 0.25  # as if one layer took 0.25 s to copy
     with caplog.at_level("INFO", logger="ktserve.engine.kt"):
-        _log_streamed_experts(options, 128, 2048)
+        log_streamed_experts(options, 128, 2048)
     assert "copies them all, 0.25 s, once per chunk of up to chunk_size=2048 tokens" in caplog.text
     assert f"at most the first {E} of each layer's" in caplog.text
 

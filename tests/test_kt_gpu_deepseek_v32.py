@@ -106,3 +106,31 @@ def test_cuda_graph_decode_equals_eager_decode_past_index_topk(v32_dir, v32_toke
             running.stop()
 
     assert greedy(kt_use_cuda_graph=True) == greedy(kt_use_cuda_graph=False)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
+def test_greedy_replies_with_mtp_drafting_equal_the_replies_without_it_on_the_gpu(graphs, v32_tokenizer,
+                                                                                  tmp_path_factory):
+    """The MTP layer (a V3.2 layer with its own indexer, here a copy of the last one) drafting on the GPU, one
+    sequence at a time, prompts below and past index_topk."""
+    from engines.kt.experts.methods import best_method
+    from engines.kt.families.deepseek_v32.demo_model import make_demo_model_v32
+
+    model_dir = make_demo_model_v32(tmp_path_factory.mktemp("v32-mtp-gpu"), mtp="last-layer")
+    texts = [prompt(v32_tokenizer, n)[0] for n in (20, 90, 170)]
+    settings = dict(engine="ktransformers", kt_method=best_method(8), kt_use_cuda_graph=graphs)
+    plain = start_server(model_dir, **settings)
+    try:
+        expected = [completion_text(plain, text, 24) for text in texts]
+    finally:
+        plain.stop()
+    drafting = start_server(model_dir, speculative="mtp", **settings)
+    try:
+        assert drafting.engine._runner.drafter.head.device.type == "cuda"
+        assert [completion_text(drafting, text, 24) for text in texts] == expected
+        stats = drafting.engine.stats()
+        print(json.dumps({"v32_mtp_gpu_graphs": graphs, "drafted": stats.draft_tokens,
+                          "accepted": stats.accepted_draft_tokens}))
+        assert 0 < stats.accepted_draft_tokens < stats.draft_tokens
+    finally:
+        drafting.stop()

@@ -17,7 +17,7 @@ from helpers import require_kt_kernel
 
 require_kt_kernel()
 
-from engines.kt import engine as kt_engine  # noqa: E402
+from engines.kt.families.deepseek_mla import load as mla_load  # noqa: E402
 from engines.kt.experts.cpuinfer import load_ext, shared_cpu_infer  # noqa: E402
 from engines.kt.experts.cache import ConvertedExperts  # noqa: E402
 from engines.kt.experts.methods import unavailable_reason  # noqa: E402
@@ -116,8 +116,8 @@ def test_kt_weight_path_on_a_build_without_its_method_is_refused_naming_it(tmp_p
     folder = tmp_path / "_layer_1" / "_numa_0"
     folder.mkdir(parents=True)
     (folder / "INT8_gate_0_65536Byte_quant_.kt").write_bytes(b"")
-    monkeypatch.setattr(kt_engine, "unavailable_reason", lambda m: "kt-kernel's avx2 build has none of AMXInt8_MOE")
-    options = kt_engine.KTOptions(kt_weight_path=str(tmp_path))
+    monkeypatch.setattr(mla_load, "unavailable_reason", lambda m: "kt-kernel's avx2 build has none of AMXInt8_MOE")
+    options = mla_load.KTOptions(kt_weight_path=str(tmp_path))
     config = type("Config", (), {"hidden_size": SIZE, "moe_intermediate_size": SIZE})
     with pytest.raises(ValueError, match=r"kt_weight_path .* holds AMXINT8 experts, but kt-kernel's avx2 build"):
-        kt_engine._converted_experts(options, config)
+        mla_load._converted_experts(options, config)

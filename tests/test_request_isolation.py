@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from conftest import start_server
-from helpers import chat_prompt_ids, greedy_reference, require_kt_kernel, with_peak_running
+from helpers import (chat_prompt_ids, failing_steps, greedy_reference, poisoned_request, require_kt_kernel,
+                     run_beside_a_stream, stream_chat, with_peak_running)
 
 require_kt_kernel()
 
@@ -35,36 +36,6 @@ def reference_text(tokenizer, reference_model, content: str, max_tokens: int) ->
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-async def stream_chat(server, content: str, max_tokens: int, started: asyncio.Event | None = None
-                      ) -> tuple[str, str | None]:
-    """A greedy chat stream read to its end: (text, finish reason); `started` is set at the first delta."""
-    stream = await server.async_openai().chat.completions.create(
-        model=server.engine.info.id, messages=[{"role": "user", "content": content}], temperature=0,
-        max_tokens=max_tokens, stream=True)
-    text, finish = [], None
-    async for chunk in stream:
-        if started is not None:
-            started.set()
-        if chunk.choices:
-            text.append(chunk.choices[0].delta.content or "")
-            finish = chunk.choices[0].finish_reason or finish
-    return "".join(text), finish
-
-
-def run_beside_a_stream(server, content: str, max_tokens: int, other) -> tuple[str, object]:
-    """Stream `content`; once its first delta arrived, call `other()` in a thread. (the stream's text, what
-    `other` returned)."""
-    async def main():
-        started = asyncio.Event()
-        neighbour = asyncio.create_task(stream_chat(server, content, max_tokens, started))
-        await asyncio.wait_for(started.wait(), timeout=120)
-        result = await asyncio.to_thread(other)
-        text, _ = await neighbour
-        return text, result
-
-    return asyncio.run(asyncio.wait_for(main(), timeout=240))
-
-
 def test_ollama_context_ids_outside_the_model_are_400_and_a_neighbour_stream_is_untouched(
         server, tokenizer, reference_model):
     content = "Name three rivers."
@@ -85,35 +56,11 @@ def test_ollama_context_ids_outside_the_model_are_400_and_a_neighbour_stream_is_
 
 def test_a_request_whose_model_step_fails_fails_alone_while_its_neighbour_streams_on(
         server, tokenizer, reference_model, caplog):
-    runner = server.engine._runner
-    execute = runner.execute
-    batched_with_others = []
-
-    def faulty_execute(chunks):
-        """A fault in any step that carries the poisoned request, struck after the rest of the step ran: the
-        retry must not compute the neighbour's positions on top of the first run's (KV rows, cache growth)."""
-        poisoned = [c for c in chunks if POISON in c.seq.request.prompt_token_ids]
-        if not poisoned:
-            return execute(chunks)
-        others = [c for c in chunks if c not in poisoned]
-        batched_with_others.append(bool(others))
-        if others:
-            execute(others)
-        raise RuntimeError("injected fault")
-
-    def poisoned_request() -> httpx.Response:
-        with server.http() as http:
-            return http.post("/v1/completions", json={"model": server.engine.info.id,
-                                                       "prompt": [POISON, 100, 200], "max_tokens": 4})
-
     content = "Describe a lighthouse."
-    runner.execute = faulty_execute
-    try:
+    with failing_steps(server.engine._runner, POISON) as shared:
         with caplog.at_level(logging.ERROR, logger="ktserve.engine"):
-            text, reply = run_beside_a_stream(server, content, 24, poisoned_request)
-    finally:
-        del runner.execute
-    assert any(batched_with_others)  # the fault struck a step the neighbour was in
+            text, reply = run_beside_a_stream(server, content, 24, lambda: poisoned_request(server, POISON))
+    assert any(shared)  # the fault struck a step the neighbour was in
     assert reply.status_code == 500 and "injected fault" in reply.json()["error"]["message"]
     assert text == reference_text(tokenizer, reference_model, content, 24)
     culprits = [r for r in caplog.records if r.levelno == logging.ERROR and "injected fault" in r.getMessage()]

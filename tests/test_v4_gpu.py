@@ -70,3 +70,23 @@ def test_v4_decodes_the_same_with_cuda_graphs_on_and_off(v4_model_dir, v4_gpu):
     finally:
         off.stop()
     assert on_text == off_text
+
+
+def test_v4_prompts_batched_on_the_gpu_agree_with_their_solo_runs(v4_gpu):
+    """Concurrent requests share steps (batch.py): each one's prompt logprobs stay within bf16 noise of its run
+    alone (the rows of a bf16 GEMM round differently for another number of rows)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [v4_gpu.engine.tokenizer.encode(TEXT[i * 7:]) for i in range(3)]
+
+    def logprobs(ids):
+        reply = v4_gpu.openai().completions.create(model=v4_gpu.engine.info.id, prompt=ids, max_tokens=0, echo=True,
+                                                   logprobs=1, temperature=0)
+        return torch.tensor(reply.choices[0].logprobs.token_logprobs[1:])
+
+    solo = [logprobs(ids) for ids in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(logprobs, prompts))
+    diffs = torch.cat([(a - b).abs() for a, b in zip(together, solo)])
+    print(f"\nV4 on the GPU, batched vs alone: median |dlogprob| {diffs.median():.4f}, max {diffs.max():.4f}")
+    assert diffs.median() < GPU_MEDIAN_LOGPROB_DIFF

@@ -72,11 +72,8 @@ def reference_logprobs(model, token_ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-def served_logprobs(model_dir: Path, token_ids: list[int], chunks: list[int], adapter: Path | None = None
-                    ) -> torch.Tensor:
-    """log-softmax of the KT engine's V4 runner fed `token_ids` in prompt chunks of `chunks` tokens, then one
-    token a step (as decoding feeds it): row i predicts token i + 1. Loads the model as the engine does, with
-    the CPU rule file; with `adapter`, that adapter directory is installed and applied."""
+def load_v4_runner(model_dir: Path, max_concurrent: int = 2):
+    """The KT engine's V4 runner for `model_dir`, loaded as the engine loads it, with the CPU rule file."""
     from transformers import AutoConfig
 
     from engines.kt.engine import RULES_DIR
@@ -84,32 +81,75 @@ def served_logprobs(model_dir: Path, token_ids: list[int], chunks: list[int], ad
     from engines.kt.families.base import LoadContext
     from engines.kt.options import KTOptions
     from engines.kt.placement.rules import load_rules
-    from engines.runtime.model_runner import ScheduledChunk
 
     config = AutoConfig.from_pretrained(model_dir)
     rule_file = RULES_DIR / "DeepSeek-V4-CPU.yaml"
     context = LoadContext(model_path=model_dir, config=config, rule_file=rule_file, rules=load_rules(rule_file),
-                          max_model_len=1024, max_concurrent=2, chunk_size=256, dtype_setting="auto",
+                          max_model_len=1024, max_concurrent=max_concurrent, chunk_size=256, dtype_setting="auto",
                           options=KTOptions(cpu_infer=1))
-    runner = family_for(config).load(context).runner
+    return family_for(config).load(context).runner
 
+
+def runner_sequence(token_ids: list[int], adapter: str | None = None) -> SimpleNamespace:
+    """What a runner reads of a scheduled sequence: its tokens, its request's adapter, its runner state."""
+    return SimpleNamespace(token_ids=token_ids, runner_state=None, request=SimpleNamespace(adapter=adapter))
+
+
+def served_logprobs(model_dir: Path, token_ids: list[int], chunks: list[int], adapter: Path | None = None
+                    ) -> torch.Tensor:
+    """log-softmax of the KT engine's V4 runner fed `token_ids` in prompt chunks of `chunks` tokens, then one
+    token a step (as decoding feeds it): row i predicts token i + 1. Loads the model as the engine does, with
+    the CPU rule file; with `adapter`, that adapter directory is installed and applied."""
+    runner = load_v4_runner(model_dir)
     if adapter is not None:
         from engines.lora import read_adapter
 
         runner.lora.install("adapter", runner.lora.prepare(read_adapter(adapter)))
+    seq = runner_sequence(token_ids, None if adapter is None else "adapter")
+    return stepped_logprobs(runner, [seq], [feeding_plan(len(token_ids), chunks)], [0])[0]
 
-    class Seq:
-        runner_state = None
-        request = SimpleNamespace(adapter=None if adapter is None else "adapter")
 
-    seq = Seq()
-    seq.token_ids = token_ids
-    sizes = chunks + [1] * (len(token_ids) - sum(chunks))
-    rows, start = [], 0
-    for n in sizes:
-        rows.append(runner.execute([ScheduledChunk(seq=seq, start=start, end=start + n, all_logits=True)])[0])
-        start += n
-    return torch.log_softmax(torch.cat(rows).float(), dim=-1)
+def stepped_logprobs(runner, sequences: list[SimpleNamespace], plans: list[list[int]], starts: list[int]
+                     ) -> list[torch.Tensor]:
+    """Feed each of `sequences` its tokens in chunks of `plans[i]` tokens (prompt chunks, then 1s as decoding
+    feeds them), sequence i joining at step `starts[i]`, every sequence with a chunk left sharing each step as the
+    scheduler batches them. Per sequence, the log-softmax of every fed position: row j predicts token j + 1."""
+    from engines.runtime.model_runner import ScheduledChunk
+
+    left = [list(plan) for plan in plans]
+    fed = [0] * len(sequences)
+    rows: list[list[torch.Tensor]] = [[] for _ in sequences]
+    step = 0
+    while any(left):
+        active = [i for i in range(len(sequences)) if left[i] and step >= starts[i]]
+        chunks = []
+        for i in active:
+            n = left[i].pop(0)
+            chunks.append(ScheduledChunk(seq=sequences[i], start=fed[i], end=fed[i] + n, all_logits=True))
+            fed[i] += n
+        for i, logits in zip(active, runner.execute(chunks)):
+            rows[i].append(logits)
+        step += 1
+    return [torch.log_softmax(torch.cat(r).float(), dim=-1) for r in rows]
+
+
+def batched_vs_solo(runner, token_ids: list[list[int]], plans: list[list[int]], starts: list[int],
+                    adapters: list[str | None] | None = None) -> float:
+    """The largest |batched - solo| next-token logprob over `token_ids`' sequences, fed together by
+    `stepped_logprobs` and then each alone with the same chunks (with `adapters[i]` for sequence i)."""
+    adapters = adapters or [None] * len(token_ids)
+    together = stepped_logprobs(runner, [runner_sequence(ids, a) for ids, a in zip(token_ids, adapters)], plans,
+                                starts)
+    diffs = []
+    for ids, plan, adapter, batched in zip(token_ids, plans, adapters, together):
+        solo = stepped_logprobs(runner, [runner_sequence(ids, adapter)], [plan], [0])[0]
+        diffs.append(max_next_token_diff(batched, solo, ids))
+    return max(diffs)
+
+
+def feeding_plan(length: int, prompt_chunks: list[int]) -> list[int]:
+    """Prompt chunks, then one token a step up to `length` positions."""
+    return prompt_chunks + [1] * (length - sum(prompt_chunks))
 
 
 def max_next_token_diff(served: torch.Tensor, reference: torch.Tensor, token_ids: list[int]) -> float:
@@ -121,9 +161,18 @@ def max_next_token_diff(served: torch.Tensor, reference: torch.Tensor, token_ids
 if __name__ == "__main__":  # run in a child process under another kt-kernel build: prints the measured diff
     import sys
 
+    import kt_kernel
+
     directory, count = Path(sys.argv[1]), int(sys.argv[2])
-    adapter = Path(sys.argv[3]) if len(sys.argv) > 3 else None  # a KT-SFT adapter: compared with it merged
     ids = torch.randint(100, 120000, (count,), generator=torch.Generator().manual_seed(0)).tolist()
+    if sys.argv[3:] == ["batched"]:  # sequences sharing steps against each alone
+        lengths = [count, count // 2, count // 3]
+        prompts = [ids[:n][::-1] if i else ids for i, n in enumerate(lengths)]
+        diff = batched_vs_solo(load_v4_runner(directory, max_concurrent=3), prompts,
+                               [feeding_plan(n, [n // 2]) for n in lengths], [0, 1, 2])
+        print(json.dumps({"variant": kt_kernel.__cpu_variant__, "batched_max_diff": diff}))
+        sys.exit(0)
+    adapter = Path(sys.argv[3]) if len(sys.argv) > 3 else None  # a KT-SFT adapter: compared with it merged
     served = served_logprobs(directory, ids, [count // 3, count // 3], adapter)
     if adapter is None:
         reference = reference_logprobs(v4_reference_model(directory), ids)
@@ -131,7 +180,5 @@ if __name__ == "__main__":  # run in a child process under another kt-kernel bui
         from v4_lora_helpers import merged_reference
 
         reference = reference_logprobs(merged_reference(directory, adapter), ids)
-    import kt_kernel
-
     print(json.dumps({"variant": kt_kernel.__cpu_variant__, "max_diff": max_next_token_diff(served, reference, ids),
                       "top1_agree": float((served.argmax(-1) == reference.argmax(-1)).float().mean())}))

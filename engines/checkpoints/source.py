@@ -150,6 +150,10 @@ class CheckpointSource(Protocol):
     def layer_experts(self, prefix: str, num_experts: int, first: int | None = None) -> ExpertsLayer:
         """One layer's routed experts (with `first`, experts [0, first)), read again (expert LoRA, copies)."""
 
+    def for_layers(self, num_layers: int, skip: re.Pattern | None = None) -> "CheckpointSource":
+        """The source that reads the decoder layers [0, num_layers) only (past them: DeepSeek's MTP layer) and no
+        tensor whose name `skip` matches."""
+
 
 def quantization_block(config: dict, where: Path) -> tuple[int, int] | None:
     """The FP8 block of a checkpoint's config.json (None: not quantized); a method we do not read is an error."""
@@ -233,6 +237,10 @@ class SafetensorsSource:
         self.num_layers = num_layers
         self.experts_form = "fp8_blocks" if self.block else "bf16"
         self.format, self.stored_as = describe(config, self.block)
+
+    def for_layers(self, num_layers: int, skip: re.Pattern | None = None) -> "SafetensorsSource":
+        """This checkpoint read up to layer `num_layers` (excluded), without the tensors `skip` matches."""
+        return SafetensorsSource(self.path, num_layers, skip)
 
     def _tensors(self, progress: Any = None, prefix: str = "", skip: frozenset[str] = frozenset()
                  ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -331,6 +339,20 @@ class SafetensorsSource:
         fp8 = parts[MATRICES[0]][0][1] is not None
         scales = tuple(torch.stack([parts[m][e][1] for e in range(count)]) for m in MATRICES) if fp8 else None
         return StoredExperts(prefix, weights[0], weights[1], weights[2], scales, self.block or DEFAULT_BLOCK)
+
+
+def open_source(path: str | Path, gguf_path: str | Path | None = None) -> CheckpointSource:
+    """The checkpoint `path` names, as a source: a GGUF checkpoint (a .gguf file, the first part of a split set, a
+    folder of them; or KTransformers' `gguf_path`, `path` then naming the folder of the original config and
+    tokenizer) as `GGUFCheckpoint`, else the safetensors folder as `SafetensorsSource`. The one place that tells
+    the formats apart."""
+    from engines.checkpoints.gguf import GGUFCheckpoint, is_gguf  # it reads StoredTensor from here
+
+    if gguf_path:
+        return GGUFCheckpoint(gguf_path, hf_dir=path)
+    if is_gguf(path):
+        return GGUFCheckpoint(path)
+    return SafetensorsSource(path)
 
 
 def describe(config: dict, block: tuple[int, int] | None) -> tuple[str, str]:

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from engines.base import CheckpointStorage
-from engines.checkpoints.source import (CheckpointSource, ExpertsLayer, SafetensorsSource, StorageNotes,
-                                        StoredTensor)
+from engines.checkpoints.source import (CheckpointSource, ExpertsLayer, StorageNotes, StoredTensor,
+                                        open_source)
 from engines.kt.experts.protocol import RoutedExperts
 
 log = logging.getLogger("ktserve.engine.kt")
@@ -159,7 +159,4 @@ def read_layer_experts(model_path: Path, prefix: str, num_experts: int, first: i
     """One layer's routed experts straight from the checkpoint, stacked as floats: gate, up [E, I, H], down
     [E, H, I] (per-expert tensors, or the fused gate_up_proj / down_proj layout; FP8 and GGUF blocks
     dequantized); with `first`, only experts [0, first) (per-expert tensors past them are not read)."""
-    from engines.checkpoints.gguf import GGUFCheckpoint, is_gguf
-
-    source = GGUFCheckpoint(model_path) if is_gguf(model_path) else SafetensorsSource(model_path)
-    return source.layer_experts(prefix, num_experts, first).dequantized()
+    return open_source(model_path).layer_experts(prefix, num_experts, first).dequantized()

@@ -1,5 +1,6 @@
-"""DeepSeek-V3's multi-token-prediction (MTP) layer, served as the KT engine's draft head (V3, R1 and V3.1 ship
-one; engines/kt/drafting.py runs it, engines/runtime/speculative.py verifies what it proposes).
+"""DeepSeek-V3's multi-token-prediction (MTP) layer, served as the KT engine's draft head (V3, R1, V3.1 and V3.2
+ship one, V3.2's a decoder layer with its own lightning indexer; engines/kt/drafting.py runs it,
+engines/runtime/speculative.py verifies what it proposes).
 
 Released checkpoints store it as decoder layer `model.layers.<num_hidden_layers>` (attention and MoE like any
 other layer) plus `enorm` and `hnorm` (RMSNorms of a token's embedding and of the main model's final hidden
@@ -21,6 +22,7 @@ layer N of the latent cache) and taken out of the model once loaded (`MTPHead.ta
 steps, CUDA graphs, expert deferral and LoRA never see it."""
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,10 @@ def add_layer(model: nn.Module, config: Any) -> None:
     meta device, before placement)."""
     inner = model.model
     index = len(inner.layers)
+    types = getattr(config, "mlp_layer_types", None)
+    if types is not None and len(types) <= index:  # V3.2's config lists the decoder layers' MLPs; the MTP layer's
+        config = copy.copy(config)                  # is a MoE, as in V3's release
+        config.mlp_layer_types = [*types, "sparse"]
     block = type(inner.layers[-1])(config, index)
     norm = type(inner.norm)
     block.enorm = norm(config.hidden_size, eps=config.rms_norm_eps)

@@ -47,18 +47,20 @@ class AdapterRows:
 
 
 class LoraContext:
-    """The step's `AdapterRows`, set by the runner around one forward of its model."""
+    """The step's `AdapterRows`, set by the runner around one forward of its model. Steps nest: a runner that
+    runs part of its model on one sequence's rows at a time (DeepSeek-V4's attention) sets that sequence's
+    rows inside the step's, and the step's come back after it."""
 
     def __init__(self) -> None:
         self.rows: AdapterRows | None = None
 
     @contextmanager
     def step(self, rows: AdapterRows) -> Iterator[None]:
-        self.rows = rows
+        outer, self.rows = self.rows, rows
         try:
             yield
         finally:
-            self.rows = None
+            self.rows = outer
 
     def active(self, updates: dict) -> list[str]:
         """The adapters of this step that have an update in `updates`."""

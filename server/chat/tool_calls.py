@@ -191,9 +191,10 @@ def _is_json(text: str) -> bool:
 
 
 def tool_parser(markup: str):
-    """A fresh parser for a model's tool-call markup: "deepseek_v3" (V3/R1/V3.1) or "dsml" (V4)."""
-    if markup == "dsml":
+    """A fresh parser for a model's tool-call markup: "deepseek_v3" (V3/R1/V3.1), "dsml" (V4) or
+    "dsml_function_calls" (V3.2)."""
+    if markup in ("dsml", "dsml_function_calls"):
         from server.chat.tool_calls_dsml import DsmlToolParser
 
-        return DsmlToolParser()
+        return DsmlToolParser("function_calls" if markup == "dsml_function_calls" else "tool_calls")
     return DeepSeekV3ToolParser()

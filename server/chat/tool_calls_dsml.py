@@ -1,6 +1,7 @@
-"""DeepSeek-V4 tool calls ("DSML" markup): parse the model's tool-call block into OpenAI `tool_calls`.
+"""DeepSeek-V3.2 and V4 tool calls ("DSML" markup): parse the model's tool-call block into OpenAI `tool_calls`.
 
-The format (V4's conversation format shows it to the model; engines/kt/families/deepseek_v4/chat.py):
+The format (the conversation formats show it to the model; engines/kt/families/dsml_chat.py), V4's block being
+`tool_calls` and V3.2's `function_calls`:
 
     CONTENT
 
@@ -23,8 +24,6 @@ from engines.base import marker_prefix_tail
 from server.chat.tool_calls import IncrementalToolParser, ToolCall, ToolCallDelta, ToolDelta, new_call_id
 
 DSML = "｜DSML｜"
-BLOCK_BEGIN = f"<{DSML}tool_calls>"
-BLOCK_END = f"</{DSML}tool_calls>"
 INVOKE_END = f"</{DSML}invoke>"
 _INVOKE = re.compile(rf'^\s*<{DSML}invoke name="([^"<>\n]+)">\n?(.*?)</{DSML}invoke>', re.S)
 _PARAM = re.compile(rf'<{DSML}parameter name="([^"<>\n]+)" string="(true|false)">(.*?)</{DSML}parameter>', re.S)
@@ -32,7 +31,8 @@ MAX_INVOKE_CHARS = 1 << 20
 
 
 class DsmlToolParser(IncrementalToolParser):
-    def __init__(self) -> None:
+    def __init__(self, block: str = "tool_calls") -> None:
+        self.block_begin, self.block_end = f"<{DSML}{block}>", f"</{DSML}{block}>"
         self._state = "content"  # content | block | after | broken
         self._buf = ""
         self._raw = ""  # the block's text so far, returned as content if it breaks
@@ -55,14 +55,15 @@ class DsmlToolParser(IncrementalToolParser):
         if self._state == "block":
             return self._invoke(out)
         buf = self._buf
-        at = buf.find(BLOCK_BEGIN) if self._state == "content" else -1
+        at = buf.find(self.block_begin) if self._state == "content" else -1
         if at >= 0:
             out.content += buf[:at].rstrip("\n")
-            self._raw, self._buf, self._state = buf[at:at + len(BLOCK_BEGIN)], buf[at + len(BLOCK_BEGIN):], "block"
+            begin = at + len(self.block_begin)
+            self._raw, self._buf, self._state = buf[at:begin], buf[begin:], "block"
             return True
         keep = 0
         if self._state == "content":  # a tail that may become the block's start, and the blank lines before it
-            body = buf[:len(buf) - marker_prefix_tail(buf, (BLOCK_BEGIN,))]
+            body = buf[:len(buf) - marker_prefix_tail(buf, (self.block_begin,))]
             keep = len(buf) - len(body.rstrip("\n"))
         out.content += buf[:len(buf) - keep]
         self._buf = buf[len(buf) - keep:]
@@ -70,13 +71,13 @@ class DsmlToolParser(IncrementalToolParser):
 
     def _invoke(self, out: ToolDelta) -> bool:
         stripped = self._buf.lstrip("\n")
-        if stripped.startswith(BLOCK_END):
-            self._buf, self._raw, self._state = stripped[len(BLOCK_END):], "", "after"
+        if stripped.startswith(self.block_end):
+            self._buf, self._raw, self._state = stripped[len(self.block_end):], "", "after"
             return True
         if INVOKE_END not in self._buf:
             if len(self._buf) > MAX_INVOKE_CHARS or not (stripped.startswith(f"<{DSML}invoke")
                                                           or f"<{DSML}invoke".startswith(stripped)
-                                                          or BLOCK_END.startswith(stripped)):
+                                                          or self.block_end.startswith(stripped)):
                 return self._broken()
             return False
         match = _INVOKE.match(self._buf)

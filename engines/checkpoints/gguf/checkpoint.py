@@ -158,6 +158,10 @@ class GGUFCheckpoint:
             raise ValueError(f"model: layer {layer}'s routed experts are incomplete in {self.files.first.name}")
         return GGUFExperts(prefix, self.files, names, min(first or num_experts, num_experts))
 
+    def for_layers(self, num_layers: int, skip: Any = None) -> "GGUFCheckpoint":
+        """Itself: llama.cpp's converter writes the decoder layers only (no multi-token-prediction layer)."""
+        return self
+
     def _read(self, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor | GGUFExperts, str]]:
         """(checkpoint name, tensor or GGUFExperts, stored type) in file order; a tensor this architecture does
         not name comes under its GGUF name (the loader reports it)."""

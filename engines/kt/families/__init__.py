@@ -2,8 +2,8 @@
 
 engines/kt/families/base.py says what a family provides. A family listed here loads and runs the model, and
 the engine, runtime and server stay unaware of its internals. The V2/V3 (MLA) generation, every `model_type`
-not listed, is engines/kt/engine.py's MLAFamily, whose load path (`load_mla`) V3.2 reuses with its own
-attention and cache.
+not listed, is deepseek_mla/'s MLAFamily, whose load path (`load_mla`) V3.2 reuses with its own attention and
+cache.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ FAMILIES: dict[str, str] = {
 
 
 def family_for(config: Any) -> ModelFamily | None:
-    """The family serving `config.model_type`, or None when the engine's MLAFamily (V2 / V3) serves it."""
+    """The family serving `config.model_type`, or None when deepseek_mla's MLAFamily (V2 / V3) serves it."""
     target = FAMILIES.get(getattr(config, "model_type", ""))
     if target is None:
         return None

@@ -23,7 +23,8 @@ What a family provides:
   `engines.runtime.model_runner.ModelRunner`: the shared scheduler hands it chunks of sequences and takes
   logits back; it keeps each sequence's cache in `seq.runner_state` and frees it in `release`.
 * **`chat_encoder(model_path, allow_checkpoint_code)`**: a `ChatEncoder` when the family's conversation
-  format is not a jinja chat template (V4 ships Python, `encoding/encoding_dsv4.py`), else None (the
+  format is not a jinja chat template (V3.2 and V4 ship Python, `encoding/encoding_dsv32.py`,
+  `encoding_dsv4.py`; engines/kt/families/dsml_chat.py), else None (the
   tokenizer's template serves). `allow_checkpoint_code` is the user's explicit opt-in to run code from the
   model folder (as transformers' trust_remote_code).
 
@@ -67,7 +68,7 @@ class LoadContext:
     options: Any  # engines.kt.options.KTOptions
     fold: dict[str, str] = field(default_factory=dict)  # rule devices this machine lacks -> where they run
     speculative: Any = None  # engines.runtime.speculative.SpeculativeOptions: whether to draft, and how much
-    gguf: Any = None  # the opened GGUF checkpoint (engines/kt/gguf_checkpoint.py) when serving one, else None
+    source: Any = None  # the checkpoint (engines/checkpoints/source.py: open_source), for families that read it so
 
 
 @dataclass(slots=True)

@@ -7,6 +7,7 @@ What makes it V3.2's release rather than the V3 demo with two more keys:
   `weight_scale_inv` per 128x128 block, a power of two as in the V3.1/V3.2 releases; embeddings, LM head,
   norms, routers, the indexer's `k_norm` and `weights_proj` stay bf16 (the routing bias float32);
 - the indexer's tensors sit under `model.layers.N.self_attn.indexer.*`;
+- no jinja chat template: the conversation format is V3.2's own (chat.py);
 - one multi-token-prediction layer follows the decoder layers (`model.layers.<num_hidden_layers>.*`: a whole
   decoder layer with its own indexer, plus `enorm`, `hnorm`, `eh_proj`, its own `embed_tokens` and
   `shared_head`), which serving skips.
@@ -41,28 +42,39 @@ def v32_config(**overrides) -> dict:
     return config
 
 
-def make_demo_model_v32(out_dir: str | Path, seed: int = DEMO_SEED, **overrides) -> Path:
-    """Write the V3.2 demo into `out_dir` and return it; the same seed gives the same bytes."""
+def make_demo_model_v32(out_dir: str | Path, seed: int = DEMO_SEED, mtp: str = "random", **overrides) -> Path:
+    """Write the V3.2 demo into `out_dir` and return it; the same seed gives the same bytes. `mtp`: the MTP layer
+    drawn at random, or "last-layer": a copy of the model's last layer, indexer included, whose drafts are
+    often accepted (engines/demo_model.py: mtp_layer_tensors)."""
+    if mtp not in ("random", "last-layer"):
+        raise ValueError(f"mtp: {mtp!r} is not one of random, last-layer")
     config = v32_config(**overrides)
-    return write_model_dir(out_dir, config, fp8_release(random_bf16_weights(config, seed), is_fp8, ue8m0=True))
+    # no jinja chat template, as the final release (its format is V3.2's own, encoded in Python: chat.py)
+    return write_model_dir(out_dir, config, fp8_release(random_bf16_weights(config, seed, mtp == "last-layer"), is_fp8, ue8m0=True),
+                           chat_template=False)
 
 
 def is_fp8(name: str) -> bool:
     return name.endswith(".weight") and name.rpartition(".")[0].rpartition(".")[2] in _FP8_LINEARS
 
 
-def random_bf16_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
+def random_bf16_weights(config: dict, seed: int, copy_last_layer: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor under its released name, before FP8 quantization: the V3 demo's decoder and MTP layer, then
     every layer's indexer, drawn on from the MTP layer's decoder layer (seed + 1). The test figures (README,
     tests/test_kt_deepseek_v32.py) were measured on these bytes: past index_topk a near tie in the indexer's
     scores decides which positions attend, so other draws give other figures."""
     weights = _random_weights(config, seed)
-    weights.update(mtp_layer_tensors(config, weights, seed + 1))
+    weights.update(mtp_layer_tensors(config, weights, seed + 1, copy_last_layer))
     gen = torch.Generator().manual_seed(seed + 1)
     normal, linear = _draws(gen)
     _layer_weights(config, config["num_hidden_layers"], normal, linear, gen)  # the MTP decoder layer's draws
     for i in range(config["num_hidden_layers"] + config["num_nextn_predict_layers"]):
         weights.update(indexer_weights(config, f"model.layers.{i}.self_attn.indexer", linear, normal))
+    if copy_last_layer:  # drawn all the same, so the main layers' bytes do not change
+        last, mtp = (f"model.layers.{i}.self_attn.indexer." for i in (config["num_hidden_layers"] - 1,
+                                                                       config["num_hidden_layers"]))
+        weights.update({mtp + name[len(last):]: t.clone() for name, t in list(weights.items())
+                        if name.startswith(last)})
     return weights
 
 

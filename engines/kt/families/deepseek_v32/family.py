@@ -1,27 +1,32 @@
 """DeepSeek-V3.2 / V3.2-Exp (`model_type: deepseek_v32`) in the KT engine: V3 plus DeepSeek Sparse Attention.
 
-V3.2 loads through V3's path (engines/kt/engine.py: load_mla), so the checkpoint is read as any DeepSeek FP8
+V3.2 loads through V3's path (engines/kt/families/deepseek_mla/load.py: load_mla), so the checkpoint is read as any DeepSeek FP8
 release is (engines/checkpoints/source.py: FP8 blocks with `weight_scale_inv`, the indexer's `wq_b` and `wk`
 among them, dequantized on their device; the routed experts kept as FP8 blocks where the experts method reads
-them, else converted; the MTP layer skipped). What V3.2 adds is here and in this folder:
+them, else converted; the MTP layer skipped unless it drafts). What V3.2 adds is here and in this folder:
 - the attention: MLA plus the lightning indexer's top-k selection (attention/mla.py: IndexedMLAAttention, which
   the rule files name as engines.kt.placement.operators.IndexedMLAAttention);
 - the cache: the latent cache plus the indexer's keys in the same slots (cache.py);
 - FlashInfer's paged MLA computes dense attention, so V3.2 attends in torch;
-- its MTP layer does not draft yet (`speculative: mtp` serves without drafting and says so);
+- its MTP layer drafts as V3's does (`speculative: mtp`, engines/kt/mtp.py): a V3.2 decoder layer with its own
+  indexer, placed and loaded as one more layer, attending over its own layer of the indexed cache;
+- the conversation format, encoded in Python as the release does (chat.py; engines/kt/families/dsml_chat.py:
+  what it shares with V4's);
 - the demo checkpoint writer (demo_model.py)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
-from engines.kt.engine import MLAFamily, MLAVariant, load_mla
-from engines.kt.families.base import LoadContext, LoadedModel
+from engines.kt.families.deepseek_mla.family import MLAFamily
+from engines.kt.families.deepseek_mla.load import MLAVariant, load_mla
+from engines.kt.families.base import ChatEncoder, LoadContext, LoadedModel
 from engines.kt.families.deepseek_v32.cache import IndexedLatentKVCache
 
 VARIANT = MLAVariant(
     make_cache=lambda config, **kwargs: IndexedLatentKVCache(index_dim=config.index_head_dim, **kwargs),
-    flashinfer=False, drafts=False)
+    flashinfer=False)
 
 
 class DeepseekV32Family(MLAFamily):
@@ -37,3 +42,20 @@ class DeepseekV32Family(MLAFamily):
         loaded = load_mla(self, context, VARIANT)
         loaded.details["index_topk"] = str(context.config.index_topk)
         return loaded
+
+    def chat_encoder(self, model_path: Path, allow_checkpoint_code: bool = False) -> ChatEncoder | None:
+        """V3.2's format, which the final release encodes in Python: its `encoding/encoding_dsv32.py` when the user
+        allows running the model folder's code (trust_remote_code), else our implementation (chat.py). A folder
+        with a jinja chat template and no encoder (V3.2-Exp) is served with its template."""
+        from engines.kt.families.deepseek_v32.chat import ENCODER_FILE, V32ChatFormat
+        from engines.kt.families.dsml_chat import choose_encoder
+        from engines.model_files import ships_chat_template
+
+        if not (model_path / "encoding" / ENCODER_FILE).is_file() and ships_chat_template(model_path):
+            return None
+        return choose_encoder(model_path, allow_checkpoint_code, V32ChatFormat(), ENCODER_FILE, takes_effort=False)
+
+    def install_chat_encoder(self, tokenizer: Any, encoder: ChatEncoder) -> None:
+        from engines.kt.families.dsml_chat import install
+
+        install(tokenizer, encoder)

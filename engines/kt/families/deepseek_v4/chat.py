@@ -8,24 +8,19 @@ An assistant turn is `[reasoning</think>]content[\\n\\n<｜DSML｜tool_calls>...
 (earlier turns' reasoning is dropped unless tools are offered); tool results join the next user turn as
 `<tool_result>...</tool_result>` blocks. `V4ChatFormat` is our implementation; `checkpoint_encoder` loads the
 release's own file when the user opts in to running code from the model folder (`trust_remote_code`).
-
-The server sees either as the tokenizer's `apply_chat_template` (`install`), with two request options in
-`chat_template_kwargs`: `thinking` (bool; default off) and `reasoning_effort` ("high" / "max"; thinking only).
-Replies are parsed by the `deepseek_r1` reasoning parser (`<think>` ... `</think>`) and the DSML tool-call
-parser (server/chat/tool_calls_dsml.py)."""
+What V4 shares with V3.2's format (tokens, DSML markup, the opt-in, how the server sees a format) is
+engines/kt/families/dsml_chat.py; `reasoning_effort` ("high" / "max"; thinking only) adds V4's preamble."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
-from typing import Any, Callable
 
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
-THINK_START, THINK_END = "<think>", "</think>"
-DSML = "｜DSML｜"
+from engines.kt.families import dsml_chat
+from engines.kt.families.dsml_chat import (ASSISTANT, BOS, DSML, EOS, THINK_END, THINK_START, USER,
+                                           effort_of)
+
+TOOL_PARSER = "dsml"  # server/chat/tool_calls.py: the DSML parser of `<｜DSML｜tool_calls>` blocks
+ENCODER_FILE = "encoding_dsv4.py"
 EFFORTS = {
     "high": ("Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
              "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the "
@@ -67,33 +62,16 @@ Otherwise, output directly after {THINK_END} with tool calls or final response.
 TOOLS_CLOSING = "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
 
 
-def effort_of(value: Any) -> str:
-    if value in (None, "", "low", "medium"):
-        return "low"
-    if value not in EFFORTS:
-        raise ValueError(f"reasoning_effort: {value!r} is not one of low, medium, high, max")
-    return value
-
-
 def render_tool_calls(calls: list[dict]) -> str:
-    """An assistant's OpenAI `tool_calls` in V4's DSML markup (strings as they are, other values as JSON)."""
-    invokes = []
-    for call in calls:
-        function = call["function"]
-        arguments = function.get("arguments") or "{}"
-        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        params = [f'<{DSML}parameter name="{key}" string="{"true" if isinstance(value, str) else "false"}">'
-                  f'{value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)}</{DSML}parameter>'
-                  for key, value in arguments.items()]
-        invokes.append(f'<{DSML}invoke name="{function["name"]}">\n' + "\n".join(params) + f"\n</{DSML}invoke>")
-    return f"\n\n<{DSML}tool_calls>\n" + "\n".join(invokes) + f"\n</{DSML}tool_calls>"
+    """An assistant's OpenAI `tool_calls` in V4's DSML markup (a `<｜DSML｜tool_calls>` block)."""
+    return dsml_chat.render_tool_calls(calls, "tool_calls")
 
 
 class V4ChatFormat:
     """Our implementation of `encode_messages`, for OpenAI-style messages (system / user / assistant / tool)."""
 
     reasoning_parser = "deepseek_r1"
-    tool_parser = "dsml"
+    tool_parser = TOOL_PARSER
 
     def encode(self, messages: list[dict], tools: list[dict] | None = None, thinking: bool = False,
                reasoning_effort: str | None = None) -> str:
@@ -147,49 +125,6 @@ def _merge_tool_results(messages: list[dict]) -> list[dict]:
     return out
 
 
-class CheckpointChatFormat:
-    """The release's own `encoding/encoding_dsv4.py`, run from the model folder (trust_remote_code only)."""
-
-    reasoning_parser = "deepseek_r1"
-    tool_parser = "dsml"
-
-    def __init__(self, encode_messages: Callable[..., str]):
-        self._encode_messages = encode_messages
-
-    def encode(self, messages: list[dict], tools: list[dict] | None = None, thinking: bool = False,
-               reasoning_effort: str | None = None) -> str:
-        messages = [dict(m) for m in messages]
-        if tools:  # the release takes tools on the system message
-            if not messages or messages[0].get("role") != "system":
-                messages.insert(0, {"role": "system", "content": ""})
-            messages[0]["tools"] = tools
-        effort = effort_of(reasoning_effort)
-        return self._encode_messages(messages, thinking_mode="thinking" if thinking else "chat",
-                                     reasoning_effort=None if effort == "low" else effort)
-
-
-def checkpoint_encoder(model_path: Path) -> CheckpointChatFormat | None:
+def checkpoint_encoder(model_path: Path) -> dsml_chat.CheckpointChatFormat | None:
     """The model folder's `encoding/encoding_dsv4.py`, imported; None when the folder has none."""
-    path = Path(model_path) / "encoding" / "encoding_dsv4.py"
-    if not path.is_file():
-        return None
-    spec = importlib.util.spec_from_file_location("ktserve_checkpoint_encoding_dsv4", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    if not callable(getattr(module, "encode_messages", None)):
-        raise ValueError(f"model: {path} has no encode_messages function")
-    return CheckpointChatFormat(module.encode_messages)
-
-
-def install(tokenizer: Any, encoder: Any) -> None:
-    """Make `encoder` the tokenizer's chat format: the server renders chats through `apply_chat_template`
-    and picks its tool-call parser by `tool_call_format`."""
-    def apply_chat_template(messages, tools=None, tokenize=False, add_generation_prompt=True, thinking=False,
-                            reasoning_effort=None, **_: Any):
-        text = encoder.encode(list(messages), tools=tools, thinking=bool(thinking), reasoning_effort=reasoning_effort)
-        if not add_generation_prompt and text.endswith((THINK_START, THINK_END)):
-            text = text.rsplit(ASSISTANT, 1)[0]
-        return tokenizer.encode(text, add_special_tokens=False) if tokenize else text
-
-    tokenizer.apply_chat_template = apply_chat_template
-    tokenizer.tool_call_format = encoder.tool_parser
+    return dsml_chat.checkpoint_encoder(model_path, ENCODER_FILE, TOOL_PARSER, takes_effort=True)

@@ -1,7 +1,6 @@
 """The DeepSeek-V4 family (V4-Flash, V4-Pro): what the KT engine's registry returns for `deepseek_v4`."""
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -10,8 +9,6 @@ from torch import nn
 
 from engines.kt.families.base import ChatEncoder, ExpertLayout, LoadContext, LoadedModel, ModelFamily
 from engines.kt.families.deepseek_v4 import names
-
-log = logging.getLogger("ktserve.engine.kt")
 
 
 class DeepseekV4Family(ModelFamily):
@@ -39,6 +36,7 @@ class DeepseekV4Family(ModelFamily):
     def load(self, context: LoadContext) -> LoadedModel:
         from engines.kt.engine import expert_methods_for, torch_thread_count
         from engines.kt.families.deepseek_v4.loader import load_v4_checkpoint
+        from engines.kt.families.deepseek_v4.mtp import V4DraftHead, add_draft_block
         from engines.kt.families.deepseek_v4.runner import V4ModelRunner
         from engines.kt.placement.operators import OperatorOptions
         from engines.kt.placement.rules import apply_placement, plan_placement
@@ -47,7 +45,11 @@ class DeepseekV4Family(ModelFamily):
         from engines.model_files import resolve_dtype
 
         config, kt = context.config, context.options
+        draft_layer, no_draft = _draft_layer(context)
         model = self.build_model(config)
+        if draft_layer is not None:
+            with torch.device("meta"):
+                add_draft_block(model, config)  # placed and loaded as one more layer, then taken out
         placement = plan_placement(model, context.rules, default_device="cpu", fold=context.fold)
         choices = expert_methods_for(placement, kt.kt_method, context.rule_file, config,
                                      self.expert_layout.native_method)
@@ -58,10 +60,12 @@ class DeepseekV4Family(ModelFamily):
         gpu = any(d.startswith("cuda") for d in placement.devices.values())
         dtype = resolve_dtype(context.dtype_setting, torch.device("cuda" if gpu else "cpu"))
         _build_rotary_tables(model, config, placement.device_of_param)
-        load_v4_checkpoint(model, context.model_path, placement.device_of_param, dtype)
+        load_v4_checkpoint(model, context.model_path, placement.device_of_param, dtype, draft_layer=draft_layer)
         model.eval()
+        head = V4DraftHead.take(model) if draft_layer is not None else None
         details = {"attention_backend": "torch (transformers' DeepSeek-V4 modules)", "cuda_graphs": "none (V4 runner)",
-                   "v4_caches": "per sequence (transformers DynamicCache)"}
+                   "v4_caches": "per sequence (transformers DynamicCache)",
+                   "v4_steps": "batched: a step's rows together, attention's cached part per sequence"}
         for choice in choices.values():
             details.update(choice.describe())
         cpu_experts = any(c.method for c in choices.values())
@@ -74,28 +78,38 @@ class DeepseekV4Family(ModelFamily):
                                     (("experts", experts), ("the rest", f"{dtype_name(dtype)} from FP8")))
         details["expert_lora"] = ("torch on the LoRA'd rows, base experts in bf16 (kt-kernel's MXFP4_SFT_MOE: "
                                   "not used, see engines/lora/cpu_experts.py)")
-        return LoadedModel(runner=V4ModelRunner(model, context.max_model_len, context.model_path), details=details,
-                           torch_threads=threads, checkpoint=storage)
+        if head is not None:
+            details["speculative"] = "mtp (mtp.0: sliding-window attention over its own cache per sequence)"
+        runner = V4ModelRunner(model, context.max_model_len, context.model_path, head=head,
+                               draft_unavailable=no_draft)
+        return LoadedModel(runner=runner, details=details, torch_threads=threads, checkpoint=storage)
 
     def chat_encoder(self, model_path: Path, allow_checkpoint_code: bool = False) -> ChatEncoder | None:
         """The release's `encoding/encoding_dsv4.py` when the user allows running the model folder's code
         (trust_remote_code), else our implementation of the same format."""
-        from engines.kt.families.deepseek_v4.chat import V4ChatFormat, checkpoint_encoder
+        from engines.kt.families.deepseek_v4.chat import ENCODER_FILE, V4ChatFormat
+        from engines.kt.families.dsml_chat import choose_encoder
 
-        if allow_checkpoint_code:
-            encoder = checkpoint_encoder(model_path)
-            if encoder is not None:
-                log.info("chat format: the checkpoint's encoding/encoding_dsv4.py (trust_remote_code)")
-                return encoder
-        elif (model_path / "encoding" / "encoding_dsv4.py").is_file():
-            log.info("chat format: ktserve's DeepSeek-V4 encoder (the model folder's encoding/encoding_dsv4.py "
-                     "runs only with trust_remote_code)")
-        return V4ChatFormat()
+        return choose_encoder(model_path, allow_checkpoint_code, V4ChatFormat(), ENCODER_FILE, takes_effort=True)
 
     def install_chat_encoder(self, tokenizer: Any, encoder: ChatEncoder) -> None:
-        from engines.kt.families.deepseek_v4.chat import install
+        from engines.kt.families.dsml_chat import install
 
         install(tokenizer, encoder)
+
+
+def _draft_layer(context: LoadContext) -> tuple[int | None, str | None]:
+    """The index the MTP layer loads at when speculative decoding asks for it, else None and, when it asked, why
+    there is none (the runtime logs it and serves without drafting)."""
+    from engines.kt.families.deepseek_v4.mtp import MARKER, has_mtp_layer
+
+    spec, config = context.speculative, context.config
+    if spec is None or spec.speculative != "mtp":
+        return None, None
+    if not has_mtp_layer(context.model_path):
+        return None, (f"{context.model_path.name} has no multi-token-prediction layer ({MARKER} is not in the "
+                      "checkpoint)")
+    return config.num_hidden_layers, None
 
 
 def _build_rotary_tables(model: nn.Module, config: Any, device_of: Any) -> None:

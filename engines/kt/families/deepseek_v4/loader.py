@@ -19,7 +19,7 @@ from engines.checkpoints import mxfp4
 from engines.checkpoints.fp8 import dequantize_blocks
 from engines.checkpoints.source import checkpoint_files, iter_tensors
 from engines.kt.experts.cpu import RoutedExpertsCPU
-from engines.kt.families.deepseek_v4.names import EXPERT, PROJECTIONS, is_draft, module_name
+from engines.kt.families.deepseek_v4.names import EXPERT, PROJECTIONS, draft_layer_name, is_draft, module_name
 from engines.kt.loader import float32_names, missing_tensors, set_tensor
 
 
@@ -46,8 +46,11 @@ class _Experts:
                                   for e in range(self.num_experts)]) for m in ("gate", "up", "down"))
 
 
-def load_v4_checkpoint(model: nn.Module, model_path: Path, device_of: Any, dtype: torch.dtype) -> None:
-    """Put every tensor the model uses in place; ValueError naming what the checkpoint lacks or has extra."""
+def load_v4_checkpoint(model: nn.Module, model_path: Path, device_of: Any, dtype: torch.dtype,
+                       draft_layer: int | None = None) -> None:
+    """Put every tensor the model uses in place; ValueError naming what the checkpoint lacks or has extra.
+    `draft_layer`: the index the multi-token-prediction layer was appended at (engines/kt/families/deepseek_v4/
+    mtp.py), whose `mtp.0.*` tensors then load as that layer's; None: they are skipped."""
     config = model.config
     layers, num_experts = config.num_hidden_layers, config.n_routed_experts
     # what transformers keeps in float32 whatever the model's dtype (hyper-connections, norms, sinks, position
@@ -57,10 +60,13 @@ def load_v4_checkpoint(model: nn.Module, model_path: Path, device_of: Any, dtype
     staged: dict[int, _Experts] = {}
     unexpected: list[str] = []
     for name, tensor in iter_tensors(checkpoint_files(model_path)):
-        if is_draft(name):
-            continue  # the MTP layer: a draft head, not part of the served model
+        drafts = is_draft(name)
+        if drafts:  # the MTP layer: loaded only to draft with
+            name = draft_layer_name(name, draft_layer) if draft_layer is not None else None
+            if name is None:
+                continue
         layer = _layer(name)
-        if layer is not None and layer >= layers:
+        if layer is not None and layer >= layers and not drafts:
             continue  # layers past config.num_hidden_layers (a model cut shorter for a benchmark)
         expert = EXPERT.match(name)
         if expert:

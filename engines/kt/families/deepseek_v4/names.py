@@ -3,7 +3,9 @@
 
 Released names have no `model.` prefix: `embed.weight`, `layers.N.attn.wq_a.weight`, `layers.N.ffn.gate.tid2eid`,
 `head.weight`, `hc_head_fn`; routed experts `layers.N.ffn.experts.E.w1.weight` (+ `.scale`) are matched by
-`EXPERT`; FP8 weights carry a `.scale` beside `.weight`; `mtp.*` is the multi-token-prediction layer."""
+`EXPERT`; FP8 weights carry a `.scale` beside `.weight`; `mtp.0.*` is the multi-token-prediction layer: a
+decoder block under the layers' names plus its own parts (`enorm`, `hnorm`, `e_proj`, `h_proj`, `norm`,
+`hc_head_fn` / `_base` / `_scale`), loaded as one more layer when drafting (`draft_layer_name`)."""
 from __future__ import annotations
 
 import re
@@ -45,6 +47,21 @@ _RENAMES = (
     (".hc_attn_fn", ".attn_hc.fn"), (".hc_attn_base", ".attn_hc.base"), (".hc_attn_scale", ".attn_hc.scale"),
     (".hc_ffn_fn", ".ffn_hc.fn"), (".hc_ffn_base", ".ffn_hc.base"), (".hc_ffn_scale", ".ffn_hc.scale"),
 )
+# the MTP layer's own parts, under the layer it loads as (engines/kt/families/deepseek_v4/mtp.py: DraftBlock)
+_DRAFT_PARTS = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "e_proj.weight": "e_proj.weight",
+    "h_proj.weight": "h_proj.weight",
+    "norm.weight": "norm.weight",
+    "hc_head_fn": "hc_head.hc_fn",
+    "hc_head_base": "hc_head.hc_base",
+    "hc_head_scale": "hc_head.hc_scale",
+}
+# tensors of the MTP layer serving does not read: copies of the embedding and LM head (the model's own serve), and
+# compressor / indexer weights (the layer attends over its sliding window only, as DeepSeek's config and SGLang run
+# it)
+_DRAFT_UNUSED = re.compile(r"^(emb|embed|head|lm_head)\.|^attn\.(compressor|indexer)\.")
 
 
 def module_name(name: str) -> str | None:
@@ -54,6 +71,9 @@ def module_name(name: str) -> str | None:
         return _HEAD[name]
     if not name.startswith("layers."):
         return None
+    _, index, rest = name.split(".", 2)
+    if rest in _DRAFT_PARTS:
+        return f"model.layers.{index}.{_DRAFT_PARTS[rest]}"
     name = "model." + name
     for old, new in _RENAMES:
         name = name.replace(old, new)
@@ -61,5 +81,15 @@ def module_name(name: str) -> str | None:
 
 
 def is_draft(name: str) -> bool:
-    """A tensor of the multi-token-prediction layer (the draft head speculative decoding would use)."""
+    """A tensor of the multi-token-prediction layer (the draft head of speculative decoding)."""
     return name.startswith("mtp.")
+
+
+def draft_layer_name(name: str, layer: int) -> str | None:
+    """A tensor of the first MTP layer (`mtp.0.<rest>`) under the released name of the decoder layer it loads as
+    (`layers.<layer>.<rest>`), so experts, FP8 pairs and renames treat it as any layer's; None for tensors serving
+    does not read (other MTP layers, the shared copies, compressor weights)."""
+    prefix = "mtp.0."
+    if not name.startswith(prefix) or _DRAFT_UNUSED.search(name[len(prefix):]):
+        return None
+    return f"layers.{layer}.{name[len(prefix):]}"

@@ -1,17 +1,24 @@
-"""The V4 model runner: transformers' `DeepseekV4Model` (compressed sparse / heavily compressed attention,
+"""The V4 model runner: transformers' `DeepseekV4ForCausalLM` (compressed sparse / heavily compressed attention,
 the lightning indexer, hyper-connections, hash and sqrtsoftplus routing) with the routed experts swapped for
 kt-kernel by the placement rules, and one V4 cache per sequence.
 
-Each sequence keeps its own `DynamicCache` of V4's cache layers (sliding-window keys, compressor buffers and
-compressed entries) in `seq.runner_state`; a step runs one forward per sequence in the step (a prompt chunk
-or one decode token) and the shared scheduler batches requests continuously around it. That is the simple
-correct form: the CPU experts see one sequence's tokens per call, and nothing is captured in CUDA graphs.
-Caches are not paged or bounded by a budget: a sliding window of `sliding_window` positions plus one
-compressed entry per 4 (CSA) or 128 (HCA) positions per layer, freed when the request ends.
+A step runs every chunk of it (prompt chunks and decode tokens of all its sequences) as one batch of rows
+(batch.py): the row-wise parts of the model, the routed experts above all, run once per layer for the whole
+step, and only attention runs sequence by sequence over each sequence's own cache. Each sequence keeps its
+`DynamicCache` of V4's cache layers (sliding-window keys, compressor buffers and compressed entries) in
+`seq.runner_state` (caches.py: `SequenceCache`, which also lets a failed step run again). Nothing is captured
+in CUDA graphs. Caches are not paged or bounded by a budget: a sliding window of `sliding_window` positions plus
+one compressed entry per 4 (CSA) or 128 (HCA) positions per layer, freed when the request ends.
 
-LoRA adapters (PEFT, KT-SFT's fused expert LoRA and manifest) go through the shared `LoraModules`: a forward
-is one sequence's, so its rows all use that request's adapter (`AdapterRows.uniform`), and requests with
-different adapters or none share a step."""
+LoRA adapters (PEFT, KT-SFT's fused expert LoRA and manifest) go through the shared `LoraModules`: each row of a
+step uses its request's adapter (`AdapterRows` over the step's rows), so requests with different adapters or
+none share a step.
+
+With `speculative: mtp` the checkpoint's MTP layer drafts (mtp.py), run by the shared `Drafter`
+(engines/kt/drafting.py) over the last layer's hyper-connection streams the step left at each accepted position.
+A drafted chunk is one more piece of the batched step: it feeds the sequence's last token and its draft, gets
+logits at each, and records what it puts into the cache, so the next step takes the cache back to the accepted
+length (caches.py: the same mark a failed step goes back to)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,6 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from engines.kt.drafting import Drafter
+from engines.kt.experts.protocol import RoutedExperts
+from engines.kt.families.deepseek_v4.batch import Piece, V4Batch
+from engines.kt.families.deepseek_v4.caches import SequenceCache
 from engines.lora.install import LoraModules
 from engines.lora.modules import AdapterRows
 from engines.runtime.model_runner import ModelRunner, ScheduledChunk
@@ -29,51 +40,84 @@ from engines.runtime.sequence import Sequence
 class V4ModelRunner(ModelRunner):
     chunked_prefill = True
 
-    def __init__(self, model: nn.Module, max_model_len: int, checkpoint: Path | None = None):
+    def __init__(self, model: nn.Module, max_model_len: int, checkpoint: Path | None = None, head: Any = None,
+                 draft_unavailable: str | None = None):
         from transformers.cache_utils import DynamicCache
 
         self.model = model
         self.config = model.config
         self.max_model_len = max_model_len
-        self.device = model.model.embed_tokens.weight.device
         self.head_device = model.lm_head.weight.device
         self._new_cache = lambda: DynamicCache(config=self.config)
         self._live = 0  # sequences holding a cache
         self.lora = LoraModules(model, self.config.hidden_size, checkpoint)
+        self.batch = V4Batch(model, self.lora.context)
+        self._experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+        self.head = head  # mtp.py: V4DraftHead (it batches its own pieces, one cache per sequence), or None
+        self.drafter = Drafter(head, head) if head is not None else None
+        self.drafts, self.draft_unavailable = head is not None, draft_unavailable
 
-    def _cache(self, seq: Sequence) -> Any:
+    def _state(self, seq: Sequence) -> SequenceCache:
         if seq.runner_state is None:
-            seq.runner_state = self._new_cache()
+            seq.runner_state = SequenceCache(self._new_cache())
             self._live += 1
-        return seq.runner_state
-
-    @torch.inference_mode()
-    def _hidden(self, cache: Any, token_ids: list[int], start: int, end: int, adapter: str | None) -> torch.Tensor:
-        """Final (hc-collapsed, normed) hidden states of positions [start, end) with `adapter` applied,
-        extending `cache`."""
-        ids = torch.tensor([token_ids[start:end]], device=self.device)
-        positions = torch.arange(start, end, device=self.device)[None]
-        with self.lora.context.step(AdapterRows.uniform(adapter)):
-            out = self.model.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
-        return out.last_hidden_state[0]
+        return seq.runner_state  # type: ignore[return-value]
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:
-        logits: list[torch.Tensor | None] = []
+        states = [self._state(chunk.seq) for chunk in chunks]
+        for chunk, state in zip(chunks, states):
+            with self.lora.context.step(AdapterRows.uniform(chunk.seq.request.adapter)):
+                state.begin(chunk.start, record=bool(chunk.draft))
+        pieces = [Piece(c.seq.token_ids + list(c.draft) if c.draft else c.seq.token_ids, c.start,
+                        c.end + len(c.draft), s.cache, c.seq.request.adapter, s.record)
+                  for c, s in zip(chunks, states)]
+        try:
+            streams = self.batch.hidden_streams(pieces)
+        except BaseException:
+            for experts in self._experts:  # a call submitted and never waited for: let it finish, drop it
+                experts.abandon()
+            for state in states:
+                state.rollback()
+            raise
+        row = 0
+        for chunk, piece, state in zip(chunks, pieces, states):
+            state.commit(piece.end)
+            if self.drafter is not None:  # the streams at every fed position, for the draft head after the step
+                self.drafter.keep(chunk.seq, chunk.start, streams[row:row + piece.end - piece.start])
+            row += piece.end - piece.start
+        return self._logits(chunks, streams)
+
+    def _logits(self, chunks: list[ScheduledChunk], streams: torch.Tensor) -> list[torch.Tensor | None]:
+        """Each chunk's logits: every row's (all_logits), its last row's and its draft's (samples) or none."""
+        wanted: list[tuple[int, int]] = []  # (first row, rows) of each chunk's logits; rows 0: none
+        row = 0
         for chunk in chunks:
-            seq = chunk.seq
-            hidden = self._hidden(self._cache(seq), seq.token_ids, chunk.start, chunk.end, seq.request.adapter)
-            if chunk.all_logits:
-                rows = hidden
-            elif chunk.samples:
-                rows = hidden[-1:]
-            else:
-                logits.append(None)
-                continue
-            logits.append(self.model.lm_head(rows.to(self.head_device)).float())
-        return logits
+            fed = chunk.num_tokens + len(chunk.draft)
+            n = fed if chunk.all_logits else 1 + len(chunk.draft) if chunk.samples else 0
+            wanted.append((row + fed - n, n))
+            row += fed
+        picked = [torch.arange(first, first + n) for first, n in wanted if n]
+        if not picked:
+            return [None] * len(chunks)
+        rows = torch.cat(picked).to(streams.device)
+        logits = self.model.lm_head(self.batch.final(streams.index_select(0, rows)).to(self.head_device)).float()
+        out: list[torch.Tensor | None] = []
+        at = 0
+        for _, n in wanted:
+            out.append(logits[at:at + n] if n else None)
+            at += n
+        return out
+
+    def propose(self, seqs: list[Sequence], depths: list[int]) -> list[list[int]]:
+        if self.drafter is None:
+            return super().propose(seqs, depths)
+        return self.drafter.propose(seqs, depths)
 
     def release(self, seq: Sequence) -> None:
+        if self.drafter is not None:
+            self.drafter.forget(seq)
+            self.head.forget(seq)
         if seq.runner_state is not None:
             seq.runner_state = None
             self._live -= 1
@@ -81,8 +125,33 @@ class V4ModelRunner(ModelRunner):
     def kv_usage(self) -> tuple[int, int]:
         return 0, 0  # not a paged pool: no fixed capacity to report
 
+    @torch.inference_mode()
     def final_hidden_states(self, prompts: list[list[int]], adapter: str | None) -> list[torch.Tensor]:
-        return [self._hidden(self._new_cache(), p, 0, len(p), adapter).float().cpu() for p in prompts]
+        """The prompts in steps of up to max_model_len tokens (one prompt at least), each on a fresh cache
+        dropped afterwards."""
+        out: list[torch.Tensor] = []
+        for group in _groups(prompts, self.max_model_len):
+            streams = self.batch.hidden_streams([Piece(p, 0, len(p), self._new_cache(), adapter) for p in group])
+            hidden = self.batch.final(streams).float().cpu()
+            row = 0
+            for p in group:
+                out.append(hidden[row:row + len(p)])
+                row += len(p)
+        return out
 
     def close(self) -> None:
         self.model = None  # type: ignore[assignment]
+        self.batch = None  # type: ignore[assignment]
+
+
+def _groups(prompts: list[list[int]], tokens: int) -> list[list[list[int]]]:
+    """`prompts` in order, in groups of at most `tokens` tokens (a longer prompt alone)."""
+    groups: list[list[list[int]]] = []
+    size = 0
+    for prompt in prompts:
+        if not groups or size + len(prompt) > tokens:
+            groups.append([])
+            size = 0
+        groups[-1].append(prompt)
+        size += len(prompt)
+    return groups

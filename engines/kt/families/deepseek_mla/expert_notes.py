@@ -1,0 +1,91 @@
+"""What the KT engine's start-up log and model info say about where an MLA model's routed experts run: the
+GPU's streamed copies (kt_gpu_prefill_tokens), the experts it reads (kt_gpu_read_experts,
+kt_gpu_resident_experts)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engines.kt.experts.cpu import RoutedExpertsCPU
+from engines.kt.experts.mapped import MAX_TOKENS as MAPPED_MAX_TOKENS
+from engines.kt.experts.mapped import triton_available
+from engines.kt.experts.methods import METHODS
+from engines.kt.placement.operators import OperatorOptions
+
+log = logging.getLogger("ktserve.engine.kt")
+
+
+def log_read_experts(model: torch.nn.Module, setting: int | None, resident_setting: int = 0) -> tuple[int, int]:
+    """Say how many of each expert layer's experts the GPU computes in decode steps, where they lie, and why none
+    where it computes none (kt_gpu_read_experts, kt_gpu_resident_experts); the fewest of any layer, and of those
+    the fewest in GPU memory."""
+    layers = [m for m in model.modules() if isinstance(m, RoutedExpertsCPU)]
+    on_gpu = [m for m in layers if m.gpu_device.type == "cuda"]
+    shares = [m.mapped_experts(1) for m in on_gpu if m.streamer is not None]
+    if not on_gpu:
+        if resident_setting:
+            log.warning("kt_gpu_resident_experts=%d: no CPU-expert layer sends its output to a GPU here, so every "
+                        "expert stays with kt-kernel", resident_setting)
+        return 0, 0
+    resident = min(m.resident for m in on_gpu)
+    if shares and max(shares) > 0:
+        owned = sorted({m.owned for m in on_gpu})
+        forms = "/".join(sorted({f"int{m.copy_bits}" for m in on_gpu if m.streamer is not None}))
+        how = (f"they live only as {forms} copies, kt-kernel holds the others" if owned != [0]
+               else "from the streamed copies (kt_gpu_prefill_tokens)")
+        where = "them straight from host memory"
+        if resident:
+            size = _resident_bytes(on_gpu)
+            size_text = f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.0f} MB"
+            where = f"experts [0, {resident}) from GPU memory ({size_text}, kt_gpu_resident_experts)"
+            if min(shares) > resident:
+                where += ", the others straight from host memory"
+        log.info("decode steps of up to %d sequences: the GPU computes experts [0, %s) of each MoE layer reading %s "
+                 "while kt-kernel computes the rest; %s (kt_gpu_read_experts)",
+                 MAPPED_MAX_TOKENS, "/".join(map(str, sorted(set(shares)))), where, how)
+        if resident_setting and not resident:
+            log.warning("kt_gpu_resident_experts=%d: none kept in GPU memory beside duplicate copies "
+                        "(kt_gpu_prefill_tokens)", resident_setting)
+        coarser = sorted({m.method for m in on_gpu if m.owned and METHODS[m.method].bits > 8})
+        if coarser:
+            log.info("the experts the GPU owns are int8 copies, coarser than the %s weights kt-kernel computes the "
+                     "others from", "/".join(coarser))
+        return min(shares), resident
+    if setting == 0 and not resident_setting:
+        why = "kt_gpu_read_experts=0"
+    elif not triton_available():
+        why = "Triton is not installed"
+    elif setting is None and not resident_setting:
+        why = "by default the GPU takes experts of 8- and 4-bit methods only (kt_gpu_read_experts=N asks anyway)"
+    else:
+        why = "the layers keep hot experts, defer experts, or run RAWINT4 or LLAMAFILE"
+    (log.warning if resident_setting else log.info)("decode steps compute every routed expert with kt-kernel: %s", why)
+    return 0, 0
+
+
+def _resident_bytes(layers: list[RoutedExpertsCPU]) -> int:
+    """GPU memory the layers' resident experts take (kt_gpu_resident_experts)."""
+    return sum(m.streamer.resident[m.layer_idx].nbytes for m in layers
+               if m.streamer is not None and m.layer_idx in m.streamer.resident)
+
+
+def log_streamed_experts(options: OperatorOptions, tokens: int, chunk_size: int) -> None:
+    """Say what kt_gpu_prefill_tokens does on this placement (it needs expert layers whose output is on a GPU)."""
+    if not tokens:
+        return
+    streamers = options.streamers.active()
+    if not streamers:
+        log.warning("kt_gpu_prefill_tokens=%d: no CPU-expert layer sends its output to a GPU here, so every "
+                    "prompt chunk and decode step computes its experts on the CPU", tokens)
+        return
+    for s in streamers:
+        pinned = sum(h.nbytes for h in s.layers.values())
+        held = sorted({h.held for h in s.layers.values()})
+        forms = "/".join(sorted({f"int{h.bits}" for h in s.layers.values()}))
+        log.info("prompt chunks of >= %d tokens and decode steps of >= %d sequences compute part of the routed "
+                 "experts of %d layers on %s (at most the first %s of each layer's, whose copies are kept), streamed "
+                 "at %.1f GB/s from %.1f GB of pinned %s copies; a long chunk copies them all, %.2f s, once per "
+                 "chunk of up to chunk_size=%d tokens (larger chunks amortize it: docs/performance.md)", tokens,
+                 tokens, len(s.layers), s.device, "/".join(map(str, held)), s.pcie_bytes_per_s / 1e9, pinned / 1e9,
+                 forms, pinned / s.pcie_bytes_per_s, chunk_size)

@@ -1,0 +1,174 @@
+"""A DeepSeek-V4 step over the rows of every sequence in it: transformers' V4 modules, driven layer by layer.
+
+The step's tokens (prompt chunks and decode tokens of many sequences) are one flat run of rows, [1, rows, ...]
+in transformers' shapes. Everything that works row by row sees all of them at once: the embeddings, the
+hyper-connections (mHC) around each block, the norms, attention's query / key-value / output projections and
+their rotary embedding (each row at its own position), the routers (hash routing by each row's token id), the
+routed experts (so kt-kernel gets every row of the step in one call per layer), the shared expert, the final
+hyper-head and norm. Only the part of attention that reads a cache looks at sequences: each sequence's rows
+extend its own sliding-window keys, run its compressor and indexer over their state, and attend under its own
+sliding-window mask, one sequence after another.
+
+The arithmetic is transformers' (`DeepseekV4DecoderLayer`, `DeepseekV4Attention`, `DeepseekV4SparseMoeBlock`),
+written out here so attention can be cut at its cache and the CPU experts overlapped with the shared expert
+(`submit`, shared expert, `wait`) without renaming any module: placement rules, the checkpoint loader and LoRA
+adapters address the same module paths as in transformers' model.
+
+LoRA: the step's `AdapterRows` cover the flat rows, and the linears that see all of them get them flat
+([rows, features]: a LoRA'd linear picks its adapters' rows in dim 0); inside one sequence's cached part the
+context holds that sequence's adapter alone.
+
+A piece that verifies a draft carries a `record` (caches.py: StepRecord): its cached part notes there the keys it
+appends and the compressor inputs it runs, so its cache can later be taken back to the draft's accepted length."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engines.lora.modules import AdapterRows, LoraContext
+
+
+@dataclass(slots=True)
+class Piece:
+    """Feed positions [start, end) of `token_ids` through `cache` (extended by them), with `adapter`."""
+
+    token_ids: list[int]
+    start: int
+    end: int
+    cache: Any  # transformers' DynamicCache of V4 cache layers
+    adapter: str | None
+    record: Any = None  # caches.py: StepRecord to note what the piece puts into the cache (a verified draft)
+
+
+@dataclass(slots=True)
+class _Segment:
+    """One piece's rows [row, row + n) of the step and what its cached attention needs."""
+
+    row: int
+    n: int
+    cache: Any
+    positions: torch.Tensor  # [1, n]
+    mask: torch.Tensor | None
+    rows: AdapterRows
+    record: Any
+
+
+class V4Batch:
+    """Runs steps of many sequences through a placed `DeepseekV4ForCausalLM`'s layers."""
+
+    def __init__(self, model: nn.Module, lora: LoraContext):
+        from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+
+        self.v4 = v4
+        self.inner = model.model
+        self.config = model.config
+        self.layers = list(self.inner.layers)
+        self.lora = lora
+        self.embed_device = self.inner.embed_tokens.weight.device
+
+    def hidden_streams(self, pieces: list[Piece]) -> torch.Tensor:
+        """The last layer's hyper-connection streams of every piece's rows, in piece order: [rows, hc, hidden]."""
+        from transformers.masking_utils import create_sliding_window_causal_mask
+
+        ids = torch.tensor([t for p in pieces for t in p.token_ids[p.start:p.end]], device=self.embed_device)[None]
+        positions = torch.cat([torch.arange(p.start, p.end) for p in pieces]).to(self.embed_device)[None]
+        spans, row = [], 0
+        for p in pieces:
+            spans.append((p.adapter, row, p.end - p.start))
+            row += p.end - p.start
+        with self.lora.step(AdapterRows(spans)):
+            embeds = self.inner.embed_tokens(ids)
+            rope = {kind: self.inner.rotary_emb(embeds, position_ids=positions, layer_type=kind)
+                    for kind in ("main", "compress")}
+            segments = []
+            for p, (adapter, first, n) in zip(pieces, spans):
+                cut = slice(first, first + n)
+                mask = create_sliding_window_causal_mask(config=self.config, inputs_embeds=embeds[:, cut],
+                                                         attention_mask=None, cache=p.cache,
+                                                         position_ids=positions[:, cut])
+                segments.append(_Segment(row=first, n=n, cache=p.cache, positions=positions[:, cut], mask=mask,
+                                         rows=AdapterRows.uniform(adapter), record=p.record))
+            hidden = embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+            for layer in self.layers:
+                hidden = self._layer(layer, hidden, ids, rope, segments)
+        return hidden[0]
+
+    def final(self, streams: torch.Tensor) -> torch.Tensor:
+        """The final hidden states (hyper-head collapse, then the norm) of [rows, hc, hidden] streams: [rows, hidden]."""
+        return self.inner.norm(self.inner.hc_head(streams[None]))[0]
+
+    def _layer(self, layer: nn.Module, hidden: torch.Tensor, ids: torch.Tensor, rope: dict,
+               segments: list[_Segment]) -> torch.Tensor:
+        post, comb, collapsed = layer.attn_hc(hidden)
+        attended = self._attention(layer.self_attn, layer.input_layernorm(collapsed), rope, segments)
+        hidden = _mix(post, comb, attended, hidden)
+        post, comb, collapsed = layer.ffn_hc(hidden)
+        return _mix(post, comb, self._moe(layer.mlp, layer.post_attention_layernorm(collapsed), ids), hidden)
+
+    def _attention(self, attn: nn.Module, x: torch.Tensor, rope: dict, segments: list[_Segment]) -> torch.Tensor:
+        """`DeepseekV4Attention.forward` with its projections over all rows and its cached part per sequence."""
+        flat, rows = x[0], x.shape[1]
+        cos, sin = rope[attn.rope_layer_type]
+        q_residual = attn.q_a_norm(attn.q_a_proj(flat))
+        q = attn.q_b_proj(q_residual).view(1, rows, -1, attn.head_dim).transpose(1, 2)
+        q = self.v4.apply_rotary_pos_emb(attn.q_b_norm(q), cos, sin)
+        kv = attn.kv_norm(attn.kv_proj(flat)).view(1, rows, -1, attn.head_dim).transpose(1, 2)
+        kv = self.v4.apply_rotary_pos_emb(kv, cos, sin)
+        out = []
+        for s in segments:
+            cut = slice(s.row, s.row + s.n)
+            with self.lora.step(s.rows):
+                out.append(self._cached(attn, q[:, :, cut], kv[:, :, cut], x[:, cut], q_residual[None, cut], s))
+        attended = out[0] if len(out) == 1 else torch.cat(out, dim=1)  # [1, rows, heads, head_dim]
+        # V carried the keys' rotation: undo it at each query's position before the grouped output projection
+        attended = self.v4.apply_rotary_pos_emb(attended.transpose(1, 2), cos, -sin).transpose(1, 2)
+        grouped = attn.o_a_proj(attended.reshape(rows, attn.config.o_groups, -1)).flatten(1)
+        return attn.o_b_proj(grouped)[None]
+
+    def _cached(self, attn: nn.Module, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
+                s: _Segment) -> torch.Tensor:
+        """One sequence's rows through its cache: sliding-window keys, then the compressor's (and indexer's)
+        entries appended with their per-query bias, then attention with the sinks. [1, n, heads, head_dim]."""
+        if s.record is not None:
+            s.record.keys[attn.layer_idx] = kv
+        kv = s.cache.update(kv, kv, attn.layer_idx)[0]
+        bias = None
+        if attn.compressor is not None:
+            if s.record is not None:
+                s.record.compressors[attn.layer_idx] = (attn.compressor, x, q_residual, s.positions)
+            compressed, bias = attn.compressor(x, q_residual, s.positions, s.cache, attn.layer_idx)
+            kv = torch.cat([kv, compressed], dim=2)
+        mask = s.mask
+        if isinstance(mask, torch.Tensor) and kv.shape[2] > mask.shape[-1]:
+            mask = (torch.cat([mask, bias.to(mask.dtype)], dim=-1) if bias is not None
+                    else F.pad(mask, (0, kv.shape[2] - mask.shape[-1]), value=0.0))
+        interface = self.v4.ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
+                                                                  self.v4.eager_attention_forward)
+        out, _ = interface(attn, q, kv, kv, mask, dropout=0.0, scaling=attn.scaling,
+                           sliding_window=attn.sliding_window, s_aux=attn.sinks)
+        return out
+
+    @staticmethod
+    def _moe(mlp: nn.Module, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """`DeepseekV4SparseMoeBlock` on flat rows; CPU experts are started first and waited for after the shared
+        expert."""
+        flat = x.reshape(-1, x.shape[-1])
+        _, weights, indices = mlp.gate(x, ids) if mlp.is_hash else mlp.gate(x)
+        experts = mlp.experts
+        if not hasattr(experts, "submit"):  # experts in torch
+            return (experts(flat, indices, weights) + mlp.shared_experts(flat)).view_as(x)
+        experts.submit(flat, indices, weights)
+        shared = mlp.shared_experts(flat)
+        return (experts.wait().to(x.dtype) + shared).view_as(x)
+
+
+def _mix(post: torch.Tensor, comb: torch.Tensor, block: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """A block's output spread over the hyper-connection streams plus the streams mixed by `comb` (as
+    `DeepseekV4DecoderLayer` does after attention and after the MoE)."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * block.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2),
+                                                                             streams)
