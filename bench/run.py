@@ -295,9 +295,11 @@ class Bench:
 
         return ceiling_for(self.results.get("cpu_bandwidth"), method)
 
-    def kt_config(self, method: str, model: Path | None = None, plan: Plan | None = None, **settings):
+    def kt_config(self, method: str, model: Path | None = None, plan: Plan | None = None,
+                  chunk_size: int | None = None, **settings):
         """The KT engine's config on this run's checkpoint (or `model`, e.g. a GGUF file) sized for this run's plan
-        (or `plan`); `settings` add to or replace its ktransformers settings (engines/kt/options.py)."""
+        (or `plan`), in prefill chunks of --chunk-size (or `chunk_size`); `settings` add to or replace its
+        ktransformers settings (engines/kt/options.py)."""
         from engines.base import EngineConfig
 
         plan = plan or self.plan
@@ -305,7 +307,7 @@ class Bench:
                             max_concurrent=max(plan.http_levels),
                             max_model_len=max(plan.max_model_len(),
                                               plan.http_prompt + (self.args.http_max_tokens or 0)),
-                            chunk_size=self.args.chunk_size,
+                            chunk_size=chunk_size or self.args.chunk_size,
                             settings={"kt_method": None if method == RULES else method, "cpu_infer": self.threads,
                                       "kv_cache_tokens": plan.kv_cache_tokens(),
                                       "kt_use_cuda_graph": self.cuda_graph, "kt_optimize_rule": self.args.rules,
