@@ -89,6 +89,30 @@ def ktserve_rows(text: str) -> tuple[str, ...]:
 
 
 # ------------------------------------------------------------------------------------------------ the phase
+def phase_estimate(bench: Any) -> float:
+    """Seconds the phase should take as bench.run's args ask for it: the shape's `peers_parts` (the parts' times
+    measured on one H200 machine, bench/shapes.py) summed over the builds still to finish, each bits' llama-bench
+    runs, ktserve rows and server rounds; the shape's `peers` figure where it has no parts."""
+    from bench.peer_build import built
+
+    e = bench.plan.estimates
+    parts = e.get("peers_parts")
+    if not parts:
+        return e["peers"]
+    args = bench.args
+    engines = args.peers_engines
+    rows = getattr(args, "peers_ktserve", KTSERVE_ROWS)
+    quants = list(dict.fromkeys(QUANT_FOR[m] for m in (bench.primary, *args.methods) if m in QUANT_FOR))
+    total = parts["build"] if not all(built(args.peers_work, n) for n in engines) else 0.0
+    for i, _ in enumerate(quants):
+        first = i == 0
+        total += len(engines) * parts["bench" if first else "bench_decode"]
+        total += parts["streamed" if first else "streamed_no_clients"] * ("streamed" in rows)
+        total += parts["gguf" if first else "gguf_decode"] * ("gguf" in rows)
+        total += len(engines) * (parts["server_16"] + parts["server_32"]) * first
+    return total
+
+
 def run_peers(bench: Any, deadline: float, save: Callable[[dict], None]) -> dict:
     """The `peers` phase for bench.run's Bench: build, convert, measure; the section (also passed to `save` as it
     grows, so a run cut short keeps what it measured)."""

@@ -257,6 +257,10 @@ class Bench:
             extra = e[f"decode:{self.primary}"]  # the engine is loaded by this phase instead
         if step == "threads":  # one child run per other thread count: imports, load, decode
             return len(self.sweep_threads()) * (e["imports"] + e[f"decode:{self.primary}"])
+        if step == "peers":
+            from bench.peers import phase_estimate
+
+            return phase_estimate(self)
         if step == "avx2" or step == f"decode:{RULES}":  # BF16 on the avx2 kernel: slower than AMX
             return e.get("avx2") or e["imports"] + e["decode:BF16"] * 1.5
         return e.get(step, 30) + extra
