@@ -375,3 +375,27 @@ def test_a_round_cut_at_its_time_limit_gives_the_tokens_streamed_by_then_as_a_ma
     assert f"~{partial['value']:.1f}" in row
     assert any(line.startswith("~ the round hit its time limit") and "llama.cpp Q8_0 32 clients 0/4" in line
                for line in lines)
+
+
+def test_peers_phase_estimate_counts_the_builds_left_and_the_ktserve_rows_asked_for(tmp_path):
+    from bench.peer_build import ENGINES, binaries
+    from bench.peers import phase_estimate
+    from bench.shapes import PEERS_PARTS, SHAPES
+
+    def estimate(rows: tuple[str, ...], methods: tuple[str, ...]) -> float:
+        args = SimpleNamespace(peers_engines=("llama.cpp", "ik_llama.cpp"), peers_ktserve=rows, peers_work=tmp_path,
+                               methods=methods)
+        return phase_estimate(SimpleNamespace(plan=SHAPES["v2-lite"].plan, args=args, primary="AMXINT8"))
+
+    unbuilt = estimate(("streamed",), ("AMXINT8",))
+    for name in ("llama.cpp", "ik_llama.cpp"):
+        binaries(tmp_path, name).mkdir(parents=True)
+        for target in ENGINES[name].targets:
+            (binaries(tmp_path, name) / target).write_text("")
+    p = PEERS_PARTS
+    one_bits = 2 * (p["bench"] + p["server_16"] + p["server_32"]) + p["streamed"]
+    assert unbuilt == p["build"] + one_bits
+    assert estimate(("streamed",), ("AMXINT8",)) == one_bits
+    assert estimate(("streamed", "gguf"), ("AMXINT8",)) == one_bits + p["gguf"]
+    assert estimate(("streamed",), ("AMXINT8", "AMXINT4")) == one_bits + 2 * p["bench_decode"] + \
+        p["streamed_no_clients"]
