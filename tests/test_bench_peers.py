@@ -399,3 +399,32 @@ def test_peers_phase_estimate_counts_the_builds_left_and_the_ktserve_rows_asked_
     assert estimate(("streamed", "gguf"), ("AMXINT8",)) == one_bits + p["gguf"]
     assert estimate(("streamed",), ("AMXINT8", "AMXINT4")) == one_bits + 2 * p["bench_decode"] + \
         p["streamed_no_clients"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_ktserve_streamed_prefill_row_streams_experts_and_measures_each_figure_on_a_gpu(tmp_path):
+    """On the GPU machine (`pytest -m gpu`): the streamed row's engine says it streams (gpu_prefill_tokens 128) and
+    the row has a decode rate, a prefill rate per ttft prompt and both client rounds."""
+    import time
+
+    from helpers import require_kt_kernel
+
+    require_kt_kernel()
+    from bench.checkpoint import build_checkpoint
+    from bench.peers import STREAMED_ROW_NAME, engine_entries, measure_ktserve_streamed
+    from bench.run import Bench, parse_args
+    from bench.shapes import SHAPES
+
+    shape = SHAPES["tiny"]
+    build_checkpoint(tmp_path / "tiny", shape.config, shard_bytes=shape.plan.shard_bytes)
+    bench = Bench(parse_args(["--shape", "tiny", "--quick", "--only", "peers", "--model-dir", str(tmp_path / "tiny"),
+                              "--out", str(tmp_path / "out")]), time.perf_counter())
+    bench.vocab = 1000
+    row = measure_ktserve_streamed(bench, "AMXINT8", time.perf_counter() + 200, clients=True)
+    assert "failed" not in row and "note" not in row, row.get("traceback") or row.get("note")
+    assert row["engine_details"]["gpu_prefill_tokens"] == "128"
+    (entry,) = engine_entries(bench, {}, streamed={"AMXINT8": row})
+    assert entry["name"] == STREAMED_ROW_NAME
+    for key in ("decode", *(f"prefill_{n}" for n in bench.plan.ttft_prompts), "clients_16", "clients_32"):
+        assert entry["figures"][key]["value"] > 0, key
