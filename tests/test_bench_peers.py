@@ -375,6 +375,10 @@ def test_a_round_cut_at_its_time_limit_gives_the_tokens_streamed_by_then_as_a_ma
     assert f"~{partial['value']:.1f}" in row
     assert any(line.startswith("~ the round hit its time limit") and "llama.cpp Q8_0 32 clients 0/4" in line
                for line in lines)
+    from bench.report import summary_lines
+
+    assert any(line.startswith("HTTP   4 clients") and f"(timed out: ~{partial['value']:.1f} tok/s streamed by then, "
+               "0 of 4 requests done)" in line for line in summary_lines({"http": {"rounds": [rnd]}}))
 
 
 def test_peers_phase_estimate_counts_the_builds_left_and_the_ktserve_rows_asked_for(tmp_path):
