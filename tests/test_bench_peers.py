@@ -378,7 +378,7 @@ def test_a_round_cut_at_its_time_limit_gives_the_tokens_streamed_by_then_as_a_ma
     from bench.report import summary_lines
 
     assert any(line.startswith("HTTP   4 clients") and f"(timed out: ~{partial['value']:.1f} tok/s streamed by then, "
-               "0 of 4 requests done)" in line for line in summary_lines({"http": {"rounds": [rnd]}}))
+               "0 of 4 requests done)" in line for line in summary_lines({"meta": {}, "http": {"rounds": [rnd]}}))
 
 
 def test_peers_phase_estimate_counts_the_builds_left_and_the_ktserve_rows_asked_for(tmp_path):
