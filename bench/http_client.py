@@ -6,7 +6,9 @@ greedy sampling (or `--temperature` / `--top-p`, as chat clients send them), and
 token arrives. Per round: aggregate output tokens/s over the round's wall time, time to first token, time per
 output token per request ((last - first) / (n - 1)) and the gaps between tokens across all requests, as medians
 and 99th percentiles; and, read from the server's /metrics every 0.2 s, the most requests it ran at once
-(`peak_running`) and how many it preempted (`preemptions`).
+(`peak_running`) and how many it preempted (`preemptions`). A round cut at `--round-timeout` also gives
+`output_throughput_partial`: the tokens streamed by then, the unfinished requests' included, over the time to
+then, flagged partial with how many requests completed.
 
 With `--read-tokens N` each client closes its stream after N tokens (the server then cancels the request), as
 a batch evaluation's requests end well before the large max_tokens they ask for: the rounds then show how
@@ -91,14 +93,15 @@ async def _clients(client, model: str, level: int, args: argparse.Namespace, tim
     tasks = [asyncio.create_task(_one(client, model, prompt, args.max_tokens, rec, sampling, args.read_tokens))
              for prompt, rec in zip(prompts, records)]
     _, pending = await asyncio.wait(tasks, timeout=timeout)
+    stopped = time.perf_counter()
     for task in pending:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     errors = [repr(t.exception()) for t in tasks if not t.cancelled() and t.exception() is not None]
-    return _figures(level, records, bool(pending), errors)
+    return _figures(level, records, bool(pending), errors, stopped)
 
 
-def _figures(level: int, records: list[dict], timed_out: bool, errors: list[str]) -> dict:
+def _figures(level: int, records: list[dict], timed_out: bool, errors: list[str], stopped: float) -> dict:
     done = [r for r in records if r["end"] is not None and r["times"]]
     started = [r for r in records if "start" in r]
     tokens = sum(r["tokens"] or len(r["times"]) for r in done)
@@ -116,9 +119,21 @@ def _figures(level: int, records: list[dict], timed_out: bool, errors: list[str]
            "tpot_p99": fig(percentile(tpots, 99), "ms"),
            "itl_median": fig(median(gaps), "ms", note="gaps between streamed tokens, all requests"),
            "itl_p99": fig(percentile(gaps, 99), "ms")}
+    if timed_out and started:
+        out["output_throughput_partial"] = _partial(records, len(done), stopped - min(r["start"] for r in started))
     if errors:
         out["errors"] = errors[:5]
     return out
+
+
+def _partial(records: list[dict], completed: int, elapsed: float) -> dict:
+    """A round cut at its time limit: the output tokens streamed by then (the unfinished requests' too) over the
+    time from the first request to the limit. Not the round's figure (its tail, mostly decode, never ran), so it is
+    flagged `partial` and tables keep it out of their ratios."""
+    delivered = sum((r["tokens"] or len(r["times"])) if r["end"] is not None else len(r["times"]) for r in records)
+    return fig(delivered / elapsed if elapsed > 0 else None, "tok/s", partial=True, completed=completed,
+               requests=len(records), output_tokens=delivered, elapsed=round(elapsed, 3),
+               note="output tokens streamed by the round's time limit / time from the first request to it")
 
 
 async def _main(args: argparse.Namespace) -> dict:

@@ -224,13 +224,18 @@ def binaries(work: Path, engine: str) -> Path:
     return work / "build" / engine / "bin"
 
 
+def built(work: Path, engine: str) -> bool:
+    """Whether every target of `engine` is built in `work`."""
+    return all((binaries(work, engine) / t).exists() for t in ENGINES[engine].targets)
+
+
 def build_engine(engine: Engine, archive: Path, work: Path, jobs: int, deadline: float, cuda: bool,
                  nice: int = 0) -> dict:
     """Unpack, trim, configure (once) and build one engine; what it cost."""
     entry: dict = {"package": engine.package, "targets": list(engine.targets), "cuda_arch": CUDA_ARCH if cuda else None}
     build = work / "build" / engine.name
     log = work / f"build-{engine.name}.log"
-    if all((build / "bin" / t).exists() for t in engine.targets):
+    if built(work, engine.name):
         return {**entry, "finished": True, "reused": True}
     started = time.perf_counter()
     tree = unpack(archive, work)

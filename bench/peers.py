@@ -12,8 +12,9 @@ quantizes it to Q8_0 and Q4_0 (against ktserve's AMXINT8 and AMXINT4 experts), r
 `http` phase's streaming clients (16 and 32, with as many slots), serves the very same GGUF files with ktserve
 (its own row, e.g. "ktserve (GGUF Q8_0)", measured by the code that measures its safetensors run), then sets
 ktserve's figures of the same run beside theirs: bench.json's `peers` holds `engines` (name, version, bits,
-figures) and `ratios` (ktserve / the best peer at the primary method's bits), `ratios_by_bits` and
-`ratios_gguf_by_bits`. See bench/README.md."""
+figures) and `ratios` (ktserve / the best peer at the primary method's bits), `ratios_by_bits`,
+`ratios_streamed_by_bits` and `ratios_gguf_by_bits`. ktserve also gets a row with its streamed-experts prefill on
+(`--kt-gpu-prefill-tokens 128 --chunk-size 8192`, "ktserve (streamed prefill)") at each bits. See bench/README.md."""
 from __future__ import annotations
 
 import argparse
@@ -34,6 +35,13 @@ PREFILL = (512, 2048, 8192)
 CLIENTS = (16, 32)
 GGUF_ROW_SECONDS = 150  # the most one ktserve-on-GGUF row may take (load, decode, prefill, two rounds)
 GGUF_ROW_MIN_SECONDS = 90  # and the least it starts with: the load alone is not bounded by the deadline
+# ktserve's streamed-experts prefill (README "Speed"): prompt chunks of 128 tokens or more compute the routed experts
+# on the GPU from copies streamed out of pinned host memory, in chunks of 8,192 tokens
+STREAMED = {"kt_gpu_prefill_tokens": 128, "chunk_size": 8192}
+STREAMED_ROW_NAME = "ktserve (streamed prefill)"
+STREAMED_ROW_SECONDS = 120  # the most that row may take: load (~25-35 s and the pinned copies), decode, prompts, rounds
+STREAMED_ROW_MIN_SECONDS = 60
+KTSERVE_ROWS = ("streamed", "gguf")  # --peers-ktserve: ktserve's rows beside its own run's
 RATIOS = ("decode", "prefill_2048", "prefill_8192", "clients_16", "clients_32")
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SOURCES = REPO / ".peers"
@@ -56,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers-engines", type=engine_list, default=ENGINE_NAMES,
                    help=f"comma-separated peers to build and run, of: {','.join(ENGINE_NAMES)} (default: both; "
                         "llama.cpp's archive is unpacked for its GGUF converter either way)")
+    p.add_argument("--peers-ktserve", type=ktserve_rows, default=KTSERVE_ROWS, metavar="ROWS",
+                   help="ktserve's rows beside its run's own, comma-separated, of: streamed (its streamed-experts "
+                        f"prefill, {' '.join(f'{k}={v}' for k, v in STREAMED.items())}, at each bits measured), gguf "
+                        "(serving the peers' GGUF files); `none` for neither (default: both)")
 
 
 def engine_list(text: str) -> tuple[str, ...]:
@@ -67,7 +79,40 @@ def engine_list(text: str) -> tuple[str, ...]:
     return names
 
 
+def ktserve_rows(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip() and n.strip() != "none")
+    unknown = sorted(set(names) - set(KTSERVE_ROWS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown ktserve row(s) {', '.join(unknown)}; known: "
+                                         f"{', '.join(KTSERVE_ROWS)}, none")
+    return names
+
+
 # ------------------------------------------------------------------------------------------------ the phase
+def phase_estimate(bench: Any) -> float:
+    """Seconds the phase should take as bench.run's args ask for it: the shape's `peers_parts` (the parts' times
+    measured on one H200 machine, bench/shapes.py) summed over the builds still to finish, each bits' llama-bench
+    runs, ktserve rows and server rounds; the shape's `peers` figure where it has no parts."""
+    from bench.peer_build import built
+
+    e = bench.plan.estimates
+    parts = e.get("peers_parts")
+    if not parts:
+        return e["peers"]
+    args = bench.args
+    engines = args.peers_engines
+    rows = getattr(args, "peers_ktserve", KTSERVE_ROWS)
+    quants = list(dict.fromkeys(QUANT_FOR[m] for m in (bench.primary, *args.methods) if m in QUANT_FOR))
+    total = parts["build"] if not all(built(args.peers_work, n) for n in engines) else 0.0
+    for i, _ in enumerate(quants):
+        first = i == 0
+        total += len(engines) * parts["bench" if first else "bench_decode"]
+        total += parts["streamed" if first else "streamed_no_clients"] * ("streamed" in rows)
+        total += parts["gguf" if first else "gguf_decode"] * ("gguf" in rows)
+        total += len(engines) * (parts["server_16"] + parts["server_32"]) * first
+    return total
+
+
 def run_peers(bench: Any, deadline: float, save: Callable[[dict], None]) -> dict:
     """The `peers` phase for bench.run's Bench: build, convert, measure; the section (also passed to `save` as it
     grows, so a run cut short keeps what it measured)."""
@@ -101,13 +146,16 @@ def run_peers(bench: Any, deadline: float, save: Callable[[dict], None]) -> dict
     peers = [Peer(name, path, version_of(path) or "?", bench.threads) for name, path in ready.items()]
     measured: dict[tuple[str, str], dict] = {}
     on_gguf: dict[str, dict] = section.setdefault("ktserve_gguf", {})
+    streamed: dict[str, dict] = section.setdefault("ktserve_streamed", {})
+    rows = getattr(args, "peers_ktserve", KTSERVE_ROWS)
 
     def refresh() -> None:
-        section["engines"] = engine_entries(bench, measured, on_gguf)
+        section["engines"] = engine_entries(bench, measured, on_gguf, streamed)
         save(section)
 
-    # the first file (the primary method's bits) gets every figure; the others decode only. Peers' llama-bench
-    # first, then ktserve on the same file, then the servers, 16 clients of each peer before 32 of either
+    # the first file (the primary method's bits) gets every figure; the others decode only (ktserve's streamed row
+    # its prompts too). Peers' llama-bench first, then ktserve's streamed row and ktserve on the same file, then the
+    # servers, 16 clients of each peer before 32 of either
     for i, quant in enumerate(quants):
         gguf = Path(files[quant]["path"])
         for peer in peers:
@@ -116,14 +164,20 @@ def run_peers(bench: Any, deadline: float, save: Callable[[dict], None]) -> dict
                 "bits": quant, "gguf": str(gguf), "runs": []})
             measure_bench(peer, gguf, entry, args.peers_repetitions, deadline, work, decode_only=i > 0)
             refresh()
-        on_gguf[quant] = measure_ktserve_gguf(bench, gguf, min(deadline - 20, time.perf_counter() + GGUF_ROW_SECONDS),
-                                              full=i == 0)
-        refresh()
+        method = next(m for m in methods if QUANT_FOR[m] == quant)
+        if "streamed" in rows:
+            streamed[method] = measure_ktserve_streamed(
+                bench, method, min(deadline - 20, time.perf_counter() + STREAMED_ROW_SECONDS), clients=i == 0)
+            refresh()
+        if "gguf" in rows:
+            on_gguf[quant] = measure_ktserve_gguf(bench, gguf, min(deadline - 20, time.perf_counter() +
+                                                                   GGUF_ROW_SECONDS), full=i == 0)
+            refresh()
         for level in CLIENTS if i == 0 else ():
             for peer in peers:
                 measure_server(peer, gguf, measured[(peer.name, quant)], bench, level, deadline, work)
                 refresh()
-    section["engines"] = engine_entries(bench, measured, on_gguf)
+    section["engines"] = engine_entries(bench, measured, on_gguf, streamed)
     section.update(with_ratios(section["engines"], bench.primary))
     return section
 
@@ -243,36 +297,68 @@ def measure_server(peer: Any, gguf: Path, entry: dict, bench: Any, level: int, d
 
 def measure_ktserve_gguf(bench: Any, gguf: Path, deadline: float, full: bool) -> dict:
     """ktserve serving the peers' own GGUF file as its model (no kt_method: the experts run as the file's blocks
-    allow, engines/kt/experts/methods.py's choose_gguf_method): batch-1 decode as the decode phase measures it,
-    and with `full` the ttft phase's prompts and one round each of CLIENTS streaming clients as the http phase
-    sends them, through the same code (bench/engine_runs.py, bench/http_load.py). A failure is recorded in the
-    entry, and the peers' rounds still run."""
+    allow, engines/kt/experts/methods.py's choose_gguf_method), measured by measure_ktserve; with `full` its
+    prompts and rounds too."""
+    from bench.run import RULES
+
+    entry: dict = {"model": str(gguf), "kt_method": None}
+    return measure_ktserve(bench, entry, lambda plan: bench.kt_config(RULES, model=gguf, plan=plan),
+                           f"GGUF {gguf.name}", deadline, GGUF_ROW_MIN_SECONDS, prompts=full, clients=full)
+
+
+def measure_ktserve_streamed(bench: Any, method: str, deadline: float, clients: bool) -> dict:
+    """ktserve with `method` experts on the run's checkpoint and streamed-experts prefill (STREAMED: prompt chunks
+    compute the routed experts on the GPU from int8 / int4 copies streamed out of pinned host memory), measured by
+    measure_ktserve, its prompts always (what the mode is for) and with `clients` its rounds. Without a GPU the mode
+    has nothing to stream to, so the row is skipped with that reason."""
+    import torch
+
+    entry: dict = {"model": str(bench.model_dir), "kt_method": method, "options": dict(STREAMED)}
+    if not torch.cuda.is_available():
+        return {**entry, "skipped": "no GPU: streamed experts are copied to a GPU, and kt_gpu_prefill_tokens does "
+                                    "nothing without one"}
+    tokens, chunk = STREAMED["kt_gpu_prefill_tokens"], STREAMED["chunk_size"]
+    entry = measure_ktserve(bench, entry, lambda plan: bench.kt_config(method, plan=plan, chunk_size=chunk,
+                                                                       kt_gpu_prefill_tokens=tokens),
+                            f"{method} streamed prefill", deadline, STREAMED_ROW_MIN_SECONDS, prompts=True,
+                            clients=clients)
+    details = entry.get("engine_details") or {}
+    if details and "gpu_prefill_tokens" not in details:  # the engine said it streams nothing here
+        entry["note"] = "the engine streamed no experts (no gpu_prefill_tokens in its details): see engines.log"
+    return entry
+
+
+def measure_ktserve(bench: Any, entry: dict, config_for: Callable[[Any], Any], label: str, deadline: float,
+                    min_seconds: float, prompts: bool, clients: bool) -> dict:
+    """One ktserve row of the table (`config_for(plan)`: its engine config), measured by the code that measures the
+    run's own engine: batch-1 decode as the decode phase measures it, with `prompts` the ttft phase's prompts and
+    with `clients` one round each of CLIENTS streaming clients as the http phase sends them (bench/engine_runs.py,
+    bench/http_load.py). Skipped with the reason when fewer than `min_seconds` are left (a load is not bounded by
+    the deadline); a failure is recorded in the entry, and the peers' rounds still run."""
     import traceback
     from dataclasses import replace
 
     from bench.engine_runs import EngineRun, release_memory, ttft_points
     from bench.http_load import run_clients, serving
-    from bench.run import RULES
     from bench.sysinfo import memory_snapshot
 
     plan = replace(bench.plan, http_levels=CLIENTS)  # the engine sized for the rounds it serves here
-    entry: dict = {"model": str(gguf), "kt_method": None}
     left = deadline - time.perf_counter()
-    if left < GGUF_ROW_MIN_SECONDS:
-        return {**entry, "skipped": f"{left:.0f}s left, {GGUF_ROW_MIN_SECONDS}s needed to start"}
+    if left < min_seconds:
+        return {**entry, "skipped": f"{left:.0f}s left, {min_seconds}s needed to start"}
     run = None
     try:
-        run = EngineRun("ktransformers", bench.kt_config(RULES, model=gguf, plan=plan), bench.log_path,
-                        label=f"GGUF {gguf.name}")
+        run = EngineRun("ktransformers", config_for(plan), bench.log_path, label=label)
         run.warm_up(bench.vocab)
-        entry.update(load_time=fig(run.load_time, "s", note="engine.start() on the GGUF file"),
+        entry.update(load_time=fig(run.load_time, "s", note=f"engine.start(): {label}"),
                      engine_details=dict(run.engine.info.details), memory_after_load=run.memory_after_load)
         entry["decode"] = run.decode(plan.decode_prompt, plan.decode_tokens, bench.vocab, deadline, None)
-        if full:
+        if prompts:
             entry["ttft"] = ttft_points(run, plan.ttft_prompts, plan.ttft_decode_tokens, bench.vocab, deadline)
+        if clients:
             left = deadline - time.perf_counter()
             if left > 10:
-                with serving(run.engine, str(gguf)) as url:
+                with serving(run.engine, entry["model"]) as url:
                     entry["http"] = run_clients(url, run.engine.info.id, plan, bench.vocab, left)
             else:
                 entry["http"] = {"skipped": f"{left:.0f}s left"}
@@ -304,14 +390,24 @@ def peer_figures(entry: dict) -> dict:
                 best[key] = (rate, run["label"])
     figures = {k: fig(v, "tok/s", run=label) for k, (v, label) in best.items()}
     for server in entry.get("servers", []):
-        rate = (server.get("round") or {}).get("output_throughput", {}).get("value")
-        if rate is not None:
-            figures[f"clients_{server['slots']}"] = fig(rate, "tok/s", note="all output tokens / round wall time")
+        clients = round_figure(server.get("round") or {})
+        if clients is not None:
+            figures[f"clients_{server['slots']}"] = clients
     memory = merge_memory(*(r.get("memory") for r in entry.get("runs", [])),
                           *(s.get("memory") for s in entry.get("servers", [])))
     figures.update({"gpu_memory": memory.get("gpu_peak", fig(None, "GB")),
                     "host_memory": memory.get("host_rss_peak", fig(None, "GB"))})
     return figures
+
+
+def round_figure(rnd: dict) -> dict | None:
+    """The aggregate tok/s of one streaming round (bench/http_client.py): its output_throughput when every request
+    finished in time; for a round cut at its time limit the partial rate (the tokens streamed by then over the time
+    to then, `partial` true), which the table marks and the ratios leave out; None when it has neither."""
+    if not rnd.get("timed_out") and (rnd.get("output_throughput") or {}).get("value") is not None:
+        return rnd["output_throughput"]
+    partial = rnd.get("output_throughput_partial") or {}
+    return partial if partial.get("value") is not None else None
 
 
 def kt_figures(decode: dict | None, points: list[dict], rounds: list[dict], memory: dict | None) -> dict:
@@ -322,8 +418,9 @@ def kt_figures(decode: dict | None, points: list[dict], rounds: list[dict], memo
         figures[f"prefill_{point['prompt_tokens']}"] = fig(
             (point.get("prefill_throughput") or {}).get("value"), "tok/s", note="prompt tokens / time to first token")
     for rnd in rounds:
-        if rnd.get("concurrency") in CLIENTS and rnd.get("output_throughput"):
-            figures[f"clients_{rnd['concurrency']}"] = rnd["output_throughput"]
+        clients = round_figure(rnd) if rnd.get("concurrency") in CLIENTS else None
+        if clients is not None:
+            figures[f"clients_{rnd['concurrency']}"] = clients
     memory = memory or {}
     figures["gpu_memory"] = memory.get("gpu_used_nvidia_smi") or memory.get("gpu_peak_allocated") or fig(None, "GB")
     figures["host_memory"] = memory.get("host_rss_peak") or fig(None, "GB")
@@ -343,53 +440,74 @@ def gguf_row_name(quant: str) -> str:
     return f"ktserve (GGUF {quant})"
 
 
-def engine_entries(bench: Any, measured: dict[tuple[str, str], dict], on_gguf: dict[str, dict] | None = None
-                   ) -> list[dict]:
-    """For each bits in turn: ktserve's entry for the method measured, ktserve's on the GGUF file (`on_gguf`:
-    quant -> measure_ktserve_gguf's entry), then each peer's."""
+def engine_entries(bench: Any, measured: dict[tuple[str, str], dict], on_gguf: dict[str, dict] | None = None,
+                   streamed: dict[str, dict] | None = None) -> list[dict]:
+    """For each bits in turn: ktserve's entry for the method measured, ktserve's with streamed-experts prefill
+    (`streamed`: method -> measure_ktserve_streamed's entry), ktserve's on the GGUF file (`on_gguf`: quant ->
+    measure_ktserve_gguf's entry), then each peer's."""
     out = []
     results = bench.results.data
     version = _ktserve_version()
     for method, quant in QUANT_FOR.items():
         if (results.get("kt") or {}).get(method, {}).get("decode"):
             out.append({"name": "ktserve", "version": version, "bits": method, "figures": ktserve_figures(results, method)})
+        row = (streamed or {}).get(method)
+        if row is not None:
+            out.append(_kt_row(STREAMED_ROW_NAME, method, version, row, options=row.get("options")))
         row = (on_gguf or {}).get(quant)
         if row is not None:
-            details = row.get("engine_details") or {}
-            out.append({"name": gguf_row_name(quant), "version": version, "bits": quant, "gguf": row.get("model"),
-                        "experts_method": details.get("experts_method"),
-                        **{k: row[k] for k in ("failed", "skipped") if k in row},
-                        "figures": kt_figures(row.get("decode"), row.get("ttft") or [],
-                                              (row.get("http") or {}).get("rounds") or [], row.get("memory"))})
+            out.append(_kt_row(gguf_row_name(quant), quant, version, row, gguf=row.get("model")))
         for (name, q), entry in measured.items():
             if q == quant:
                 out.append({**{k: v for k, v in entry.items() if k != "figures"}, "figures": peer_figures(entry)})
     return out
 
 
-def ratios(engines: list[dict], method: str, gguf: bool = False) -> dict:
-    """ktserve / the best peer for each figure of RATIOS at `method`'s bits (None where either is missing); with
-    `gguf`, ktserve's row on the GGUF file of those bits instead of its own method's."""
+def _kt_row(name: str, bits: str, version: str, row: dict, **extra: Any) -> dict:
+    """A table row of one of measure_ktserve's entries."""
+    return {"name": name, "version": version, "bits": bits, **extra,
+            "experts_method": (row.get("engine_details") or {}).get("experts_method"),
+            **{k: row[k] for k in ("failed", "skipped", "note") if k in row},
+            "figures": kt_figures(row.get("decode"), row.get("ttft") or [], (row.get("http") or {}).get("rounds") or [],
+                                  row.get("memory"))}
+
+
+def complete(figure: dict | None) -> float | None:
+    """A figure's value unless it is a partial one (round_figure), which no ratio uses."""
+    return None if not figure or figure.get("partial") else figure.get("value")
+
+
+def ratios(engines: list[dict], method: str, name: str = "ktserve") -> dict:
+    """ktserve / the best peer for each figure of RATIOS at `method`'s bits (None where either is missing or only
+    partial); `name` picks ktserve's row: its own run (method), STREAMED_ROW_NAME (method) or the GGUF file's
+    (gguf_row_name, the file's type)."""
     quant = QUANT_FOR.get(method)
-    name, bits = (gguf_row_name(quant), quant) if gguf else ("ktserve", method)
-    ours = next((e["figures"] for e in engines if e["name"] == name and e["bits"] == bits), {})
+    ours = next((e["figures"] for e in engines if e["name"] == name and e["bits"] in (method, quant)), {})
     theirs = [e for e in engines if not e["name"].startswith("ktserve") and e["bits"] == quant]
     out = {}
     for key in RATIOS:
-        value = (ours.get(key) or {}).get("value")
-        best = max(theirs, key=lambda e: (e["figures"].get(key) or {}).get("value") or 0.0, default=None)
-        peer_value = (best["figures"].get(key) or {}).get("value") if best else None
+        value = complete(ours.get(key))
+        best = max(theirs, key=lambda e: complete(e["figures"].get(key)) or 0.0, default=None)
+        peer_value = complete(best["figures"].get(key)) if best else None
         out[key] = fig(value / peer_value if value and peer_value else None, "x",
                        best_peer=best["name"] if peer_value else None)
     return out
 
 
+# bench.json key of each bits' ratios of one ktserve row -> (its label in the table, the row's name at a method)
+RATIO_ROWS: dict[str, tuple[str, Callable[[str], str]]] = {
+    "ratios_by_bits": ("ktserve", lambda method: "ktserve"),
+    "ratios_streamed_by_bits": ("ktserve streamed prefill", lambda method: STREAMED_ROW_NAME),
+    "ratios_gguf_by_bits": ("ktserve on the GGUF", lambda method: gguf_row_name(QUANT_FOR[method]))}
+
+
 def with_ratios(engines: list[dict], primary: str) -> dict:
-    """`ratios` (the primary method's bits), `ratios_by_bits` and `ratios_gguf_by_bits` (each bits measured)."""
+    """`ratios` (the primary method's bits), and for each bits measured `ratios_by_bits` (ktserve's own run),
+    `ratios_streamed_by_bits` (its streamed-prefill row) and `ratios_gguf_by_bits` (its GGUF row)."""
     measured = [m for m, q in QUANT_FOR.items() if any(e["bits"] in (m, q) for e in engines)]
     return {"ratios": ratios(engines, primary),
-            "ratios_by_bits": {QUANT_FOR[m]: ratios(engines, m) for m in measured},
-            "ratios_gguf_by_bits": {QUANT_FOR[m]: ratios(engines, m, gguf=True) for m in measured}}
+            **{key: {QUANT_FOR[m]: ratios(engines, m, name(m)) for m in measured}
+               for key, (_, name) in RATIO_ROWS.items()}}
 
 
 def merge_sections(sections: list[dict], primary: str = "AMXINT8") -> dict:
@@ -416,24 +534,33 @@ def _ktserve_version() -> str:
 
 
 def peers_lines(section: dict) -> list[str]:
-    """The peers table of the summary."""
+    """The peers table of the summary; a figure of a round cut at its time limit is marked `~` (round_figure)."""
     if not section:
         return []
 
     def v(figures: dict, key: str, spec: str = ".1f") -> str:
-        value = (figures.get(key) or {}).get("value")
-        return "-" if value is None else format(value, spec)
+        figure = figures.get(key) or {}
+        value = figure.get("value")
+        return "-" if value is None else ("~" if figure.get("partial") else "") + format(value, spec)
 
+    w = max([21, *(len(e["name"]) + 1 for e in section.get("engines", []))])
     lines = [f"peers ({section.get('threads')} threads each; decode tg128 after 512 tokens; prefill tok/s; aggregate "
              f"tok/s of 16 / 32 streaming clients; peak GPU / host memory GB)",
-             f"{'engine':<21}{'bits':<9}{'decode':>8}{'pp512':>8}{'pp2048':>8}{'pp8192':>8}{'16 cl':>8}{'32 cl':>8}"
+             f"{'engine':<{w}}{'bits':<9}{'decode':>8}{'pp512':>8}{'pp2048':>8}{'pp8192':>8}{'16 cl':>8}{'32 cl':>8}"
              f"{'GPU GB':>8}{'host GB':>8}"]
+    partial = []
     for e in section.get("engines", []):
         f = e["figures"]
-        lines.append(f"{e['name']:<21}{e['bits']:<9}{v(f, 'decode'):>8}{v(f, 'prefill_512', '.0f'):>8}"
+        lines.append(f"{e['name']:<{w}}{e['bits']:<9}{v(f, 'decode'):>8}{v(f, 'prefill_512', '.0f'):>8}"
                      f"{v(f, 'prefill_2048', '.0f'):>8}{v(f, 'prefill_8192', '.0f'):>8}{v(f, 'clients_16'):>8}"
                      f"{v(f, 'clients_32'):>8}{v(f, 'gpu_memory'):>8}{v(f, 'host_memory'):>8}")
-    for label, key in (("ktserve", "ratios_by_bits"), ("ktserve on the GGUF", "ratios_gguf_by_bits")):
+        partial += [f"{e['name']} {e['bits']} {k.split('_')[1]} clients {f[k].get('completed')}/"
+                    f"{f[k].get('requests')} in {f[k].get('elapsed')} s" for k in ("clients_16", "clients_32")
+                    if (f.get(k) or {}).get("partial")]
+    if partial:
+        lines.append("~ the round hit its time limit: output tokens streamed by then / time to then (requests "
+                     "completed): " + "; ".join(partial) + "; no ratio uses it")
+    for key, (label, _) in RATIO_ROWS.items():
         default = {"": section.get("ratios") or {}} if key == "ratios_by_bits" else {}
         for quant, r in (section.get(key) or default).items():
             parts = [f"{k} {v(r, k, '.2f')}" + (f" ({r[k]['best_peer']})" if r.get(k, {}).get("best_peer") else "")
@@ -441,7 +568,7 @@ def peers_lines(section: dict) -> list[str]:
             if parts:
                 lines.append(f"{label} / best peer{' at ' + quant if quant else ''}: " + ", ".join(parts))
     for e in section.get("engines", []):
-        for what in ("failed", "skipped"):
+        for what in ("failed", "skipped", "note"):
             if e.get(what):  # a peer's skipped steps are a list
                 lines.append(f"{e['name']} {e['bits']}: {what}: "
                              f"{e[what] if isinstance(e[what], str) else '; '.join(e[what])}")

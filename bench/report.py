@@ -108,6 +108,17 @@ def _fmt(value: Any, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec) if isinstance(value, (int, float)) else str(value)
 
 
+def _cut(rnd: dict) -> str:
+    """What the summary says of a round that reached its time limit (bench/http_client.py)."""
+    if not rnd.get("timed_out"):
+        return ""
+    partial = rnd.get("output_throughput_partial") or {}
+    if partial.get("value") is None:
+        return " (timed out)"
+    return (f" (timed out: ~{_fmt(partial['value'])} tok/s streamed by then, {partial.get('completed')} of "
+            f"{partial.get('requests')} requests done)")
+
+
 def summary_lines(data: dict) -> list[str]:
     """The short table printed last (the device reply carries the end of the output)."""
     lines = [f"device: {data['meta'].get('gpu') or data['meta'].get('cpu')} | shape {data['meta'].get('shape')} | "
@@ -166,7 +177,7 @@ def summary_lines(data: dict) -> list[str]:
         lines.append(f"HTTP {r['concurrency']:>3} clients: {_fmt(_v(r, 'output_throughput'))} tok/s, TPOT median "
                      f"{_fmt(_v(r, 'tpot_median'))} ms p99 {_fmt(_v(r, 'tpot_p99'))} ms, TTFT median "
                      f"{_fmt(_v(r, 'ttft_median'), '.3f')} s; decoding {_fmt(_v(r, 'decode_rate'))} of at most "
-                     f"{_fmt(_v(r, 'decode_ceiling'))} tok/s" + (" (timed out)" if r.get("timed_out") else ""))
+                     f"{_fmt(_v(r, 'decode_ceiling'))} tok/s" + _cut(r))
     lines += attention_lines(data)
     from bench.peers import peers_lines
 

@@ -257,6 +257,10 @@ class Bench:
             extra = e[f"decode:{self.primary}"]  # the engine is loaded by this phase instead
         if step == "threads":  # one child run per other thread count: imports, load, decode
             return len(self.sweep_threads()) * (e["imports"] + e[f"decode:{self.primary}"])
+        if step == "peers":
+            from bench.peers import phase_estimate
+
+            return phase_estimate(self)
         if step == "avx2" or step == f"decode:{RULES}":  # BF16 on the avx2 kernel: slower than AMX
             return e.get("avx2") or e["imports"] + e["decode:BF16"] * 1.5
         return e.get(step, 30) + extra
@@ -295,9 +299,11 @@ class Bench:
 
         return ceiling_for(self.results.get("cpu_bandwidth"), method)
 
-    def kt_config(self, method: str, model: Path | None = None, plan: Plan | None = None, **settings):
+    def kt_config(self, method: str, model: Path | None = None, plan: Plan | None = None,
+                  chunk_size: int | None = None, **settings):
         """The KT engine's config on this run's checkpoint (or `model`, e.g. a GGUF file) sized for this run's plan
-        (or `plan`); `settings` add to or replace its ktransformers settings (engines/kt/options.py)."""
+        (or `plan`), in prefill chunks of --chunk-size (or `chunk_size`); `settings` add to or replace its
+        ktransformers settings (engines/kt/options.py)."""
         from engines.base import EngineConfig
 
         plan = plan or self.plan
@@ -305,7 +311,7 @@ class Bench:
                             max_concurrent=max(plan.http_levels),
                             max_model_len=max(plan.max_model_len(),
                                               plan.http_prompt + (self.args.http_max_tokens or 0)),
-                            chunk_size=self.args.chunk_size,
+                            chunk_size=chunk_size or self.args.chunk_size,
                             settings={"kt_method": None if method == RULES else method, "cpu_infer": self.threads,
                                       "kv_cache_tokens": plan.kv_cache_tokens(),
                                       "kt_use_cuda_graph": self.cuda_graph, "kt_optimize_rule": self.args.rules,

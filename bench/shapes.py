@@ -145,16 +145,28 @@ class Shape:
 GiB = 1024 ** 3
 MiB = 1024 ** 2
 
+# The peers phase's parts (bench/peers.py's phase_estimate), seconds, from the 2026-11-28 H200 series
+# (bench/results/nvidia-h200-2026-11-28-peers-ik): the rest of ik_llama.cpp's build that a 540-s build call leaves
+# (42 steps took 66.6 s); one peer's llama-bench runs at the first bits (llama.cpp 30.4 s, ik 46.0 s) and decode
+# only at the others (9.1 / 22.3 s); one 16-client server round with the server's start (llama.cpp 19.1 s + ~6, ik
+# 26.5 s + ~10) and one 32-client round (both ran to their 60-s limit); ktserve's streamed-prefill row (the
+# AMXINT8 / AMXINT4 loads took 25.0 / 30.8 s, plus pinning the streamed copies, decode, prompts, two rounds ~25 s:
+# not yet measured on the H200) and its GGUF row (the Q8_0 load 75.9-87.9 s, then ~35 s of figures)
+PEERS_PARTS = {"build": 75, "bench": 40, "bench_decode": 17, "server_16": 33, "server_32": 68, "streamed": 80,
+               "streamed_no_clients": 55, "gguf": 120, "gguf_decode": 95}
+
 # Estimates for the H100/H200 machines (16 cores, ~80-100 GB/s CPU copy bandwidth), from BASELINES.md and
-# kt-kernel load timings scaled from a 2-core run: see bench/README.md for the arithmetic.
+# kt-kernel load timings scaled from a 2-core run: see bench/README.md for the arithmetic. baseline, decode:AMXINT8,
+# ttft and http from the 2026-11-28 H200 series (4.6, 28.8 with the 25-s load, 11.1 and 28.9 s for 16 + 32 clients),
+# with room for the H100's slower loads and the default plan's 1- and 4-client rounds.
 _V2_LITE = Plan(
     shard_bytes=4 * GiB, decode_prompt=512, decode_tokens=128, ttft_prompts=(512, 2048, 8192),
     ttft_decode_tokens=32, http_levels=(1, 4, 16, 32), http_prompt=256, http_tokens=64, http_round_timeout=60,
     attention_contexts=(512, 4096, 16384), attention_clients=32, attention_tokens=32,
     offload_prompt=512, offload_tokens=8, offload_gpu_memory="6GiB", bandwidth_bytes=2 * GiB, budget=540,
-    estimates={"build": 50, "imports": 10, "baseline": 10, "decode:AMXINT8": 55, "ttft": 45, "http": 60,
+    estimates={"build": 50, "imports": 10, "baseline": 6, "decode:AMXINT8": 40, "ttft": 20, "http": 35,
                "avx2": 70, "decode:AMXINT4": 60, "decode:BF16": 60, "attention": 260, "load": 40, "hf": 65,
-               "offload": 70, "peers": 300, "mtp": 200})
+               "offload": 70, "peers": 300, "mtp": 200, "peers_parts": PEERS_PARTS})
 _V2_LITE_QUICK = replace(
     _V2_LITE, decode_tokens=32, ttft_prompts=(512, 2048), ttft_decode_tokens=16, http_levels=(1, 4, 16),
     http_tokens=16, attention_contexts=(512, 4096), attention_clients=16, attention_tokens=16, offload_prompt=128,

@@ -253,3 +253,182 @@ def test_ktserve_on_a_gguf_file_is_skipped_with_the_reason_when_the_phase_has_no
     (entry,) = engine_entries(bench, {}, {"Q4_0": row})
     assert entry["figures"]["decode"]["value"] is None
     assert any(line.startswith("ktserve (GGUF Q4_0) Q4_0: skipped: ") for line in peers_lines({"engines": [entry]}))
+
+
+def test_ktserve_streamed_prefill_row_is_in_the_printed_and_merged_tables_with_its_ratios(tmp_path, capsys):
+    """A run whose streamed-prefill row measured figures shows that row, with its options, in the summary's table
+    and in `bench.peers table`, and its ratios to the best peer."""
+    from bench.peers import STREAMED, STREAMED_ROW_NAME, engine_entries, main, peers_lines, with_ratios
+
+    def rate(value: float) -> dict:
+        return {"value": value, "unit": "tok/s"}
+
+    streamed = {"model": "m", "kt_method": "AMXINT8", "options": dict(STREAMED),
+                "engine_details": {"experts_method": "AMXINT8", "gpu_prefill_tokens": "128"},
+                "decode": {"decode_throughput": rate(40.0)},
+                "ttft": [{"prompt_tokens": n, "prefill_throughput": rate(r)}
+                         for n, r in ((2048, 9000.0), (8192, 12000.0))],
+                "http": {"rounds": [{"concurrency": 16, "output_throughput": rate(110.0)}]}}
+    peer = {("ik_llama.cpp", "Q8_0"): _peer("ik_llama.cpp", IK_JSON, {16: 50.0})}
+    engines = engine_entries(_bench_with({}), peer, streamed={"AMXINT8": streamed})
+    assert [(e["name"], e["bits"]) for e in engines] == [(STREAMED_ROW_NAME, "AMXINT8"), ("ik_llama.cpp", "Q8_0")]
+    assert engines[0]["options"] == {"kt_gpu_prefill_tokens": 128, "chunk_size": 8192}
+    section = {"threads": 14, "engines": engines, **with_ratios(engines, "AMXINT8")}
+    r = section["ratios_streamed_by_bits"]["Q8_0"]
+    assert r["prefill_8192"]["value"] == pytest.approx(12000 / 800) and r["clients_16"]["value"] == pytest.approx(2.2)
+    printed = "\n".join(peers_lines(section))
+    assert any(line.startswith(STREAMED_ROW_NAME) and "12000" in line for line in printed.splitlines())
+    assert "ktserve streamed prefill / best peer at Q8_0: decode 0.78 (ik_llama.cpp)" in printed
+    (tmp_path / "bench.json").write_text(json.dumps({"peers": section}))
+    assert main(["table", str(tmp_path / "bench.json")]) == 0
+    merged = capsys.readouterr().out
+    assert any(line.startswith(STREAMED_ROW_NAME) and "12000" in line for line in merged.splitlines())
+    assert "ktserve streamed prefill / best peer at Q8_0: decode 0.78" in merged
+
+
+def test_ktserve_streamed_prefill_row_says_it_was_skipped_without_a_gpu(monkeypatch):
+    import time
+
+    import torch
+
+    from bench.peers import STREAMED_ROW_NAME, engine_entries, measure_ktserve_streamed, peers_lines
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    bench = SimpleNamespace(model_dir=Path("v2-lite"), results=SimpleNamespace(data={}))
+    row = measure_ktserve_streamed(bench, "AMXINT4", time.perf_counter() + 300, clients=True)
+    (entry,) = engine_entries(bench, {}, streamed={"AMXINT4": row})
+    assert entry["options"]["kt_gpu_prefill_tokens"] == 128 and entry["figures"]["decode"]["value"] is None
+    assert any(line.startswith(f"{STREAMED_ROW_NAME} AMXINT4: skipped: no GPU")
+               for line in peers_lines({"engines": [entry]}))
+
+
+class _StallingServer:
+    """An OpenAI-style completions server on 127.0.0.1 that streams `tokens` tokens of each request asking for more,
+    then stops streaming (holding the connection until the test ends, at most 30 s); shorter requests finish."""
+
+    def __init__(self, tokens: int):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        release = self.release = threading.Event()
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.0"
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                self.send_response(404)
+                self.end_headers()
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                asked = int(body["max_tokens"])
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for _ in range(min(asked, tokens)):
+                    chunk = {"id": "c", "object": "text_completion", "created": 0, "model": "peer",
+                             "choices": [{"index": 0, "text": "a", "finish_reason": None, "logprobs": None}]}
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    self.wfile.flush()
+                if asked > tokens:
+                    release.wait(30)
+                    return
+                self.wfile.write(b"data: [DONE]\n\n")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_round_cut_at_its_time_limit_gives_the_tokens_streamed_by_then_as_a_marked_partial_figure():
+    """A peer's server that stops streaming: the round (bounded at 6 s) reports the 4 x 3 tokens streamed by its
+    limit over the time to it, flagged partial; the table shows it marked and no ratio uses it."""
+    from bench.peer_runs import run_clients
+    from bench.peers import peer_figures, peers_lines, ratios
+
+    with _StallingServer(tokens=3) as server:
+        rnd = run_clients(server.url, 4, 8, 16, 1000, timeout=6)
+    assert rnd["timed_out"] and rnd["completed"] == 0 and rnd["output_throughput"]["value"] is None
+    partial = rnd["output_throughput_partial"]
+    assert partial["partial"] and partial["completed"] == 0 and partial["requests"] == 4
+    assert partial["output_tokens"] == 12 and partial["value"] == pytest.approx(12 / partial["elapsed"], rel=1e-3)
+    entry = {"name": "llama.cpp", "version": "v", "bits": "Q8_0", "runs": [], "servers": [{"slots": 32, "round": rnd}]}
+    engines = [_row("ktserve", "AMXINT8", clients_32=150.0),
+               {**entry, "figures": peer_figures(entry)}]
+    assert engines[1]["figures"]["clients_32"]["partial"]
+    assert ratios(engines, "AMXINT8")["clients_32"]["value"] is None
+    lines = peers_lines({"engines": engines})
+    row = next(line for line in lines if line.startswith("llama.cpp"))
+    assert f"~{partial['value']:.1f}" in row
+    assert any(line.startswith("~ the round hit its time limit") and "llama.cpp Q8_0 32 clients 0/4" in line
+               for line in lines)
+    from bench.report import summary_lines
+
+    assert any(line.startswith("HTTP   4 clients") and f"(timed out: ~{partial['value']:.1f} tok/s streamed by then, "
+               "0 of 4 requests done)" in line for line in summary_lines({"meta": {}, "http": {"rounds": [rnd]}}))
+
+
+def test_peers_phase_estimate_counts_the_builds_left_and_the_ktserve_rows_asked_for(tmp_path):
+    from bench.peer_build import ENGINES, binaries
+    from bench.peers import phase_estimate
+    from bench.shapes import PEERS_PARTS, SHAPES
+
+    def estimate(rows: tuple[str, ...], methods: tuple[str, ...]) -> float:
+        args = SimpleNamespace(peers_engines=("llama.cpp", "ik_llama.cpp"), peers_ktserve=rows, peers_work=tmp_path,
+                               methods=methods)
+        return phase_estimate(SimpleNamespace(plan=SHAPES["v2-lite"].plan, args=args, primary="AMXINT8"))
+
+    unbuilt = estimate(("streamed",), ("AMXINT8",))
+    for name in ("llama.cpp", "ik_llama.cpp"):
+        binaries(tmp_path, name).mkdir(parents=True)
+        for target in ENGINES[name].targets:
+            (binaries(tmp_path, name) / target).write_text("")
+    p = PEERS_PARTS
+    one_bits = 2 * (p["bench"] + p["server_16"] + p["server_32"]) + p["streamed"]
+    assert unbuilt == p["build"] + one_bits
+    assert estimate(("streamed",), ("AMXINT8",)) == one_bits
+    assert estimate(("streamed", "gguf"), ("AMXINT8",)) == one_bits + p["gguf"]
+    assert estimate(("streamed",), ("AMXINT8", "AMXINT4")) == one_bits + 2 * p["bench_decode"] + \
+        p["streamed_no_clients"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_ktserve_streamed_prefill_row_streams_experts_and_measures_each_figure_on_a_gpu(tmp_path):
+    """On the GPU machine (`pytest -m gpu`): the streamed row's engine says it streams (gpu_prefill_tokens 128) and
+    the row has a decode rate, a prefill rate per ttft prompt and both client rounds."""
+    import time
+
+    from helpers import require_kt_kernel
+
+    require_kt_kernel()
+    from bench.checkpoint import build_checkpoint
+    from bench.peers import STREAMED_ROW_NAME, engine_entries, measure_ktserve_streamed
+    from bench.run import Bench, parse_args
+    from bench.shapes import SHAPES
+
+    shape = SHAPES["tiny"]
+    build_checkpoint(tmp_path / "tiny", shape.config, shard_bytes=shape.plan.shard_bytes)
+    bench = Bench(parse_args(["--shape", "tiny", "--quick", "--only", "peers", "--model-dir", str(tmp_path / "tiny"),
+                              "--out", str(tmp_path / "out")]), time.perf_counter())
+    bench.vocab = 1000
+    row = measure_ktserve_streamed(bench, "AMXINT8", time.perf_counter() + 200, clients=True)
+    assert "failed" not in row and "note" not in row, row.get("traceback") or row.get("note")
+    assert row["engine_details"]["gpu_prefill_tokens"] == "128"
+    (entry,) = engine_entries(bench, {}, streamed={"AMXINT8": row})
+    assert entry["name"] == STREAMED_ROW_NAME
+    for key in ("decode", *(f"prefill_{n}" for n in bench.plan.ttft_prompts), "clients_16", "clients_32"):
+        assert entry["figures"][key]["value"] > 0, key
