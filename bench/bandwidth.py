@@ -28,7 +28,8 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_cpu_bandwidth(shape: Shape, threads: int, nbytes: int, repeats: int = 10) -> dict:
+def measure_host_bandwidth(threads: int, nbytes: int, repeats: int = 10) -> dict:
+    """Copy (bytes read + written) and read-only bandwidth of host memory on `threads` threads."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -38,13 +39,17 @@ def measure_cpu_bandwidth(shape: Shape, threads: int, nbytes: int, repeats: int 
         read_s = _median_seconds(lambda: src.sum(), repeats)
     finally:
         torch.set_num_threads(previous)
-    copy_bw = 2 * nbytes / copy_s / 1e9
-    result = {
+    return {
         "threads": threads, "buffer": fig(nbytes / 1e9, "GB"),
-        "copy_bandwidth": fig(copy_bw, "GB/s", note="torch float32 copy, bytes read + bytes written, median"),
+        "copy_bandwidth": fig(2 * nbytes / copy_s / 1e9, "GB/s",
+                              note="torch float32 copy, bytes read + bytes written, median"),
         "read_bandwidth": fig(nbytes / read_s / 1e9, "GB/s", note="torch float32 sum, bytes read, median"),
-        "expert_bytes_per_token": {}, "expert_bytes": {}, "ceiling": {},
     }
+
+
+def measure_cpu_bandwidth(shape: Shape, threads: int, nbytes: int, repeats: int = 10) -> dict:
+    result = {**measure_host_bandwidth(threads, nbytes, repeats),
+              "expert_bytes_per_token": {}, "expert_bytes": {}, "ceiling": {}}
     for method, bpw in BYTES_PER_WEIGHT.items():
         per_token = shape.routed_expert_bytes_per_token(bpw)
         result["expert_bytes_per_token"][method] = fig(per_token / 1e9, "GB")

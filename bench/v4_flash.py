@@ -38,6 +38,13 @@ def layer_bytes(config: dict) -> int:
     return int(experts * (0.5 + 1 / 32)) + 350_000_000
 
 
+def expert_bytes_per_token(config: dict) -> int:
+    """Host-memory bytes one decoded token reads from the routed experts: top-k MXFP4 experts (half a byte a
+    weight and a UE8M0 scale per 32) of every layer (V4's layers are all MoE, hash-routed ones too)."""
+    weights = config["num_experts_per_tok"] * 3 * config["hidden_size"] * config["moe_intermediate_size"]
+    return int(config["num_hidden_layers"] * weights * (0.5 + 1 / 32))
+
+
 def layers_that_fit(out: Path) -> int:
     from engines.kt.experts.methods import memory_available
 
@@ -141,6 +148,7 @@ def run(args: argparse.Namespace) -> dict:
     from bench.shapes import prompt_ids
     from engines.base import EngineConfig
     from engines.kt.engine import KTEngine
+    from engines.kt.experts.cpuinfer import default_cpu_threads
 
     root, config, built = _checkpoint(args)
     layers = config["num_hidden_layers"]
@@ -182,6 +190,9 @@ def run(args: argparse.Namespace) -> dict:
     results["ttft"] = [once(n, 2) for n in (2048, 8192, 32768) if time.perf_counter() < deadline]
     results["clients"] = [once(256, 32, n) for n in (1, 4, 16) if time.perf_counter() < deadline]
     results["memory"] = _memory()
+    results["read_ceiling"] = read_ceiling(config, args.threads or default_cpu_threads(),
+                                           results["decode_batch1"]["decode_tok_s_per_client"],
+                                           nbytes=(64 << 20) if args.quick else (2 << 30))
     per_token = results["decode_batch1"]["decode_tok_s_per_client"]
     if per_token:  # decode time grows with layers: scale the time per token, not the rate
         results["decode_batch1_scaled_to_43_layers_tok_s"] = per_token * layers / FLASH_LAYERS
@@ -190,6 +201,21 @@ def run(args: argparse.Namespace) -> dict:
                                              for p in results["ttft"]]
     engine.stop()
     return results
+
+
+def read_ceiling(config: dict, threads: int, decode_tok_s: float | None, nbytes: int = 2 << 30) -> dict:
+    """Batch-1 decode against the host's read-bandwidth ceiling for the expert bytes a token reads (the issue's
+    target: >= 85%); the same figures for all 43 of V4-Flash's layers."""
+    from bench.bandwidth import measure_host_bandwidth
+
+    bandwidth = measure_host_bandwidth(threads, nbytes)
+    read = bandwidth["read_bandwidth"]["value"] * 1e9
+    per_token = expert_bytes_per_token(config)
+    ceiling = read / per_token
+    flash = expert_bytes_per_token({**config, "num_hidden_layers": FLASH_LAYERS})
+    return {**bandwidth, "expert_bytes_per_token_gb": per_token / 1e9, "ceiling_tok_s": ceiling,
+            "fraction_of_ceiling": decode_tok_s / ceiling if decode_tok_s else None,
+            "expert_bytes_per_token_gb_43_layers": flash / 1e9, "ceiling_tok_s_43_layers": read / flash}
 
 
 def main(args: argparse.Namespace) -> int:
