@@ -90,3 +90,31 @@ def test_v4_prompts_batched_on_the_gpu_agree_with_their_solo_runs(v4_gpu):
     diffs = torch.cat([(a - b).abs() for a, b in zip(together, solo)])
     print(f"\nV4 on the GPU, batched vs alone: median |dlogprob| {diffs.median():.4f}, max {diffs.max():.4f}")
     assert diffs.median() < GPU_MEDIAN_LOGPROB_DIFF
+
+
+def test_v4_drafting_on_the_gpu_gives_the_replies_without_it(v4_gpu, tmp_path_factory):
+    """`speculative: mtp` with the MTP layer a copy of the last layer (its main weights are the plain demo's):
+    greedy replies equal the non-drafting server's, alone and three at once (the draft and check rows share the
+    batched step; rejected drafts go back through the sequence cache's mark)."""
+    from engines.demo_model_v4 import make_demo_model_v4
+    from helpers import completions_together
+
+    model = make_demo_model_v4(tmp_path_factory.mktemp("v4-gpu-mtp") / "tiny-v4-mtp", mtp="last-layer")
+    drafting = start_server(model, engine="ktransformers", speculative="mtp")
+    try:
+        prompts = [TEXT, "Tell me about rivers.", "1, 2, 3, 4, 5, 6, 7,"]
+        ask = dict(max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+
+        def reply(server, prompt):
+            return server.openai().completions.create(model=server.engine.info.id, prompt=prompt,
+                                                      **ask).choices[0].text
+
+        plain = [reply(v4_gpu, p) for p in prompts]
+        alone = [reply(drafting, p) for p in prompts]
+        together = completions_together(drafting, prompts, max_tokens=12, ignore_eos=True)
+        stats = drafting.engine.stats()
+    finally:
+        drafting.stop()
+    print(f"\nV4 drafting on the GPU: {stats.accepted_draft_tokens} of {stats.draft_tokens} drafts accepted")
+    assert alone == plain
+    assert together == plain
