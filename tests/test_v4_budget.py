@@ -43,26 +43,25 @@ def metric(server, name: str) -> float:
     return float(next(line.rsplit(" ", 1)[1] for line in text.splitlines() if line.startswith(name + " ")))
 
 
-def held_bytes(cache) -> int:
-    """The bytes of every distinct tensor a transformers cache's layers hold (V4's keys are its values)."""
-    seen: dict[int, int] = {}
+def cache_tensors(cache) -> list[torch.Tensor]:
+    """Every distinct tensor a transformers cache's layers hold (V4's keys are its values: one tensor)."""
+    seen: dict[int, torch.Tensor] = {}
     for layer in cache.layers:
         for value in vars(layer).values():
             for t in value.values() if isinstance(value, dict) else [value]:
                 if isinstance(t, torch.Tensor):
-                    seen[id(t)] = t.nbytes
-    return sum(seen.values())
+                    seen[id(t)] = t
+    return list(seen.values())
+
+
+def held_bytes(cache) -> int:
+    return sum(t.nbytes for t in cache_tensors(cache))
 
 
 def storage_bytes(cache) -> int:
     """The memory behind those tensors: each distinct storage once, whole (a view keeps all of it alive)."""
-    seen: dict[int, int] = {}
-    for layer in cache.layers:
-        for value in vars(layer).values():
-            for t in value.values() if isinstance(value, dict) else [value]:
-                if isinstance(t, torch.Tensor):
-                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in cache_tensors(cache)}
+    return sum(storages.values())
 
 
 def test_v4_charged_bytes_equal_the_bytes_its_caches_hold(budgeted):
@@ -71,7 +70,6 @@ def test_v4_charged_bytes_equal_the_bytes_its_caches_hold(budgeted):
     runner = budgeted.engine._runner
     ids = prompt(0) * 4  # 160 positions: the heavily compressed layer's first entry and a partial window
     seq = runner_sequence(ids)
-    seq.id = "formula"
 
     def feed() -> list[tuple[int, int, int]]:
         at, seen = 0, []

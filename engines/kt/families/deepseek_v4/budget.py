@@ -16,7 +16,13 @@ from its positions p alone (transformers 5.24, `DeepseekV4HCACache` / `DeepseekV
 - and each layer's window size as an int64 scalar tensor.
 
 The runner charges a sequence what its positions cost (`CacheBytes.at`) when it is admitted and as it grows,
-and refuses room past the capacity: the scheduler then keeps a request waiting or preempts the newest."""
+and refuses room past the capacity: the scheduler then keeps a request waiting or preempts the newest. The
+memory behind the tensors is what their sizes say (caches.py copies out the views a prompt chunk leaves).
+
+Not charged, as they come and go within a step or are a fixed fraction of what is: a draft's few positions past
+the accepted ones (taken back by the next step), the mark each step keeps (caches.py: the window and buffers as
+they were before the step, not the compressed entries), and the throwaway caches of embeddings and reward scores
+(`final_hidden_states`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
