@@ -14,17 +14,17 @@ import torch
 from conftest import start_server
 from v4_helpers import runner_sequence
 
-# kv_cache_tokens: 243 KiB for the tiny V4 (most of a short sequence's share is its heavily compressed layer's
-# buffer of up to 127 positions): room for two 40-token prompts, not for two sequences past ~45 positions
-BUDGET_POSITIONS = 128
+# kv_cache_tokens among max_concurrent 2: 258 KiB for the tiny V4 (most of a short sequence's share is its heavily
+# compressed layer's buffer of up to 127 positions): room for two 40-token prompts, not for two sequences past ~50
+BUDGET_POSITIONS = 90
 PROMPT_TOKENS = 40
-MAX_TOKENS = 16
+MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
 def budgeted(v4_model_dir):
     running = start_server(v4_model_dir, engine="ktransformers", cpu_infer=1, kv_cache_tokens=BUDGET_POSITIONS,
-                           max_model_len=1024, max_concurrent=4)
+                           max_model_len=1024, max_concurrent=2)
     yield running
     running.stop()
 
@@ -119,7 +119,7 @@ def test_v4_concurrent_requests_past_the_budget_are_preempted_and_equal_their_so
 
 def test_v4_a_request_longer_than_the_budget_reaches_is_a_400_naming_the_context(budgeted):
     limit = budgeted.engine.info.max_model_len
-    assert limit < 1024  # the budget, not max_model_len, decides the context
+    assert limit == BUDGET_POSITIONS  # the budget, not max_model_len, decides the context
     with pytest.raises(openai.BadRequestError) as refused:
         complete(budgeted, prompt(5) * 5, max_tokens=4)  # 200 tokens
     assert f"maximum context length is {limit} tokens" in refused.value.message

@@ -109,10 +109,12 @@ class CacheBudget:
         self._held: dict[str, int] = {}
 
     @classmethod
-    def sized(cls, sizes: CacheBytes, positions: int, max_len: int) -> "CacheBudget":
-        """Room for `positions` positions in sequences of `max_len` (a shorter last one)."""
-        full, rest = divmod(positions, max_len)
-        return cls(sizes, full * sizes.bound(max_len) + sizes.bound(rest), positions)
+    def sized(cls, sizes: CacheBytes, positions: int, max_len: int, sequences: int) -> "CacheBudget":
+        """Room for `positions` positions however they are spread over up to `sequences` sequences of up to
+        `max_len`, as a paged pool of that many positions holds them. Spread evenly costs the most (each sequence
+        pays its window and buffers whatever its length), so that is what it is sized for."""
+        share = min(-(-positions // sequences), max_len)
+        return cls(sizes, sequences * sizes.bound(share), positions)
 
     def admit(self, seq_id: str, positions: int) -> bool:
         """Charge a new sequence for `positions`, leaving the margin free when others run; False: no room."""

@@ -84,8 +84,8 @@ class DeepseekV4Family(ModelFamily):
         if head is not None:
             details["speculative"] = "mtp (mtp.0: sliding-window attention over its own cache per sequence)"
         budget, max_len = _cache_budget(context, dtype, drafting=head is not None)
-        details["v4_cache_budget"] = (f"{budget.capacity / 2**20:.1f} MiB: {budget.positions} positions in sequences "
-                                      f"of up to {max_len} (kv_cache_tokens)")
+        details["v4_cache_budget"] = (f"{budget.capacity / 2**20:.1f} MiB: {budget.positions} positions among up to "
+                                      f"{context.max_concurrent} sequences (kv_cache_tokens)")
         runner = V4ModelRunner(model, max_len, budget, context.model_path, head=head, draft_unavailable=no_draft)
         return LoadedModel(runner=runner, details=details, torch_threads=threads, checkpoint=storage,
                            max_model_len=max_len)
@@ -119,13 +119,15 @@ def _draft_layer(context: LoadContext) -> tuple[int | None, str | None]:
 
 
 def _cache_budget(context: LoadContext, dtype: torch.dtype, drafting: bool) -> tuple[Any, int]:
-    """The bytes V4's caches may hold, sized as the V3 runner sizes its KV pool (kv_cache_tokens positions), and the
-    context served: no longer than one sequence's caches can reach within them."""
+    """The bytes V4's caches may hold, sized as the V3 runner sizes its KV pool (kv_cache_tokens positions among
+    max_concurrent sequences), and the context served: no longer than those positions, nor than one sequence's
+    caches reach within the bytes."""
     from engines.kt.families.deepseek_v4.budget import CacheBudget, CacheBytes
 
     positions, max_len = context.kv_cache_tokens(), context.max_model_len
-    budget = CacheBudget.sized(CacheBytes.of(context.config, dtype, draft_head=drafting), positions, max_len)
-    reach = budget.sizes.positions_within(budget.capacity)
+    budget = CacheBudget.sized(CacheBytes.of(context.config, dtype, draft_head=drafting), positions, max_len,
+                               context.max_concurrent)
+    reach = min(positions, budget.sizes.positions_within(budget.capacity))
     if reach < max_len:  # a request longer than the caches hold could never finish
         log.info("serving a context of %d tokens: V4's cache budget (kv_cache_tokens) holds no more", reach)
         max_len = reach
