@@ -3,6 +3,7 @@ dequantized weights, loaded here independently of the engine's loader (names map
 `canonical_non_expert_key`, FP8 blocks decoded by kt-kernel's `dequantize_fp8_blocks`)."""
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,6 +14,8 @@ import torch
 # served model keeps the non-expert weights in float32 on the CPU. Measured: 0.050 over 150 positions (prompt
 # chunks of 50, then decode steps) on both the avx512_bf16 and avx2 builds.
 V4_LOGPROB_TOLERANCE = 0.1
+
+_SEQUENCE_IDS = itertools.count()
 
 
 def v4_reference_model(model_dir: Path):
@@ -91,8 +94,9 @@ def load_v4_runner(model_dir: Path, max_concurrent: int = 2):
 
 
 def runner_sequence(token_ids: list[int], adapter: str | None = None) -> SimpleNamespace:
-    """What a runner reads of a scheduled sequence: its tokens, its request's adapter, its runner state."""
-    return SimpleNamespace(token_ids=token_ids, runner_state=None, request=SimpleNamespace(adapter=adapter))
+    """What a runner reads of a scheduled sequence: its id, its tokens, its request's adapter, its runner state."""
+    return SimpleNamespace(id=f"seq-{next(_SEQUENCE_IDS)}", token_ids=token_ids, runner_state=None,
+                           request=SimpleNamespace(adapter=adapter))
 
 
 def served_logprobs(model_dir: Path, token_ids: list[int], chunks: list[int], adapter: Path | None = None

@@ -42,6 +42,9 @@ from typing import Any, Protocol
 from torch import nn
 
 
+DEFAULT_KV_BUDGET_TOKENS = 65536
+
+
 @dataclass(frozen=True, slots=True)
 class ExpertLayout:
     """How a checkpoint stores one MoE layer's routed experts."""
@@ -69,6 +72,15 @@ class LoadContext:
     fold: dict[str, str] = field(default_factory=dict)  # rule devices this machine lacks -> where they run
     speculative: Any = None  # engines.runtime.speculative.SpeculativeOptions: whether to draft, and how much
     source: Any = None  # the checkpoint (engines/checkpoints/source.py: open_source), for families that read it so
+
+    def kv_cache_tokens(self) -> int:
+        """The positions the KV caches hold in all: kv_cache_tokens as configured, else room for a few
+        full-length requests within a fixed budget (64k positions: 2 GB for V2-Lite's 27 layers x 576 bf16
+        values), never less than one request."""
+        if self.options.kv_cache_tokens:
+            return self.options.kv_cache_tokens
+        max_len = self.max_model_len
+        return max(max_len, min(max_len * min(self.max_concurrent, 4), DEFAULT_KV_BUDGET_TOKENS))
 
 
 @dataclass(slots=True)

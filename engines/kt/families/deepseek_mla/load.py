@@ -26,9 +26,6 @@ from engines.model_files import resolve_dtype
 
 log = logging.getLogger("ktserve.engine.kt")
 
-DEFAULT_KV_BUDGET_TOKENS = 65536
-
-
 @dataclass(frozen=True, slots=True)
 class MLAVariant:
     """What a generation of the MLA architecture changes in how load_mla loads it (V2 / V3: nothing): the cache
@@ -84,7 +81,7 @@ def load_mla(family: ModelFamily, context: LoadContext, variant: MLAVariant = ML
     head = mtp.MTPHead.take(model, device_scope) if draft_layer is not None else None
     devices = layer_devices(model)
     max_len = context.max_model_len
-    kv_tokens = _kv_tokens(context)
+    kv_tokens = context.kv_cache_tokens()
     if kv_tokens < max_len:  # a request longer than the cache could never finish
         log.info("serving a context of %d tokens: the KV cache (kv_cache_tokens) holds no more", kv_tokens)
         max_len = kv_tokens
@@ -185,15 +182,6 @@ def _graph_rows(context: LoadContext, drafting: bool) -> int:
         spec = context.speculative
         rows = max(rows, min(rows, spec.speculative_max_batch) * (1 + spec.num_speculative_tokens))
     return rows
-
-
-def _kv_tokens(context: LoadContext) -> int:
-    """KV capacity: as configured, else room for a few full-length requests within a fixed budget
-    (64k positions: 2 GB for V2-Lite's 27 layers x 576 bf16 values), never less than one request."""
-    if context.options.kv_cache_tokens:
-        return context.options.kv_cache_tokens
-    max_len = context.max_model_len
-    return max(max_len, min(max_len * min(context.max_concurrent, 4), DEFAULT_KV_BUDGET_TOKENS))
 
 
 def _converted_experts(kt: KTOptions, config: Any) -> tuple[Any, str | None]:

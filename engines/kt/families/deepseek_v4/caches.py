@@ -56,6 +56,30 @@ def _restore_layer(layer: Any, state: dict[str, Any]) -> None:
             current[key] = value
 
 
+def _compact_layer(layer: Any) -> None:
+    """Copy out the tensors that are small views of a step's larger ones (the last `sliding_window` keys of the
+    keys a prompt chunk fed, a compressor's buffered rows of the chunk's projections), so the chunk's tensors are
+    freed now rather than when the sequence's next step replaces the views: what the cache holds in memory is
+    then what its tensors' sizes say (budget.py charges those)."""
+    copies: dict[int, torch.Tensor] = {}
+
+    def compact(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() <= 2 * t.nbytes:
+            return t
+        if id(t) not in copies:  # V4's layers keep one tensor as keys and values: it stays one
+            copies[id(t)] = t.clone()
+        return copies[id(t)]
+
+    state = vars(layer)
+    for key, value in state.items():
+        if key in _GROWING:
+            continue
+        if isinstance(value, dict):
+            state[key] = {name: compact(t) for name, t in value.items()}
+        else:
+            state[key] = compact(value)
+
+
 class StepRecord:
     """What one step put into a cache, per layer, to replay a prefix of it: the keys [1, heads, rows, dim] it
     appended and the compressor (with its inputs) it ran."""
@@ -114,6 +138,8 @@ class SequenceCache:
 
     def commit(self, end: int) -> None:
         """The step ran: the cache holds [0, end). The mark stays, for a rerun of this step or a shorter one."""
+        for layer in self.cache.layers:
+            _compact_layer(layer)
         self.computed = end
         self._done, self.record = self.record, None
 

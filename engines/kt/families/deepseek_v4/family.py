@@ -1,6 +1,7 @@
 """The DeepSeek-V4 family (V4-Flash, V4-Pro): what the KT engine's registry returns for `deepseek_v4`."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,8 @@ from torch import nn
 
 from engines.kt.families.base import ChatEncoder, ExpertLayout, LoadContext, LoadedModel, ModelFamily
 from engines.kt.families.deepseek_v4 import names
+
+log = logging.getLogger("ktserve.engine.kt")
 
 
 class DeepseekV4Family(ModelFamily):
@@ -80,9 +83,12 @@ class DeepseekV4Family(ModelFamily):
                                   "not used, see engines/lora/cpu_experts.py)")
         if head is not None:
             details["speculative"] = "mtp (mtp.0: sliding-window attention over its own cache per sequence)"
-        runner = V4ModelRunner(model, context.max_model_len, context.model_path, head=head,
-                               draft_unavailable=no_draft)
-        return LoadedModel(runner=runner, details=details, torch_threads=threads, checkpoint=storage)
+        budget, max_len = _cache_budget(context, dtype, drafting=head is not None)
+        details["v4_cache_budget"] = (f"{budget.capacity / 2**20:.1f} MiB: {budget.positions} positions among up to "
+                                      f"{context.max_concurrent} sequences (kv_cache_tokens)")
+        runner = V4ModelRunner(model, max_len, budget, context.model_path, head=head, draft_unavailable=no_draft)
+        return LoadedModel(runner=runner, details=details, torch_threads=threads, checkpoint=storage,
+                           max_model_len=max_len)
 
     def chat_encoder(self, model_path: Path, allow_checkpoint_code: bool = False) -> ChatEncoder | None:
         """The release's `encoding/encoding_dsv4.py` when the user allows running the model folder's code
@@ -110,6 +116,22 @@ def _draft_layer(context: LoadContext) -> tuple[int | None, str | None]:
         return None, (f"{context.model_path.name} has no multi-token-prediction layer ({MARKER} is not in the "
                       "checkpoint)")
     return config.num_hidden_layers, None
+
+
+def _cache_budget(context: LoadContext, dtype: torch.dtype, drafting: bool) -> tuple[Any, int]:
+    """The bytes V4's caches may hold, sized as the V3 runner sizes its KV pool (kv_cache_tokens positions among
+    max_concurrent sequences), and the context served: no longer than those positions, nor than one sequence's
+    caches reach within the bytes."""
+    from engines.kt.families.deepseek_v4.budget import CacheBudget, CacheBytes
+
+    positions, max_len = context.kv_cache_tokens(), context.max_model_len
+    budget = CacheBudget.sized(CacheBytes.of(context.config, dtype, draft_head=drafting), positions, max_len,
+                               context.max_concurrent)
+    reach = min(positions, budget.sizes.positions_within(budget.capacity))
+    if reach < max_len:  # a request longer than the caches hold could never finish
+        log.info("serving a context of %d tokens: V4's cache budget (kv_cache_tokens) holds no more", reach)
+        max_len = reach
+    return budget, max_len
 
 
 def _build_rotary_tables(model: nn.Module, config: Any, device_of: Any) -> None:

@@ -7,8 +7,11 @@ A step runs every chunk of it (prompt chunks and decode tokens of all its sequen
 step, and only attention runs sequence by sequence over each sequence's own cache. Each sequence keeps its
 `DynamicCache` of V4's cache layers (sliding-window keys, compressor buffers and compressed entries) in
 `seq.runner_state` (caches.py: `SequenceCache`, which also lets a failed step run again). Nothing is captured
-in CUDA graphs. Caches are not paged or bounded by a budget: a sliding window of `sliding_window` positions plus
-one compressed entry per 4 (CSA) or 128 (HCA) positions per layer, freed when the request ends.
+in CUDA graphs. Caches are not paged but bounded by a budget in bytes (budget.py: a sliding window of
+`sliding_window` positions plus one compressed entry per 4 (CSA) or 128 (HCA) positions per layer, the indexer's
+keys and the draft head's cache): a sequence is charged what its positions hold when admitted and as it grows,
+and room past the budget is refused, so the scheduler keeps requests waiting or preempts the newest (its cache is
+dropped and recomputed when readmitted); freed when the request ends.
 
 LoRA adapters (PEFT, KT-SFT's fused expert LoRA and manifest) go through the shared `LoraModules`: each row of a
 step uses its request's adapter (`AdapterRows` over the step's rows), so requests with different adapters or
@@ -30,6 +33,7 @@ from torch import nn
 from engines.kt.drafting import Drafter
 from engines.kt.experts.protocol import RoutedExperts
 from engines.kt.families.deepseek_v4.batch import Piece, V4Batch
+from engines.kt.families.deepseek_v4.budget import CacheBudget
 from engines.kt.families.deepseek_v4.caches import SequenceCache
 from engines.lora.install import LoraModules
 from engines.lora.modules import AdapterRows
@@ -40,11 +44,12 @@ from engines.runtime.sequence import Sequence
 class V4ModelRunner(ModelRunner):
     chunked_prefill = True
 
-    def __init__(self, model: nn.Module, max_model_len: int, checkpoint: Path | None = None, head: Any = None,
-                 draft_unavailable: str | None = None):
+    def __init__(self, model: nn.Module, max_model_len: int, budget: CacheBudget, checkpoint: Path | None = None,
+                 head: Any = None, draft_unavailable: str | None = None):
         from transformers.cache_utils import DynamicCache
 
         self.model = model
+        self.budget = budget
         self.config = model.config
         self.max_model_len = max_model_len
         self.head_device = model.lm_head.weight.device
@@ -114,16 +119,23 @@ class V4ModelRunner(ModelRunner):
             return super().propose(seqs, depths)
         return self.drafter.propose(seqs, depths)
 
+    def admit(self, seq: Sequence) -> int | None:
+        return 0 if self.budget.admit(seq.id, len(seq.token_ids)) else None
+
+    def grow(self, seq: Sequence, num_positions: int) -> bool:
+        return self.budget.grow(seq.id, num_positions)
+
     def release(self, seq: Sequence) -> None:
         if self.drafter is not None:
             self.drafter.forget(seq)
             self.head.forget(seq)
+        self.budget.release(seq.id)
         if seq.runner_state is not None:
             seq.runner_state = None
             self._live -= 1
 
     def kv_usage(self) -> tuple[int, int]:
-        return 0, 0  # not a paged pool: no fixed capacity to report
+        return self.budget.usage()
 
     @torch.inference_mode()
     def final_hidden_states(self, prompts: list[list[int]], adapter: str | None) -> list[torch.Tensor]:
