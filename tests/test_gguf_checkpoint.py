@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import statistics
+from pathlib import Path
 
 import httpx
 import pytest
@@ -280,3 +281,27 @@ def test_make_demo_model_refuses_an_mtp_layer_in_gguf(tmp_path, capsys):
     assert main(["make-demo-model", str(tmp_path), "--format", "gguf", "--mtp", "random"]) == 2
     assert "--mtp: the GGUF demo model has no multi-token-prediction layer" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_a_gguf_written_for_a_vocabulary_smaller_than_its_tokenizer_reads_back(tmp_path, demo_model_dir):
+    """A model whose vocab_size cuts the tokenizer (V2-Lite: 102,400 of DeepSeek's 128k tokens): the file keeps
+    only the merges its vocabulary still holds, so its tokenizer builds and encodes within the vocabulary."""
+    import gguf
+
+    from engines.checkpoints.gguf.files import GGUFFiles
+    from engines.checkpoints.gguf.tokenizer import build_tokenizer
+    from engines.checkpoints.gguf.writer import _write_tokenizer
+
+    size = 102400
+    path = tmp_path / "tokenizer-only.gguf"
+    writer = gguf.GGUFWriter(str(path), "deepseek2")
+    _write_tokenizer(writer, Path(demo_model_dir), {"vocab_size": size})
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    files = GGUFFiles.open(path)
+    tokenizer = build_tokenizer(files.value, str(path))
+    ids = tokenizer.encode("The sergeant's unconventional manoeuvres bewildered everyone.", add_special_tokens=False)
+    assert ids and max(ids) < size
+    assert tokenizer.decode(ids) == "The sergeant's unconventional manoeuvres bewildered everyone."

@@ -75,8 +75,12 @@ def build_tokenizer(meta: Any, source: str) -> Any:
         index = meta(key, None)
         return None if index is None else tokens[int(index)]
 
+    try:
+        backend = Tokenizer.from_str(json.dumps(spec))
+    except Exception as exc:  # the tokenizers library raises its own Exception on inconsistent vocab/merges
+        raise ValueError(f"model: {source}: its tokenizer metadata does not make a tokenizer ({exc})") from None
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token=token("tokenizer.ggml.bos_token_id"),
+        tokenizer_object=backend, bos_token=token("tokenizer.ggml.bos_token_id"),
         eos_token=token("tokenizer.ggml.eos_token_id"),
         pad_token=token("tokenizer.ggml.padding_token_id") or token("tokenizer.ggml.eos_token_id"),
         clean_up_tokenization_spaces=False, model_max_length=int(1e30))

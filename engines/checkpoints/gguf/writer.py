@@ -167,7 +167,11 @@ def _write_tokenizer(writer, hf_dir: Path, config: dict) -> None:
     for added in spec["added_tokens"]:
         if added["id"] < size:
             tokens[added["id"]], kinds[added["id"]] = added["content"], CONTROL if added["special"] else USER_DEFINED
-    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    # a vocabulary cut to the model's size (V2-Lite's 102,400 of the tokenizer's 128k) keeps only the merges
+    # whose parts and result it still holds: a merge naming a dropped token makes the file unreadable
+    kept = {token for token, index in spec["model"]["vocab"].items() if index < size}
+    pairs = [m.split(" ", 1) if isinstance(m, str) else m for m in spec["model"]["merges"]]
+    merges = [f"{a} {b}" for a, b in pairs if a in kept and b in kept and a + b in kept]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("deepseek-v3")
     writer.add_token_list(tokens)
