@@ -305,3 +305,25 @@ def test_a_gguf_written_for_a_vocabulary_smaller_than_its_tokenizer_reads_back(t
     ids = tokenizer.encode("The sergeant's unconventional manoeuvres bewildered everyone.", add_special_tokens=False)
     assert ids and max(ids) < size
     assert tokenizer.decode(ids) == "The sergeant's unconventional manoeuvres bewildered everyone."
+
+
+def test_a_gguf_whose_merges_name_a_token_it_lacks_is_refused_naming_the_file(tmp_path):
+    import gguf
+
+    from engines.checkpoints.gguf.files import GGUFFiles
+    from engines.checkpoints.gguf.tokenizer import build_tokenizer
+
+    path = tmp_path / "broken-tokenizer.gguf"
+    writer = gguf.GGUFWriter(str(path), "deepseek2")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("deepseek-v3")
+    writer.add_token_list(["a", "b", "ab", "<eos>"])
+    writer.add_token_types([1, 1, 1, 3])
+    writer.add_token_merges(["a b", "a zz"])  # "zz" is not in the vocabulary
+    writer.add_eos_token_id(3)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"broken-tokenizer\.gguf: its tokenizer metadata does not make a tokenizer"):
+        build_tokenizer(GGUFFiles.open(path).value, str(path))
