@@ -1,0 +1,192 @@
+"""`python -m bench.v4_trace`: where a DeepSeek-V4 step's time goes, part by part, for a prompt and for decode.
+
+    python -m bench.v4_trace [--v4-layers 2] [--prompt 2048] [--steps 16] [--quick] [--out DIR]
+
+Uses the V4-Flash-shaped checkpoint of `python -m bench.run --shape v4-flash` (bench/v4_flash.py; written unless
+one with the same layer count is there; `--quick`: the tiny demo V4's dimensions, a CPU check), starts the KT
+engine and drives its V4 steps directly (the runner's `V4Batch`, one sequence on a fresh cache): a `--prompt`-token
+prefill in chunks of `--chunk` tokens, then `--steps` decode steps. Each part of the model is timed with the
+device synchronized before and after it, so the parts add up but do not overlap (the CPU experts no longer run
+beside the shared expert): the sum is slower than a real step, each part shows its own cost, launches included:
+
+* `hyper_connections` — the mHC weights and collapse before each block (`attn_hc`, `ffn_hc`);
+* `attention_linears` — attention's q / kv / output projections (with their LoRA wrappers, if any);
+* `compressor` — the compressed-KV compressor with its lightning indexer (CSA and HCA layers);
+* `router`, `shared_expert`, `experts_submit`, `experts_wait` — the MoE block (the wait: CPU experts still running);
+* `embedding`, `head` — the token embedding and the LM head;
+* `rest` — the step's wall time less the parts: norms, rope, masks, the sliding-window cache, the attention
+  kernel itself, `_mix`, Python.
+
+Then the same decode steps again, unsynchronized, under torch.profiler: `kernels_per_step` (kernel launches the GPU
+ran per decode step, per layer) and the real `decode_step_ms`. Prints one JSON object (also to --out/v4-trace.json).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+
+PARTS = ("embedding", "hyper_connections", "attention_linears", "compressor", "router", "shared_expert",
+         "experts_submit", "experts_wait", "head")
+
+
+class PartTimer:
+    """Wall time of named parts, the device synchronized around each; a part inside another counts to the outer."""
+
+    def __init__(self, device: torch.device):
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.depth = 0
+        self.on = False
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            if not self.on or self.depth:
+                return fn(*args, **kwargs)
+            self.sync()
+            self.depth += 1
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.sync()
+                self.seconds[name] += time.perf_counter() - started
+                self.depth -= 1
+        return timed
+
+    def hook(self, module: torch.nn.Module, name: str) -> None:
+        module.forward = self.wrap(name, module.forward)
+
+
+def instrument(runner, timer: PartTimer) -> None:
+    model = runner.model
+    timer.hook(model.model.embed_tokens, "embedding")
+    timer.hook(model.lm_head, "head")
+    for layer in model.model.layers:
+        timer.hook(layer.attn_hc, "hyper_connections")
+        timer.hook(layer.ffn_hc, "hyper_connections")
+        attn = layer.self_attn
+        for name in ("q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_proj"):
+            timer.hook(getattr(attn, name), "attention_linears")
+        if attn.compressor is not None:
+            timer.hook(attn.compressor, "compressor")
+        mlp = layer.mlp
+        timer.hook(mlp.gate, "router")
+        timer.hook(mlp.shared_experts, "shared_expert")
+        if hasattr(mlp.experts, "submit"):
+            mlp.experts.submit = timer.wrap("experts_submit", mlp.experts.submit)
+            mlp.experts.wait = timer.wrap("experts_wait", mlp.experts.wait)
+
+
+def _step(runner, ids: list[int], start: int, end: int, cache) -> None:
+    from engines.kt.families.deepseek_v4.batch import Piece
+
+    streams = runner.batch.hidden_streams([Piece(ids, start, end, cache, None)])
+    runner.model.lm_head(runner.batch.final(streams[-1:]).to(runner.head_device))
+
+
+def _parts(timer: PartTimer, wall: float, count: int) -> dict:
+    parts = {name: round(timer.seconds.get(name, 0.0) / count * 1e3, 3) for name in PARTS}
+    parts["rest"] = round(wall / count * 1e3 - sum(parts.values()), 3)
+    return {"wall_ms": round(wall / count * 1e3, 3), "parts_ms": parts}
+
+
+def trace(runner, device: torch.device, vocab: int, prompt: int, chunk: int, steps: int) -> dict:
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, vocab, (prompt + 2 * steps + 8,), generator=generator).tolist()
+    timer = PartTimer(device)
+    instrument(runner, timer)
+    sync = timer.sync
+    with torch.inference_mode():
+        warm = runner._new_cache()
+        _step(runner, ids, 0, min(chunk, prompt), warm)
+        for at in range(min(chunk, prompt), min(chunk, prompt) + 2):
+            _step(runner, ids, at, at + 1, warm)
+        cache, out = runner._new_cache(), {}
+        timer.on = True
+        sync()
+        started = time.perf_counter()
+        for at in range(0, prompt, chunk):
+            _step(runner, ids, at, min(at + chunk, prompt), cache)
+        sync()
+        out["prefill"] = {"tokens": prompt, "chunk": chunk, **_parts(timer, time.perf_counter() - started, 1)}
+        timer.seconds.clear()
+        started = time.perf_counter()
+        for at in range(prompt, prompt + steps):
+            _step(runner, ids, at, at + 1, cache)
+        sync()
+        out["decode_synchronized"] = {"steps": steps, **_parts(timer, time.perf_counter() - started, steps)}
+        timer.on = False
+        out["decode"] = _profiled_decode(runner, ids, prompt + steps, steps, cache, device)
+    return out
+
+
+def _profiled_decode(runner, ids: list[int], at: int, steps: int, cache, device: torch.device) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    layers = len(runner.model.model.layers)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    started = time.perf_counter()
+    for i in range(steps):  # unprofiled: the real step time
+        _step(runner, ids, at + i, at + i + 1, cache)
+    sync()
+    wall = time.perf_counter() - started
+    with profile(activities=activities) as prof:
+        for i in range(steps, 2 * steps):
+            _step(runner, ids, at + i, at + i + 1, cache)
+        sync()
+    events = prof.key_averages()
+    if device.type == "cuda":
+        kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    else:
+        kernels = sum(e.count for e in events if e.key.startswith("aten::") and e.cpu_children == [])
+    top = sorted(events, key=lambda e: e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total,
+                 reverse=True)[:12]
+    return {"decode_step_ms": round(wall / steps * 1e3, 3),
+            "kernels_per_step": round(kernels / steps, 1), "kernels_per_step_per_layer": round(kernels / steps / layers, 1),
+            "kernels_counted": "CUDA kernels" if device.type == "cuda" else "leaf aten ops (no GPU)",
+            "top": [{"name": e.key[:80], "count_per_step": round(e.count / steps, 1),
+                     "self_us_per_step": round((e.self_device_time_total if device.type == "cuda"
+                                                else e.self_cpu_time_total) / steps, 1)} for e in top]}
+
+
+def main() -> int:
+    from bench.report import print_and_write
+    from bench.v4_flash import _checkpoint
+    from engines.base import EngineConfig
+    from engines.kt.engine import KTEngine
+
+    p = argparse.ArgumentParser(prog="python -m bench.v4_trace", description=__doc__.split("\n\n")[0])
+    p.add_argument("--v4-layers", type=int, default=2, help="layers of the V4-Flash-shaped checkpoint")
+    p.add_argument("--prompt", type=int, default=2048, help="prompt tokens prefilled while traced")
+    p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (the engine's chunk_size)")
+    p.add_argument("--steps", type=int, default=16, help="decode steps traced (twice: synchronized, profiled)")
+    p.add_argument("--threads", type=int, help="kt-kernel threads (cpu_infer); default: the engine's")
+    p.add_argument("--model-dir", help="checkpoint folder (default /tmp/ktserve-bench/v4-flash[-quick])")
+    p.add_argument("--quick", action="store_true", help="the tiny demo V4's dimensions (a CPU check)")
+    p.add_argument("--out", help="also write v4-trace.json into this folder")
+    args = p.parse_args()
+    root, config, built = _checkpoint(args)
+    engine = KTEngine(EngineConfig(model_path=str(root), model_name="bench-v4-trace", max_concurrent=1,
+                                   max_model_len=args.prompt + 4 * args.steps + 64, chunk_size=args.chunk,
+                                   settings={"cpu_infer": args.threads} if args.threads else {}))
+    engine.start()
+    try:
+        runner = engine._runner
+        device = runner.head_device
+        result = {"shape": "v4-flash-quick" if args.quick else "v4-flash", "layers": config["num_hidden_layers"],
+                  "build_s": round(built, 1), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                  "engine_details": dict(engine.info.details),
+                  **trace(runner, device, config["vocab_size"], args.prompt, args.chunk, args.steps)}
+    finally:
+        engine.stop()
+    print_and_write(result, args.out, "v4-trace.json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
