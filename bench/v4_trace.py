@@ -32,11 +32,19 @@ PARTS = ("embedding", "hyper_connections", "attention_linears", "compressor", "r
          "experts_submit", "experts_wait", "head")
 
 
+def _stream_sync(device: torch.device):
+    """Wait for the current stream only: the step and the CPU experts' stream callbacks run there (a device-wide
+    synchronize would also wait for the engine's other streams)."""
+    if device.type != "cuda":
+        return lambda: None
+    return lambda: torch.cuda.current_stream(device).synchronize()
+
+
 class PartTimer:
     """Wall time of named parts, the device synchronized around each; a part inside another counts to the outer."""
 
     def __init__(self, device: torch.device):
-        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.sync = _stream_sync(device)
         self.seconds: dict[str, float] = defaultdict(float)
         self.depth = 0
         self.on = False
@@ -128,7 +136,7 @@ def _profiled_decode(runner, ids: list[int], at: int, steps: int, cache, device:
 
     layers = len(runner.model.model.layers)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = _stream_sync(device)
     sync()
     started = time.perf_counter()
     for i in range(steps):  # unprofiled: the real step time
