@@ -61,6 +61,7 @@ class V4ModelRunner(ModelRunner):
         self.head = head  # mtp.py: V4DraftHead (it batches its own pieces, one cache per sequence), or None
         self.drafter = Drafter(head, head) if head is not None else None
         self.drafts, self.draft_unavailable = head is not None, draft_unavailable
+        self.graphs = None  # graphs.py: V4StepGraphs, the row-wise segments of the steps that fit them
 
     def _state(self, seq: Sequence) -> SequenceCache:
         if seq.runner_state is None:
@@ -78,7 +79,8 @@ class V4ModelRunner(ModelRunner):
                         c.end + len(c.draft), s.cache, c.seq.request.adapter, s.record)
                   for c, s in zip(chunks, states)]
         try:
-            streams = self.batch.hidden_streams(pieces)
+            fits = self.graphs is not None and self.graphs.fits(pieces)
+            streams = (self.graphs if fits else self.batch).hidden_streams(pieces)
         except BaseException:
             for experts in self._experts:  # a call submitted and never waited for: let it finish, drop it
                 experts.abandon()
