@@ -87,3 +87,11 @@ def test_a_step_with_an_adapter_or_past_the_buckets_runs_eagerly(runner, prompts
     assert segments.fits(plain)
     assert not segments.fits(plain + [Piece(prompts[2], 0, 1, None, None)])
     assert not segments.fits([Piece(prompts[0], 0, 1, None, "an-adapter")])
+
+
+def test_a_model_not_on_one_gpu_captures_no_graphs_and_says_why(runner):
+    from engines.kt.families.deepseek_v4.graphs import step_graphs
+
+    graphs, described = step_graphs(runner.model, runner.batch, 4)
+    assert graphs is None
+    assert described == "none: the non-expert model is not on one GPU (it is on cpu)"

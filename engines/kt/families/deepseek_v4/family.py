@@ -66,7 +66,8 @@ class DeepseekV4Family(ModelFamily):
         load_v4_checkpoint(model, context.model_path, placement.device_of_param, dtype, draft_layer=draft_layer)
         model.eval()
         head = V4DraftHead.take(model) if draft_layer is not None else None
-        details = {"attention_backend": "torch (transformers' DeepSeek-V4 modules)", "v4_caches": "per sequence (transformers DynamicCache)",
+        details = {"attention_backend": "torch (transformers' DeepSeek-V4 modules)",
+                   "v4_caches": "per sequence (transformers DynamicCache)",
                    "v4_steps": "batched: a step's rows together, attention's cached part per sequence"}
         for choice in choices.values():
             details.update(choice.describe())

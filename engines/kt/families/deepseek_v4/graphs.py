@@ -43,14 +43,14 @@ class V4StepGraphs:
         self.device = device
         self.layers = batch.layers
         self.buckets = sorted({b for b in ROW_BUCKETS if b < max_rows} | {max_rows})
-        top, config = self.buckets[-1], batch.config
-        self.ids = torch.zeros(1, top, dtype=torch.long, device=device)
-        self.positions = torch.zeros(1, top, dtype=torch.long, device=device)
-        self.attended = torch.zeros(1, top, config.num_attention_heads, config.head_dim,
-                                    dtype=batch.inner.embed_tokens.weight.dtype, device=device)
+        self.ids = torch.zeros(1, self.buckets[-1], dtype=torch.long, device=device)
+        self.positions = torch.zeros(1, self.buckets[-1], dtype=torch.long, device=device)
+        # the cached attention's output [1, rows, heads, head_dim] in the queries' dtype: made at the first segment
+        self.attended: torch.Tensor | None = None
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.outputs: dict[int, list[dict[str, Any]]] = {}  # each captured segment's outputs, by bucket
         self.pool = None
+        self.replayed = 0  # steps served from the captured graphs
 
     def fits(self, pieces: list[Piece]) -> bool:
         return (sum(p.end - p.start for p in pieces) <= self.buckets[-1]
@@ -65,6 +65,7 @@ class V4StepGraphs:
         self.ids[:, :rows].copy_(torch.cat([ids, pad], dim=1), non_blocking=True)
         self.positions[:, :rows].copy_(torch.cat([positions, pad], dim=1), non_blocking=True)
         graphs, segments, out = self.graphs.get(rows), None, None
+        self.replayed += graphs is not None
         with self.batch.lora.step(AdapterRows(spans)), device_scope(self.device):
             for k in range(len(self.layers) + 1):
                 if graphs is not None:
@@ -92,7 +93,9 @@ class V4StepGraphs:
                                        rope, ids)
             out = {"rope": rope, "hidden": hidden}
         if k < len(self.layers):
-            out["before"] = b.before_attention(self.layers[k], out["hidden"], out["rope"])
+            out["before"] = q = b.before_attention(self.layers[k], out["hidden"], out["rope"])
+            if self.attended is None:
+                self.attended = q.q.new_zeros(1, self.buckets[-1], q.q.shape[1], q.q.shape[3])
         return out
 
     def capture(self) -> None:
