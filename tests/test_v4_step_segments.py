@@ -1,6 +1,8 @@
 """DeepSeek-V4 steps in row-wise segments (engines/kt/families/deepseek_v4/graphs.py: what the CUDA graphs capture),
-run here eagerly on the CPU over the padded fixed buffers: a step padded to its bucket of rows gives each sequence
-the logits today's eager step gives it, and steps that do not fit the buckets (or carry an adapter) run eagerly."""
+run here eagerly on the CPU over the padded fixed buffers, each segment's outputs left in the same tensors every
+step as a replayed graph leaves them: a step padded to its bucket of rows gives each sequence the logits the eager
+step gives it (also a verified draft's cache taken back after the bucket's buffers were refilled), and steps that
+do not fit the buckets (or carry an adapter) run eagerly."""
 from __future__ import annotations
 
 import pytest
@@ -95,3 +97,34 @@ def test_a_model_not_on_one_gpu_captures_no_graphs_and_says_why(runner):
     graphs, described = step_graphs(runner.model, runner.batch, 4)
     assert graphs is None
     assert described == "none: the non-expert model is not on one GPU (it is on cpu)"
+
+
+def test_a_verified_draft_taken_back_after_another_step_of_its_bucket_gets_the_eager_logits(runner, prompts):
+    """A drafted check records what it put into the cache; the cache goes back to the accepted length at the
+    sequence's next step, after another sequence's step has refilled the bucket's buffers."""
+    from engines.runtime.model_runner import ScheduledChunk
+
+    a_ids, b_ids = prompts[0][:19], prompts[1][:8]
+
+    def run() -> torch.Tensor:
+        a, b = runner_sequence(a_ids[:16]), runner_sequence(b_ids[:4])
+        runner.execute([ScheduledChunk(seq=a, start=0, end=16), ScheduledChunk(seq=b, start=0, end=3)])
+        a.token_ids = a_ids[:17]
+        runner.execute([ScheduledChunk(seq=a, start=16, end=17, draft=tuple(a_ids[17:19])),
+                        ScheduledChunk(seq=b, start=3, end=4)])  # 3 + 1 rows
+        b.token_ids = b_ids[:7]
+        runner.execute([ScheduledChunk(seq=b, start=4, end=7)])  # 3 rows: the same bucket of 4
+        a.token_ids = a_ids[:19]  # the first drafted token accepted, the second not: back to 18 positions
+        return runner.execute([ScheduledChunk(seq=a, start=18, end=19, all_logits=True)])[0].float()
+
+    eager = run()
+    runner.graphs = CountingSegments(runner, 4)
+    try:
+        segmented = run()
+        served = runner.graphs.served
+    finally:
+        runner.graphs = None
+    assert served == [4, 3, 1]
+    diff = float((torch.log_softmax(segmented, -1) - torch.log_softmax(eager, -1)).abs().max())
+    print(f"\ndrafted check taken back: max |dlogprob| {diff:.2e}")
+    assert diff < SEGMENTED_TOLERANCE

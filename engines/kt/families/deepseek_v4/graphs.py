@@ -16,7 +16,8 @@ one memory pool, warmed up on a side stream), with the CPU experts' stream-order
 kt-kernel's submit and wait are stream callbacks, captured like the rest (engines/kt/experts/cpu.py).
 
 Steps with a LoRA adapter, and steps of more rows than the largest bucket, run eagerly (batch.py). Without a GPU
-the same segments run eagerly over the padded buffers (not captured): tests check them against the eager step."""
+the same segments run eagerly over the padded buffers, their outputs kept in the same tensors every step as a
+replayed graph's are (not captured): tests check them against the eager step."""
 from __future__ import annotations
 
 import logging
@@ -48,7 +49,7 @@ class V4StepGraphs:
         # the cached attention's output [1, rows, heads, head_dim] in the queries' dtype: made at the first segment
         self.attended: torch.Tensor | None = None
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self.outputs: dict[int, list[dict[str, Any]]] = {}  # each captured segment's outputs, by bucket
+        self.outputs: dict[int, list[dict[str, Any]]] = {}  # each segment's outputs (fixed tensors), by bucket
         self.pool = None
         self.replayed = 0  # steps served from the captured graphs
 
@@ -72,7 +73,7 @@ class V4StepGraphs:
                     graphs[k].replay()
                     out = self.outputs[rows][k]
                 else:
-                    out = self._segment(k, rows, out)
+                    out = self._eagerly(k, rows, out)
                 if k == 0:
                     segments = self.batch.segments(pieces, spans, out["embeds"][:, :n], positions.to(self.device))
                 if k < len(self.layers):
@@ -97,6 +98,15 @@ class V4StepGraphs:
             if self.attended is None:
                 self.attended = q.q.new_zeros(1, self.buckets[-1], q.q.shape[1], q.q.shape[3])
         return out
+
+    def _eagerly(self, k: int, rows: int, previous: dict[str, Any] | None) -> dict[str, Any]:
+        """Segment `k` run eagerly, its outputs left in the same tensors every step (as a replayed graph leaves
+        them), so what keeps them past the step is seen to copy them."""
+        out = self._segment(k, rows, previous)
+        kept = self.outputs.setdefault(rows, [])
+        if len(kept) == k:
+            kept.append(out)
+        return _copied_into(kept[k], out)
 
     def capture(self) -> None:
         """Capture every segment of every bucket, largest bucket first (the smaller ones reuse its memory)."""
@@ -131,6 +141,18 @@ class V4StepGraphs:
 
     def describe(self) -> str:
         return f"piecewise: rows {','.join(map(str, self.buckets))}; each sequence's cached attention eager"
+
+
+def _copied_into(kept: Any, new: Any) -> Any:
+    """`kept` (tensors in dicts and tuples) with `new`'s values copied into its tensors."""
+    if isinstance(new, torch.Tensor):
+        if kept is not new:
+            kept.copy_(new)
+        return kept
+    if isinstance(new, dict):
+        return {key: _copied_into(kept[key], value) for key, value in new.items()}
+    parts = [_copied_into(a, b) for a, b in zip(kept, new)]
+    return type(new)(*parts) if hasattr(new, "_fields") else tuple(parts)
 
 
 def step_graphs(model: Any, batch: V4Batch, max_rows: int) -> tuple[V4StepGraphs | None, str]:
