@@ -159,8 +159,9 @@ def run(args: argparse.Namespace) -> dict:
         return {"build_s": built, "mtp": measure_v4(root, config, args.threads, out,
                                                     time.perf_counter() + (args.budget or 1800))}
     engine = KTEngine(EngineConfig(model_path=str(root), model_name="bench-v4-flash", max_concurrent=16,
-                                   max_model_len=33000, chunk_size=2048, settings={"cpu_infer": args.threads}
-                                   if args.threads else {}))
+                                   max_model_len=33000, chunk_size=2048,
+                                   settings={"kt_use_cuda_graph": getattr(args, "cuda_graph", True),
+                                             **({"cpu_infer": args.threads} if args.threads else {})}))
     started = time.perf_counter()
     engine.start()
     load_s = time.perf_counter() - started
@@ -199,6 +200,8 @@ def run(args: argparse.Namespace) -> dict:
     results["ttft_scaled_to_43_layers_s"] = [{"prompt_tokens": p["prompt_tokens"],
                                               "ttft_s": p["ttft_s"] * FLASH_LAYERS / layers if p["ttft_s"] else None}
                                              for p in results["ttft"]]
+    graphs = engine._runner.graphs
+    results["steps_from_cuda_graphs"] = graphs.replayed if graphs is not None else 0
     engine.stop()
     return results
 

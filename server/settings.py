@@ -91,7 +91,8 @@ class Settings(BaseModel):
                                            gt=0)
     chunk_size: int = Field(2048, gt=0, description="prefill chunk size in tokens")
     kt_use_cuda_graph: bool = engine_setting(True, "run decode steps as CUDA graphs (used where the model sits on "
-                                                    "one GPU without hot experts; elsewhere decode runs eager)")
+                                                    "one GPU without hot experts; elsewhere decode runs eager; "
+                                                    "DeepSeek-V4: the row-wise parts of its steps)")
     kt_force_think: bool = Field(False, description="open every chat reply's thinking: prompts end with <think>")
     kt_method: str | None = engine_setting(None, "experts method for every layer: AMXINT8 | AMXINT4 | BF16 | FP8 | "
                                                  "RAWINT4 | LLAMAFILE; default: the rules' choice, or the closest "

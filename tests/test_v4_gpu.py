@@ -2,8 +2,9 @@
 DeepSeek-V4-Flash.yaml rule file) and the MXFP4 routed experts in kt-kernel on the CPU: the tiny V4 in the
 released layout against transformers' float32 reference (run on a GPU machine: pytest -m gpu).
 
-The V4 runner captures no CUDA graphs (kt_use_cuda_graph has no effect on it), so on/off is checked to give
-the same tokens rather than two graph modes."""
+With kt_use_cuda_graph (the default) the row-wise work of a step is replayed from CUDA graphs, each sequence's
+cached attention runs eagerly between them (engines/kt/families/deepseek_v4/graphs.py): greedy replies are the
+eager engine's, and concurrent ones their solo runs'."""
 from __future__ import annotations
 
 import pytest
@@ -61,15 +62,40 @@ def test_v4_greedy_decode_on_the_gpu_agrees_with_the_reference(v4_gpu, v4_model_
     assert agree >= V4_MIN_TOP1_AGREEMENT
 
 
+PROMPTS = [TEXT, "Tell me about rivers.", "1, 2, 3, 4, 5, 6, 7,"]
+
+
+def test_v4_steps_are_captured_in_piecewise_cuda_graphs(v4_gpu):
+    details = v4_gpu.engine.info.details["cuda_graphs"]
+    assert details.startswith("piecewise: rows 1,2,4,8,16;"), details
+    graphs = v4_gpu.engine._runner.graphs
+    assert sorted(graphs.graphs) == [1, 2, 4, 8, 16]
+    assert all(len(g) == v4_gpu.engine._runner.config.num_hidden_layers + 1 for g in graphs.graphs.values())
+
+
 def test_v4_decodes_the_same_with_cuda_graphs_on_and_off(v4_model_dir, v4_gpu):
+    from helpers import completions_together
+
+    graphs = v4_gpu.engine._runner.graphs
+    replayed = graphs.replayed
+    on = completions_together(v4_gpu, PROMPTS, max_tokens=12, ignore_eos=True)
+    assert graphs.replayed > replayed  # decode steps came from the graphs
     off = start_server(v4_model_dir, engine="ktransformers", kt_use_cuda_graph=False)
     try:
-        ask = dict(prompt=TEXT, max_tokens=12, temperature=0)
-        on_text = v4_gpu.openai().completions.create(model=v4_gpu.engine.info.id, **ask).choices[0].text
-        off_text = off.openai().completions.create(model=off.engine.info.id, **ask).choices[0].text
+        assert off.engine.info.details["cuda_graphs"] == "none: kt_use_cuda_graph is off"
+        assert off.engine._runner.graphs is None
+        eager = completions_together(off, PROMPTS, max_tokens=12, ignore_eos=True)
     finally:
         off.stop()
-    assert on_text == off_text
+    assert on == eager
+
+
+def test_v4_prompts_decoded_together_from_cuda_graphs_match_their_solo_runs(v4_gpu):
+    from helpers import completions_together
+
+    alone = [completions_together(v4_gpu, [p], max_tokens=12, ignore_eos=True)[0] for p in PROMPTS]
+    together = completions_together(v4_gpu, PROMPTS, max_tokens=12, ignore_eos=True)
+    assert together == alone
 
 
 def test_v4_prompts_batched_on_the_gpu_agree_with_their_solo_runs(v4_gpu):
@@ -102,7 +128,7 @@ def test_v4_drafting_on_the_gpu_gives_the_replies_without_it(v4_gpu, tmp_path_fa
     model = make_demo_model_v4(tmp_path_factory.mktemp("v4-gpu-mtp") / "tiny-v4-mtp", mtp="last-layer")
     drafting = start_server(model, engine="ktransformers", speculative="mtp")
     try:
-        prompts = [TEXT, "Tell me about rivers.", "1, 2, 3, 4, 5, 6, 7,"]
+        prompts = PROMPTS
         ask = dict(max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
 
         def reply(server, prompt):

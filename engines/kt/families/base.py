@@ -82,6 +82,14 @@ class LoadContext:
         max_len = self.max_model_len
         return max(max_len, min(max_len * min(self.max_concurrent, 4), DEFAULT_KV_BUDGET_TOKENS))
 
+    def decode_rows(self, drafting: bool) -> int:
+        """The most rows a decode step feeds: one per sequence, and a drafted sequence's draft tokens."""
+        rows = self.max_concurrent
+        if drafting:
+            spec = self.speculative
+            rows = max(rows, min(rows, spec.speculative_max_batch) * (1 + spec.num_speculative_tokens))
+        return rows
+
 
 @dataclass(slots=True)
 class LoadedModel:

@@ -104,7 +104,7 @@ def load_mla(family: ModelFamily, context: LoadContext, variant: MLAVariant = ML
             streamer.mapped.warm_up()
     if kt.kt_use_cuda_graph:
         if gpu:
-            runner.capture_decode_graphs(_graph_rows(context, head is not None))
+            runner.capture_decode_graphs(context.decode_rows(head is not None))
         else:
             log.info("kt_use_cuda_graph: no GPU in the placement; decode runs without CUDA graphs")
     log_streamed_experts(options, options.gpu_prefill_tokens, chunk_size)
@@ -173,15 +173,6 @@ def _draft_layer(context: LoadContext) -> tuple[int | None, str | None]:
         return None, (f"{context.model_path.name} has no multi-token-prediction layer (model.layers."
                       f"{config.num_hidden_layers}.eh_proj.weight is not in the checkpoint)")
     return index, None
-
-
-def _graph_rows(context: LoadContext, drafting: bool) -> int:
-    """The most rows a decode step feeds: one per sequence, and a drafted sequence's draft tokens."""
-    rows = context.max_concurrent
-    if drafting:
-        spec = context.speculative
-        rows = max(rows, min(rows, spec.speculative_max_batch) * (1 + spec.num_speculative_tokens))
-    return rows
 
 
 def _converted_experts(kt: KTOptions, config: Any) -> tuple[Any, str | None]:

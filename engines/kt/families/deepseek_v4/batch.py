@@ -23,7 +23,7 @@ appends and the compressor inputs it runs, so its cache can later be taken back 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,25 @@ class Piece:
     cache: Any  # transformers' DynamicCache of V4 cache layers
     adapter: str | None
     record: Any = None  # caches.py: StepRecord to note what the piece puts into the cache (a verified draft)
+
+
+class Attending(NamedTuple):
+    """A layer's rows at its cached attention: the attention hyper-connection's `post` and `comb` (for the mix
+    after it), the normed input `x` [1, rows, hidden], the rotated queries `q` [1, heads, rows, head_dim] and
+    keys `kv` [1, 1, rows, head_dim], and the queries' low-rank residual [1, rows, q_lora_rank]."""
+
+    post: torch.Tensor
+    comb: torch.Tensor
+    x: torch.Tensor
+    q: torch.Tensor
+    kv: torch.Tensor
+    q_residual: torch.Tensor
+
+    def first(self, n: int) -> "Attending":
+        """The first `n` rows of what the cached part reads, copied: a cache keeps keys and a verified draft's
+        record keeps its inputs past the step, while the buffers they come from get the next step's rows."""
+        return Attending(self.post, self.comb, self.x[:, :n].clone(), self.q[:, :, :n], self.kv[:, :, :n].clone(),
+                         self.q_residual[:, :n].clone())
 
 
 @dataclass(slots=True)
@@ -72,45 +91,56 @@ class V4Batch:
 
     def hidden_streams(self, pieces: list[Piece]) -> torch.Tensor:
         """The last layer's hyper-connection streams of every piece's rows, in piece order: [rows, hc, hidden]."""
-        from transformers.masking_utils import create_sliding_window_causal_mask
-
-        ids = torch.tensor([t for p in pieces for t in p.token_ids[p.start:p.end]], device=self.embed_device)[None]
-        positions = torch.cat([torch.arange(p.start, p.end) for p in pieces]).to(self.embed_device)[None]
-        spans, row = [], 0
-        for p in pieces:
-            spans.append((p.adapter, row, p.end - p.start))
-            row += p.end - p.start
+        ids, positions, spans = flat_rows(pieces)
+        ids, positions = ids.to(self.embed_device), positions.to(self.embed_device)
         with self.lora.step(AdapterRows(spans)):
-            embeds = self.inner.embed_tokens(ids)
-            rope = {kind: self.inner.rotary_emb(embeds, position_ids=positions, layer_type=kind)
-                    for kind in ("main", "compress")}
-            segments = []
-            for p, (adapter, first, n) in zip(pieces, spans):
-                cut = slice(first, first + n)
-                mask = create_sliding_window_causal_mask(config=self.config, inputs_embeds=embeds[:, cut],
-                                                         attention_mask=None, cache=p.cache,
-                                                         position_ids=positions[:, cut])
-                segments.append(_Segment(row=first, n=n, cache=p.cache, positions=positions[:, cut], mask=mask,
-                                         rows=AdapterRows.uniform(adapter), record=p.record))
-            hidden = embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+            embeds, rope = self.embed(ids, positions)
+            segments = self.segments(pieces, spans, embeds, positions)
+            hidden = self.streams(embeds)
             for layer in self.layers:
-                hidden = self._layer(layer, hidden, ids, rope, segments)
+                before = self.before_attention(layer, hidden, rope)
+                hidden = self.after_attention(layer, hidden, before,
+                                              self.cached_attention(layer.self_attn, before, segments), rope, ids)
         return hidden[0]
 
     def final(self, streams: torch.Tensor) -> torch.Tensor:
         """The final hidden states (hyper-head collapse, then the norm) of [rows, hc, hidden] streams: [rows, hidden]."""
         return self.inner.norm(self.inner.hc_head(streams[None]))[0]
 
-    def _layer(self, layer: nn.Module, hidden: torch.Tensor, ids: torch.Tensor, rope: dict,
-               segments: list[_Segment]) -> torch.Tensor:
-        post, comb, collapsed = layer.attn_hc(hidden)
-        attended = self._attention(layer.self_attn, layer.input_layernorm(collapsed), rope, segments)
-        hidden = _mix(post, comb, attended, hidden)
-        post, comb, collapsed = layer.ffn_hc(hidden)
-        return _mix(post, comb, self._moe(layer.mlp, layer.post_attention_layernorm(collapsed), ids), hidden)
+    # The parts of a step, in order: `embed` and `streams`, then per layer `before_attention` (every row),
+    # `cached_attention` (each sequence over its cache) and `after_attention` (every row). graphs.py runs the
+    # row-wise parts from CUDA graphs and the cached parts between them.
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The embeddings of `ids` [1, rows] and the rotary (cos, sin) of both rope kinds at `positions`."""
+        embeds = self.inner.embed_tokens(ids)
+        return embeds, {kind: self.inner.rotary_emb(embeds, position_ids=positions, layer_type=kind)
+                        for kind in ("main", "compress")}
 
-    def _attention(self, attn: nn.Module, x: torch.Tensor, rope: dict, segments: list[_Segment]) -> torch.Tensor:
-        """`DeepseekV4Attention.forward` with its projections over all rows and its cached part per sequence."""
+    def streams(self, embeds: torch.Tensor) -> torch.Tensor:
+        """The first layer's hyper-connection streams: each one the embeddings. [1, rows, hc, hidden]."""
+        return embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+
+    def segments(self, pieces: list[Piece], spans: list[tuple[str | None, int, int]], embeds: torch.Tensor,
+                 positions: torch.Tensor) -> list[_Segment]:
+        """What each piece's cached attention needs: its rows, positions and sliding-window mask."""
+        from transformers.masking_utils import create_sliding_window_causal_mask
+
+        segments = []
+        for p, (adapter, first, n) in zip(pieces, spans):
+            cut = slice(first, first + n)
+            mask = create_sliding_window_causal_mask(config=self.config, inputs_embeds=embeds[:, cut],
+                                                     attention_mask=None, cache=p.cache,
+                                                     position_ids=positions[:, cut])
+            segments.append(_Segment(row=first, n=n, cache=p.cache, positions=positions[:, cut], mask=mask,
+                                     rows=AdapterRows.uniform(adapter), record=p.record))
+        return segments
+
+    def before_attention(self, layer: nn.Module, hidden: torch.Tensor, rope: dict) -> Attending:
+        """A layer's work on every row up to its cached attention: the hyper-connection, the norm and
+        `DeepseekV4Attention`'s projections with their rotary embedding."""
+        attn = layer.self_attn
+        post, comb, collapsed = layer.attn_hc(hidden)
+        x = layer.input_layernorm(collapsed)
         flat, rows = x[0], x.shape[1]
         cos, sin = rope[attn.rope_layer_type]
         q_residual = attn.q_a_norm(attn.q_a_proj(flat))
@@ -118,16 +148,30 @@ class V4Batch:
         q = self.v4.apply_rotary_pos_emb(attn.q_b_norm(q), cos, sin)
         kv = attn.kv_norm(attn.kv_proj(flat)).view(1, rows, -1, attn.head_dim).transpose(1, 2)
         kv = self.v4.apply_rotary_pos_emb(kv, cos, sin)
+        return Attending(post, comb, x, q, kv, q_residual[None])
+
+    def cached_attention(self, attn: nn.Module, a: Attending, segments: list[_Segment]) -> torch.Tensor:
+        """Each sequence's rows of `a` through its cache, in order: [1, rows, heads, head_dim]."""
         out = []
         for s in segments:
             cut = slice(s.row, s.row + s.n)
             with self.lora.step(s.rows):
-                out.append(self._cached(attn, q[:, :, cut], kv[:, :, cut], x[:, cut], q_residual[None, cut], s))
-        attended = out[0] if len(out) == 1 else torch.cat(out, dim=1)  # [1, rows, heads, head_dim]
+                out.append(self._cached(attn, a.q[:, :, cut], a.kv[:, :, cut], a.x[:, cut], a.q_residual[:, cut], s))
+        return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+
+    def after_attention(self, layer: nn.Module, hidden: torch.Tensor, a: Attending, attended: torch.Tensor,
+                        rope: dict, ids: torch.Tensor) -> torch.Tensor:
+        """A layer's work on every row after its cached attention: the output projection, the mix into the
+        streams, then the MoE block between its hyper-connection and mix. The next layer's streams."""
+        attn = layer.self_attn
+        rows = attended.shape[1]
+        cos, sin = rope[attn.rope_layer_type]
         # V carried the keys' rotation: undo it at each query's position before the grouped output projection
         attended = self.v4.apply_rotary_pos_emb(attended.transpose(1, 2), cos, -sin).transpose(1, 2)
         grouped = attn.o_a_proj(attended.reshape(rows, attn.config.o_groups, -1)).flatten(1)
-        return attn.o_b_proj(grouped)[None]
+        hidden = _mix(a.post, a.comb, attn.o_b_proj(grouped)[None], hidden)
+        post, comb, collapsed = layer.ffn_hc(hidden)
+        return _mix(post, comb, self._moe(layer.mlp, layer.post_attention_layernorm(collapsed), ids), hidden)
 
     def _cached(self, attn: nn.Module, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
                 s: _Segment) -> torch.Tensor:
@@ -164,6 +208,18 @@ class V4Batch:
         experts.submit(flat, indices, weights)
         shared = mlp.shared_experts(flat)
         return (experts.wait().to(x.dtype) + shared).view_as(x)
+
+
+def flat_rows(pieces: list[Piece]) -> tuple[torch.Tensor, torch.Tensor, list[tuple[str | None, int, int]]]:
+    """The step's rows on the host: token ids [1, rows], positions [1, rows], and each piece's
+    (adapter, first row, rows)."""
+    ids = torch.tensor([t for p in pieces for t in p.token_ids[p.start:p.end]])[None]
+    positions = torch.cat([torch.arange(p.start, p.end) for p in pieces])[None]
+    spans, row = [], 0
+    for p in pieces:
+        spans.append((p.adapter, row, p.end - p.start))
+        row += p.end - p.start
+    return ids, positions, spans
 
 
 def _mix(post: torch.Tensor, comb: torch.Tensor, block: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:

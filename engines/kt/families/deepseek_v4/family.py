@@ -66,7 +66,7 @@ class DeepseekV4Family(ModelFamily):
         load_v4_checkpoint(model, context.model_path, placement.device_of_param, dtype, draft_layer=draft_layer)
         model.eval()
         head = V4DraftHead.take(model) if draft_layer is not None else None
-        details = {"attention_backend": "torch (transformers' DeepSeek-V4 modules)", "cuda_graphs": "none (V4 runner)",
+        details = {"attention_backend": "torch (transformers' DeepSeek-V4 modules)",
                    "v4_caches": "per sequence (transformers DynamicCache)",
                    "v4_steps": "batched: a step's rows together, attention's cached part per sequence"}
         for choice in choices.values():
@@ -87,6 +87,7 @@ class DeepseekV4Family(ModelFamily):
         details["v4_cache_budget"] = (f"{budget.capacity / 2**20:.1f} MiB: {budget.positions} positions among up to "
                                       f"{context.max_concurrent} sequences (kv_cache_tokens)")
         runner = V4ModelRunner(model, max_len, budget, context.model_path, head=head, draft_unavailable=no_draft)
+        details["cuda_graphs"] = _capture_graphs(context, runner, gpu, drafting=head is not None)
         return LoadedModel(runner=runner, details=details, torch_threads=threads, checkpoint=storage,
                            max_model_len=max_len)
 
@@ -116,6 +117,22 @@ def _draft_layer(context: LoadContext) -> tuple[int | None, str | None]:
         return None, (f"{context.model_path.name} has no multi-token-prediction layer ({MARKER} is not in the "
                       "checkpoint)")
     return config.num_hidden_layers, None
+
+
+def _capture_graphs(context: LoadContext, runner: Any, gpu: bool, drafting: bool) -> str:
+    """Capture the row-wise segments of V4 steps in CUDA graphs where they can be (graphs.py); what the engine
+    details say of it."""
+    from engines.kt.families.deepseek_v4.graphs import step_graphs
+
+    if not context.options.kt_use_cuda_graph:
+        return "none: kt_use_cuda_graph is off"
+    if not gpu:
+        log.info("kt_use_cuda_graph: no GPU in the placement; V4 steps run without CUDA graphs")
+        return "none: no GPU in the placement"
+    # the experts' stream-ordered path takes calls of up to chunk_size + max_concurrent rows
+    rows = min(context.decode_rows(drafting), context.chunk_size + context.max_concurrent)
+    runner.graphs, described = step_graphs(runner.model, runner.batch, rows)
+    return described
 
 
 def _cache_budget(context: LoadContext, dtype: torch.dtype, drafting: bool) -> tuple[Any, int]:

@@ -6,10 +6,13 @@ A step runs every chunk of it (prompt chunks and decode tokens of all its sequen
 (batch.py): the row-wise parts of the model, the routed experts above all, run once per layer for the whole
 step, and only attention runs sequence by sequence over each sequence's own cache. Each sequence keeps its
 `DynamicCache` of V4's cache layers (sliding-window keys, compressor buffers and compressed entries) in
-`seq.runner_state` (caches.py: `SequenceCache`, which also lets a failed step run again). Nothing is captured
-in CUDA graphs. Caches are not paged but bounded by a budget in bytes (budget.py: a sliding window of
-`sliding_window` positions plus one compressed entry per 4 (CSA) or 128 (HCA) positions per layer, the indexer's
-keys and the draft head's cache): a sequence is charged what its positions hold when admitted and as it grows,
+`seq.runner_state` (caches.py: `SequenceCache`, which also lets a failed step run again). On one GPU with
+kt_use_cuda_graph, a step of few enough rows and no adapter replays its row-wise parts from CUDA graphs and runs
+each sequence's cached attention eagerly between them (graphs.py); other steps run eagerly (batch.py).
+
+Caches are not paged but bounded by a budget in bytes (budget.py: a sliding window of `sliding_window` positions
+plus one compressed entry per 4 (CSA) or 128 (HCA) positions per layer, the indexer's keys and the draft head's
+cache): a sequence is charged what its positions hold when admitted and as it grows,
 and room past the budget is refused, so the scheduler keeps requests waiting or preempts the newest (its cache is
 dropped and recomputed when readmitted); freed when the request ends.
 
@@ -61,6 +64,7 @@ class V4ModelRunner(ModelRunner):
         self.head = head  # mtp.py: V4DraftHead (it batches its own pieces, one cache per sequence), or None
         self.drafter = Drafter(head, head) if head is not None else None
         self.drafts, self.draft_unavailable = head is not None, draft_unavailable
+        self.graphs = None  # graphs.py: V4StepGraphs, the row-wise segments of the steps that fit them
 
     def _state(self, seq: Sequence) -> SequenceCache:
         if seq.runner_state is None:
@@ -78,7 +82,8 @@ class V4ModelRunner(ModelRunner):
                         c.end + len(c.draft), s.cache, c.seq.request.adapter, s.record)
                   for c, s in zip(chunks, states)]
         try:
-            streams = self.batch.hidden_streams(pieces)
+            fits = self.graphs is not None and self.graphs.fits(pieces)
+            streams = (self.graphs if fits else self.batch).hidden_streams(pieces)
         except BaseException:
             for experts in self._experts:  # a call submitted and never waited for: let it finish, drop it
                 experts.abandon()

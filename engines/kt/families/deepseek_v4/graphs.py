@@ -1,0 +1,181 @@
+"""CUDA graphs of DeepSeek-V4 steps (kt_use_cuda_graph), piecewise: the row-wise work of a step is captured,
+each sequence's cached attention runs eagerly between the graphs.
+
+A step's rows (batch.py) go through segments: segment 0 is the embeddings, the rotary tables of both rope kinds
+and layer 0's work before its cached attention (`V4Batch.before_attention`); segment i is layer i-1's work after
+its cached attention (`after_attention`: output projection, mix, the MoE block with the CPU experts submitted on
+the stream, the shared expert, the wait) and layer i's before it; the last segment ends with the last layer's
+streams. Between segments each sequence's rows extend its cache and attend over it (`cached_attention`), as an
+eager step does, and the result goes into a fixed buffer the next segment reads.
+
+Segments are bucketed by the step's total rows (1, 2, 4, ... up to the rows a step may feed), whatever sequences
+the rows belong to: decode steps of many sequences, drafted chunks and small prompt chunks alike. A step is padded
+to its bucket with token 0 at position 0; pad rows never reach a cache (the cached part sees the real rows only)
+and their attention output is zeros. Each segment of each bucket is captured once at load (largest bucket first,
+one memory pool, warmed up on a side stream), with the CPU experts' stream-ordered path: their copies and
+kt-kernel's submit and wait are stream callbacks, captured like the rest (engines/kt/experts/cpu.py).
+
+Steps with a LoRA adapter, and steps of more rows than the largest bucket, run eagerly (batch.py). Without a GPU
+the same segments run eagerly over the padded buffers, their outputs kept in the same tensors every step as a
+replayed graph's are (not captured): tests check them against the eager step."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from engines.kt.families.deepseek_v4.batch import Piece, V4Batch, flat_rows
+from engines.kt.runner import device_scope
+from engines.lora.modules import AdapterRows
+
+log = logging.getLogger("ktserve.engine.kt")
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class V4StepGraphs:
+    """The row-wise segments of V4 steps over fixed buffers of up to `max_rows` rows on `device`; captured in
+    CUDA graphs by `capture()`, else run eagerly."""
+
+    def __init__(self, batch: V4Batch, max_rows: int, device: torch.device):
+        self.batch = batch
+        self.device = device
+        self.layers = batch.layers
+        self.buckets = sorted({b for b in ROW_BUCKETS if b < max_rows} | {max_rows})
+        self.ids = torch.zeros(1, self.buckets[-1], dtype=torch.long, device=device)
+        self.positions = torch.zeros(1, self.buckets[-1], dtype=torch.long, device=device)
+        # the cached attention's output [1, rows, heads, head_dim] in the queries' dtype: made at the first segment
+        self.attended: torch.Tensor | None = None
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.outputs: dict[int, list[dict[str, Any]]] = {}  # each segment's outputs (fixed tensors), by bucket
+        self.pool = None
+        self.replayed = 0  # steps served from the captured graphs
+
+    def fits(self, pieces: list[Piece]) -> bool:
+        return (sum(p.end - p.start for p in pieces) <= self.buckets[-1]
+                and all(p.adapter is None for p in pieces))
+
+    def hidden_streams(self, pieces: list[Piece]) -> torch.Tensor:
+        """`V4Batch.hidden_streams` of a step that `fits`, from the segments of its bucket."""
+        ids, positions, spans = flat_rows(pieces)
+        n = ids.shape[1]
+        rows = next(b for b in self.buckets if b >= n)
+        pad = torch.zeros(1, rows - n, dtype=torch.long)
+        self.ids[:, :rows].copy_(torch.cat([ids, pad], dim=1), non_blocking=True)
+        self.positions[:, :rows].copy_(torch.cat([positions, pad], dim=1), non_blocking=True)
+        graphs, segments, out = self.graphs.get(rows), None, None
+        self.replayed += graphs is not None
+        with self.batch.lora.step(AdapterRows(spans)), device_scope(self.device):
+            for k in range(len(self.layers) + 1):
+                if graphs is not None:
+                    graphs[k].replay()
+                    out = self.outputs[rows][k]
+                else:
+                    out = self._eagerly(k, rows, out)
+                if k == 0:
+                    segments = self.batch.segments(pieces, spans, out["embeds"][:, :n], positions.to(self.device))
+                if k < len(self.layers):
+                    attended = self.batch.cached_attention(self.layers[k].self_attn, out["before"].first(n), segments)
+                    self.attended[:, :n].copy_(attended)
+                    self.attended[:, n:rows].zero_()
+        return out["hidden"][0, :n].clone()  # the next step's replay overwrites `out`
+
+    def _segment(self, k: int, rows: int, previous: dict[str, Any] | None) -> dict[str, Any]:
+        """Segment `k` over the first `rows` rows of the buffers, after segment k-1 gave `previous`."""
+        b, ids = self.batch, self.ids[:, :rows]
+        if k == 0:
+            embeds, rope = b.embed(ids, self.positions[:, :rows])
+            out = {"embeds": embeds, "rope": rope, "hidden": b.streams(embeds)}
+        else:
+            rope, before = previous["rope"], previous["before"]
+            hidden = b.after_attention(self.layers[k - 1], previous["hidden"], before, self.attended[:, :rows],
+                                       rope, ids)
+            out = {"rope": rope, "hidden": hidden}
+        if k < len(self.layers):
+            out["before"] = q = b.before_attention(self.layers[k], out["hidden"], out["rope"])
+            if self.attended is None:
+                self.attended = q.q.new_zeros(1, self.buckets[-1], q.q.shape[1], q.q.shape[3])
+        return out
+
+    def _eagerly(self, k: int, rows: int, previous: dict[str, Any] | None) -> dict[str, Any]:
+        """Segment `k` run eagerly, its outputs left in the same tensors every step (as a replayed graph leaves
+        them), so what keeps them past the step is seen to copy them."""
+        out = self._segment(k, rows, previous)
+        kept = self.outputs.setdefault(rows, [])
+        if len(kept) == k:
+            kept.append(out)
+        return _copied_into(kept[k], out)
+
+    def capture(self) -> None:
+        """Capture every segment of every bucket, largest bucket first (the smaller ones reuse its memory)."""
+        started = time.perf_counter()
+        with torch.inference_mode(), torch.cuda.device(self.device), self.batch.lora.step(AdapterRows.uniform(None)):
+            for rows in reversed(self.buckets):
+                self.graphs[rows], self.outputs[rows] = self._capture(rows)
+        log.info("kt_use_cuda_graph: captured %d V4 step segments x %d row buckets (%s) in %.1fs; each "
+                 "sequence's cached attention runs between them", len(self.layers) + 1, len(self.buckets),
+                 ",".join(map(str, self.buckets)), time.perf_counter() - started)
+
+    def _capture(self, rows: int) -> tuple[list[torch.cuda.CUDAGraph], list[dict[str, Any]]]:
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up: lazy initialisation (the experts' pinned buffers) must not happen in capture
+                out = None
+                for k in range(len(self.layers) + 1):
+                    out = self._segment(k, rows, out)
+        current.wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graphs, outputs, out = [], [], None
+        for k in range(len(self.layers) + 1):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self._segment(k, rows, out)
+            graphs.append(graph)
+            outputs.append(out)  # the next segment's inputs: kept alive, so no later capture reuses them
+        return graphs, outputs
+
+    def describe(self) -> str:
+        return f"piecewise: rows {','.join(map(str, self.buckets))}; each sequence's cached attention eager"
+
+
+def _copied_into(kept: Any, new: Any) -> Any:
+    """`kept` (tensors in dicts and tuples) with `new`'s values copied into its tensors."""
+    if isinstance(new, torch.Tensor):
+        if kept is not new:
+            kept.copy_(new)
+        return kept
+    if isinstance(new, dict):
+        return {key: _copied_into(kept[key], value) for key, value in new.items()}
+    parts = [_copied_into(a, b) for a, b in zip(kept, new)]
+    return type(new)(*parts) if hasattr(new, "_fields") else tuple(parts)
+
+
+def step_graphs(model: Any, batch: V4Batch, max_rows: int) -> tuple[V4StepGraphs | None, str]:
+    """The captured segments of V4 steps of up to `max_rows` rows, or None and why not (what the engine
+    details then say)."""
+    from engines.kt.experts.protocol import RoutedExperts
+
+    experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    held = {m for e in experts for m in e.modules()}
+    devices = {t.device for m in model.modules() if m not in held
+               for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
+    why = None
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        why = f"the non-expert model is not on one GPU (it is on {', '.join(sorted(map(str, devices)))})"
+    elif not all(hasattr(m.mlp.experts, "submit") for m in batch.layers):
+        why = "routed experts run in torch, whose dispatch waits on the host"
+    elif any(e.gpu_experts for e in experts):
+        why = "the rules keep hot experts on the GPU (gpu_experts), whose torch part is not captured"
+    elif any(getattr(e, "method", None) == "LLAMAFILE" for e in experts):
+        why = "the experts run as LLAMAFILE, whose calls wait on the host instead of queuing on the stream"
+    if why is not None:
+        log.info("kt_use_cuda_graph: V4 steps run without CUDA graphs, because %s", why)
+        return None, f"none: {why}"
+    graphs = V4StepGraphs(batch, max_rows, next(iter(devices)))
+    graphs.capture()
+    return graphs, graphs.describe()
