@@ -17,7 +17,8 @@ beside the shared expert): the sum is slower than a real step, each part shows i
 * `rest` — the step's wall time less the parts: norms, rope, masks, the sliding-window cache, the attention
   kernel itself, `_mix`, Python.
 
-Then the same decode steps again, unsynchronized, under torch.profiler: `kernels_per_step` (kernel launches the GPU
+Then decode steps as the engine runs them (its CUDA graphs where it captured them: `path`), unsynchronized,
+under torch.profiler: `kernels_per_step` (kernel launches the GPU
 ran per decode step, per layer) and the real `decode_step_ms`. Prints one JSON object (also to --out/v4-trace.json).
 """
 from __future__ import annotations
@@ -88,10 +89,14 @@ def instrument(runner, timer: PartTimer) -> None:
             mlp.experts.wait = timer.wrap("experts_wait", mlp.experts.wait)
 
 
-def _step(runner, ids: list[int], start: int, end: int, cache) -> None:
+def _step(runner, ids: list[int], start: int, end: int, cache, graphs: bool = False) -> None:
+    """One step of one sequence: eagerly (each part a call the timer sees), or as the engine runs it (`graphs`:
+    the captured row-wise segments, where the engine has them and the step fits)."""
     from engines.kt.families.deepseek_v4.batch import Piece
 
-    streams = runner.batch.hidden_streams([Piece(ids, start, end, cache, None)])
+    pieces = [Piece(ids, start, end, cache, None)]
+    path = runner.graphs if graphs and runner.graphs is not None and runner.graphs.fits(pieces) else runner.batch
+    streams = path.hidden_streams(pieces)
     runner.model.lm_head(runner.batch.final(streams[-1:]).to(runner.head_device))
 
 
@@ -140,12 +145,12 @@ def _profiled_decode(runner, ids: list[int], at: int, steps: int, cache, device:
     sync()
     started = time.perf_counter()
     for i in range(steps):  # unprofiled: the real step time
-        _step(runner, ids, at + i, at + i + 1, cache)
+        _step(runner, ids, at + i, at + i + 1, cache, graphs=True)
     sync()
     wall = time.perf_counter() - started
     with profile(activities=activities) as prof:
         for i in range(steps, 2 * steps):
-            _step(runner, ids, at + i, at + i + 1, cache)
+            _step(runner, ids, at + i, at + i + 1, cache, graphs=True)
         sync()
     events = prof.key_averages()
     if device.type == "cuda":
@@ -155,6 +160,7 @@ def _profiled_decode(runner, ids: list[int], at: int, steps: int, cache, device:
     top = sorted(events, key=lambda e: e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total,
                  reverse=True)[:12]
     return {"decode_step_ms": round(wall / steps * 1e3, 3),
+            "path": getattr(runner.graphs, "describe", lambda: "eager")() if runner.graphs is not None else "eager",
             "kernels_per_step": round(kernels / steps, 1), "kernels_per_step_per_layer": round(kernels / steps / layers, 1),
             "kernels_counted": "CUDA kernels" if device.type == "cuda" else "leaf aten ops (no GPU)",
             "top": [{"name": e.key[:80], "count_per_step": round(e.count / steps, 1),
