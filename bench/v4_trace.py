@@ -108,7 +108,7 @@ def _parts(timer: PartTimer, wall: float, count: int) -> dict:
 
 def trace(runner, device: torch.device, vocab: int, prompt: int, chunk: int, steps: int) -> dict:
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(100, vocab, (prompt + 2 * steps + 8,), generator=generator).tolist()
+    ids = torch.randint(100, vocab, (prompt + 3 * steps + 8,), generator=generator).tolist()
     timer = PartTimer(device)
     instrument(runner, timer)
     sync = timer.sync
