@@ -165,7 +165,8 @@ def _decode(run, kind: str, prompt: int, tokens: int, vocab: int, deadline: floa
                     (1 + TRAINED_ACCEPTANCE) / (step_ms / 1e3), "tok/s",
                     note=f"1 + {TRAINED_ACCEPTANCE} tokens per step at this run's step time: the speed at a "
                          "trained MTP layer's acceptance")
-        return {"load_time": fig(run.load_time, "s"), "decode": entry}
+        graphs = run.engine.info.details.get("cuda_graphs")
+        return {"load_time": fig(run.load_time, "s"), "cuda_graphs": graphs, "decode": entry}
     finally:
         run.close()
 
