@@ -1,6 +1,6 @@
 """`python -m bench.v4_trace`: where a DeepSeek-V4 step's time goes, part by part, for a prompt and for decode.
 
-    python -m bench.v4_trace [--v4-layers 2] [--prompt 2048] [--steps 16] [--quick] [--out DIR]
+    python -m bench.v4_trace [--v4-layers 2] [--prompt 2048] [--steps 16] [--quick] [--mtp] [--out DIR]
 
 Uses the V4-Flash-shaped checkpoint of `python -m bench.run --shape v4-flash` (bench/v4_flash.py; written unless
 one with the same layer count is there; `--quick`: the tiny demo V4's dimensions, a CPU check), starts the KT
@@ -168,6 +168,50 @@ def _profiled_decode(runner, ids: list[int], at: int, steps: int, cache, device:
                                                 else e.self_cpu_time_total) / steps, 1)} for e in top]}
 
 
+def drafted(root, config: dict, threads: int | None, steps: int) -> dict:
+    """Decode with `speculative: mtp` over a random MTP layer (bench/mtp.py's `random` variant), through the engine
+    as a request runs: the time per generated token of the main model's steps (`execute`), the draft head's block
+    (`head_block`) and its logits (`head_logits`), the stream synchronized around each, and the `rest` (proposal
+    bookkeeping, sampling, scheduling, the first token's prefill)."""
+    import asyncio
+
+    from bench.engine_runs import generate
+    from bench.mtp import v4_variant
+    from bench.shapes import prompt_ids
+    from engines.base import EngineConfig
+    from engines.kt.engine import KTEngine
+
+    path = v4_variant(root, config, "random")
+    engine = KTEngine(EngineConfig(model_path=str(path), model_name="bench-v4-trace-mtp", max_concurrent=1,
+                                   max_model_len=4096, chunk_size=2048,
+                                   settings={"speculative": "mtp", **({"cpu_infer": threads} if threads else {})}))
+    engine.start()
+    try:
+        runner = engine._runner
+        timer = PartTimer(runner.head_device)
+        runner.execute = timer.wrap("execute", runner.execute)
+        runner.head.forward = timer.wrap("head_block", runner.head.forward)
+        runner.head.logits = timer.wrap("head_logits", runner.head.logits)
+        vocab = config["vocab_size"]
+        asyncio.run(generate(engine, prompt_ids(64, vocab, seed=2), 4, float("inf")))
+        before = engine.stats()
+        timer.on = True
+        started = time.perf_counter()
+        run = asyncio.run(generate(engine, prompt_ids(64, vocab, seed=1), steps + 1, float("inf")))
+        wall = time.perf_counter() - started
+        timer.on = False
+        after = engine.stats()
+        tokens = len(run.token_times)
+        parts = {k: round(v / tokens * 1e3, 3) for k, v in timer.seconds.items()}
+        parts["rest"] = round(wall / tokens * 1e3 - sum(parts.values()), 3)
+        return {"tokens": tokens, "wall_ms_per_token": round(wall / tokens * 1e3, 3), "ms_per_token": parts,
+                "draft_tokens": after.draft_tokens - before.draft_tokens,
+                "accepted_draft_tokens": after.accepted_draft_tokens - before.accepted_draft_tokens,
+                "cuda_graphs": engine.info.details.get("cuda_graphs")}
+    finally:
+        engine.stop()
+
+
 def main() -> int:
     from bench.report import print_and_write
     from bench.v4_flash import _checkpoint
@@ -182,9 +226,15 @@ def main() -> int:
     p.add_argument("--threads", type=int, help="kt-kernel threads (cpu_infer); default: the engine's")
     p.add_argument("--model-dir", help="checkpoint folder (default /tmp/ktserve-bench/v4-flash[-quick])")
     p.add_argument("--quick", action="store_true", help="the tiny demo V4's dimensions (a CPU check)")
+    p.add_argument("--mtp", action="store_true", help="instead: time a drafted decode's parts (speculative: mtp)")
     p.add_argument("--out", help="also write v4-trace.json into this folder")
     args = p.parse_args()
     root, config, built = _checkpoint(args)
+    if args.mtp:
+        print_and_write({"shape": "v4-flash-quick" if args.quick else "v4-flash", "layers": config["num_hidden_layers"],
+                         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                         "drafted": drafted(root, config, args.threads, args.steps)}, args.out, "v4-trace-mtp.json")
+        return 0
     engine = KTEngine(EngineConfig(model_path=str(root), model_name="bench-v4-trace", max_concurrent=1,
                                    max_model_len=args.prompt + 4 * args.steps + 64, chunk_size=args.chunk,
                                    settings={"cpu_infer": args.threads} if args.threads else {}))
