@@ -3,7 +3,7 @@
 FP8 projections arrive as `.weight` (float8_e4m3fn) + `.scale` (UE8M0 per 128x128 block) and are dequantized
 to the model's dtype on arrival of the second of the pair. A layer's routed experts (MXFP4: packed E2M1
 `.weight` + UE8M0 `.scale` per 32) are staged until the layer is complete, then handed to kt-kernel as they
-are (`RoutedExpertsCPU.load_packed`), or dequantized for another method or for a torch experts module.
+are (`RoutedExpertsCPU.load_packed`; the GPU streams that same memory with kt_gpu_prefill_tokens), or dequantized for another method or for a torch experts module.
 Peak host memory: what stays on the CPU plus one layer's packed experts."""
 from __future__ import annotations
 
@@ -145,9 +145,9 @@ def _load_experts(model: nn.Module, layer: int, stage: _Experts, device_of: Any,
     module = model.get_submodule(prefix)
     if isinstance(module, RoutedExpertsCPU):
         module.base_reader = partial(read_layer_experts, model_path, layer, stage.num_experts)
-        if module.method == "MXFP4" and module.streamer is None and not module.gpu_experts and not module.owned:
+        if module.method == "MXFP4" and not module.gpu_experts and not module.owned:  # streamed or not
             module.load_packed(stage.packed())
-        else:  # another method (converted here) or experts the GPU keeps copies of
+        else:  # another method (converted here) or experts the GPU keeps
             module.load_weights(*stage.dequantized())
         return
     gate, up, down = stage.dequantized()  # transformers' own experts module (a `default` rule)
