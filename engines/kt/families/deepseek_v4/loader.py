@@ -124,6 +124,16 @@ def read_layer_experts(model_path: Path, layer: int, num_experts: int, first: in
     """One layer's routed experts re-read from the release and dequantized: gate, up [E, I, H], down [E, H, I]
     (with `first`, experts [0, first)). Expert LoRA computes the LoRA'd rows from these
     (engines/lora/cpu_experts.py); only this layer's tensors are read."""
+    return _read_layer(model_path, layer, num_experts, first).dequantized()
+
+
+def read_layer_packed(model_path: Path, layer: int, num_experts: int) -> dict[str, torch.Tensor]:
+    """One layer's routed experts re-read from the release as they are stored, in `RoutedExpertsCPU.load_packed`'s
+    terms ("gate", "gate_scale", ...)."""
+    return _read_layer(model_path, layer, num_experts).packed()
+
+
+def _read_layer(model_path: Path, layer: int, num_experts: int, first: int | None = None) -> _Experts:
     from safetensors import safe_open
 
     count = num_experts if first is None else min(first, num_experts)
@@ -136,7 +146,7 @@ def read_layer_experts(model_path: Path, layer: int, num_experts: int, first: in
                     stage.add(match.group(3), int(match.group(2)), match.group(4), f.get_tensor(name))
     if len(stage.parts) != count * 6:
         raise ValueError(f"model: routed experts of layer {layer} are incomplete in {model_path}")
-    return stage.dequantized()
+    return stage
 
 
 def _load_experts(model: nn.Module, layer: int, stage: _Experts, device_of: Any, dtype: torch.dtype,
