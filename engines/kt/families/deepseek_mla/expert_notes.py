@@ -72,9 +72,8 @@ def _resident_bytes(layers: list[RoutedExpertsCPU]) -> int:
 
 
 def streamed_from(streamer: ExpertStreamer) -> str:
-    """What a streamer's layers stream from: copies beside kt-kernel's experts, or (V4) kt-kernel's own MXFP4 weights."""
-    forms = "/".join(sorted({h.form for h in streamer.layers.values()}))
-    return "MXFP4 weights kt-kernel reads in place (no copy)" if forms == "mxfp4" else f"{forms} copies"
+    """What a streamer's layers stream from: "int8 copies", "int4 copies", "mxfp4 copies" (V4's released bytes)."""
+    return "/".join(sorted({h.form for h in streamer.layers.values()})) + " copies"
 
 
 def log_streamed_experts(options: OperatorOptions, tokens: int, chunk_size: int) -> None:
