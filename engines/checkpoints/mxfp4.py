@@ -4,6 +4,8 @@ to a byte, the earlier column in the low nibble, `[n, k/2]` (int8 or uint8), wit
 kt-kernel's MXFP4 kernels read exactly this layout (scales as bf16, which holds a power of two exactly)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engines.checkpoints.fp8 import ue8m0_to_float
@@ -14,7 +16,9 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
 
 
+@functools.lru_cache(maxsize=None)
 def _table(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    # made once per device: on a GPU each new one is a copy from host memory the host waits for
     values = torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
     return torch.cat([values, -values])
 

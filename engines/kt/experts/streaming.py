@@ -252,10 +252,10 @@ class HostExperts:
         (page-locked when `pin`)."""
         (E, I, _), H = weights["gate"].shape, weights["down"].shape[1]
         host = cls.empty(E, I, H, pin=pin, mxfp4=True)
-        for tensor, name, rows in ((host.gate_up, "gate", slice(0, I)), (host.gate_up, "up", slice(I, 2 * I)),
-                                   (host.down, "down", slice(None))):
-            scale = host.gate_up_scale if tensor is host.gate_up else host.down_scale
-            tensor[:, rows].copy_(weights[name].view(torch.uint8))
+        for name, packed, scale, rows in (("gate", host.gate_up, host.gate_up_scale, slice(0, I)),
+                                          ("up", host.gate_up, host.gate_up_scale, slice(I, 2 * I)),
+                                          ("down", host.down, host.down_scale, slice(None))):
+            packed[:, rows].copy_(weights[name].view(torch.uint8))
             scale[:, rows].copy_(weights[f"{name}_scale"].view(torch.uint8))
         return host
 

@@ -3,8 +3,9 @@
 FP8 projections arrive as `.weight` (float8_e4m3fn) + `.scale` (UE8M0 per 128x128 block) and are dequantized
 to the model's dtype on arrival of the second of the pair. A layer's routed experts (MXFP4: packed E2M1
 `.weight` + UE8M0 `.scale` per 32) are staged until the layer is complete, then handed to kt-kernel as they
-are (`RoutedExpertsCPU.load_packed`; the GPU streams that same memory with kt_gpu_prefill_tokens), or dequantized for another method or for a torch experts module.
-Peak host memory: what stays on the CPU plus one layer's packed experts."""
+are (`RoutedExpertsCPU.load_packed`, which also keeps copies of them to stream with kt_gpu_prefill_tokens), or
+dequantized for another method or for a torch experts module. Peak host memory: what stays on the CPU plus one
+layer's packed experts (and the streamed copies, which stay)."""
 from __future__ import annotations
 
 from collections import defaultdict
