@@ -161,12 +161,16 @@ def run(args: argparse.Namespace) -> dict:
     engine = KTEngine(EngineConfig(model_path=str(root), model_name="bench-v4-flash", max_concurrent=16,
                                    max_model_len=33000, chunk_size=2048,
                                    settings={"kt_use_cuda_graph": getattr(args, "cuda_graph", True),
-                                             **({"cpu_infer": args.threads} if args.threads else {})}))
+                                             **({"cpu_infer": args.threads} if args.threads else {}),
+                                             # --gpu-prefill-tokens N: prompt chunks stream the experts to the GPU
+                                             "kt_gpu_prefill_tokens": getattr(args, "gpu_prefill_tokens", 0),
+                                             **getattr(args, "settings", {})}))
     started = time.perf_counter()
     engine.start()
     load_s = time.perf_counter() - started
     vocab, deadline = config["vocab_size"], time.perf_counter() + (args.budget or 1800)
     results: dict = {"shape": "v4-flash", "layers": layers, "build_s": built, "load_s": load_s,
+                     "kt_gpu_prefill_tokens": getattr(args, "gpu_prefill_tokens", 0),
                      "engine_details": dict(engine.info.details),
                      "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
 
@@ -235,5 +239,7 @@ def main(args: argparse.Namespace) -> int:
     from bench.report import print_and_write
 
     results = run(args)
-    print_and_write(results, args.out, "v4-flash-mtp.json" if "mtp" in results else "v4-flash.json")
+    name = ("v4-flash-mtp" if "mtp" in results else
+            "v4-flash-streamed" if results.get("kt_gpu_prefill_tokens") else "v4-flash")
+    print_and_write(results, args.out, f"{name}.json")
     return 0

@@ -289,7 +289,7 @@ def test_reading_the_first_experts_of_a_layer_gives_those_of_the_whole_layer(dem
 def test_the_budget_gives_each_expert_layer_the_experts_it_holds(demo_model_dir, caplog):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from engines.kt.families.deepseek_mla.load import _streamed_expert_count
+    from engines.kt.families.deepseek_mla.load import streamed_expert_count
     from engines.kt.options import KTOptions
 
     config = AutoConfig.from_pretrained(demo_model_dir)
@@ -298,13 +298,13 @@ def test_the_budget_gives_each_expert_layer_the_experts_it_holds(demo_model_dir,
     layers = sum(1 for name, _ in model.named_modules() if name.endswith(".mlp.experts"))
     one = expert_copy_bytes(config.hidden_size, config.moe_intermediate_size)
     budget = 3 * layers * one / 1e9  # GB
-    assert _streamed_expert_count(KTOptions(kt_gpu_prefill_tokens=64, kt_gpu_prefill_memory=budget), model,
+    assert streamed_expert_count(KTOptions(kt_gpu_prefill_tokens=64, kt_gpu_prefill_memory=budget), model,
                                   config) == 3
-    assert _streamed_expert_count(KTOptions(kt_gpu_prefill_tokens=64), model, config) is None  # every expert
+    assert streamed_expert_count(KTOptions(kt_gpu_prefill_tokens=64), model, config) is None  # every expert
     with caplog.at_level("WARNING", logger="ktserve.engine.kt"):
-        assert _streamed_expert_count(KTOptions(kt_gpu_prefill_tokens=64, kt_gpu_prefill_memory=budget / 10),
+        assert streamed_expert_count(KTOptions(kt_gpu_prefill_tokens=64, kt_gpu_prefill_memory=budget / 10),
                                       model, config) == 0
-        assert _streamed_expert_count(KTOptions(kt_gpu_prefill_memory=budget), model, config) is None
+        assert streamed_expert_count(KTOptions(kt_gpu_prefill_memory=budget), model, config) is None
     assert "holds no expert's copy" in caplog.text and "does nothing without kt_gpu_prefill_tokens" in caplog.text
 
 

@@ -144,3 +144,78 @@ def test_v4_drafting_on_the_gpu_gives_the_replies_without_it(v4_gpu, tmp_path_fa
     print(f"\nV4 drafting on the GPU: {stats.accepted_draft_tokens} of {stats.draft_tokens} drafts accepted")
     assert alone == plain
     assert together == plain
+
+
+@pytest.fixture(scope="module")
+def v4_streaming(v4_model_dir):
+    """The tiny V4 with prompt chunks of 16 tokens or more streaming their MXFP4 experts to the GPU."""
+    running = start_server(v4_model_dir, engine="ktransformers", kt_gpu_prefill_tokens=16)
+    yield running
+    running.stop()
+
+
+def test_v4_prompts_streaming_their_mxfp4_experts_keep_the_logprobs_of_kt_kernel_alone(v4_gpu, v4_streaming,
+                                                                                       v4_model_dir):
+    """kt_gpu_prefill_tokens: each layer's experts of a prompt chunk are split between the GPU (the released MXFP4
+    bytes copied from pinned host memory, dequantized there) and kt-kernel; the prompt logprobs stay those of the
+    server that computes every expert in kt-kernel, and of the float32 reference."""
+    import httpx
+
+    from engines.kt.experts.cpu import RoutedExpertsCPU
+
+    details = v4_streaming.engine.info.details
+    assert details["gpu_prefill_tokens"] == "16"
+    assert "mxfp4 copies" in details["gpu_prefill_experts"], details["gpu_prefill_experts"]
+    layers = [m for m in v4_streaming.engine._runner.model.modules()
+              if isinstance(m, RoutedExpertsCPU) and m.streamer is not None]
+    assert layers and all(m.streamer.layers[m.layer_idx].form == "mxfp4" for m in layers)
+    streamer = layers[0].streamer
+    before = streamer.stats.chunks
+    ids = v4_gpu.engine.tokenizer.encode(TEXT)
+
+    def logprobs(server) -> torch.Tensor:
+        reply = server.openai().completions.create(model=server.engine.info.id, prompt=ids, max_tokens=0, echo=True,
+                                                   logprobs=1, temperature=0)
+        return torch.tensor(reply.choices[0].logprobs.token_logprobs[1:])
+
+    streamed, plain = logprobs(v4_streaming), logprobs(v4_gpu)
+    reference = reference_logprobs(v4_reference_model(v4_model_dir), ids)
+    expected = reference[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    against_plain, against_reference = (streamed - plain).abs(), (streamed - expected).abs()
+    print(f"\nV4 streamed experts: {streamer.stats.chunks - before} layer calls streamed "
+          f"({streamer.stats.experts} experts, {streamer.stats.bytes / 1e6:.1f} MB); |dlogprob| against kt-kernel "
+          f"alone median {against_plain.median():.4f} max {against_plain.max():.4f}, against the reference median "
+          f"{against_reference.median():.4f} over {len(ids) - 1} positions")
+    assert streamer.stats.chunks - before == len(layers)  # one prompt chunk: every layer streamed once
+    text = httpx.get(v4_streaming.url + "/metrics", timeout=10).text
+    metrics = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("ktserve_streamed_expert"))
+    assert float(metrics["ktserve_streamed_expert_calls_total"]) == streamer.stats.chunks
+    assert against_plain.median() < GPU_MEDIAN_LOGPROB_DIFF
+    assert against_reference.median() < GPU_MEDIAN_LOGPROB_DIFF
+
+
+@pytest.mark.parametrize("pcie_bytes_per_s", [float("inf"), 4e7], ids=["all-on-the-gpu", "split-with-kt-kernel"])
+def test_a_v4_layer_streaming_its_mxfp4_experts_to_the_gpu_equals_kt_kernel_alone(pcie_bytes_per_s):
+    """The layer-level path on the device: the copies pinned in place, the ring filled on the copy stream, each
+    expert dequantized on the GPU, against the same layer all in kt-kernel (tests/test_v4_streamed_experts.py's
+    layer: 20 experts, groups of 8)."""
+    from engines.kt.experts.streaming import ExpertStreamer
+    from test_v4_streamed_experts import E, RELATIVE_TOLERANCE, mxfp4_layer, relative, released_layer, routing
+
+    packed, _ = released_layer()
+    alone = mxfp4_layer()
+    alone.load_packed(packed)
+    streamer = ExpertStreamer(torch.device("cuda"))
+    layer = mxfp4_layer(streamer, held=E)
+    layer.load_packed(packed)
+    assert streamer.layers[3].gate_up.is_pinned() and streamer.pcie_bytes_per_s > 0
+    # the split follows the copy rate: copying for free gives the GPU every expert; at 40 MB/s copying the layer
+    # takes about as long as kt-kernel's MXFP4 rate for 40 x 4 token-experts (27 ms)
+    streamer.pcie_bytes_per_s = pcie_bytes_per_s
+    hidden, ids, weights = routing()
+    split = layer._streamed_experts(40)
+    assert split == E if pcie_bytes_per_s == float("inf") else 0 < split < E
+    expected = alone(hidden, ids, weights).float()
+    out = layer(hidden.cuda(), ids.cuda(), weights.cuda()).float().cpu()
+    assert streamer.stats.experts == split
+    assert relative(out, expected) < RELATIVE_TOLERANCE

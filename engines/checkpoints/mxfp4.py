@@ -4,6 +4,8 @@ to a byte, the earlier column in the low nibble, `[n, k/2]` (int8 or uint8), wit
 kt-kernel's MXFP4 kernels read exactly this layout (scales as bf16, which holds a power of two exactly)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engines.checkpoints.fp8 import ue8m0_to_float
@@ -14,8 +16,10 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
 
 
-def _table(device: torch.device) -> torch.Tensor:
-    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+@functools.lru_cache(maxsize=None)
+def _table(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    # made once per device: on a GPU each new one is a copy from host memory the host waits for
+    values = torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
     return torch.cat([values, -values])
 
 
@@ -30,18 +34,21 @@ def _check(packed: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
     return n, k
 
 
-def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """[n, k/2] packed bytes -> [n, k] float32 E2M1 values (unscaled)."""
+def unpack_e2m1(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[n, k/2] packed bytes -> [n, k] E2M1 values (unscaled) in `dtype` (exact in any float dtype)."""
     codes = packed.view(torch.uint8)
     nibbles = torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(codes.shape[0], -1)
-    return _table(packed.device)[nibbles.long()]
+    return _table(packed.device, dtype)[nibbles.int()]
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """[n, k/2] packed E2M1 + [n, k/32] UE8M0 -> [n, k] in `dtype`."""
+    """[n, k/2] packed E2M1 + [n, k/32] UE8M0 -> [n, k] in `dtype`, on packed's device (a GPU dequantizes streamed
+    V4 experts so: engines/kt/experts/streaming.py). In bf16 and float32 the products are computed in `dtype`
+    (exact: a power of two times an E2M1 value of at most two significant bits), others through float32."""
     n, k = _check(packed, scale)
-    values = unpack_e2m1(packed).view(n, k // GROUP, GROUP)
-    return (values * ue8m0_to_float(scale).to(packed.device)[..., None]).view(n, k).to(dtype)
+    work = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+    values = unpack_e2m1(packed, work).view(n, k // GROUP, GROUP)
+    return (values * ue8m0_to_float(scale).to(packed.device, work)[..., None]).view(n, k).to(dtype)
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -257,11 +257,13 @@ class RoutedExpertsCPU(nn.Module):
         if self.owned:
             self.stream_experts = self.owned
         # decode calls' share of those where they are extra copies (mapped_experts): as asked (kt_gpu_read_experts;
-        # 0: none), None: the two readers' balance
+        # 0: none), None: the two readers' balance; none where copies are MXFP4 (the decode kernels read int8, int4)
         self._mapped_share = (decode_experts(num_experts, self.stream_experts,
                                              3 * hidden_size * intermediate_size * METHODS[method].bits / 8,
                                              expert_copy_bytes(hidden_size, intermediate_size, self.copy_bits))
                               if read_experts is None else min(read_experts, self.stream_experts))
+        if METHODS[method].weights == "mxfp4":
+            self._mapped_share = 0
         # whether decode calls read this layer's copies on the GPU where they lie, host or GPU memory (mapped_experts)
         self._read_in_place = bool(self.owned or self._mapped_share)
         # calls of `pad_from` tokens or more that kt-kernel would compute on its per-token vector path are padded
@@ -451,11 +453,13 @@ class RoutedExpertsCPU(nn.Module):
     def load_packed(self, weights: dict[str, torch.Tensor]) -> None:
         """Take this layer's experts in the method's own stored form, as a checkpoint ships them (V4's MXFP4:
         "gate"/"up"/"down" packed E2M1 [E, n, k/2] and "<m>_scale" UE8M0 [E, n, k/32]); kt-kernel reads them
-        without a conversion. Layers whose GPU keeps or streams experts take `load_weights` instead."""
+        without a conversion. With a streamer (kt_gpu_prefill_tokens) the GPU side keeps copies of the same bytes
+        (`HostExperts.mxfp4_of`: of the first `stream_experts`), pinned where a GPU reads them. Layers whose GPU
+        keeps experts (hot or owned) take `load_weights` instead."""
         self._check_idle()
         if METHODS[self.method].weights != "mxfp4":
             raise ValueError(f"layer {self.layer_idx}: experts method {self.method} does not read packed weights")
-        if self.owned or self.gpu_experts or self.streamer is not None:
+        if self.owned or self.gpu_experts:
             raise ValueError(f"layer {self.layer_idx}: packed experts cannot also be kept on the GPU")
         E, I, H = self.num_experts, self.intermediate_size, self.hidden_size
         prepared: dict[str, Any] = {}
@@ -468,6 +472,11 @@ class RoutedExpertsCPU(nn.Module):
             prepared[m] = packed.view(torch.uint8).contiguous()
             prepared[f"{m}_scale"] = mxfp4.scales_as_bf16(scale)
         self._build_kernel(prepared)
+        if self.streamer is not None:
+            held = {name: tensor[:self.stream_experts] for name, tensor in weights.items()}
+            copies = HostExperts.mxfp4_of(held, pin=self.streamer.device.type == "cuda")
+            self.streamer.register(self.layer_idx, copies, self.top_k)
+
     def load_ggml(self, blocks: dict[str, tuple[torch.Tensor, str]]) -> bool:
         """Take this layer's experts as a GGUF file stores them, read in place by the LLAMAFILE kernel:
         {"gate" | "up" | "down": (uint8 [E, rows, row bytes], ggml type name)}; the tensors (views of the mapped
@@ -685,7 +694,9 @@ class RoutedExpertsCPU(nn.Module):
             rows = self._kernel_tokens(tokens)
             x, ids, weights, out = (t[:rows] for t in self._staging_for(rows, hidden.device, role))
             x[:tokens].copy_(hidden)
-            self._stage_routing(ids, weights, self._kernel_ids(immediate_ids, self.owned), topk_weights, tokens)
+            # experts [0, first) are the streamer's: the ones the GPU owns, or a prompt chunk's streamed share
+            first = self.owned or (self._streamed_experts(tokens) if deferred_ids is None else 0)
+            self._stage_routing(ids, weights, self._kernel_ids(immediate_ids, first), topk_weights, tokens)
             if deferred_ids is not None:  # staged (and checked) before anything is submitted
                 _, d_ids, d_weights, d_out = (t[:rows] for t in self._staging_for(rows, hidden.device,
                                                                                    f"deferred{self.layer_idx % 2}"))
@@ -698,8 +709,11 @@ class RoutedExpertsCPU(nn.Module):
                 deferred = Deferred(self.defer_into, tokens, d_out[:tokens], keep=(x, d_ids, d_weights, d_sizes))
             try:
                 gpu_part = self._hot_experts(hidden, topk_ids, topk_weights) if self._gpu_weights else None
-                if self.owned:  # no hot experts beside these (_check_owned)
-                    gpu_part = self.streamer.compute(self.layer_idx, hidden, topk_ids, topk_weights, self.owned)
+                if first:  # no hot experts beside owned ones (_check_owned)
+                    routed = self._without_hot_experts(topk_ids) if self.gpu_experts else topk_ids
+                    part = self.streamer.compute(self.layer_idx, hidden, routed, topk_weights, first,
+                                                 self.swiglu_limit)
+                    gpu_part = part if gpu_part is None else gpu_part + part
             except BaseException:
                 self._pool.sync()  # kt-kernel must be done with the staging buffers before anyone reuses them
                 raise
@@ -816,7 +830,7 @@ class RoutedExpertsCPU(nn.Module):
                                    f"stream experts (graphs end at {MAPPED_MAX_TOKENS})")
             return self.owned
         if (self.streamer is None or tokens < self.stream_tokens or self.deferral.active  # deferring: never
-                or torch.cuda.is_current_stream_capturing()):
+                or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
             return 0
         cpu_bytes = self.num_experts * 3 * self.hidden_size * self.intermediate_size * METHODS[self.method].bits // 8
         return self.streamer.split(self.layer_idx, tokens, self.top_k, self.num_experts, cpu_bytes, self.method)
@@ -840,7 +854,8 @@ class RoutedExpertsCPU(nn.Module):
         """Every expert on the GPU: no copies to the host, no kt-kernel task, no wait for one."""
         with self._lock:
             self._check_no_pending()
-            out = self.streamer.compute(self.layer_idx, hidden, topk_ids, topk_weights, self.num_experts)
+            out = self.streamer.compute(self.layer_idx, hidden, topk_ids, topk_weights, self.num_experts,
+                                        self.swiglu_limit)
             self._pending = _GPUPending(tokens, out, hidden.dtype)
 
     def _submit_on_stream(self, hidden: torch.Tensor, topk_ids: torch.Tensor, immediate_ids: torch.Tensor,
@@ -869,7 +884,8 @@ class RoutedExpertsCPU(nn.Module):
             gpu_part = self._hot_experts(hidden, topk_ids, topk_weights) if self._gpu_weights else None
             if streamed:
                 ids = self._without_hot_experts(topk_ids) if self.gpu_experts else topk_ids
-                part = self.streamer.compute(self.layer_idx, hidden, ids, topk_weights, streamed)
+                part = self.streamer.compute(self.layer_idx, hidden, ids, topk_weights, streamed,
+                                             self.swiglu_limit)
                 gpu_part = part if gpu_part is None else gpu_part + part
             elif mapped:  # no hot experts here (`mapped_experts`): the routing goes as it is
                 gpu_part = self.streamer.mapped.compute(self.layer_idx, hidden, topk_ids, topk_weights, mapped)

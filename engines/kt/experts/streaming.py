@@ -11,7 +11,12 @@ so that both sides take about as long (`split_experts`).
 The GPU side reads its own copy of the experts (`HostExperts`): int8 with a float32 scale per output row, or for
 4-bit methods int4 with a bf16 scale per 128 weights of a row (`copy_bits`), in host memory pinned in place
 (cudaHostRegister, so no power-of-two rounding of torch's pinned allocator). Those copies take host memory on top
-of kt-kernel's own form (a byte per expert weight in int8, about half that in int4), the reason this is opt-in; with
+of kt-kernel's own form (a byte per expert weight in int8, about half that in int4), the reason this is opt-in.
+DeepSeek-V4's MXFP4 experts are copied as the release ships them (`HostExperts.mxfp4_of`: packed E2M1 pairs and
+their UE8M0 codes, as much host memory as kt-kernel's own MXFP4 buffers, into which its kernels copy them at load
+rather than reading them in place), and the GPU side dequantizes each expert on the device (E2M1 x UE8M0,
+engines/checkpoints/mxfp4.py), so it computes exactly kt-kernel's weights, clamping the SwiGLU inputs as V4's
+experts do (`swiglu_limit`). With
 `kt_gpu_prefill_memory` each layer keeps copies of only its first experts, as many as the budget holds
 (`experts_within`), and the GPU's share of a chunk is capped there: the time saved shrinks with the budget. The
 weights travel in groups of `GROUP` experts through a ring of `RING` GPU buffers on a copy stream: while the GPU
@@ -36,6 +41,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.nn.functional as F
 
+from engines.checkpoints import mxfp4 as mxfp4_format
+
 if TYPE_CHECKING:
     from engines.kt.experts.mapped import MappedExperts
 
@@ -58,7 +65,10 @@ CPU_TOKEN_EXPERTS_PER_S = 2048 * 6 * 26 / 0.87
 # kt-kernel's FP8 kernel is far slower at prompts: with the FP8 method on an H200 machine (2026-11-26,
 # bench/results/nvidia-h200-2026-11-26/fp8/) a 512-token prompt took 3.69 s with every expert on the CPU, 17x the
 # INT8 rate per token-expert, and splitting by the INT8 rate left half the experts there (2.06 s).
-CPU_TOKEN_EXPERTS_PER_S_BY_METHOD = {"FP8": 512 * 6 * 26 / 3.69}
+# kt-kernel's MXFP4 kernel (V4's experts), on the same H200 machine (2026-11-28, 14 threads, `python -m bench.v4_trace
+# --v4-layers 4 --prompt 2048`, V4-Flash's shape: 256 experts, top-6, hidden 4096, intermediate 2048): 2.09 s a layer
+# for a 2,048-token prompt (2,048 x 6 token-experts), 99% of the prefill.
+CPU_TOKEN_EXPERTS_PER_S_BY_METHOD = {"FP8": 512 * 6 * 26 / 3.69, "MXFP4": 2048 * 6 / 2.09}
 # Where the balance gives the GPU at least this share, it takes every expert: the CPU's remainder costs more than
 # it saves (the chunk's copy to the host and back, the stream callbacks, and the CPU and the copy engine reading
 # the same DRAM). `python -m bench.expert_streaming` on the H100 machine (54.5 GB/s copies), ms per V2-Lite
@@ -86,9 +96,14 @@ def _padded(cols: int) -> int:
     return -(-cols // INT4_BLOCK) * INT4_BLOCK
 
 
-def _copy_specs(experts: int, intermediate: int, hidden: int, bits: int
+def _copy_specs(experts: int, intermediate: int, hidden: int, bits: int, mxfp4: bool = False
                 ) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Shapes and dtypes of `HostExperts`' tensors (gate_up, its scales, down, its scales) for `experts` experts."""
+    if mxfp4:  # as released: packed E2M1 pairs, a UE8M0 code (a power of two) per 32 weights of a row
+        return [((experts, 2 * intermediate, hidden // 2), torch.uint8),
+                ((experts, 2 * intermediate, hidden // mxfp4_format.GROUP), torch.uint8),
+                ((experts, hidden, intermediate // 2), torch.uint8),
+                ((experts, hidden, intermediate // mxfp4_format.GROUP), torch.uint8)]
     if bits == 8:
         return [((experts, 2 * intermediate, hidden), torch.int8), ((experts, 2 * intermediate), torch.float32),
                 ((experts, hidden, intermediate), torch.int8), ((experts, hidden), torch.float32)]
@@ -100,19 +115,19 @@ def _copy_specs(experts: int, intermediate: int, hidden: int, bits: int
     raise ValueError(f"the GPU's copies of experts are 8- or 4-bit, not {bits}-bit")
 
 
-def expert_copy_bytes(hidden: int, intermediate: int, bits: int = 8) -> int:
+def expert_copy_bytes(hidden: int, intermediate: int, bits: int = 8, mxfp4: bool = False) -> int:
     """Host bytes of one expert's copy: int8 gate, up and down with a float32 scale per output row, or with
-    `bits` = 4 the packed int4 rows with their bf16 group scales."""
+    `bits` = 4 the packed int4 rows with their bf16 group scales; with `mxfp4`, the released MXFP4 weights."""
     return sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-               for shape, dtype in _copy_specs(1, intermediate, hidden, bits))
+               for shape, dtype in _copy_specs(1, intermediate, hidden, bits, mxfp4))
 
 
 def experts_within(budget_bytes: float, layers: int, num_experts: int, hidden: int, intermediate: int,
-                   bits: int = 8) -> int:
+                   bits: int = 8, mxfp4: bool = False) -> int:
     """How many of each layer's experts (the first ones) `layers` layers can keep copies of in `budget_bytes`."""
     if layers <= 0:
         return num_experts
-    return min(num_experts, int(budget_bytes // (layers * expert_copy_bytes(hidden, intermediate, bits))))
+    return min(num_experts, int(budget_bytes // (layers * expert_copy_bytes(hidden, intermediate, bits, mxfp4))))
 
 
 def split_experts(tokens: int, top_k: int, num_experts: int, cpu_bytes: int, gpu_bytes: int,
@@ -190,12 +205,16 @@ COPY_TENSORS = ("gate_up", "gate_up_scale", "down", "down_scale")  # HostExperts
 @dataclass(slots=True, weakref_slot=True)
 class HostExperts:
     """One layer's routed experts as the GPU side reads them: int8 with a float32 scale per output row, or (4-bit
-    copies) int4 packed two to a byte with a bf16 scale per INT4_GROUP weights of a row (`_quantize_int4`)."""
+    copies) int4 packed two to a byte with a bf16 scale per INT4_GROUP weights of a row (`_quantize_int4`), or
+    (`mxfp4`) V4's MXFP4 weights as released (`mxfp4_of`)."""
 
-    gate_up: torch.Tensor  # int8 [E, 2I, H]: gate rows, then up rows; 4-bit: uint8 [E, 2I, padded H / 2]
-    gate_up_scale: torch.Tensor  # float32 [E, 2I]; 4-bit: bf16 [E, padded H / INT4_GROUP, 2I]
-    down: torch.Tensor  # int8 [E, H, I]; 4-bit: uint8 [E, H, padded I / 2]
-    down_scale: torch.Tensor  # float32 [E, H]; 4-bit: bf16 [E, padded I / INT4_GROUP, H]
+    gate_up: torch.Tensor  # int8 [E, 2I, H]: gate rows, then up rows; 4-bit: uint8 [E, 2I, padded H / 2]; MXFP4:
+    # uint8 [E, 2I, H / 2], E2M1 pairs, the earlier column in the low nibble
+    gate_up_scale: torch.Tensor  # float32 [E, 2I]; 4-bit: bf16 [E, padded H / INT4_GROUP, 2I]; MXFP4: UE8M0 codes
+    # uint8 [E, 2I, H / 32]
+    down: torch.Tensor  # int8 [E, H, I]; 4-bit: uint8 [E, H, padded I / 2]; MXFP4: uint8 [E, H, I / 2]
+    down_scale: torch.Tensor  # float32 [E, H]; 4-bit: bf16 [E, padded I / INT4_GROUP, H]; MXFP4: uint8 [E, H, I / 32]
+    mxfp4: bool = False
 
     @classmethod
     def quantize(cls, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *, bits: int = 8,
@@ -216,19 +235,33 @@ class HostExperts:
         return host
 
     @classmethod
-    def empty(cls, experts: int, intermediate: int, hidden: int, *, bits: int = 8,
-              pin: bool = False) -> "HostExperts":
-        """Uninitialized `bits`-bit copies (8 or 4) of `experts` experts, in one host allocation (page-locked when
-        `pin`)."""
-        tensors, unpin = _host_tensors(_copy_specs(experts, intermediate, hidden, bits), pin and experts > 0)
-        host = cls(*tensors)
+    def empty(cls, experts: int, intermediate: int, hidden: int, *, bits: int = 8, pin: bool = False,
+              mxfp4: bool = False) -> "HostExperts":
+        """Uninitialized `bits`-bit copies (8 or 4), or MXFP4 weights, of `experts` experts, in one host allocation
+        (page-locked when `pin`)."""
+        tensors, unpin = _host_tensors(_copy_specs(experts, intermediate, hidden, bits, mxfp4), pin and experts > 0)
+        host = cls(*tensors, mxfp4=mxfp4)
         if unpin is not None:  # the memory stays pinned as long as this object holds it
             weakref.finalize(host, unpin)
         return host
 
+    @classmethod
+    def mxfp4_of(cls, weights: dict[str, torch.Tensor], *, pin: bool = False) -> "HostExperts":
+        """Copies of a layer's MXFP4 experts as a checkpoint ships them ("gate"/"up" [E, I, H/2], "down" [E, H, I/2]
+        packed, "<m>_scale" UE8M0 [E, n, k/32], uint8 or float8_e8m0fnu), byte for byte, in one host allocation
+        (page-locked when `pin`)."""
+        (E, I, _), H = weights["gate"].shape, weights["down"].shape[1]
+        host = cls.empty(E, I, H, pin=pin, mxfp4=True)
+        for name, packed, scale, rows in (("gate", host.gate_up, host.gate_up_scale, slice(0, I)),
+                                          ("up", host.gate_up, host.gate_up_scale, slice(I, 2 * I)),
+                                          ("down", host.down, host.down_scale, slice(None))):
+            packed[:, rows].copy_(weights[name].view(torch.uint8))
+            scale[:, rows].copy_(weights[f"{name}_scale"].view(torch.uint8))
+        return host
+
     def to(self, device: torch.device | str) -> "HostExperts":
         """These copies in `device`'s memory (a GPU's own: kt_gpu_resident_experts)."""
-        return HostExperts(*(t.to(device) for t in self.tensors()))
+        return HostExperts(*(t.to(device) for t in self.tensors()), mxfp4=self.mxfp4)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.gate_up, self.gate_up_scale, self.down, self.down_scale
@@ -244,6 +277,11 @@ class HostExperts:
     @property
     def bits(self) -> int:
         return 4 if self.gate_up.dtype == torch.uint8 else 8
+
+    @property
+    def form(self) -> str:
+        """What the start-up log calls these copies: int8, int4 or mxfp4."""
+        return "mxfp4" if self.mxfp4 else f"int{self.bits}"
 
     @property
     def hidden(self) -> int:
@@ -316,6 +354,8 @@ class ExpertStreamer:
         those steps' scratch."""
         if host.held == 0 and (resident is None or resident.held == 0):
             raise ValueError(f"streamed experts of layer {layer}: the copy holds no expert")
+        if read_in_place and host.mxfp4:
+            raise ValueError(f"streamed experts of layer {layer}: decode steps read int8 or int4 copies, not MXFP4")
         self.layers[layer] = host
         if resident is not None and resident.held:
             self.resident[layer] = resident
@@ -397,9 +437,11 @@ class ExpertStreamer:
     # ------------------------------------------------------------------------------------------ compute
     @torch.no_grad()
     def compute(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                experts: int) -> torch.Tensor:
+                experts: int, limit: float = 0.0) -> torch.Tensor:
         """sum over the routed experts below `experts` of weight * expert(hidden), float32 [T, H] on the device;
-        queued on the current stream (one host sync: the per-expert token counts)."""
+        queued on the current stream (one host sync: the per-expert token counts). With `limit` (V4's
+        swiglu_limit), gate is clamped from above and up to [-limit, limit] before the activation, as kt-kernel's
+        MXFP4 and FP8 kernels and transformers' DeepseekV4Experts do."""
         tokens, top_k = topk_ids.shape
         if experts > self.held(layer):
             raise ValueError(f"streamed experts of layer {layer}: {experts} asked for, copies of "
@@ -418,6 +460,7 @@ class ExpertStreamer:
         if taken == 0:
             return out
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        mxfp4 = self.layers[layer].mxfp4
         # experts [0, resident) are read where they lie; the others come through the ring, in groups numbered
         # within the layer's host copies
         resident = min(self.resident_experts(layer), experts)
@@ -435,7 +478,7 @@ class ExpertStreamer:
         for start in range(0, resident, self.group):
             n = min(self.group, resident - start)
             group = tuple(t[start:start + n] for t in self.resident[layer].tensors())
-            offset = self._compute_group(group, counts[start:start + n], x, y, offset)
+            offset = self._compute_group(group, counts[start:start + n], x, y, offset, limit, mxfp4)
         for start, n in ((s, n) for _, s, n in plan[:len(starts)]):
             while filled < len(plan) and len(self._queue) < RING:
                 self._fill(plan[filled])
@@ -444,7 +487,7 @@ class ExpertStreamer:
             if stream is not None:
                 stream.wait_event(slot.ready)
             first = resident + start
-            offset = self._compute_group(slot.tensors, counts[first:first + n], x, y, offset)
+            offset = self._compute_group(slot.tensors, counts[first:first + n], x, y, offset, limit, mxfp4)
             if stream is not None:
                 slot.free.record(stream)
         while filled < len(plan) and len(self._queue) < RING:  # prefetch the next layer's first groups
@@ -457,16 +500,17 @@ class ExpertStreamer:
         return out
 
     def _compute_group(self, tensors: tuple[torch.Tensor, ...], counts: list[int], x: torch.Tensor,
-                       y: torch.Tensor, offset: int) -> int:
+                       y: torch.Tensor, offset: int, limit: float = 0.0, mxfp4: bool = False) -> int:
         """The experts of `tensors` (as HostExperts.tensors(), on the device: a ring slot or resident copies)
         over their rows of the sorted tokens `x`, into `y`, from row `offset` on (the experts in order, each over
-        its rows rounded up to ROW_ALIGN); the offset after them."""
+        its rows rounded up to ROW_ALIGN), SwiGLU inputs clamped at `limit` (0: not); the offset after them.
+        `mxfp4`: the tensors are MXFP4 weights (HostExperts.mxfp4), dequantized on the device an expert at a time."""
         gate_up_q, gate_up_s, down_q, down_s = tensors
         n = len(counts)
         gate_up, down = self._gate_up[:n], self._down[:n]
         hidden, inter = down.shape[1], down.shape[2]
         int8 = gate_up_q.dtype == torch.int8  # exact in bf16, its row scales multiply the products
-        per_expert = not int8 and self._unpack_int4 is None
+        per_expert = not int8 and (mxfp4 or self._unpack_int4 is None)
         if int8:
             gate_up.copy_(gate_up_q[:n])
             down.copy_(down_q[:n])
@@ -477,14 +521,20 @@ class ExpertStreamer:
         for j, count in enumerate(counts):
             if count == 0:
                 continue
-            if per_expert:
+            if mxfp4:
+                gate_up[j].copy_(mxfp4_format.dequantize(gate_up_q[j], gate_up_s[j]))
+                down[j].copy_(mxfp4_format.dequantize(down_q[j], down_s[j]))
+            elif per_expert:
                 gate_up[j].copy_(dequantize_int4(gate_up_q[j], gate_up_s[j], hidden))
                 down[j].copy_(dequantize_int4(down_q[j], down_s[j], inter))
             rows = slice(offset, offset + -(-count // ROW_ALIGN) * ROW_ALIGN)
             h = x[rows] @ gate_up[j].T
             if int8:
                 h *= gate_up_s[j]
-            act = F.silu(h[:, :inter]) * h[:, inter:]
+            gate, up = h[:, :inter], h[:, inter:]
+            if limit:
+                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+            act = F.silu(gate) * up
             if int8:
                 torch.mul(act @ down[j].T, down_s[j], out=y[rows])
             else:

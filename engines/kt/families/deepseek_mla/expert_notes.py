@@ -11,6 +11,7 @@ from engines.kt.experts.cpu import RoutedExpertsCPU
 from engines.kt.experts.mapped import MAX_TOKENS as MAPPED_MAX_TOKENS
 from engines.kt.experts.mapped import triton_available
 from engines.kt.experts.methods import METHODS
+from engines.kt.experts.streaming import ExpertStreamer
 from engines.kt.placement.operators import OperatorOptions
 
 log = logging.getLogger("ktserve.engine.kt")
@@ -70,6 +71,11 @@ def _resident_bytes(layers: list[RoutedExpertsCPU]) -> int:
                if m.streamer is not None and m.layer_idx in m.streamer.resident)
 
 
+def streamed_from(streamer: ExpertStreamer) -> str:
+    """What a streamer's layers stream from: "int8 copies", "int4 copies", "mxfp4 copies" (V4's released bytes)."""
+    return "/".join(sorted({h.form for h in streamer.layers.values()})) + " copies"
+
+
 def log_streamed_experts(options: OperatorOptions, tokens: int, chunk_size: int) -> None:
     """Say what kt_gpu_prefill_tokens does on this placement (it needs expert layers whose output is on a GPU)."""
     if not tokens:
@@ -82,10 +88,10 @@ def log_streamed_experts(options: OperatorOptions, tokens: int, chunk_size: int)
     for s in streamers:
         pinned = sum(h.nbytes for h in s.layers.values())
         held = sorted({h.held for h in s.layers.values()})
-        forms = "/".join(sorted({f"int{h.bits}" for h in s.layers.values()}))
+        what = streamed_from(s)
         log.info("prompt chunks of >= %d tokens and decode steps of >= %d sequences compute part of the routed "
                  "experts of %d layers on %s (at most the first %s of each layer's, whose copies are kept), streamed "
-                 "at %.1f GB/s from %.1f GB of pinned %s copies; a long chunk copies them all, %.2f s, once per "
+                 "at %.1f GB/s from %.1f GB of pinned %s; a long chunk copies them all, %.2f s, once per "
                  "chunk of up to chunk_size=%d tokens (larger chunks amortize it: docs/performance.md)", tokens,
                  tokens, len(s.layers), s.device, "/".join(map(str, held)), s.pcie_bytes_per_s / 1e9, pinned / 1e9,
-                 forms, pinned / s.pcie_bytes_per_s, chunk_size)
+                 what, pinned / s.pcie_bytes_per_s, chunk_size)

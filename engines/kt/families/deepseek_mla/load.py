@@ -58,7 +58,7 @@ def load_mla(family: ModelFamily, context: LoadContext, variant: MLAVariant = ML
     default = default_method(source.experts_form)
     choices = expert_methods_for(placement, explicit, rule_file, config, default, source)
     bits = max((copy_bits(METHODS[c.method].bits) for c in choices.values()), default=8)  # none: torch experts
-    stream_experts = _streamed_expert_count(kt, model, config, bits)
+    stream_experts = streamed_expert_count(kt, model, config, bits)
     options = OperatorOptions(max_tokens=chunk_size + max_concurrent, cpu_threads=kt.cpu_infer,
                               methods={m: c.method for m, c in choices.items()}, checkpoint=str(source.path),
                               default_method=default,
@@ -216,9 +216,10 @@ def _finish_model(model: Any, config: Any, placement: Any) -> None:
         raise ValueError(f"model: the checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
 
 
-def _streamed_expert_count(kt: KTOptions, model: Any, config: Any, bits: int = 8) -> int | None:
-    """How many of each layer's experts keep streamed copies (`bits`-bit ones): as many as kt_gpu_prefill_memory
-    holds over the model's expert layers (0: none, streaming off, said why), None: every expert (no budget)."""
+def streamed_expert_count(kt: KTOptions, model: Any, config: Any, bits: int = 8, mxfp4: bool = False) -> int | None:
+    """How many of each layer's experts keep streamed copies (`bits`-bit ones, or MXFP4 as released with `mxfp4`):
+    as many as kt_gpu_prefill_memory holds over the model's expert layers (0: none, streaming off, said why), None:
+    every expert (no budget)."""
     if kt.kt_gpu_prefill_memory is None:
         return None
     if not kt.kt_gpu_prefill_tokens:
@@ -227,10 +228,10 @@ def _streamed_expert_count(kt: KTOptions, model: Any, config: Any, bits: int = 8
     layers = sum(1 for name, _ in model.named_modules() if name.endswith(".mlp.experts"))
     num_experts = getattr(config, "n_routed_experts", None) or config.num_experts
     count = experts_within(kt.kt_gpu_prefill_memory * 1e9, layers, num_experts, config.hidden_size,
-                           config.moe_intermediate_size, bits)
+                           config.moe_intermediate_size, bits, mxfp4)
     if count == 0:
         log.warning("kt_gpu_prefill_memory=%g GB holds no expert's copy for each of %d layers (one takes %.1f MB a "
                     "layer): every expert stays on the CPU", kt.kt_gpu_prefill_memory, layers,
-                    expert_copy_bytes(config.hidden_size, config.moe_intermediate_size, bits) / 1e6)
+                    expert_copy_bytes(config.hidden_size, config.moe_intermediate_size, bits, mxfp4) / 1e6)
     return count
 

@@ -56,9 +56,14 @@ class DeepseekV4Family(ModelFamily):
         placement = plan_placement(model, context.rules, default_device="cpu", fold=context.fold)
         choices = expert_methods_for(placement, kt.kt_method, context.rule_file, config,
                                      self.expert_layout.native_method)
+        # kt_gpu_prefill_tokens: prompt chunks stream the routed experts to the GPU from copies in host memory (the
+        # released MXFP4 bytes for the MXFP4 method), of the first experts kt_gpu_prefill_memory holds
+        stream_experts = _streamed_experts(kt, model, config, {c.method for c in choices.values()})
         options = OperatorOptions(max_tokens=context.chunk_size + context.max_concurrent, cpu_threads=kt.cpu_infer,
                                   methods={m: c.method for m, c in choices.items()},
-                                  checkpoint=str(context.model_path))
+                                  checkpoint=str(context.model_path),
+                                  gpu_prefill_tokens=kt.kt_gpu_prefill_tokens if stream_experts != 0 else 0,
+                                  gpu_prefill_experts=stream_experts)
         apply_placement(model, placement, config, options)
         gpu = any(d.startswith("cuda") for d in placement.devices.values())
         dtype = resolve_dtype(context.dtype_setting, torch.device("cuda" if gpu else "cpu"))
@@ -71,6 +76,7 @@ class DeepseekV4Family(ModelFamily):
                    "v4_steps": "batched: a step's rows together, attention's cached part per sequence"}
         for choice in choices.values():
             details.update(choice.describe())
+        details.update(_streaming_details(options, context.chunk_size))
         cpu_experts = any(c.method for c in choices.values())
         threads = torch_thread_count(kt.cpu_infer, gpu) if cpu_experts else None
         methods = sorted({c.method for c in choices.values()})
@@ -117,6 +123,35 @@ def _draft_layer(context: LoadContext) -> tuple[int | None, str | None]:
         return None, (f"{context.model_path.name} has no multi-token-prediction layer ({MARKER} is not in the "
                       "checkpoint)")
     return config.num_hidden_layers, None
+
+
+def _streamed_experts(kt: Any, model: nn.Module, config: Any, methods: set[str]) -> int | None:
+    """How many of each layer's experts keep copies to stream (kt_gpu_prefill_memory; None: all of them)."""
+    from engines.kt.experts.methods import METHODS
+    from engines.kt.experts.streaming import copy_bits
+    from engines.kt.families.deepseek_mla.load import streamed_expert_count
+
+    methods = {m for m in methods if m}  # None: experts in torch
+    bits = max((copy_bits(METHODS[m].bits) for m in methods), default=8)
+    return streamed_expert_count(kt, model, config, bits, mxfp4=methods == {"MXFP4"})
+
+
+def _streaming_details(options: Any, chunk_size: int) -> dict[str, str]:
+    """Say in the start-up log and the engine details whether prompt chunks stream the routed experts to the GPU
+    (kt_gpu_prefill_tokens) and from what."""
+    from engines.kt.families.deepseek_mla.expert_notes import log_streamed_experts, streamed_from
+
+    tokens = options.gpu_prefill_tokens
+    log_streamed_experts(options, tokens, chunk_size)
+    streaming = options.streamers.active()
+    if not tokens or not streaming:
+        return {"gpu_prefill_tokens": "0: every routed expert on the CPU (kt_gpu_prefill_tokens)"}
+    pinned = sum(h.nbytes for s in streaming for h in s.layers.values())
+    return {"gpu_prefill_tokens": str(tokens),
+            "gpu_prefill_experts": (f"prompt chunks of >= {tokens} tokens stream the routed experts to the GPU from "
+                                    f"{' and '.join(sorted({streamed_from(s) for s in streaming}))}, "
+                                    f"{pinned / 1e9:.2f} GB pinned, copied at "
+                                    f"{min(s.pcie_bytes_per_s for s in streaming) / 1e9:.1f} GB/s")}
 
 
 def _capture_graphs(context: LoadContext, runner: Any, gpu: bool, drafting: bool) -> str:

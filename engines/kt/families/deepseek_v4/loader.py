@@ -3,8 +3,9 @@
 FP8 projections arrive as `.weight` (float8_e4m3fn) + `.scale` (UE8M0 per 128x128 block) and are dequantized
 to the model's dtype on arrival of the second of the pair. A layer's routed experts (MXFP4: packed E2M1
 `.weight` + UE8M0 `.scale` per 32) are staged until the layer is complete, then handed to kt-kernel as they
-are (`RoutedExpertsCPU.load_packed`), or dequantized for another method or for a torch experts module.
-Peak host memory: what stays on the CPU plus one layer's packed experts."""
+are (`RoutedExpertsCPU.load_packed`, which also keeps copies of them to stream with kt_gpu_prefill_tokens), or
+dequantized for another method or for a torch experts module. Peak host memory: what stays on the CPU plus one
+layer's packed experts (and the streamed copies, which stay)."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -124,6 +125,16 @@ def read_layer_experts(model_path: Path, layer: int, num_experts: int, first: in
     """One layer's routed experts re-read from the release and dequantized: gate, up [E, I, H], down [E, H, I]
     (with `first`, experts [0, first)). Expert LoRA computes the LoRA'd rows from these
     (engines/lora/cpu_experts.py); only this layer's tensors are read."""
+    return _read_layer(model_path, layer, num_experts, first).dequantized()
+
+
+def read_layer_packed(model_path: Path, layer: int, num_experts: int) -> dict[str, torch.Tensor]:
+    """One layer's routed experts re-read from the release as they are stored, in `RoutedExpertsCPU.load_packed`'s
+    terms ("gate", "gate_scale", ...)."""
+    return _read_layer(model_path, layer, num_experts).packed()
+
+
+def _read_layer(model_path: Path, layer: int, num_experts: int, first: int | None = None) -> _Experts:
     from safetensors import safe_open
 
     count = num_experts if first is None else min(first, num_experts)
@@ -136,7 +147,7 @@ def read_layer_experts(model_path: Path, layer: int, num_experts: int, first: in
                     stage.add(match.group(3), int(match.group(2)), match.group(4), f.get_tensor(name))
     if len(stage.parts) != count * 6:
         raise ValueError(f"model: routed experts of layer {layer} are incomplete in {model_path}")
-    return stage.dequantized()
+    return stage
 
 
 def _load_experts(model: nn.Module, layer: int, stage: _Experts, device_of: Any, dtype: torch.dtype,
@@ -145,9 +156,9 @@ def _load_experts(model: nn.Module, layer: int, stage: _Experts, device_of: Any,
     module = model.get_submodule(prefix)
     if isinstance(module, RoutedExpertsCPU):
         module.base_reader = partial(read_layer_experts, model_path, layer, stage.num_experts)
-        if module.method == "MXFP4" and module.streamer is None and not module.gpu_experts and not module.owned:
+        if module.method == "MXFP4" and not module.gpu_experts and not module.owned:  # streamed or not
             module.load_packed(stage.packed())
-        else:  # another method (converted here) or experts the GPU keeps copies of
+        else:  # another method (converted here) or experts the GPU keeps
             module.load_weights(*stage.dequantized())
         return
     gate, up, down = stage.dequantized()  # transformers' own experts module (a `default` rule)

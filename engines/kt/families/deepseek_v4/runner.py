@@ -61,6 +61,9 @@ class V4ModelRunner(ModelRunner):
         self.lora = LoraModules(model, self.config.hidden_size, checkpoint)
         self.batch = V4Batch(model, self.lora.context)
         self._experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+        # kt_gpu_prefill_tokens: the streamers prompt chunks copy experts to the GPU with (one per GPU)
+        self._streamers = list({id(e.streamer): e.streamer for e in self._experts
+                                if getattr(e, "streamer", None) is not None}.values())
         self.head = head  # mtp.py: V4DraftHead (it batches its own pieces, one cache per sequence), or None
         self.drafter = Drafter(head, head) if head is not None else None
         self.drafts, self.draft_unavailable = head is not None, draft_unavailable
@@ -138,6 +141,9 @@ class V4ModelRunner(ModelRunner):
         if seq.runner_state is not None:
             seq.runner_state = None
             self._live -= 1
+
+    def streamed_experts(self) -> tuple[int, int]:
+        return sum(s.stats.chunks for s in self._streamers), sum(s.stats.bytes for s in self._streamers)
 
     def kv_usage(self) -> tuple[int, int]:
         return self.budget.usage()
