@@ -12,6 +12,11 @@ from server.reasoning import THINK_START, prompt_opens_reasoning
 from server.serving import OFF_LOOP_CHARACTERS
 
 OFF_LOOP_MESSAGES = 256  # conversations this long are rendered on a worker thread whatever their size
+# apply_chat_template's own arguments: set by the request itself (or changing what rendering returns), never
+# template variables a client may pass in `chat_template_kwargs`
+RENDER_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                    "return_assistant_tokens_mask", "tokenizer_kwargs")
 
 
 @dataclass(slots=True)
@@ -49,11 +54,17 @@ def render_prompt_now(engine: Engine, req: ChatCompletionRequest, force_think: b
     offered = req.effective_tool_choice != "none" and req.tools
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if offered else None
     kwargs = dict(req.chat_template_kwargs or {})
+    for key in RENDER_ARGUMENTS:
+        if key in kwargs:
+            raise InvalidRequestError(f"chat_template_kwargs.{key}: not a template variable (the request sets it)",
+                                      param=f"chat_template_kwargs.{key}")
     if req.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", req.reasoning_effort)
     try:
         text = tokenizer.apply_chat_template(template_messages(req), tools=tools, tokenize=False,
                                              add_generation_prompt=req.add_generation_prompt, **kwargs)
+    except InvalidRequestError:  # a format that names the offending field itself
+        raise
     except Exception as exc:  # jinja raises TemplateError (and others) for conversations it rejects
         raise InvalidRequestError(f"the chat template cannot render these messages: {exc}",
                                   param="messages") from None

@@ -24,6 +24,29 @@ class ChatMessage(OpenAIRequest):
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        """Said plainly here: otherwise the union's first complaint ("should be a valid string") is all a
+        client sees for an image part."""
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("an empty list of content parts")
+            for k, part in enumerate(value):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"part {k} is of type {kind!r}; this server takes text parts only")
+        return value
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_name_a_function(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for k, call in enumerate(value or []):
+            function = call.get("function")
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ValueError(f"call {k} needs a 'function' object with a 'name'")
+        return value
+
     @model_validator(mode="after")
     def _content_required(self) -> "ChatMessage":
         if self.content is None and not (self.role == "assistant" and self.tool_calls):

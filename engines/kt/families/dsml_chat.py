@@ -18,6 +18,8 @@ import logging
 from pathlib import Path
 from typing import Any, Callable
 
+from engines.base import InvalidRequestError
+
 log = logging.getLogger("ktserve.engine.kt")
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -113,11 +115,45 @@ def choose_encoder(model_path: Path, allow_checkpoint_code: bool, ours: Any, fil
 GENERATION_PROMPTS = tuple(lead + token for lead in (ASSISTANT, "\n\n") for token in (THINK_START, THINK_END))
 
 
+def check_request(messages: list[dict], thinking: Any, reasoning_effort: Any, replying: bool) -> None:
+    """What the formats take from a request, checked before rendering: each wrong value is a 400 naming its
+    field (`thinking` and `reasoning_effort` reach a format through `chat_template_kwargs`, where no schema
+    checks them; a call's arguments must be a JSON object, as the DSML markup writes one parameter per key).
+    A reply (`replying`) needs a user turn to answer: the formats open the assistant's turn only after one."""
+    if thinking is not None and not isinstance(thinking, bool):
+        raise InvalidRequestError(f"chat_template_kwargs.thinking: {thinking!r} is not true or false",
+                                  param="chat_template_kwargs.thinking")
+    try:
+        effort_of(reasoning_effort)
+    except ValueError:
+        raise InvalidRequestError(f"chat_template_kwargs.reasoning_effort: {reasoning_effort!r} is not one of "
+                                  f"{', '.join(EFFORTS)}", param="chat_template_kwargs.reasoning_effort") from None
+    if replying and not any(m.get("role") in ("user", "tool") for m in messages):
+        raise InvalidRequestError("messages: the conversation has no user message for the model to answer "
+                                  "(DeepSeek's format opens the reply after a user turn)", param="messages")
+    for i, m in enumerate(messages):
+        for j, call in enumerate(m.get("tool_calls") or []):
+            _check_arguments(call["function"].get("arguments"), f"messages[{i}].tool_calls[{j}].function.arguments")
+
+
+def _check_arguments(arguments: Any, field: str) -> None:
+    if arguments is None or isinstance(arguments, dict):
+        return
+    try:
+        value = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError as exc:
+        raise InvalidRequestError(f"{field}: not JSON ({exc})", param=field) from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{field}: a JSON object of the call's parameters is needed, got "
+                                  f"{type(value).__name__}", param=field)
+
+
 def install(tokenizer: Any, encoder: Any) -> None:
     """Make `encoder` the tokenizer's chat format: the server renders chats through `apply_chat_template`
     and picks its tool-call parser by `tool_call_format`."""
     def apply_chat_template(messages, tools=None, tokenize=False, add_generation_prompt=True, thinking=False,
                             reasoning_effort=None, **_: Any):
+        check_request(list(messages), thinking, reasoning_effort, add_generation_prompt)
         text = encoder.encode(list(messages), tools=tools, thinking=bool(thinking), reasoning_effort=reasoning_effort)
         if not add_generation_prompt:  # the reply's opening (after a user turn, or after tool results in V3.2)
             text = next((text[:-len(p)] for p in GENERATION_PROMPTS if text.endswith(p)), text)
