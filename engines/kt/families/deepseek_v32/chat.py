@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from engines.base import InvalidRequestError
 from engines.kt.families import dsml_chat
 from engines.kt.families.dsml_chat import (ASSISTANT, BOS, DSML, EOS, THINK_END, THINK_START, USER,
                                            effort_of)
@@ -67,6 +68,7 @@ class V32ChatFormat:
                reasoning_effort: str | None = None) -> str:
         effort_of(reasoning_effort)  # checked as for V4; V3.2's format has no effort setting
         turns = dsml_chat.with_tools_on_system(messages, tools)
+        added = len(turns) - len(messages)  # the system message the tools were put on, when the request had none
         last_user = max((i for i, m in enumerate(turns) if m["role"] == "user"), default=-1)
         text = BOS
         for i, m in enumerate(turns):
@@ -80,22 +82,24 @@ class V32ChatFormat:
                     text += (m.get("reasoning_content") or "") + THINK_END
                 text += content + (render_tool_calls(m["tool_calls"]) if m.get("tool_calls") else "") + EOS
             elif role == "tool":
-                text += _tool_result(turns, i, thinking and i >= last_user)
+                text += _tool_result(turns, i, thinking and i >= last_user, f"messages[{i - added}]")
             else:
-                raise ValueError(f"messages[{i}].role: {role!r} is not one V3.2's format has")
+                raise ValueError(f"messages[{i - added}].role: {role!r} is not one V3.2's format has")
         return text
 
 
-def _tool_result(turns: list[dict], i: int, opens_thinking: bool) -> str:
-    """The i-th message, a tool result: the n-th answer to the calling assistant turn's n-th call, opening the
-    `<function_results>` block at the first and closing it (and the reply's thinking) at the last."""
+def _tool_result(turns: list[dict], i: int, opens_thinking: bool, field: str) -> str:
+    """The i-th message (the request's `field`), a tool result: the n-th answer to the calling assistant turn's
+    n-th call, opening the `<function_results>` block at the first and closing it (and the reply's thinking) at
+    the last."""
     caller = i - 1
     while caller >= 0 and turns[caller]["role"] == "tool":
         caller -= 1
     calls = (turns[caller].get("tool_calls") or []) if caller >= 0 and turns[caller]["role"] == "assistant" else []
     order = i - caller
     if order > len(calls):
-        raise ValueError(f"messages[{i}]: a tool result without an assistant tool call before it to answer")
+        raise InvalidRequestError(f"{field}: a tool result without an assistant tool call before it to answer",
+                                  param=field)
     text = ("\n\n<function_results>" if order == 1 else "") + f"\n<result>{turns[i].get('content') or ''}</result>"
     if order == len(calls):
         text += "\n</function_results>\n\n" + (THINK_START if opens_thinking else THINK_END)
