@@ -119,7 +119,8 @@ def check_request(messages: list[dict], thinking: Any, reasoning_effort: Any, re
     """What the formats take from a request, checked before rendering: each wrong value is a 400 naming its
     field (`thinking` and `reasoning_effort` reach a format through `chat_template_kwargs`, where no schema
     checks them; a call's arguments must be a JSON object, as the DSML markup writes one parameter per key).
-    A reply (`replying`) needs a user turn to answer: the formats open the assistant's turn only after one."""
+    A reply (`replying`) answers the last message, a user or tool one: the formats open the assistant's turn only
+    after those (after a system or assistant message the model would go on writing that message)."""
     if thinking is not None and not isinstance(thinking, bool):
         raise InvalidRequestError(f"chat_template_kwargs.thinking: {thinking!r} is not true or false",
                                   param="chat_template_kwargs.thinking")
@@ -128,9 +129,11 @@ def check_request(messages: list[dict], thinking: Any, reasoning_effort: Any, re
     except ValueError:
         raise InvalidRequestError(f"chat_template_kwargs.reasoning_effort: {reasoning_effort!r} is not one of "
                                   f"{', '.join(EFFORTS)}", param="chat_template_kwargs.reasoning_effort") from None
-    if replying and not any(m.get("role") in ("user", "tool") for m in messages):
-        raise InvalidRequestError("messages: the conversation has no user message for the model to answer "
-                                  "(DeepSeek's format opens the reply after a user turn)", param="messages")
+    last = messages[-1].get("role") if messages else None
+    if replying and last not in ("user", "tool"):
+        raise InvalidRequestError(f"messages[{len(messages) - 1}]: the conversation ends with a {last} message; a "
+                                  f"reply follows a user or tool message (DeepSeek's format opens the assistant's "
+                                  f"turn only after one)", param="messages")
     for i, m in enumerate(messages):
         for j, call in enumerate(m.get("tool_calls") or []):
             _check_arguments(call["function"].get("arguments"), f"messages[{i}].tool_calls[{j}].function.arguments")
