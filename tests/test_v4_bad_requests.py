@@ -76,7 +76,7 @@ def test_content_other_than_text_parts_is_a_400_naming_the_message_content(v4_se
     assert says in refused(v4_server, {"messages": [{"role": "user", "content": content}]}, "messages[0].content")
 
 
-@pytest.mark.parametrize("key", ["tokenize", "messages", "return_dict"])
+@pytest.mark.parametrize("key", ["tokenize", "messages", "add_generation_prompt"])
 def test_chat_template_kwargs_that_are_rendering_arguments_are_a_400_naming_the_key(v4_server, key):
     refused(v4_server, {"messages": HI, "chat_template_kwargs": {key: True}}, f"chat_template_kwargs.{key}")
 

@@ -12,11 +12,9 @@ from server.reasoning import THINK_START, prompt_opens_reasoning
 from server.serving import OFF_LOOP_CHARACTERS
 
 OFF_LOOP_MESSAGES = 256  # conversations this long are rendered on a worker thread whatever their size
-# apply_chat_template's own arguments: set by the request itself (or changing what rendering returns), never
-# template variables a client may pass in `chat_template_kwargs`
-RENDER_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-                    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-                    "return_assistant_tokens_mask", "tokenizer_kwargs")
+# the apply_chat_template arguments rendering sets from the request itself: in `chat_template_kwargs` they are
+# not template variables, and would collide with ours ("got multiple values for argument")
+RENDER_ARGUMENTS = ("conversation", "messages", "tools", "tokenize", "add_generation_prompt")
 
 
 @dataclass(slots=True)
