@@ -289,7 +289,7 @@ def test_reading_the_first_experts_of_a_layer_gives_those_of_the_whole_layer(dem
 def test_the_budget_gives_each_expert_layer_the_experts_it_holds(demo_model_dir, caplog):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from engines.kt.families.deepseek_mla.load import streamed_expert_count
+    from engines.kt.families.expert_notes import streamed_expert_count
     from engines.kt.options import KTOptions
 
     config = AutoConfig.from_pretrained(demo_model_dir)
@@ -309,7 +309,7 @@ def test_the_budget_gives_each_expert_layer_the_experts_it_holds(demo_model_dir,
 
 
 def test_the_start_up_log_says_what_a_chunk_of_streamed_experts_copies(caplog):
-    from engines.kt.families.deepseek_mla.expert_notes import log_streamed_experts
+    from engines.kt.families.expert_notes import log_streamed_experts
     from engines.kt.placement.operators import OperatorOptions
 
     options = OperatorOptions(gpu_prefill_tokens=128)

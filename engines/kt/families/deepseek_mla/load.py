@@ -15,9 +15,9 @@ from engines.kt.attention.flashinfer_mla import attention_for
 from engines.kt.attention.kv_cache import PAGE_TOKENS, LatentKVCache
 from engines.kt.experts.cpu import RoutedExpertsCPU
 from engines.kt.experts.methods import METHODS, default_method, normalize_method, unavailable_reason
-from engines.kt.experts.streaming import copy_bits, expert_copy_bytes, experts_within
+from engines.kt.experts.streaming import copy_bits
 from engines.kt.families.base import LoadContext, LoadedModel, ModelFamily
-from engines.kt.families.deepseek_mla.expert_notes import log_read_experts, log_streamed_experts
+from engines.kt.families.expert_notes import log_read_experts, log_streamed_experts, streamed_expert_count
 from engines.kt.loader import load_checkpoint, missing_tensors
 from engines.kt.options import KTOptions
 from engines.kt.placement.operators import OperatorOptions, fuse_rms_norms
@@ -214,24 +214,4 @@ def _finish_model(model: Any, config: Any, placement: Any) -> None:
     missing = missing_tensors(model)
     if missing:
         raise ValueError(f"model: the checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
-
-
-def streamed_expert_count(kt: KTOptions, model: Any, config: Any, bits: int = 8, mxfp4: bool = False) -> int | None:
-    """How many of each layer's experts keep streamed copies (`bits`-bit ones, or MXFP4 as released with `mxfp4`):
-    as many as kt_gpu_prefill_memory holds over the model's expert layers (0: none, streaming off, said why), None:
-    every expert (no budget)."""
-    if kt.kt_gpu_prefill_memory is None:
-        return None
-    if not kt.kt_gpu_prefill_tokens:
-        log.warning("kt_gpu_prefill_memory=%g GB does nothing without kt_gpu_prefill_tokens", kt.kt_gpu_prefill_memory)
-        return None
-    layers = sum(1 for name, _ in model.named_modules() if name.endswith(".mlp.experts"))
-    num_experts = getattr(config, "n_routed_experts", None) or config.num_experts
-    count = experts_within(kt.kt_gpu_prefill_memory * 1e9, layers, num_experts, config.hidden_size,
-                           config.moe_intermediate_size, bits, mxfp4)
-    if count == 0:
-        log.warning("kt_gpu_prefill_memory=%g GB holds no expert's copy for each of %d layers (one takes %.1f MB a "
-                    "layer): every expert stays on the CPU", kt.kt_gpu_prefill_memory, layers,
-                    expert_copy_bytes(config.hidden_size, config.moe_intermediate_size, bits, mxfp4) / 1e6)
-    return count
 

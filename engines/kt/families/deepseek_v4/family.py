@@ -129,7 +129,7 @@ def _streamed_experts(kt: Any, model: nn.Module, config: Any, methods: set[str])
     """How many of each layer's experts keep copies to stream (kt_gpu_prefill_memory; None: all of them)."""
     from engines.kt.experts.methods import METHODS
     from engines.kt.experts.streaming import copy_bits
-    from engines.kt.families.deepseek_mla.load import streamed_expert_count
+    from engines.kt.families.expert_notes import streamed_expert_count
 
     methods = {m for m in methods if m}  # None: experts in torch
     bits = max((copy_bits(METHODS[m].bits) for m in methods), default=8)
@@ -139,7 +139,7 @@ def _streamed_experts(kt: Any, model: nn.Module, config: Any, methods: set[str])
 def _streaming_details(options: Any, chunk_size: int) -> dict[str, str]:
     """Say in the start-up log and the engine details whether prompt chunks stream the routed experts to the GPU
     (kt_gpu_prefill_tokens) and from what."""
-    from engines.kt.families.deepseek_mla.expert_notes import log_streamed_experts, streamed_from
+    from engines.kt.families.expert_notes import log_streamed_experts, streamed_from
 
     tokens = options.gpu_prefill_tokens
     log_streamed_experts(options, tokens, chunk_size)

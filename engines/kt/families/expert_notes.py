@@ -1,9 +1,10 @@
-"""What the KT engine's start-up log and model info say about where an MLA model's routed experts run: the
-GPU's streamed copies (kt_gpu_prefill_tokens), the experts it reads (kt_gpu_read_experts,
-kt_gpu_resident_experts)."""
+"""What the KT engine's start-up log and model info say about where a model's routed experts run, for every family
+(DeepSeek V2/V3/V3.2 and V4): the GPU's streamed copies (kt_gpu_prefill_tokens, and how many of each layer's
+experts kt_gpu_prefill_memory holds), the experts it reads (kt_gpu_read_experts, kt_gpu_resident_experts)."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -11,7 +12,8 @@ from engines.kt.experts.cpu import RoutedExpertsCPU
 from engines.kt.experts.mapped import MAX_TOKENS as MAPPED_MAX_TOKENS
 from engines.kt.experts.mapped import triton_available
 from engines.kt.experts.methods import METHODS
-from engines.kt.experts.streaming import ExpertStreamer
+from engines.kt.experts.streaming import ExpertStreamer, expert_copy_bytes, experts_within
+from engines.kt.options import KTOptions
 from engines.kt.placement.operators import OperatorOptions
 
 log = logging.getLogger("ktserve.engine.kt")
@@ -95,3 +97,23 @@ def log_streamed_experts(options: OperatorOptions, tokens: int, chunk_size: int)
                  "chunk of up to chunk_size=%d tokens (larger chunks amortize it: docs/performance.md)", tokens,
                  tokens, len(s.layers), s.device, "/".join(map(str, held)), s.pcie_bytes_per_s / 1e9, pinned / 1e9,
                  what, pinned / s.pcie_bytes_per_s, chunk_size)
+
+
+def streamed_expert_count(kt: KTOptions, model: Any, config: Any, bits: int = 8, mxfp4: bool = False) -> int | None:
+    """How many of each layer's experts keep streamed copies (`bits`-bit ones, or MXFP4 as released with `mxfp4`):
+    as many as kt_gpu_prefill_memory holds over the model's expert layers (0: none, streaming off, said why), None:
+    every expert (no budget)."""
+    if kt.kt_gpu_prefill_memory is None:
+        return None
+    if not kt.kt_gpu_prefill_tokens:
+        log.warning("kt_gpu_prefill_memory=%g GB does nothing without kt_gpu_prefill_tokens", kt.kt_gpu_prefill_memory)
+        return None
+    layers = sum(1 for name, _ in model.named_modules() if name.endswith(".mlp.experts"))
+    num_experts = getattr(config, "n_routed_experts", None) or config.num_experts
+    count = experts_within(kt.kt_gpu_prefill_memory * 1e9, layers, num_experts, config.hidden_size,
+                           config.moe_intermediate_size, bits, mxfp4)
+    if count == 0:
+        log.warning("kt_gpu_prefill_memory=%g GB holds no expert's copy for each of %d layers (one takes %.1f MB a "
+                    "layer): every expert stays on the CPU", kt.kt_gpu_prefill_memory, layers,
+                    expert_copy_bytes(config.hidden_size, config.moe_intermediate_size, bits, mxfp4) / 1e6)
+    return count
