@@ -93,6 +93,9 @@ class Settings(BaseModel):
     kt_use_cuda_graph: bool = engine_setting(True, "run decode steps as CUDA graphs (used where the model sits on "
                                                     "one GPU without hot experts; elsewhere decode runs eager; "
                                                     "DeepSeek-V4: the row-wise parts of its steps)")
+    kt_fused_hyper_connections: bool = engine_setting(True, "DeepSeek-V4: compute the hyper-connections of the "
+                                                             "layers on a GPU in one Triton kernel each (where Triton "
+                                                             "is installed) instead of transformers' ~300 small ops")
     kt_force_think: bool = Field(False, description="open every chat reply's thinking: prompts end with <think>")
     kt_method: str | None = engine_setting(None, "experts method for every layer: AMXINT8 | AMXINT4 | BF16 | FP8 | "
                                                  "RAWINT4 | LLAMAFILE; default: the rules' choice, or the closest "

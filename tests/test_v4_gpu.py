@@ -39,6 +39,16 @@ def test_v4_places_everything_but_the_experts_on_the_gpu(v4_gpu):
     assert v4_gpu.engine.info.details["experts_method"] == "MXFP4"
 
 
+def test_v4_hyper_connections_on_the_gpu_run_the_fused_kernel(v4_gpu):
+    from engines.kt.families.deepseek_v4.hyper import is_fused
+
+    model = v4_gpu.engine._runner.model
+    assert v4_gpu.engine.info.details["hyper_connections"].startswith("fused Triton kernel: "), \
+        v4_gpu.engine.info.details["hyper_connections"]
+    assert all(is_fused(m) for layer in model.model.layers for m in (layer.attn_hc, layer.ffn_hc))
+    assert is_fused(model.model.hc_head)
+
+
 def test_v4_prompt_logprobs_on_the_gpu_agree_with_the_reference(v4_gpu, v4_model_dir):
     ids = v4_gpu.engine.tokenizer.encode(TEXT)
     reply = v4_gpu.openai().completions.create(model=v4_gpu.engine.info.id, prompt=ids, max_tokens=0, echo=True,

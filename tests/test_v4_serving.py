@@ -40,6 +40,14 @@ def test_v4_loads_through_its_family_with_mxfp4_experts(v4_server):
     assert details["kt_optimize_rule"] == "DeepSeek-V4-CPU.yaml"
 
 
+def test_v4_hyper_connections_on_the_cpu_keep_transformers_forward(v4_server):
+    from engines.kt.families.deepseek_v4.hyper import is_fused
+
+    assert v4_server.engine.info.details["hyper_connections"] == "transformers' modules: none on a GPU"
+    layer = v4_server.engine._runner.model.model.layers[0]
+    assert not is_fused(layer.attn_hc) and not is_fused(layer.ffn_hc)
+
+
 def test_v4_prompt_logprobs_match_the_transformers_reference(v4_server, v4_reference):
     ids = v4_server.engine.tokenizer.encode(PROMPT)
     assert len(ids) > 128

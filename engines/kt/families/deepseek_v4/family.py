@@ -38,6 +38,7 @@ class DeepseekV4Family(ModelFamily):
 
     def load(self, context: LoadContext) -> LoadedModel:
         from engines.kt.engine import expert_methods_for, torch_thread_count
+        from engines.kt.families.deepseek_v4.hyper import install_fused_hyper_connections
         from engines.kt.families.deepseek_v4.loader import load_v4_checkpoint
         from engines.kt.families.deepseek_v4.mtp import V4DraftHead, add_draft_block
         from engines.kt.families.deepseek_v4.runner import V4ModelRunner
@@ -70,10 +71,13 @@ class DeepseekV4Family(ModelFamily):
         _build_rotary_tables(model, config, placement.device_of_param)
         load_v4_checkpoint(model, context.model_path, placement.device_of_param, dtype, draft_layer=draft_layer)
         model.eval()
+        # before the MTP block leaves the model (its hc modules go with it) and before the graphs capture them
+        hyper = install_fused_hyper_connections(model, enabled=kt.kt_fused_hyper_connections)
         head = V4DraftHead.take(model) if draft_layer is not None else None
         details = {"attention_backend": "torch (transformers' DeepSeek-V4 modules)",
                    "v4_caches": "per sequence (transformers DynamicCache)",
-                   "v4_steps": "batched: a step's rows together, attention's cached part per sequence"}
+                   "v4_steps": "batched: a step's rows together, attention's cached part per sequence",
+                   "hyper_connections": hyper}
         for choice in choices.values():
             details.update(choice.describe())
         details.update(_streaming_details(options, context.chunk_size))

@@ -1,0 +1,140 @@
+"""DeepSeek-V4's fused hyper-connection kernel (engines/kt/families/deepseek_v4/hyper.py) against transformers'
+`DeepseekV4HyperConnection` and `DeepseekV4HyperHead` at V4-Flash's shape (hidden 4096, 4 streams, the config's
+20 Sinkhorn iterations), random weights, bf16 streams. Run on a GPU machine (pytest -m gpu); on a CPU with Triton
+installed, `TRITON_INTERPRET=1 pytest -m gpu tests/test_v4_hyper_gpu.py` runs the same kernel in Triton's
+interpreter (the smaller row counts only: it is slow).
+
+Tolerances, measured in the interpreter against transformers and a float64 evaluation of the same formulas (7 rows):
+transformers' own float32 result is off the float64 one by up to 1.8e-6 (post) and 7.7e-6 (comb) relative, the
+kernel's by 2.7e-6 and 1.1e-5 (the projection sums the un-normed streams, then scales), so the two agree to 1.2e-5;
+the collapse is summed in float32 as transformers does and differs from it by one bf16 ulp where the rounding of
+`pre` tips it (25 of 28,672 values with an exact bf16 cast; the interpreter's own bf16 cast rounds differently)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engines.kt.experts.mapped import triton_available
+
+INTERPRETED = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRETED) or not triton_available(),
+                                 reason="needs a CUDA device and Triton (or TRITON_INTERPRET=1 with Triton)")]
+
+ROWS = (1, 7) if INTERPRETED else (1, 7, 2048)
+PROBABILITIES = {"rtol": 5e-5, "atol": 1e-6}  # post and comb, float32: ~4x the largest difference measured
+COLLAPSE = {"rtol": 2**-7, "atol": 1e-4}  # one bf16 ulp, and pre's float32 rounding where the streams cancel
+
+
+@pytest.fixture(scope="module")
+def config():
+    from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
+
+    return DeepseekV4Config(hidden_size=4096)  # V4-Flash's; hc_mult, hc_sinkhorn_iters, eps: the defaults
+
+
+def _randomized(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """The module with random weights on DEVICE: a projection giving mixes of a few units (as trained ones do),
+    biases and scales around their trained sizes."""
+    generator = torch.Generator().manual_seed(seed)
+    fn, base, scale = module.parameters()
+    with torch.no_grad():
+        fn.copy_(torch.randn(fn.shape, generator=generator) * 0.02)
+        base.copy_(torch.randn(base.shape, generator=generator) * 0.5)
+        scale.copy_(torch.rand(scale.shape, generator=generator) * 1.5 + 0.5)
+    return module.to(DEVICE).eval()
+
+
+@pytest.fixture(scope="module")
+def connection(config):
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
+
+    return _randomized(DeepseekV4HyperConnection(config), 0)
+
+
+@pytest.fixture(scope="module")
+def head(config):
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperHead
+
+    return _randomized(DeepseekV4HyperHead(config), 1)
+
+
+def _streams(config, rows: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(1, rows, config.hc_mult, config.hidden_size, generator=generator).bfloat16().to(DEVICE)
+
+
+def _ulps(served: torch.Tensor, expected: torch.Tensor) -> str:
+    differs = served != expected
+    return f"{int(differs.sum())} of {differs.numel()} differ, max |d| {(served.float() - expected.float()).abs().max():.3g}"
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@torch.inference_mode()
+def test_the_fused_hyper_connection_gives_transformers_post_comb_and_collapse(config, connection, rows):
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
+
+    from engines.kt.families.deepseek_v4.hyper import fused_connection
+
+    streams = _streams(config, rows, rows)
+    expected = DeepseekV4HyperConnection.forward(connection, streams)
+    served = fused_connection(connection, streams)
+    for name, got, want in zip(("post", "comb", "collapsed"), served, expected):
+        assert (got.shape, got.dtype, got.device) == (want.shape, want.dtype, want.device), name
+    post, comb, collapsed = served
+    print(f"\nrows {rows}: post max rel {((post - expected[0]).abs() / expected[0].abs()).max():.3g}, comb max rel "
+          f"{((comb - expected[1]).abs() / expected[1].abs()).max():.3g}, collapsed {_ulps(collapsed, expected[2])}")
+    torch.testing.assert_close(post, expected[0], **PROBABILITIES)
+    torch.testing.assert_close(comb, expected[1], **PROBABILITIES)
+    torch.testing.assert_close(collapsed, expected[2], **COLLAPSE)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@torch.inference_mode()
+def test_the_fused_hyper_head_gives_transformers_collapse(config, head, rows):
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperHead
+
+    from engines.kt.families.deepseek_v4.hyper import fused_head
+
+    streams = _streams(config, rows, 100 + rows)
+    expected = DeepseekV4HyperHead.forward(head, streams)
+    served = fused_head(head, streams)
+    assert (served.shape, served.dtype, served.device) == (expected.shape, expected.dtype, expected.device)
+    print(f"\nrows {rows}: head collapse {_ulps(served, expected)}")
+    torch.testing.assert_close(served, expected, **COLLAPSE)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@torch.inference_mode()
+def test_the_fused_hyper_connection_replays_from_a_cuda_graph_with_new_streams(config, connection):
+    from engines.kt.families.deepseek_v4.hyper import fused_connection
+
+    streams = _streams(config, 4, 0)
+    fused_connection(connection, streams)  # compiled before the capture, as the step graphs' warm-up does
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fused_connection(connection, streams)
+    fresh = _streams(config, 4, 1)
+    streams.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, fused_connection(connection, fresh)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the installer takes modules on a CUDA device")
+def test_the_installer_gives_the_gpu_modules_the_kernel(config):
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection, DeepseekV4HyperHead
+
+    from engines.kt.families.deepseek_v4.hyper import install_fused_hyper_connections, is_fused
+
+    model = torch.nn.ModuleDict({"gpu": _randomized(DeepseekV4HyperConnection(config), 2),
+                                 "cpu": _randomized(DeepseekV4HyperHead(config), 3).cpu()})
+    described = install_fused_hyper_connections(model)
+    assert described == ("fused Triton kernel: 1 of 2 hyper-connection modules (those on a GPU); the others keep "
+                         "transformers' forward"), described
+    assert is_fused(model["gpu"]) and not is_fused(model["cpu"])
