@@ -25,6 +25,8 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRETED) or not triton_available(),
                                  reason="needs a CUDA device and Triton (or TRITON_INTERPRET=1 with Triton)")]
 
+# CUDA graphs and the installer (modules on a CUDA device) are not for the interpreter
+ON_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device, not Triton's interpreter")
 ROWS = (1, 7) if INTERPRETED else (1, 7, 2048)
 PROBABILITIES = {"rtol": 5e-5, "atol": 1e-6}  # post and comb, float32: ~4x the largest difference measured
 COLLAPSE = {"rtol": 2**-7, "atol": 1e-4}  # one bf16 ulp, and pre's float32 rounding where the streams cancel
@@ -70,7 +72,8 @@ def _streams(config, rows: int, seed: int) -> torch.Tensor:
 
 def _ulps(served: torch.Tensor, expected: torch.Tensor) -> str:
     differs = served != expected
-    return f"{int(differs.sum())} of {differs.numel()} differ, max |d| {(served.float() - expected.float()).abs().max():.3g}"
+    largest = (served.float() - expected.float()).abs().max()
+    return f"{int(differs.sum())} of {differs.numel()} differ, max |d| {largest:.3g}"
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -108,7 +111,7 @@ def test_the_fused_hyper_head_gives_transformers_collapse(config, head, rows):
     torch.testing.assert_close(served, expected, **COLLAPSE)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@ON_CUDA
 @torch.inference_mode()
 def test_the_fused_hyper_connection_replays_from_a_cuda_graph_with_new_streams(config, connection):
     from engines.kt.families.deepseek_v4.hyper import fused_connection
@@ -126,15 +129,35 @@ def test_the_fused_hyper_connection_replays_from_a_cuda_graph_with_new_streams(c
         assert torch.equal(got, want)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the installer takes modules on a CUDA device")
-def test_the_installer_gives_the_gpu_modules_the_kernel(config):
+def _gpu_and_cpu_modules(config) -> torch.nn.ModuleDict:
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection, DeepseekV4HyperHead
 
+    return torch.nn.ModuleDict({"gpu": _randomized(DeepseekV4HyperConnection(config), 2),
+                                 "cpu": _randomized(DeepseekV4HyperHead(config), 3).cpu()})
+
+
+@ON_CUDA
+def test_the_installer_gives_the_gpu_modules_the_kernel(config):
     from engines.kt.families.deepseek_v4.hyper import install_fused_hyper_connections, is_fused
 
-    model = torch.nn.ModuleDict({"gpu": _randomized(DeepseekV4HyperConnection(config), 2),
-                                 "cpu": _randomized(DeepseekV4HyperHead(config), 3).cpu()})
-    described = install_fused_hyper_connections(model)
+    model = _gpu_and_cpu_modules(config)
+    described = install_fused_hyper_connections(model, torch.bfloat16)
     assert described == ("fused Triton kernel: 1 of 2 hyper-connection modules (those on a GPU); the others keep "
                          "transformers' forward"), described
     assert is_fused(model["gpu"]) and not is_fused(model["cpu"])
+
+
+@ON_CUDA
+def test_a_kernel_that_fails_to_build_leaves_transformers_forward(config, monkeypatch):
+    from engines.kt.families.deepseek_v4 import hyper
+
+    def broken():
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(hyper, "_kernel", broken)
+    model = _gpu_and_cpu_modules(config)
+    described = hyper.install_fused_hyper_connections(model, torch.bfloat16)
+    assert described == "transformers' modules: the Triton kernel failed (RuntimeError)"
+    assert not hyper.is_fused(model["gpu"])
+    post, comb, collapsed = model["gpu"](_streams(config, 1, 0))  # transformers' forward
+    assert comb.shape == (1, 1, config.hc_mult, config.hc_mult)

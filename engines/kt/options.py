@@ -14,7 +14,7 @@ class KTOptions:
     kt_weight_cache: str | None = None  # root folder of pre-quantized experts
     kt_weight_path: str | None = None  # kt-kernel's pre-converted experts (expert_cache.ConvertedExperts), read-only
     kt_use_cuda_graph: bool = True  # capture decode steps in CUDA graphs (one-GPU placements, no hot experts; V4: piecewise)
-    kt_fused_hyper_connections: bool = True  # V4: GPU hyper-connections in one Triton kernel (families/deepseek_v4/hyper.py)
+    kt_fused_hyper_connections: bool = True  # V4: the GPU's hyper-connections in one Triton kernel each (hyper.py)
     kv_cache_tokens: int | None = None  # KV capacity in tokens; default from max_model_len x max_concurrent
     prefix_cache: bool = True  # share full KV pages between requests with the same token prefix
     attention_backend: str = "auto"  # "auto" | "flashinfer" | "torch" (MLA attention on CUDA)

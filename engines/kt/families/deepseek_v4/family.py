@@ -72,7 +72,7 @@ class DeepseekV4Family(ModelFamily):
         load_v4_checkpoint(model, context.model_path, placement.device_of_param, dtype, draft_layer=draft_layer)
         model.eval()
         # before the MTP block leaves the model (its hc modules go with it) and before the graphs capture them
-        hyper = install_fused_hyper_connections(model, enabled=kt.kt_fused_hyper_connections)
+        hyper = install_fused_hyper_connections(model, dtype, enabled=kt.kt_fused_hyper_connections)
         head = V4DraftHead.take(model) if draft_layer is not None else None
         details = {"attention_backend": "torch (transformers' DeepSeek-V4 modules)",
                    "v4_caches": "per sequence (transformers DynamicCache)",

@@ -15,12 +15,15 @@ Only modules on a CUDA device get the kernel, and only where Triton imports; the
 from __future__ import annotations
 
 import functools
+import logging
 import types
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+log = logging.getLogger("ktserve.engine.kt")
 
 BLOCK_H = 1024  # a row's streams are read in [hc, BLOCK_H] tiles, twice
 
@@ -121,9 +124,10 @@ def fused_head(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
                    self.eps, 1, head=True)[2]
 
 
-def install_fused_hyper_connections(model: nn.Module, enabled: bool = True) -> str:
+def install_fused_hyper_connections(model: nn.Module, dtype: torch.dtype, enabled: bool = True) -> str:
     """Give the hyper-connection modules of `model` (and of an MTP block still in it) that sit on a CUDA device the
-    fused kernel's forward; what the engine details say of it."""
+    fused kernel's forward, compiled for streams of `dtype` before any step runs (or CUDA graph captures) them;
+    what the engine details say of it."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4HyperConnection,
                                                                        DeepseekV4HyperHead)
 
@@ -140,8 +144,25 @@ def install_fused_hyper_connections(model: nn.Module, enabled: bool = True) -> s
         return "transformers' modules: Triton is not installed"
     for module in on_gpu:
         module.forward = types.MethodType(forwards[type(module)], module)
+    try:
+        _warm_up(on_gpu, dtype)
+    except Exception as e:  # noqa: BLE001 - e.g. Triton without a working compiler: transformers' forward serves
+        for module in on_gpu:
+            del module.forward
+        log.warning("kt_fused_hyper_connections: the Triton kernel failed (%s); transformers' modules run", e)
+        return f"transformers' modules: the Triton kernel failed ({type(e).__name__})"
     return (f"fused Triton kernel: {len(on_gpu)} of {len(modules)} hyper-connection modules (those on a GPU)"
             + ("; the others keep transformers' forward" if len(on_gpu) < len(modules) else ""))
+
+
+@torch.inference_mode()
+def _warm_up(modules: list[nn.Module], dtype: torch.dtype) -> None:
+    """One row through each module: compiles the kernel for its device and form."""
+    for module in modules:
+        fn = module.fn if hasattr(module, "fn") else module.hc_fn  # [mixes, hc * hidden]
+        hc = module.hc_mult
+        module(torch.zeros(1, 1, hc, fn.shape[1] // hc, dtype=dtype, device=fn.device))
+        torch.cuda.synchronize(fn.device)
 
 
 def _on_cuda(module: nn.Module) -> bool:
