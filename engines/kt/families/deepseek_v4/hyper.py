@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engines.kt.runner import device_scope
+
 log = logging.getLogger("ktserve.engine.kt")
 
 BLOCK_H = 1024  # a row's streams are read in [hc, BLOCK_H] tiles, twice
@@ -99,9 +101,10 @@ def _launch(streams: torch.Tensor, mixes: torch.Tensor, base: torch.Tensor, scal
     comb = streams.new_empty(*lead, 0 if head else hc, 0 if head else hc, dtype=torch.float32)
     collapsed = streams.new_empty(*lead, hidden)
     if rows:
-        hyper[(rows,)](streams, mixes, base, scale, post, comb, collapsed, norm_eps, hc_eps, hidden=hidden,
-                       iters=iters, HC=hc, HC_P=triton.next_power_of_2(hc), MIXES=mixes.shape[-1],
-                       BLOCK=min(BLOCK_H, triton.next_power_of_2(hidden)), HEAD=head, num_warps=4)
+        with device_scope(streams.device):  # Triton launches on the current device: the model's need not be it
+            hyper[(rows,)](streams, mixes, base, scale, post, comb, collapsed, norm_eps, hc_eps, hidden=hidden,
+                           iters=iters, HC=hc, HC_P=triton.next_power_of_2(hc), MIXES=mixes.shape[-1],
+                           BLOCK=min(BLOCK_H, triton.next_power_of_2(hidden)), HEAD=head, num_warps=4)
     return post, comb, collapsed
 
 
