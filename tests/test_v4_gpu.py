@@ -133,6 +133,7 @@ def test_v4_drafting_on_the_gpu_gives_the_replies_without_it(v4_gpu, tmp_path_fa
     greedy replies equal the non-drafting server's, alone and three at once (the draft and check rows share the
     batched step; rejected drafts go back through the sequence cache's mark)."""
     from engines.demo_model_v4 import make_demo_model_v4
+    from engines.kt.families.deepseek_v4.hyper import is_fused
     from helpers import completions_together
 
     model = make_demo_model_v4(tmp_path_factory.mktemp("v4-gpu-mtp") / "tiny-v4-mtp", mtp="last-layer")
@@ -149,9 +150,11 @@ def test_v4_drafting_on_the_gpu_gives_the_replies_without_it(v4_gpu, tmp_path_fa
         alone = [reply(drafting, p) for p in prompts]
         together = completions_together(drafting, prompts, max_tokens=12, ignore_eos=True)
         stats = drafting.engine.stats()
+        block = drafting.engine._runner.head.block
     finally:
         drafting.stop()
     print(f"\nV4 drafting on the GPU: {stats.accepted_draft_tokens} of {stats.draft_tokens} drafts accepted")
+    assert all(is_fused(m) for m in (block.attn_hc, block.ffn_hc, block.hc_head))  # the MTP block's too
     assert alone == plain
     assert together == plain
 
