@@ -137,3 +137,17 @@ def test_v4_cache_use_is_reported_on_metrics(budgeted):
     budgeted.wait_idle()
     assert 0 < used <= BUDGET_POSITIONS
     assert metric(budgeted, "ktserve_kv_cache_used_tokens") == 0
+
+
+def test_v4_model_of_sliding_window_layers_only_reaches_every_position_the_budget_allows(v4_model_dir):
+    """Past its window such a model's caches hold the same bytes at any length: the context the budget reaches
+    is the positions asked for (the search for it used to double forever)."""
+    from transformers import AutoConfig
+
+    from engines.kt.families.deepseek_v4.budget import CacheBytes
+
+    config = AutoConfig.from_pretrained(v4_model_dir)
+    config.layer_types = ["sliding_attention"] * len(config.layer_types)
+    sizes = CacheBytes.of(config, torch.float32)
+    assert sizes.positions_within(sizes.bound(10 * config.sliding_window), 1 << 20) == 1 << 20
+    assert sizes.positions_within(sizes.bound(3) - 1, 1 << 20) < 3

@@ -75,8 +75,11 @@ class CacheBytes:
         steps back when a window closes (its buffers become one entry); this does not, so it can be inverted."""
         return self._bytes(positions, full_buffers=True)
 
-    def positions_within(self, capacity: int) -> int:
-        """The most positions one sequence reaches within `capacity` bytes."""
+    def positions_within(self, capacity: int, most: int) -> int:
+        """The most positions one sequence reaches within `capacity` bytes, up to `most` (a model of sliding-window
+        layers only holds the same bytes at any length past the window)."""
+        if self.bound(most) <= capacity:
+            return most
         low, high = 0, 1
         while self.bound(high) <= capacity:
             low, high = high, high * 2

@@ -183,7 +183,7 @@ def _cache_budget(context: LoadContext, dtype: torch.dtype, drafting: bool) -> t
     positions, max_len = context.kv_cache_tokens(), context.max_model_len
     budget = CacheBudget.sized(CacheBytes.of(context.config, dtype, draft_head=drafting), positions, max_len,
                                context.max_concurrent)
-    reach = min(positions, budget.sizes.positions_within(budget.capacity))
+    reach = budget.sizes.positions_within(budget.capacity, positions)
     if reach < max_len:  # a request longer than the caches hold could never finish
         log.info("serving a context of %d tokens: V4's cache budget (kv_cache_tokens) holds no more", reach)
         max_len = reach
