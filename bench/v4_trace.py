@@ -172,7 +172,10 @@ def drafted(root, config: dict, threads: int | None, steps: int) -> dict:
     """Decode with `speculative: mtp` over a random MTP layer (bench/mtp.py's `random` variant), through the engine
     as a request runs: the time per generated token of the main model's steps (`execute`), the draft head's block
     (`head_block`) and its logits (`head_logits`), the stream synchronized around each, and the `rest` (proposal
-    bookkeeping, sampling, scheduling, the first token's prefill)."""
+    bookkeeping, sampling, scheduling). `execute_calls` splits the main steps by the rows they fed (the prompt's
+    chunk, then verification steps of the last token and its draft) and `inside_execute` times their parts (each
+    part synchronized too; parts nest in `execute`, not in each other). Then a second run of the same length under
+    the profiler: its top kernels and host ops."""
     import asyncio
 
     from bench.engine_runs import generate
@@ -180,36 +183,110 @@ def drafted(root, config: dict, threads: int | None, steps: int) -> dict:
     from bench.shapes import prompt_ids
     from engines.base import EngineConfig
     from engines.kt.engine import KTEngine
+    from engines.kt.families.deepseek_v4.caches import SequenceCache
 
     path = v4_variant(root, config, "random")
     engine = KTEngine(EngineConfig(model_path=str(path), model_name="bench-v4-trace-mtp", max_concurrent=1,
                                    max_model_len=4096, chunk_size=2048,
                                    settings={"speculative": "mtp", **({"cpu_infer": threads} if threads else {})}))
     engine.start()
+    begin, commit = SequenceCache.begin, SequenceCache.commit
     try:
         runner = engine._runner
-        timer = PartTimer(runner.head_device)
-        runner.execute = timer.wrap("execute", runner.execute)
+        device = runner.head_device
+        timer, inner = PartTimer(device), PartTimer(device)
+        calls: list[tuple[int, float]] = []  # (rows fed, seconds) of each main step
+        execute = timer.wrap("execute", runner.execute)
+
+        def counted(chunks):
+            started = time.perf_counter()
+            try:
+                return execute(chunks)
+            finally:
+                if timer.on:
+                    calls.append((sum(c.num_tokens + len(c.draft) for c in chunks), time.perf_counter() - started))
+
+        runner.execute = counted
         runner.head.forward = timer.wrap("head_block", runner.head.forward)
         runner.head.logits = timer.wrap("head_logits", runner.head.logits)
+        SequenceCache.begin = inner.wrap("cache_begin", begin)  # rollback and replay of the rejected draft
+        SequenceCache.commit = inner.wrap("cache_commit", commit)
+        runner._logits = inner.wrap("logits", runner._logits)
+        runner.batch.hidden_streams = inner.wrap("step_eager", runner.batch.hidden_streams)
+        if runner.graphs is not None:
+            runner.graphs.hidden_streams = inner.wrap("step_graphs", runner.graphs.hidden_streams)
         vocab = config["vocab_size"]
         asyncio.run(generate(engine, prompt_ids(64, vocab, seed=2), 4, float("inf")))
         before = engine.stats()
-        timer.on = True
+        replayed = getattr(runner.graphs, "replayed", 0)
+        timer.on = inner.on = True
         started = time.perf_counter()
         run = asyncio.run(generate(engine, prompt_ids(64, vocab, seed=1), steps + 1, float("inf")))
         wall = time.perf_counter() - started
-        timer.on = False
+        timer.on = inner.on = False
         after = engine.stats()
         tokens = len(run.token_times)
         parts = {k: round(v / tokens * 1e3, 3) for k, v in timer.seconds.items()}
         parts["rest"] = round(wall / tokens * 1e3 - sum(parts.values()), 3)
-        return {"tokens": tokens, "wall_ms_per_token": round(wall / tokens * 1e3, 3), "ms_per_token": parts,
-                "draft_tokens": after.draft_tokens - before.draft_tokens,
-                "accepted_draft_tokens": after.accepted_draft_tokens - before.accepted_draft_tokens,
-                "cuda_graphs": engine.info.details.get("cuda_graphs")}
+        verify = [s for rows, s in calls if rows <= 8]
+        result = {"tokens": tokens, "wall_ms_per_token": round(wall / tokens * 1e3, 3), "ms_per_token": parts,
+                  "execute_calls": {"prompt": [{"rows": rows, "ms": round(s * 1e3, 2)} for rows, s in calls if rows > 8],
+                                    "verify_count": len(verify),
+                                    "verify_rows": sorted({rows for rows, _ in calls if rows <= 8}),
+                                    "verify_ms_mean": round(sum(verify) / max(len(verify), 1) * 1e3, 3),
+                                    "graph_replays": getattr(runner.graphs, "replayed", 0) - replayed},
+                  "inside_execute_ms_per_call": {k: round(v / max(len(calls), 1) * 1e3, 3)
+                                                 for k, v in inner.seconds.items()},
+                  "draft_tokens": after.draft_tokens - before.draft_tokens,
+                  "accepted_draft_tokens": after.accepted_draft_tokens - before.accepted_draft_tokens,
+                  "cuda_graphs": engine.info.details.get("cuda_graphs")}
+        result["profiled"] = _profiled_generate(engine, prompt_ids(64, vocab, seed=3), steps + 1, device)
+        return result
     finally:
+        SequenceCache.begin, SequenceCache.commit = begin, commit
         engine.stop()
+
+
+def _profiled_generate(engine, prompt: list[int], tokens: int, device: torch.device) -> dict:
+    """One request of `tokens` tokens under the profiler, started and stopped on the engine's step thread (where
+    its steps run): the top kernels by device time and the top host ops by their own time, per generated token."""
+    import asyncio
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.engine_runs import generate
+
+    runner = engine._runner
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    state = {"want": True, "prof": None}
+    execute = runner.execute
+
+    def profiled(chunks):
+        if state["want"] and state["prof"] is None:
+            state["prof"] = profile(activities=activities)
+            state["prof"].__enter__()
+        elif not state["want"] and state["prof"] is not None and not state.get("stopped"):
+            _stream_sync(device)()
+            state["prof"].__exit__(None, None, None)
+            state["stopped"] = True
+        return execute(chunks)
+
+    runner.execute = profiled
+    try:
+        asyncio.run(generate(engine, prompt, tokens, float("inf")))
+        state["want"] = False
+        asyncio.run(generate(engine, prompt[:8], 1, float("inf")))  # its first step stops the profiler
+    finally:
+        runner.execute = execute
+    events = state["prof"].key_averages()
+
+    def top(key, n: int = 15) -> list[dict]:
+        return [{"name": e.key[:80], "count_per_token": round(e.count / tokens, 1),
+                 "self_us_per_token": round(key(e) / tokens, 1)}
+                for e in sorted(events, key=key, reverse=True)[:n] if key(e) > 0]
+
+    return {"tokens": tokens, "device": top(lambda e: e.self_device_time_total) if device.type == "cuda" else [],
+            "host": top(lambda e: e.self_cpu_time_total)}
 
 
 def main() -> int:
