@@ -132,10 +132,11 @@ def test_the_fused_hyper_connection_replays_from_a_cuda_graph_with_new_streams(c
 
 
 def _gpu_and_cpu_modules(config) -> torch.nn.ModuleDict:
+    """A hyper-connection on the GPU and a hyper head on the CPU (keys other than nn.Module's `cpu` / `cuda`)."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection, DeepseekV4HyperHead
 
-    return torch.nn.ModuleDict({"gpu": _randomized(DeepseekV4HyperConnection(config), 2),
-                                 "cpu": _randomized(DeepseekV4HyperHead(config), 3).cpu()})
+    return torch.nn.ModuleDict({"on_gpu": _randomized(DeepseekV4HyperConnection(config), 2),
+                                 "on_cpu": _randomized(DeepseekV4HyperHead(config), 3).cpu()})
 
 
 @ON_CUDA
@@ -146,7 +147,7 @@ def test_the_installer_gives_the_gpu_modules_the_kernel(config):
     described = install_fused_hyper_connections(model, torch.bfloat16)
     assert described == ("fused Triton kernel: 1 of 2 hyper-connection modules (those on a GPU); the others keep "
                          "transformers' forward"), described
-    assert is_fused(model["gpu"]) and not is_fused(model["cpu"])
+    assert is_fused(model["on_gpu"]) and not is_fused(model["on_cpu"])
 
 
 @ON_CUDA
@@ -160,6 +161,6 @@ def test_a_kernel_that_fails_to_build_leaves_transformers_forward(config, monkey
     model = _gpu_and_cpu_modules(config)
     described = hyper.install_fused_hyper_connections(model, torch.bfloat16)
     assert described == "transformers' modules: the Triton kernel failed (RuntimeError)"
-    assert not hyper.is_fused(model["gpu"])
-    post, comb, collapsed = model["gpu"](_streams(config, 1, 0))  # transformers' forward
+    assert not hyper.is_fused(model["on_gpu"])
+    post, comb, collapsed = model["on_gpu"](_streams(config, 1, 0))  # transformers' forward
     assert comb.shape == (1, 1, config.hc_mult, config.hc_mult)
