@@ -237,9 +237,11 @@ def test_a_v4_layer_streaming_its_mxfp4_experts_to_the_gpu_equals_kt_kernel_alon
 def _page_locked(t: torch.Tensor) -> bool:
     """Whether `t`'s memory is registered with CUDA (cudaHostRegister). `Tensor.is_pinned` asks about its storage's
     first byte, which lies before the whole pages the streamer registers inside its allocation; registering a page of
-    `t` again answers cudaErrorHostMemoryAlreadyRegistered (712) when it is."""
+    `t` again fails with cudaErrorHostMemoryAlreadyRegistered when it is."""
     cudart = torch.cuda.cudart()
-    answer = int(cudart.cudaHostRegister(t.data_ptr(), 4096, 0))
-    if answer == 0:
-        cudart.cudaHostUnregister(t.data_ptr())
-    return answer == 712
+    try:
+        cudart.cudaHostRegister(t.data_ptr(), 4096, 0)
+    except RuntimeError as e:  # torch raises the CUDA error
+        return "already" in str(e)
+    cudart.cudaHostUnregister(t.data_ptr())
+    return False
