@@ -215,6 +215,7 @@ class HostExperts:
     down: torch.Tensor  # int8 [E, H, I]; 4-bit: uint8 [E, H, padded I / 2]; MXFP4: uint8 [E, H, I / 2]
     down_scale: torch.Tensor  # float32 [E, H]; 4-bit: bf16 [E, padded I / INT4_GROUP, H]; MXFP4: uint8 [E, H, I / 32]
     mxfp4: bool = False
+    pinned: bool = False  # page-locked (cudaHostRegister) while this object lives
 
     @classmethod
     def quantize(cls, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *, bits: int = 8,
@@ -240,7 +241,7 @@ class HostExperts:
         """Uninitialized `bits`-bit copies (8 or 4), or MXFP4 weights, of `experts` experts, in one host allocation
         (page-locked when `pin`)."""
         tensors, unpin = _host_tensors(_copy_specs(experts, intermediate, hidden, bits, mxfp4), pin and experts > 0)
-        host = cls(*tensors, mxfp4=mxfp4)
+        host = cls(*tensors, mxfp4=mxfp4, pinned=unpin is not None)
         if unpin is not None:  # the memory stays pinned as long as this object holds it
             weakref.finalize(host, unpin)
         return host
