@@ -10,7 +10,9 @@ kt-kernel computing half of a token's experts meanwhile slowed by 9% (0.55 -> 0.
 sides together read ~90 GB/s where kt-kernel alone reads ~50.
 
 The GPU reads int8 copies of a layer's first experts (`HostExperts`, engines/kt/experts/streaming.py), int4 ones for
-4-bit methods (the same kernels, compiled apart for that form, unpack them and read their group scales beside them). By
+4-bit methods (the same kernels, compiled apart for that form, unpack them and read their group scales beside them),
+and DeepSeek-V4's MXFP4 experts as released (`HostExperts.mxfp4_of`: compiled apart again, they decode each E2M1 pair
+and its UE8M0 group code, and clamp the SwiGLU inputs at the layer's `swiglu_limit`). By
 default (`kt_gpu_read_experts`, `owned_experts`) those experts are the GPU's alone: kt-kernel is built over the others,
 so host memory holds one copy of each expert, and every call computes them on the GPU (here up to `MAX_TOKENS` tokens,
 through the streamer's ring above). Where the copies are extra ones for streamed prompt chunks
@@ -25,6 +27,7 @@ token's bytes from host DRAM shrink by what moved.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -156,6 +159,12 @@ def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return view
 
 
+def _readable(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` as the kernels on `device` read it: a device view on a GPU, itself on the CPU (where Triton's
+    interpreter, TRITON_INTERPRET=1, runs the kernels to check their arithmetic)."""
+    return device_view(host, device) if device.type == "cuda" else host
+
+
 # ------------------------------------------------------------------------------ the kernels
 @functools.cache
 def _kernels():
@@ -202,15 +211,36 @@ def _kernels():
         return (acc + tl.dot(xb_lo, tl.trans(lo)) * s_lo.to(tl.float32)[None, :]
                 + tl.dot(xb_hi, tl.trans(hi)) * s_hi.to(tl.float32)[None, :])
 
+    @triton.jit
+    def _e2m1(nibble, scale):
+        """E2M1 codes (sign, 2-bit exponent, 1-bit mantissa: 0, 0.5, 1, 1.5, 2, 3, 4, 6) times `scale`, in bf16 (exact:
+        two significant bits times a power of two)."""
+        n = nibble.to(tl.int32)
+        e, m = (n >> 1) & 3, n & 1
+        # twice the magnitude: m where e = 0 (0, 0.5), (2 + m) * 2^(e - 1) above (1, 1.5, 2, 3, 4, 6)
+        twice = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0)).to(tl.float32)
+        return (tl.where(n >= 8, -0.5, 0.5) * twice * scale).to(tl.bfloat16)
+
+    @triton.jit
+    def _mxfp4_dot(acc, x_even, x_odd, packed, codes):
+        """acc + x . w^T over bytes of packed E2M1 pairs (the earlier column in the low nibble: x_even's), each
+        scaled by its group's UE8M0 code `codes` (2^(code - 127); code 0, 2^-127, reads as 0)."""
+        scale = (codes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        return (acc + tl.dot(x_even, tl.trans(_e2m1(packed & 15, scale)))
+                + tl.dot(x_odd, tl.trans(_e2m1(packed >> 4, scale))))
+
     # Both kernels take int8 copies (BITS = 8: rows of H or I bytes, a float32 scale per row of every held expert,
     # on the device at `s_ptr`) or 4-bit ones (BITS = 4: rows of HP / 2 or IP / 2 packed bytes, the input width
     # padded to whole blocks of 2G weights, group scales [HP / G, rows] per expert beside the weights: the resident
     # experts' at `sr_ptr`). Experts below `resident` are read from `wr_ptr` (GPU memory), the others from `w_ptr`
-    # (host memory), numbered from `resident` there.
+    # (host memory), numbered from `resident` there. MXFP4 = True: V4's released experts instead (rows of H / 2 or
+    # I / 2 packed E2M1 pairs, a UE8M0 code per 32 weights of a row, [rows, H / 32] per expert, beside the weights),
+    # compiled apart; CLAMP: gate clamped from above at `limit`, up to [-limit, limit], before the activation.
     @triton.jit(do_not_specialize=["tokens", "resident"])
-    def gate_up(x_ptr, ids_ptr, w_ptr, wr_ptr, s_ptr, sr_ptr, resident, h_ptr, tokens, H: tl.constexpr,
+    def gate_up(x_ptr, ids_ptr, w_ptr, wr_ptr, s_ptr, sr_ptr, resident, h_ptr, tokens, limit, H: tl.constexpr,
                 HP: tl.constexpr, I: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-                BLOCK_H: tl.constexpr, G: tl.constexpr, K_P: tl.constexpr, BITS: tl.constexpr):
+                BLOCK_H: tl.constexpr, G: tl.constexpr, K_P: tl.constexpr, BITS: tl.constexpr,
+                MXFP4: tl.constexpr, CLAMP: tl.constexpr):
         """h[t, k, rows] = silu(x[t] . gate[e, rows]) * (x[t] . up[e, rows]) for the tokens t that chose e
         (in their slot k)."""
         e = tl.program_id(0)
@@ -222,7 +252,25 @@ def _kernels():
         rows = r < I
         acc_g = tl.zeros((BLOCK_T, BLOCK_R), tl.float32)
         acc_u = tl.zeros((BLOCK_T, BLOCK_R), tl.float32)
-        if BITS == 8:
+        if MXFP4:  # BLOCK_H bytes of a row at a time: 2 * BLOCK_H weights, even columns low, odd ones high
+            base = _expert(w_ptr, wr_ptr, resident, e, 2 * I * (H // 2))
+            sbase = _expert(s_ptr, sr_ptr, resident, e, 2 * I * (H // 32))
+            j = tl.arange(0, BLOCK_H)
+            for b0 in range(0, H // 2, BLOCK_H):
+                byte = b0 + j
+                inside = byte < H // 2
+                x_mask = chose[:, None] & inside[None, :]
+                x_even = tl.load(x_ptr + t[:, None] * H + 2 * byte[None, :], mask=x_mask, other=0.0)
+                x_odd = tl.load(x_ptr + t[:, None] * H + 2 * byte[None, :] + 1, mask=x_mask, other=0.0)
+                w_mask = rows[:, None] & inside[None, :]
+                group = byte[None, :] // 16
+                wg = tl.load(base + r[:, None] * (H // 2) + byte[None, :], mask=w_mask, other=0)
+                wu = tl.load(base + (I + r[:, None]) * (H // 2) + byte[None, :], mask=w_mask, other=0)
+                cg = tl.load(sbase + r[:, None] * (H // 32) + group, mask=w_mask, other=0)
+                cu = tl.load(sbase + (I + r[:, None]) * (H // 32) + group, mask=w_mask, other=0)
+                acc_g = _mxfp4_dot(acc_g, x_even, x_odd, wg, cg)
+                acc_u = _mxfp4_dot(acc_u, x_even, x_odd, wu, cu)
+        elif BITS == 8:
             base = _expert(w_ptr, wr_ptr, resident, e, 2 * I * H)
             for h0 in range(0, H, BLOCK_H):
                 cols = h0 + tl.arange(0, BLOCK_H)
@@ -254,6 +302,9 @@ def _kernels():
                                   tl.load(sbase + (g0 + 1) * 2 * I + r, mask=rows, other=0.0))
                 acc_u = _int4_dot(acc_u, x_lo, x_hi, wu, tl.load(sbase + g0 * 2 * I + I + r, mask=rows, other=0.0),
                                   tl.load(sbase + (g0 + 1) * 2 * I + I + r, mask=rows, other=0.0))
+        if CLAMP:
+            acc_g = tl.minimum(acc_g, limit)
+            acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         tl.store(h_ptr + (t[:, None] * K + slot[:, None]) * I + r[None, :], act.to(tl.bfloat16),
                  mask=chose[:, None] & rows[None, :])
@@ -261,7 +312,7 @@ def _kernels():
     @triton.jit(do_not_specialize=["tokens", "resident"])
     def down(h_ptr, ids_ptr, wt_ptr, w_ptr, wr_ptr, s_ptr, sr_ptr, resident, part_ptr, tokens, H: tl.constexpr,
              I: tl.constexpr, IP: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr,
-             BLOCK_I: tl.constexpr, G: tl.constexpr, K_P: tl.constexpr, BITS: tl.constexpr):
+             BLOCK_I: tl.constexpr, G: tl.constexpr, K_P: tl.constexpr, BITS: tl.constexpr, MXFP4: tl.constexpr):
         """part[t, k, outs] = weight(t, k) * (h[t, k] . down[e, outs]) for the tokens t that chose e in slot k
         (the other slots stay as they were: zeros)."""
         e = tl.program_id(0)
@@ -274,7 +325,21 @@ def _kernels():
         outs = o < H
         acc = tl.zeros((BLOCK_T, BLOCK_O), tl.float32)
         row = h_ptr + (t[:, None] * K + slot[:, None]) * I
-        if BITS == 8:
+        if MXFP4:  # BLOCK_I bytes of a row at a time, as gate_up reads them
+            base = _expert(w_ptr, wr_ptr, resident, e, H * (I // 2))
+            sbase = _expert(s_ptr, sr_ptr, resident, e, H * (I // 32))
+            j = tl.arange(0, BLOCK_I)
+            for b0 in range(0, I // 2, BLOCK_I):
+                byte = b0 + j
+                inside = byte < I // 2
+                h_mask = chose[:, None] & inside[None, :]
+                h_even = tl.load(row + 2 * byte[None, :], mask=h_mask, other=0.0)
+                h_odd = tl.load(row + 2 * byte[None, :] + 1, mask=h_mask, other=0.0)
+                w_mask = outs[:, None] & inside[None, :]
+                wd = tl.load(base + o[:, None] * (I // 2) + byte[None, :], mask=w_mask, other=0)
+                codes = tl.load(sbase + o[:, None] * (I // 32) + byte[None, :] // 16, mask=w_mask, other=0)
+                acc = _mxfp4_dot(acc, h_even, h_odd, wd, codes)
+        elif BITS == 8:
             base = _expert(w_ptr, wr_ptr, resident, e, H * I)
             for i0 in range(0, I, BLOCK_I):
                 cols = i0 + tl.arange(0, BLOCK_I)
@@ -363,6 +428,8 @@ class _Layer:
     bits: int
     hidden: int
     intermediate: int
+    mxfp4: bool = False  # V4's released MXFP4 weights (HostExperts.mxfp4): its UE8M0 codes viewed as its weights are
+    limit: float = 0.0  # V4's swiglu_limit: gate and up clamped before the activation; 0: not clamped
 
     @property
     def held(self) -> int:
@@ -390,8 +457,8 @@ class MappedExperts:
         tokens) and each form of copies registered, before a request waits for it: a first compile took ~2 s on
         the GPU machine (the first 128-token prompt tail after start: 2.17 s instead of 0.11). Triton keeps them on
         disk for the next start."""
-        shapes = {(c.bits, c.hidden, c.intermediate): layer for layer, c in self.layers.items()}
-        for (_, hidden, _), layer in shapes.items():
+        shapes = {(c.bits, c.mxfp4, bool(c.limit), c.hidden, c.intermediate): layer for layer, c in self.layers.items()}
+        for (*_, hidden, _), layer in shapes.items():
             tokens = 16
             while tokens <= MAX_TOKENS:  # routed nowhere: the kernels compile, launch and return at once
                 ids = torch.full((tokens, self._top_k), -1, dtype=torch.int64, device=self.device)
@@ -399,27 +466,30 @@ class MappedExperts:
                              torch.zeros(tokens, self._top_k, device=self.device), self.layers[layer].held)
                 tokens *= 2
 
-    def register(self, layer: int, host: HostExperts, top_k: int, resident: HostExperts | None = None) -> None:
-        """Read `layer`'s `host` copies from where they lie, after the first experts `resident` (on this device)."""
+    def register(self, layer: int, host: HostExperts, top_k: int, resident: HostExperts | None = None,
+                 limit: float = 0.0) -> None:
+        """Read `layer`'s `host` copies from where they lie, after the first experts `resident` (on this device);
+        `limit`: the layer's swiglu_limit (V4's experts clamp gate and up before the activation; 0: they do not)."""
         parts = [p for p in (resident, host) if p is not None and p.held]
         if not parts:
             raise ValueError(f"mapped experts of layer {layer}: the copies hold no expert")
         if resident is not None and resident.held and resident.gate_up.device != self.device:
             raise ValueError(f"mapped experts of layer {layer}: resident copies on {resident.gate_up.device}, "
                              f"the kernels run on {self.device}")
-        if len({p.bits for p in parts}) > 1:
-            raise ValueError(f"mapped experts of layer {layer}: resident and host copies of different bits")
+        if len({p.form for p in parts}) > 1:
+            raise ValueError(f"mapped experts of layer {layer}: resident and host copies of different forms")
         count = resident.held if resident is not None else 0
         # a kernel reads one of the two per expert; where a layer has no experts of one kind, the other's
         # tensors stand in (never read)
-        viewed = tuple(device_view(t, self.device) for t in host.tensors()) if host.held else resident.tensors()
+        viewed = tuple(_readable(t, self.device) for t in host.tensors()) if host.held else resident.tensors()
         kept = resident.tensors() if count else viewed
         gate_up, gate_up_scale, down, down_scale = viewed
-        if parts[0].bits == 8:  # the row scales of every held expert move to the device
+        if parts[0].form == "int8":  # the row scales of every held expert move to the device
             gate_up_scale = torch.cat([p.gate_up_scale.to(self.device) for p in parts])
             down_scale = torch.cat([p.down_scale.to(self.device) for p in parts])
         self.layers[layer] = _Layer(host, gate_up, down, count, kept[0], kept[2], gate_up_scale, down_scale,
-                                    kept[1], kept[3], parts[0].bits, parts[0].hidden, parts[0].intermediate)
+                                    kept[1], kept[3], parts[0].bits, parts[0].hidden, parts[0].intermediate,
+                                    parts[0].mxfp4, float(limit))
         self._top_k = max(self._top_k, top_k)
         h, part = MAX_TOKENS * top_k * parts[0].intermediate, MAX_TOKENS * top_k * parts[0].hidden
         if self._h is None or self._h.numel() < h or self._part.numel() < part:
@@ -447,15 +517,15 @@ class MappedExperts:
         block_t = max(16, triton.next_power_of_2(tokens))
         k_p = triton.next_power_of_2(top_k)
         # int8: rows as wide as the matrices, every expert's row scales at `*_scale`; int4: padded packed rows
-        # (two weights a byte), the resident experts' group scales apart
-        hp, ip = ((size, inter) if copy.bits == 8 else (copy.gate_up.shape[2] * 2, copy.down.shape[2] * 2))
-        with torch.cuda.device(self.device):
+        # (two weights a byte), the resident experts' group scales apart; MXFP4: rows of packed pairs, unpadded
+        hp, ip = ((size, inter) if copy.bits == 8 or copy.mxfp4 else (copy.gate_up.shape[2] * 2, copy.down.shape[2] * 2))
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             gate_up[(experts, triton.cdiv(inter, BLOCK_R))](
                 x, ids, copy.gate_up, copy.resident_gate_up, copy.gate_up_scale, copy.resident_gate_up_scale,
-                copy.resident, self._h, tokens, size, hp, inter, top_k, block_t, BLOCK_R, BLOCK_H, INT4_GROUP, k_p,
-                copy.bits)
+                copy.resident, self._h, tokens, copy.limit, size, hp, inter, top_k, block_t, BLOCK_R, BLOCK_H,
+                INT4_GROUP, k_p, copy.bits, copy.mxfp4, copy.limit > 0)
             down[(experts, triton.cdiv(size, BLOCK_O))](
                 self._h, ids, weights, copy.down, copy.resident_down, copy.down_scale, copy.resident_down_scale,
                 copy.resident, part, tokens, size, inter, ip, top_k, block_t, BLOCK_O, BLOCK_I, INT4_GROUP, k_p,
-                copy.bits)
+                copy.bits, copy.mxfp4)
         return part.sum(1)
