@@ -63,13 +63,13 @@ def relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.float() - expected).norm() / expected.norm())
 
 
-def mxfp4_layer(streamer: ExpertStreamer | None = None, held: int = HELD):
+def mxfp4_layer(streamer: ExpertStreamer | None = None, held: int = HELD, **kwargs):
     require_kt_kernel()
     from engines.kt.experts.cpu import RoutedExpertsCPU
 
     return RoutedExpertsCPU(layer_idx=3, num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I,
                             method="MXFP4", threads=1, max_tokens=64, swiglu_limit=LIMIT, streamer=streamer,
-                            stream_tokens=8, stream_experts=held)
+                            stream_tokens=8, stream_experts=held, **kwargs)
 
 
 def test_streamed_mxfp4_experts_compute_the_clamped_swiglu_of_the_released_weights():
@@ -164,3 +164,58 @@ def test_the_demo_v4_with_streamed_experts_gives_the_prompt_logprobs_of_kt_kerne
     assert streamer.stats.chunks == layers and streamer.stats.experts == 5 * layers
     diff = (served - plain).gather(1, torch.tensor(ids[1:] + [0])[:, None])[:-1].abs().max()
     assert diff < V4_STREAMED_LOGPROB_TOLERANCE, float(diff)
+
+
+class DecodeKernels:
+    """Stands in for the GPU's decode kernels (engines/kt/experts/mapped.py): what a streamer hands them."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, tuple[HostExperts, float]] = {}
+
+    def register(self, layer: int, host: HostExperts, top_k: int, resident: HostExperts | None = None,
+                 limit: float = 0.0) -> None:
+        self.layers[layer] = (host, limit)
+
+
+def test_decode_calls_read_the_balanced_share_of_the_mxfp4_copies():
+    """kt_gpu_read_experts unset (None): kt-kernel and the GPU read the same 4.25 bits a weight, each at 50 GB/s, so
+    the GPU takes half the layer's experts, at most those it holds copies of."""
+    from engines.kt.experts.mapped import decode_experts
+
+    kernels = DecodeKernels()
+    layer = mxfp4_layer(ExpertStreamer(torch.device("cpu"), mapped=kernels), held=E, read_experts=None)
+    layer.load_packed(released_layer()[0])
+    one = expert_copy_bytes(H, I, mxfp4=True)
+    assert layer.mapped_experts(1) == decode_experts(E, E, one, one) == E // 2
+    held = mxfp4_layer(ExpertStreamer(torch.device("cpu"), mapped=kernels), held=HELD, read_experts=None)
+    held.load_packed(released_layer()[0])
+    assert held.mapped_experts(4) == min(HELD, E // 2)
+
+
+def test_a_v4_layer_hands_its_mxfp4_copies_and_its_swiglu_limit_to_the_decode_kernels():
+    kernels = DecodeKernels()
+    layer = mxfp4_layer(ExpertStreamer(torch.device("cpu"), mapped=kernels), read_experts=None)
+    layer.load_packed(released_layer()[0])
+    host, limit = kernels.layers[3]
+    assert (host.form, host.held, limit) == ("mxfp4", HELD, LIMIT)
+
+
+def test_decode_calls_read_no_mxfp4_copy_with_kt_gpu_read_experts_0():
+    kernels = DecodeKernels()
+    layer = mxfp4_layer(ExpertStreamer(torch.device("cpu"), mapped=kernels), read_experts=0)
+    layer.load_packed(released_layer()[0])
+    assert layer.mapped_experts(1) == 0 and kernels.layers == {}
+
+
+def test_the_start_up_log_says_decode_steps_read_a_share_of_the_mxfp4_copies(caplog):
+    from torch import nn
+
+    from engines.kt.families.expert_notes import log_read_experts
+
+    layer = mxfp4_layer(ExpertStreamer(torch.device("cpu"), mapped=DecodeKernels()), held=E, read_experts=None,
+                        gpu_device="cuda")  # output on a GPU: the share applies (nothing is allocated there)
+    layer.load_packed(released_layer()[0])
+    with caplog.at_level("INFO", logger="ktserve.engine.kt"):
+        assert log_read_experts(nn.ModuleList([layer]), None) == (E // 2, 0)
+    assert f"the GPU computes experts [0, {E // 2}) of each MoE layer" in caplog.text
+    assert "from the streamed mxfp4 copies (kt_gpu_prefill_tokens)" in caplog.text

@@ -257,13 +257,13 @@ class RoutedExpertsCPU(nn.Module):
         if self.owned:
             self.stream_experts = self.owned
         # decode calls' share of those where they are extra copies (mapped_experts): as asked (kt_gpu_read_experts;
-        # 0: none), None: the two readers' balance; none where copies are MXFP4 (the decode kernels read int8, int4)
-        self._mapped_share = (decode_experts(num_experts, self.stream_experts,
-                                             3 * hidden_size * intermediate_size * METHODS[method].bits / 8,
-                                             expert_copy_bytes(hidden_size, intermediate_size, self.copy_bits))
+        # 0: none), None: the two readers' balance (MXFP4: the released bytes on both sides, 4.25 bits a weight)
+        mxfp4 = METHODS[method].weights == "mxfp4"
+        cpu_bytes = (expert_copy_bytes(hidden_size, intermediate_size, mxfp4=True) if mxfp4
+                     else 3 * hidden_size * intermediate_size * METHODS[method].bits / 8)
+        self._mapped_share = (decode_experts(num_experts, self.stream_experts, cpu_bytes,
+                                             expert_copy_bytes(hidden_size, intermediate_size, self.copy_bits, mxfp4))
                               if read_experts is None else min(read_experts, self.stream_experts))
-        if METHODS[method].weights == "mxfp4":
-            self._mapped_share = 0
         # whether decode calls read this layer's copies on the GPU where they lie, host or GPU memory (mapped_experts)
         self._read_in_place = bool(self.owned or self._mapped_share)
         # calls of `pad_from` tokens or more that kt-kernel would compute on its per-token vector path are padded
@@ -475,7 +475,8 @@ class RoutedExpertsCPU(nn.Module):
         if self.streamer is not None:
             held = {name: tensor[:self.stream_experts] for name, tensor in weights.items()}
             copies = HostExperts.mxfp4_of(held, pin=self.streamer.device.type == "cuda")
-            self.streamer.register(self.layer_idx, copies, self.top_k)
+            self.streamer.register(self.layer_idx, copies, self.top_k, read_in_place=self._read_in_place,
+                                   limit=self.swiglu_limit)
 
     def load_ggml(self, blocks: dict[str, tuple[torch.Tensor, str]]) -> bool:
         """Take this layer's experts as a GGUF file stores them, read in place by the LLAMAFILE kernel:
@@ -526,7 +527,7 @@ class RoutedExpertsCPU(nn.Module):
         if copies is not None:
             resident, host = copies
             self.streamer.register(self.layer_idx, host, self.top_k, read_in_place=self._read_in_place,
-                                   resident=resident)
+                                   resident=resident, limit=self.swiglu_limit)
         elif self.streamer is not None:  # extra copies (kt_gpu_prefill_tokens) come from the checkpoint
             self._keep_streamed_weights(*self.read_base_weights(self.stream_experts))
         log.debug("layer %d: %s experts loaded from %s", self.layer_idx, self.method, cache.dir)
@@ -560,7 +561,7 @@ class RoutedExpertsCPU(nn.Module):
             resident = (HostExperts.quantize(gate[:first], up[:first], down[:first], bits=self.copy_bits,
                                              work_device=device).to(device) if first else None)
             self.streamer.register(self.layer_idx, host, self.top_k, read_in_place=self._read_in_place,
-                                   resident=resident)
+                                   resident=resident, limit=self.swiglu_limit)
 
     def _prepare_weights(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> dict[str, Any]:
         """bf16 [E, ...] weights -> what the method's kernel reads: {"gate": ..., ...} (plus "<m>_scale")."""

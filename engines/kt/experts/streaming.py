@@ -348,15 +348,14 @@ class ExpertStreamer:
 
     # ------------------------------------------------------------------------------------------ set-up
     def register(self, layer: int, host: HostExperts, top_k: int = 8, read_in_place: bool = False,
-                 resident: HostExperts | None = None) -> None:
+                 resident: HostExperts | None = None, limit: float = 0.0) -> None:
         """Keep `layer`'s copies: `host` in host memory, after the first experts `resident` keeps in the device's.
         With `read_in_place`, decode steps may also read them on the GPU straight from where they lie
-        (engines/kt/experts/mapped.py: on a CUDA device, where Triton is installed); `top_k` (the router's) sizes
-        those steps' scratch."""
+        (engines/kt/experts/mapped.py: on a CUDA device, where Triton is installed; int8, int4 or MXFP4 copies, their
+        SwiGLU inputs clamped at `limit`, V4's swiglu_limit, where it is set); `top_k` (the router's) sizes those
+        steps' scratch."""
         if host.held == 0 and (resident is None or resident.held == 0):
             raise ValueError(f"streamed experts of layer {layer}: the copy holds no expert")
-        if read_in_place and host.mxfp4:
-            raise ValueError(f"streamed experts of layer {layer}: decode steps read int8 or int4 copies, not MXFP4")
         self.layers[layer] = host
         if resident is not None and resident.held:
             self.resident[layer] = resident
@@ -373,7 +372,7 @@ class ExpertStreamer:
 
             self.mapped = MappedExperts(self.device) if triton_available() else None
         if read_in_place and self.mapped is not None:
-            self.mapped.register(layer, host, top_k, resident=self.resident.get(layer))
+            self.mapped.register(layer, host, top_k, resident=self.resident.get(layer), limit=limit)
 
     def resident_experts(self, layer: int) -> int:
         """How many of `layer`'s first experts lie in the device's memory."""

@@ -34,9 +34,10 @@ def log_read_experts(model: torch.nn.Module, setting: int | None, resident_setti
     resident = min(m.resident for m in on_gpu)
     if shares and max(shares) > 0:
         owned = sorted({m.owned for m in on_gpu})
-        forms = "/".join(sorted({f"int{m.copy_bits}" for m in on_gpu if m.streamer is not None}))
+        forms = "/".join(sorted({m.streamer.layers[m.layer_idx].form for m in on_gpu
+                                 if m.streamer is not None and m.layer_idx in m.streamer.layers}))
         how = (f"they live only as {forms} copies, kt-kernel holds the others" if owned != [0]
-               else "from the streamed copies (kt_gpu_prefill_tokens)")
+               else f"from the streamed {forms} copies (kt_gpu_prefill_tokens)")
         where = "them straight from host memory"
         if resident:
             size = _resident_bytes(on_gpu)

@@ -60,11 +60,14 @@ class DeepseekV4Family(ModelFamily):
         # kt_gpu_prefill_tokens: prompt chunks stream the routed experts to the GPU from copies in host memory (the
         # released MXFP4 bytes for the MXFP4 method), of the first experts kt_gpu_prefill_memory holds
         stream_experts = _streamed_experts(kt, model, config, {c.method for c in choices.values()})
+        streamed_tokens = kt.kt_gpu_prefill_tokens if stream_experts != 0 else 0
+        # decode steps read a share of those copies on the GPU (kt_gpu_read_experts), only where they are made:
+        # without them every expert stays in kt-kernel
         options = OperatorOptions(max_tokens=context.chunk_size + context.max_concurrent, cpu_threads=kt.cpu_infer,
                                   methods={m: c.method for m, c in choices.items()},
-                                  checkpoint=str(context.model_path),
-                                  gpu_prefill_tokens=kt.kt_gpu_prefill_tokens if stream_experts != 0 else 0,
-                                  gpu_prefill_experts=stream_experts)
+                                  checkpoint=str(context.model_path), gpu_prefill_tokens=streamed_tokens,
+                                  gpu_prefill_experts=stream_experts,
+                                  gpu_read_experts=kt.kt_gpu_read_experts if streamed_tokens else 0)
         apply_placement(model, placement, config, options)
         gpu = any(d.startswith("cuda") for d in placement.devices.values())
         dtype = resolve_dtype(context.dtype_setting, torch.device("cuda" if gpu else "cpu"))
@@ -81,6 +84,7 @@ class DeepseekV4Family(ModelFamily):
         for choice in choices.values():
             details.update(choice.describe())
         details.update(_streaming_details(options, context.chunk_size))
+        details.update(_decode_reads(model, kt, options))
         cpu_experts = any(c.method for c in choices.values())
         threads = torch_thread_count(kt.cpu_infer, gpu) if cpu_experts else None
         methods = sorted({c.method for c in choices.values()})
@@ -156,6 +160,21 @@ def _streaming_details(options: Any, chunk_size: int) -> dict[str, str]:
                                     f"{' and '.join(sorted({streamed_from(s) for s in streaming}))}, "
                                     f"{pinned / 1e9:.2f} GB pinned, copied at "
                                     f"{min(s.pcie_bytes_per_s for s in streaming) / 1e9:.1f} GB/s")}
+
+
+def _decode_reads(model: nn.Module, kt: Any, options: Any) -> dict[str, str]:
+    """With streamed copies (kt_gpu_prefill_tokens): compile the kernels that read a share of them in decode steps
+    (engines/kt/experts/mapped.py) before a request waits for them, and say how many of each layer's experts they
+    read (kt_gpu_read_experts)."""
+    from engines.kt.families.expert_notes import log_read_experts
+
+    if not options.gpu_prefill_tokens or not options.streamers.active():
+        return {}
+    for streamer in options.streamers.active():
+        if streamer.mapped is not None:
+            streamer.mapped.warm_up()
+    read, _ = log_read_experts(model, kt.kt_gpu_read_experts)
+    return {"gpu_read_experts": str(read)}
 
 
 def _capture_graphs(context: LoadContext, runner: Any, gpu: bool, drafting: bool) -> str:
