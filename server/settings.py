@@ -126,7 +126,8 @@ class Settings(BaseModel):
               "balance of the two readers for 8- and 4-bit methods (32 of V2-Lite's 64 for AMXINT8 and AMXINT4), "
               "none for 16-bit ones (int8 copies would lose BF16's precision; RAWINT4 and LLAMAFILE are never "
               "split); 0: off. With "
-              "kt_gpu_prefill_tokens: how many of the streamed copies decode steps read that way", ge=0)
+              "kt_gpu_prefill_tokens: how many of the streamed copies (DeepSeek-V4: the released MXFP4 ones) "
+              "decode steps read that way; DeepSeek-V4 reads none without them", ge=0)
     kt_gpu_resident_experts: int = engine_setting(
         0, "how many of each MoE layer's experts (the first ones) the GPU keeps in its own memory as copies (int8, "
            "int4 for 4-bit methods) and "

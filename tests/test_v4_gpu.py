@@ -233,3 +233,61 @@ def test_a_v4_layer_streaming_its_mxfp4_experts_to_the_gpu_equals_kt_kernel_alon
     assert streamer.stats.experts == split
     assert relative(out, expected) < RELATIVE_TOLERANCE
 
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_a_v4_decode_call_reading_part_of_its_mxfp4_copies_on_the_gpu_equals_kt_kernel_alone(tokens):
+    """Decode calls (fewer tokens than stream) compute the first experts with the mapped kernels, reading the
+    pinned MXFP4 copies through PCIe with V4's clamp, and the rest in kt-kernel: the sum is kt-kernel's alone, and
+    the kernels' part is the float32 reference's over those experts."""
+    from engines.kt.experts.streaming import ExpertStreamer
+    from test_v4_streamed_experts import (E, RELATIVE_TOLERANCE, mxfp4_layer, reference, relative, released_layer,
+                                          routing)
+
+    packed, dense = released_layer()
+    alone = mxfp4_layer()
+    alone.load_packed(packed)
+    streamer = ExpertStreamer(torch.device("cuda"))
+    layer = mxfp4_layer(streamer, held=E, read_experts=None)
+    layer.load_packed(packed)
+    assert streamer.mapped is not None and 3 in streamer.mapped.layers  # Triton: the kernels read the copies
+    share = layer.mapped_experts(tokens)
+    assert 0 < share < E
+    hidden, ids, weights = (t[:tokens] for t in routing())
+    gpu_part = streamer.mapped.compute(3, hidden.cuda(), ids.cuda(), weights.cuda(), share).cpu()
+    assert relative(gpu_part, reference(dense, hidden, ids, weights, share)) < RELATIVE_TOLERANCE
+    expected = alone(hidden, ids, weights).float()
+    out = layer(hidden.cuda(), ids.cuda(), weights.cuda()).float().cpu()
+    assert streamer.stats.chunks == 0  # nothing streamed: the kernels and kt-kernel split the call
+    assert relative(out, expected) < RELATIVE_TOLERANCE
+
+
+def test_v4_decode_steps_reading_the_streamed_mxfp4_copies_keep_the_greedy_tokens_of_kt_kernel_alone(v4_gpu,
+                                                                                                     v4_streaming):
+    """kt_gpu_prefill_tokens: decode steps (CUDA graphs) compute a share of each layer's experts on the GPU from
+    the MXFP4 copies (kt_gpu_read_experts' balance); the greedy reply is the plain server's, or parts where the
+    plain server's top two were within the tolerance of the streamed prompts' logprobs (a near tie rounded the
+    other way)."""
+    from engines.kt.experts.cpu import RoutedExpertsCPU
+    from test_v4_streamed_experts import V4_STREAMED_LOGPROB_TOLERANCE
+
+    layers = [m for m in v4_streaming.engine._runner.model.modules()
+              if isinstance(m, RoutedExpertsCPU) and m.streamer is not None]
+    assert int(v4_streaming.engine.info.details["gpu_read_experts"]) > 0
+    assert layers and all(0 < m.mapped_experts(1) < m.num_experts for m in layers)
+    ids = v4_gpu.engine.tokenizer.encode(TEXT)
+
+    def greedy(server):
+        reply = server.openai().completions.create(model=server.engine.info.id, prompt=ids, max_tokens=16,
+                                                   temperature=0, logprobs=2)
+        return reply.choices[0].logprobs
+
+    streamed, plain = greedy(v4_streaming), greedy(v4_gpu)
+    same = next((i for i, (a, b) in enumerate(zip(streamed.tokens, plain.tokens)) if a != b), len(plain.tokens))
+    diffs = torch.tensor([abs(a - b) for a, b in zip(streamed.token_logprobs[:same], plain.token_logprobs[:same])])
+    print(f"\nV4 decode reading the MXFP4 copies: {same} of {len(plain.tokens)} greedy tokens as kt-kernel alone, "
+          f"|dlogprob| median {diffs.median():.4f} max {diffs.max():.4f}")
+    assert same >= 1 and diffs.median() < GPU_MEDIAN_LOGPROB_DIFF
+    if same < len(plain.tokens):
+        top = sorted(plain.top_logprobs[same].values(), reverse=True)
+        assert top[0] - top[1] < V4_STREAMED_LOGPROB_TOLERANCE, (same, streamed.tokens, plain.tokens)

@@ -457,7 +457,8 @@ class MappedExperts:
         tokens) and each form of copies registered, before a request waits for it: a first compile took ~2 s on
         the GPU machine (the first 128-token prompt tail after start: 2.17 s instead of 0.11). Triton keeps them on
         disk for the next start."""
-        shapes = {(c.bits, c.mxfp4, bool(c.limit), c.hidden, c.intermediate): layer for layer, c in self.layers.items()}
+        shapes = {(c.bits, c.mxfp4, bool(c.limit), c.hidden, c.intermediate): layer
+                  for layer, c in self.layers.items()}
         for (*_, hidden, _), layer in shapes.items():
             tokens = 16
             while tokens <= MAX_TOKENS:  # routed nowhere: the kernels compile, launch and return at once
@@ -518,7 +519,8 @@ class MappedExperts:
         k_p = triton.next_power_of_2(top_k)
         # int8: rows as wide as the matrices, every expert's row scales at `*_scale`; int4: padded packed rows
         # (two weights a byte), the resident experts' group scales apart; MXFP4: rows of packed pairs, unpadded
-        hp, ip = ((size, inter) if copy.bits == 8 or copy.mxfp4 else (copy.gate_up.shape[2] * 2, copy.down.shape[2] * 2))
+        padded = copy.bits == 4 and not copy.mxfp4
+        hp, ip = (copy.gate_up.shape[2] * 2, copy.down.shape[2] * 2) if padded else (size, inter)
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             gate_up[(experts, triton.cdiv(inter, BLOCK_R))](
                 x, ids, copy.gate_up, copy.resident_gate_up, copy.gate_up_scale, copy.resident_gate_up_scale,
