@@ -16,7 +16,8 @@ DeepSeek-V4's MXFP4 experts are copied as the release ships them (`HostExperts.m
 their UE8M0 codes, as much host memory as kt-kernel's own MXFP4 buffers, into which its kernels copy them at load
 rather than reading them in place), and the GPU side dequantizes each expert on the device (E2M1 x UE8M0,
 engines/checkpoints/mxfp4.py), so it computes exactly kt-kernel's weights, clamping the SwiGLU inputs as V4's
-experts do (`swiglu_limit`). With
+experts do (`swiglu_limit`); decode steps read a share of those copies in place, as of the int8 and int4 ones
+(engines/kt/experts/mapped.py). With
 `kt_gpu_prefill_memory` each layer keeps copies of only its first experts, as many as the budget holds
 (`experts_within`), and the GPU's share of a chunk is capped there: the time saved shrinks with the budget. The
 weights travel in groups of `GROUP` experts through a ring of `RING` GPU buffers on a copy stream: while the GPU
