@@ -414,13 +414,14 @@ BLOCK_R, BLOCK_H, BLOCK_O, BLOCK_I = 32, 128, 32, 128
 @dataclass(slots=True)
 class _Layer:
     host: HostExperts  # kept: its memory is unpinned when it goes, and the views below would then read nothing
-    gate_up: torch.Tensor  # device views of the host copies (int8, or packed int4): experts [resident, held)
+    gate_up: torch.Tensor  # device views of the host copies (int8, packed int4 or MXFP4): experts [resident, held)
     down: torch.Tensor
     resident: int  # experts [0, resident) lie in GPU memory (kt_gpu_resident_experts)
     resident_gate_up: torch.Tensor  # those (on the device; the host views where there are none)
     resident_down: torch.Tensor
     # int8: every held expert's row scales, on the device (a few hundred KB a layer); int4: the host experts'
-    # group scales, viewed from the device as their weights are (a V3 layer's would take ~90 MB of GPU memory)
+    # group scales, viewed from the device as their weights are (a V3 layer's would take ~90 MB of GPU memory);
+    # MXFP4: the UE8M0 codes, viewed so too
     gate_up_scale: torch.Tensor
     down_scale: torch.Tensor
     resident_gate_up_scale: torch.Tensor  # int4: the resident experts' group scales (stand-ins where none)
