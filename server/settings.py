@@ -127,7 +127,8 @@ class Settings(BaseModel):
               "none for 16-bit ones (int8 copies would lose BF16's precision; RAWINT4 and LLAMAFILE are never "
               "split); 0: off. With "
               "kt_gpu_prefill_tokens: how many of the streamed copies (DeepSeek-V4: the released MXFP4 ones) "
-              "decode steps read that way; DeepSeek-V4 reads none without them", ge=0)
+              "decode steps read that way; DeepSeek-V4 reads its MXFP4 copies only where this asks (none by default) "
+              "and none without them", ge=0)
     kt_gpu_resident_experts: int = engine_setting(
         0, "how many of each MoE layer's experts (the first ones) the GPU keeps in its own memory as copies (int8, "
            "int4 for 4-bit methods) and "

@@ -161,8 +161,10 @@ def test_v4_drafting_on_the_gpu_gives_the_replies_without_it(v4_gpu, tmp_path_fa
 
 @pytest.fixture(scope="module")
 def v4_streaming(v4_model_dir):
-    """The tiny V4 with prompt chunks of 16 tokens or more streaming their MXFP4 experts to the GPU."""
-    running = start_server(v4_model_dir, engine="ktransformers", kt_gpu_prefill_tokens=16)
+    """The tiny V4 with prompt chunks of 16 tokens or more streaming their MXFP4 experts to the GPU, and decode steps
+    computing 4 of each layer's 8 experts on the GPU from the same copies (kt_gpu_read_experts: MXFP4 copies are
+    read in decode steps only where asked)."""
+    running = start_server(v4_model_dir, engine="ktransformers", kt_gpu_prefill_tokens=16, kt_gpu_read_experts=4)
     yield running
     running.stop()
 
@@ -265,7 +267,7 @@ def test_a_v4_decode_call_reading_part_of_its_mxfp4_copies_on_the_gpu_equals_kt_
 def test_v4_decode_steps_reading_the_streamed_mxfp4_copies_keep_the_greedy_tokens_of_kt_kernel_alone(v4_gpu,
                                                                                                      v4_streaming):
     """kt_gpu_prefill_tokens: decode steps (CUDA graphs) compute a share of each layer's experts on the GPU from
-    the MXFP4 copies (kt_gpu_read_experts' balance); the greedy reply is the plain server's, or parts where the
+    the MXFP4 copies (kt_gpu_read_experts=4); the greedy reply is the plain server's, or parts where the
     plain server's top two were within the tolerance of the streamed prompts' logprobs (a near tie rounded the
     other way)."""
     from engines.kt.experts.cpu import RoutedExpertsCPU

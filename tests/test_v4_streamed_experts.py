@@ -177,24 +177,21 @@ class DecodeKernels:
         self.layers[layer] = (host, limit)
 
 
-def test_decode_calls_read_the_balanced_share_of_the_mxfp4_copies():
-    """kt_gpu_read_experts unset (None): kt-kernel and the GPU read the same 4.25 bits a weight, each at 50 GB/s, so
-    the GPU takes half the layer's experts, at most those it holds copies of."""
-    from engines.kt.experts.mapped import decode_experts
-
+def test_decode_calls_read_the_mxfp4_copies_only_where_kt_gpu_read_experts_asks():
+    """kt_gpu_read_experts unset (None): MXFP4 copies are for prompt chunks only (the GPU's MXFP4 read rate is not
+    measured, so no balance is guessed); a number gives the GPU that many experts, at most those it holds."""
     kernels = DecodeKernels()
-    layer = mxfp4_layer(ExpertStreamer(torch.device("cpu"), mapped=kernels), held=E, read_experts=None)
-    layer.load_packed(released_layer()[0])
-    one = expert_copy_bytes(H, I, mxfp4=True)
-    assert layer.mapped_experts(1) == decode_experts(E, E, one, one) == E // 2
-    held = mxfp4_layer(ExpertStreamer(torch.device("cpu"), mapped=kernels), held=HELD, read_experts=None)
-    held.load_packed(released_layer()[0])
-    assert held.mapped_experts(4) == min(HELD, E // 2)
+    unset = mxfp4_layer(ExpertStreamer(torch.device("cpu"), mapped=kernels), held=E, read_experts=None)
+    unset.load_packed(released_layer()[0])
+    assert unset.mapped_experts(1) == 0 and kernels.layers == {}
+    asked = mxfp4_layer(ExpertStreamer(torch.device("cpu"), mapped=kernels), held=HELD, read_experts=E)
+    asked.load_packed(released_layer()[0])
+    assert asked.mapped_experts(4) == HELD
 
 
 def test_a_v4_layer_hands_its_mxfp4_copies_and_its_swiglu_limit_to_the_decode_kernels():
     kernels = DecodeKernels()
-    layer = mxfp4_layer(ExpertStreamer(torch.device("cpu"), mapped=kernels), read_experts=None)
+    layer = mxfp4_layer(ExpertStreamer(torch.device("cpu"), mapped=kernels), read_experts=HELD)
     layer.load_packed(released_layer()[0])
     host, limit = kernels.layers[3]
     assert (host.form, host.held, limit) == ("mxfp4", HELD, LIMIT)
@@ -212,10 +209,10 @@ def test_the_start_up_log_says_decode_steps_read_a_share_of_the_mxfp4_copies(cap
 
     from engines.kt.families.expert_notes import log_read_experts
 
-    layer = mxfp4_layer(ExpertStreamer(torch.device("cpu"), mapped=DecodeKernels()), held=E, read_experts=None,
+    layer = mxfp4_layer(ExpertStreamer(torch.device("cpu"), mapped=DecodeKernels()), held=E, read_experts=E // 2,
                         gpu_device="cuda")  # output on a GPU: the share applies (nothing is allocated there)
     layer.load_packed(released_layer()[0])
     with caplog.at_level("INFO", logger="ktserve.engine.kt"):
-        assert log_read_experts(nn.ModuleList([layer]), None) == (E // 2, 0)
+        assert log_read_experts(nn.ModuleList([layer]), E // 2) == (E // 2, 0)
     assert f"the GPU computes experts [0, {E // 2}) of each MoE layer" in caplog.text
     assert "from the streamed mxfp4 copies (kt_gpu_prefill_tokens)" in caplog.text

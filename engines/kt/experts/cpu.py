@@ -257,13 +257,13 @@ class RoutedExpertsCPU(nn.Module):
         if self.owned:
             self.stream_experts = self.owned
         # decode calls' share of those where they are extra copies (mapped_experts): as asked (kt_gpu_read_experts;
-        # 0: none), None: the two readers' balance (MXFP4: the released bytes on both sides, 4.25 bits a weight)
+        # 0: none), None: the two readers' balance for int8 / int4 copies, none for MXFP4 ones (the kernels' MXFP4
+        # read rate is not measured yet: asked for only)
         mxfp4 = METHODS[method].weights == "mxfp4"
-        cpu_bytes = (expert_copy_bytes(hidden_size, intermediate_size, mxfp4=True) if mxfp4
-                     else 3 * hidden_size * intermediate_size * METHODS[method].bits / 8)
-        self._mapped_share = (decode_experts(num_experts, self.stream_experts, cpu_bytes,
-                                             expert_copy_bytes(hidden_size, intermediate_size, self.copy_bits, mxfp4))
-                              if read_experts is None else min(read_experts, self.stream_experts))
+        self._mapped_share = (min(read_experts, self.stream_experts) if read_experts is not None else 0 if mxfp4
+                              else decode_experts(num_experts, self.stream_experts,
+                                                  3 * hidden_size * intermediate_size * METHODS[method].bits / 8,
+                                                  expert_copy_bytes(hidden_size, intermediate_size, self.copy_bits)))
         # whether decode calls read this layer's copies on the GPU where they lie, host or GPU memory (mapped_experts)
         self._read_in_place = bool(self.owned or self._mapped_share)
         # calls of `pad_from` tokens or more that kt-kernel would compute on its per-token vector path are padded
