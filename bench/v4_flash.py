@@ -124,7 +124,9 @@ def _checkpoint(args: argparse.Namespace) -> tuple[Path, dict, float]:
     else:
         config = flash_config(args.v4_layers or layers_that_fit(root))
     marker = root / "config.json"
-    if marker.is_file() and json.loads(marker.read_text()) == config:
+    # the index is written last: a build cut short (a timeout) leaves none and is written again
+    done = (root / "model.safetensors.index.json").is_file()
+    if done and marker.is_file() and json.loads(marker.read_text()) == config:
         return root, config, 0.0
     shutil.rmtree(root, ignore_errors=True)
     for variant in root.parent.glob(f"{root.name}-mtp-*"):  # MTP variants link the old shards (bench/mtp.py)
