@@ -12,7 +12,8 @@ a folder of its own that links the checkpoint's shards and adds one shard for th
 
 Each runs in its own KT engine (the primary method), decoding one greedy request after the same prompt as the
 decode phase, and reports tok/s, the acceptance rate, the time per step and the speed that step time would give
-at a trained MTP layer's acceptance (TRAINED_ACCEPTANCE); `off` is the same engine without drafting. Run alone: python -m bench.run --only mtp [--no-cuda-graph].
+at a trained MTP layer's acceptance (TRAINED_ACCEPTANCE); `off` is the same engine without drafting. The drafting
+runs draft in every step (`speculative_adaptive` off), so they measure what drafting costs. Run alone: python -m bench.run --only mtp [--no-cuda-graph].
 
 On the V4 shape (`python -m bench.run --shape v4-flash --only mtp [--v4-layers N]`; `--quick`: the tiny demo
 V4's dimensions, a CPU check) `measure_v4` does the same with V4's MTP layer in the released layout (`mtp.0.*`,
@@ -138,7 +139,7 @@ def measure(bench, deadline: float) -> dict:
             section[kind] = {"skipped": "phase deadline reached"}
             continue
         model_dir = bench.model_dir if kind == "off" else mtp_variant(bench.model_dir, bench.shape.config, kind)
-        config = bench.kt_config(method, **({} if kind == "off" else {"speculative": "mtp"}))
+        config = bench.kt_config(method, **({} if kind == "off" else {"speculative": "mtp", "speculative_adaptive": False}))
         run = EngineRun("ktransformers", replace(config, model_path=str(model_dir)), bench.log_path, label=kind)
         section[kind] = _decode(run, kind, p.decode_prompt, p.decode_tokens, bench.vocab, deadline)
         bench.results["mtp"] = section
@@ -187,7 +188,7 @@ def measure_v4(model_dir: Path, config: dict, threads: int | None, out: Path, de
             section[kind] = {"skipped": "phase deadline reached"}
             continue
         path = model_dir if kind == "off" else v4_variant(model_dir, config, kind)
-        settings = ({"cpu_infer": threads} if threads else {}) | ({} if kind == "off" else {"speculative": "mtp"})
+        settings = ({"cpu_infer": threads} if threads else {}) | ({} if kind == "off" else {"speculative": "mtp", "speculative_adaptive": False})
         engine = EngineConfig(model_path=str(path), model_name=f"bench-v4-mtp-{kind}", max_concurrent=1,
                               max_model_len=4096, chunk_size=2048, settings=settings)
         section[kind] = _decode(EngineRun("ktransformers", engine, out / "engines.log", label=kind), kind, prompt,

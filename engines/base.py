@@ -356,6 +356,10 @@ class EngineStats:
     # speculative decoding: draft tokens the model verified, and how many of them it kept
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    # whether drafting is paused because it cost more than it saved, and the decode steps it sat out (paused, or
+    # timing plain steps to compare against; engines/runtime/draft_gate.py)
+    draft_paused: bool = False
+    draft_paused_steps: int = 0
 
 
 @dataclass(slots=True)

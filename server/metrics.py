@@ -135,5 +135,11 @@ class EngineCollector(Collector):
         if s.draft_tokens:
             yield GaugeMetricFamily("ktserve_spec_decode_acceptance_ratio", "Share of draft tokens kept since start",
                                     value=s.accepted_draft_tokens / s.draft_tokens)
+        yield GaugeMetricFamily("ktserve_spec_decode_paused", "1 while drafting is paused because drafted steps "
+                                "gave fewer tokens a second than plain ones (speculative_adaptive), else 0",
+                                value=int(s.draft_paused))
+        yield CounterMetricFamily("ktserve_spec_decode_paused_steps", "Decode steps that ran without drafts while "
+                                  "drafting was paused or plain steps were timed to compare against",
+                                  value=s.draft_paused_steps)
         yield CounterMetricFamily("ktserve_streamed_expert_bytes", "Bytes of expert weights those calls copied to the "
                                   "GPU", value=s.streamed_expert_bytes)

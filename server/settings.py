@@ -150,6 +150,9 @@ class Settings(BaseModel):
     num_speculative_tokens: int = engine_setting(1, "draft tokens per decode step (speculative)", ge=1, le=8)
     speculative_max_batch: int = engine_setting(4, "draft while at most this many sequences decode; larger steps "
                                                    "decode without drafts (speculative)", ge=1)
+    speculative_adaptive: bool = engine_setting(
+        True, "time decode steps with drafts and without and pause drafting while it gives fewer tokens a second, "
+              "trying again every 256 plain steps (speculative); off: always draft")
     attention_backend: Literal["auto", "flashinfer", "torch"] = engine_setting(
         "auto", "MLA attention on CUDA: flashinfer, torch, or auto, which picks flashinfer where it runs")
     # vLLM engine (LLaMA-Factory's keys; engines/vllm/settings.py)

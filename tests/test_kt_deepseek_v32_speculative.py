@@ -45,7 +45,7 @@ def replies(copied_dir, v32_dir, v32_tokenizer):
     out = {}
     for kind, model_dir in (("copied", copied_dir), ("random", v32_dir)):
         for drafting in (False, True):
-            running = serve(model_dir, **({"speculative": "mtp"} if drafting else {}))
+            running = serve(model_dir, **({"speculative": "mtp", "speculative_adaptive": False} if drafting else {}))
             try:
                 client, model = running.openai(), running.engine.info.id
                 texts = [client.completions.create(model=model, prompt=p, max_tokens=TOKENS, temperature=0,

@@ -127,7 +127,7 @@ def test_greedy_replies_with_mtp_drafting_equal_the_replies_without_it_on_the_gp
         expected = [completion_text(plain, text, 24) for text in texts]
     finally:
         plain.stop()
-    drafting = start_server(model_dir, speculative="mtp", **settings)
+    drafting = start_server(model_dir, speculative="mtp", speculative_adaptive=False, **settings)
     try:
         assert drafting.engine._runner.drafter.head.device.type == "cuda"
         assert [completion_text(drafting, text, 24) for text in texts] == expected

@@ -51,7 +51,8 @@ def test_greedy_replies_with_drafting_equal_the_replies_without_it_on_the_gpu(gr
         print(json.dumps({"graphs": graphs, "plain_batch_equals_plain_solo": expected_together == expected}))
     finally:
         plain.stop()
-    drafting = start_server(ensure_demo_model(mtp="last-layer"), speculative="mtp", **settings)
+    drafting = start_server(ensure_demo_model(mtp="last-layer"), speculative="mtp", speculative_adaptive=False,
+                            **settings)
     try:
         runner = drafting.engine._runner
         assert (runner.graphs is not None) == graphs

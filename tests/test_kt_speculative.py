@@ -33,7 +33,8 @@ CLEAR_MARGIN = 0.5
 def drafting_server(kind: str):
     from engines.demo_model import ensure_demo_model
 
-    running = start_server(ensure_demo_model(mtp=kind), engine="ktransformers", kt_method=INT8, speculative="mtp")
+    running = start_server(ensure_demo_model(mtp=kind), engine="ktransformers", kt_method=INT8, speculative="mtp",
+                           speculative_adaptive=False)  # draft in every step, however long it takes
     running.kind = kind
     return running
 
@@ -144,6 +145,35 @@ def test_metrics_report_drafted_and_accepted_tokens(copied_head):
     assert f"ktserve_spec_decode_draft_tokens_total {float(stats.draft_tokens)}" in text
     assert f"ktserve_spec_decode_accepted_tokens_total {float(stats.accepted_draft_tokens)}" in text
     assert "ktserve_spec_decode_acceptance_ratio" in text
+
+
+def test_greedy_replies_are_unchanged_while_drafting_pauses_itself(random_head, plain):
+    """The served model with the default `speculative_adaptive` gate, fed step times where drafted steps cost three
+    plain ones (real times on this machine decide nothing the test relies on): it drafts, times plain steps,
+    pauses, and the reply is still the plain model's."""
+    from engines.runtime.draft_gate import MEASURE, DraftGate
+
+    gate = DraftGate()
+    record = gate.record
+    gate.record = lambda seconds, sequences, drafted, accepted: record(0.03 if drafted else 0.01, sequences,
+                                                                       drafted, accepted)
+    speculator = random_head.engine._speculator
+    random_head.wait_idle()
+    before = random_head.engine.stats().draft_tokens
+    speculator.gate = gate
+    try:
+        prompt = random_head.engine.tokenizer.encode(PROMPTS[0])
+        assert generate(random_head, prompt, 48) == generate(plain, prompt, 48)
+        random_head.wait_idle()
+        stats = random_head.engine.stats()
+        with random_head.http() as http:
+            text = http.get("/metrics").text
+    finally:
+        speculator.gate = None
+    assert stats.draft_tokens - before >= 32  # drafted before it had the evidence to pause
+    assert stats.draft_paused and stats.draft_paused_steps > MEASURE
+    assert "ktserve_spec_decode_paused 1.0" in text
+    assert f"ktserve_spec_decode_paused_steps_total {float(stats.draft_paused_steps)}" in text
 
 
 def test_the_draft_head_proposes_what_transformers_mtp_layer_predicts(random_head):

@@ -137,7 +137,7 @@ def test_v4_drafting_on_the_gpu_gives_the_replies_without_it(v4_gpu, tmp_path_fa
     from helpers import completions_together
 
     model = make_demo_model_v4(tmp_path_factory.mktemp("v4-gpu-mtp") / "tiny-v4-mtp", mtp="last-layer")
-    drafting = start_server(model, engine="ktransformers", speculative="mtp")
+    drafting = start_server(model, engine="ktransformers", speculative="mtp", speculative_adaptive=False)
     try:
         prompts = PROMPTS
         ask = dict(max_tokens=12, temperature=0, extra_body={"ignore_eos": True})

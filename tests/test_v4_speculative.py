@@ -24,7 +24,8 @@ def drafting(tmp_path_factory):
     from engines.demo_model_v4 import make_demo_model_v4
 
     model = make_demo_model_v4(tmp_path_factory.mktemp("v4-mtp") / "tiny-v4-mtp", mtp="last-layer")
-    running = start_server(model, engine="ktransformers", cpu_infer=1, speculative="mtp")
+    running = start_server(model, engine="ktransformers", cpu_infer=1, speculative="mtp",
+                           speculative_adaptive=False)  # draft in every step, however long it takes
     yield running
     running.stop()
 

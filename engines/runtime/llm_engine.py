@@ -132,6 +132,9 @@ class LLMEngine(Engine):
             s.streamed_expert_calls, s.streamed_expert_bytes = self._runner.streamed_experts()
         if self._speculator is not None:
             s.draft_tokens, s.accepted_draft_tokens = self._speculator.drafted, self._speculator.accepted
+            gate = self._speculator.gate
+            if gate is not None:
+                s.draft_paused, s.draft_paused_steps = gate.paused, gate.paused_steps
         return replace(s, times=replace(s.times))
 
     # ------------------------------------------------------------------------------ requests
@@ -284,7 +287,10 @@ class LLMEngine(Engine):
                         self._finish(chunk.seq, "error", error=f"internal error in the model step: {exc}")
             self._send_outbox()
             self._stats.steps += 1
-            self._stats.times.step += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            self._stats.times.step += elapsed
+            if self._speculator is not None:
+                self._speculator.timed(elapsed)
 
     def _execute(self, chunks: list[ScheduledChunk]) -> list[tuple[ScheduledChunk, torch.Tensor | None]]:
         """Run a step; (chunk, logits) for each chunk that computed. When the step raises, its chunks run again

@@ -22,7 +22,11 @@ Only sequences whose next distributions do not depend on the tokens just before 
 penalties, logit bias, pending min_tokens or grammar), and only while at most `speculative_max_batch`
 sequences decode: larger steps are compute-bound and verification would cost more than it saves. A seeded
 request still samples from the right distribution, but draws a different stream of uniforms than it would
-without drafting, so its tokens differ from a run without it."""
+without drafting, so its tokens differ from a run without it.
+
+With `speculative_adaptive` (the default) a `DraftGate` times decode steps with drafts and without, and pauses
+drafting while drafted steps give fewer tokens a second than plain ones, trying again every so often
+(engines/runtime/draft_gate.py says how); it changes how many steps a reply takes, never the reply."""
 from __future__ import annotations
 
 import logging
@@ -31,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from engines.runtime.draft_gate import DraftGate
 from engines.runtime.model_runner import ModelRunner, ScheduledChunk
 from engines.runtime.sampler import MIN_TEMPERATURE, Sampler, changes_logits, sample_from, uniform
 from engines.runtime.sequence import Sequence
@@ -47,6 +52,7 @@ class SpeculativeOptions:
     speculative: str | None = None  # "mtp": the checkpoint's multi-token-prediction layer drafts; None: off
     num_speculative_tokens: int = 1  # draft tokens per step (the chain's depth)
     speculative_max_batch: int = 4  # drafting runs while at most this many sequences decode
+    speculative_adaptive: bool = True  # pause drafting while it costs more time than it saves (draft_gate.py)
 
 
 def verify_chain(target: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None,
@@ -96,6 +102,9 @@ class Speculator:
         self.max_batch = options.speculative_max_batch
         self.drafted = 0  # draft tokens verified
         self.accepted = 0  # of those, kept
+        # whether drafting pays, from the steps' times (engines/runtime/draft_gate.py); None: always draft
+        self.gate = DraftGate() if options.speculative_adaptive else None
+        self._step = [0, 0, 0]  # this step: decoding sequences (0: not a decode step that may draft), drafts, kept
 
     @classmethod
     def create(cls, runner: ModelRunner, options: SpeculativeOptions, engine: str) -> "Speculator | None":
@@ -119,9 +128,12 @@ class Speculator:
 
     # ------------------------------------------------------------------------------ before the step
     def attach(self, chunks: list[ScheduledChunk]) -> None:
-        """Give each decoding chunk its sequence's draft, or none when the step decodes too many sequences."""
+        """Give each decoding chunk its sequence's draft, or none when the step decodes too many sequences or the
+        gate has paused drafting."""
+        decode = all(c.samples and c.num_tokens == 1 and not c.all_logits for c in chunks)
+        self._step = [len(chunks) if decode and len(chunks) <= self.batch_limit else 0, 0, 0]
         decoding = [c for c in chunks if c.seq.draft]
-        if len(decoding) > self.batch_limit:
+        if len(decoding) > self.batch_limit or not self.gate_open:
             for chunk in decoding:
                 chunk.seq.draft = ()
             return
@@ -131,6 +143,10 @@ class Speculator:
                     self.runner.grow(chunk.seq, len(chunk.seq) + len(chunk.seq.draft)):
                 chunk.draft = chunk.seq.draft
             chunk.seq.draft = ()
+
+    @property
+    def gate_open(self) -> bool:
+        return self.gate is None or self.gate.drafting
 
     # ------------------------------------------------------------------------------ after the forward
     def pick(self, sampler: Sampler, sampling: list[tuple[ScheduledChunk, torch.Tensor]]
@@ -159,6 +175,8 @@ class Speculator:
             emitted = list(zip(tokens, sampler.logprob_entries(rows[:len(tokens)], tokens, seq.sampling.logprobs)))
         self.drafted += len(draft)
         self.accepted += kept
+        self._step[1] += len(draft)
+        self._step[2] += kept
         seq.num_computed += kept  # the accepted draft tokens' positions were computed in this step
         return emitted
 
@@ -167,7 +185,7 @@ class Speculator:
         """Let the runner's draft head take in what the step computed for `seqs` (those still running) and draft
         for the ones that decode next. A failure here costs only the drafts (logged): outputs never depend on them."""
         decoding = [s for s in seqs if not s.in_prefill]
-        drafting = len(decoding) <= self.batch_limit
+        drafting = len(decoding) <= self.batch_limit and self.gate_open
         if not drafting and self.runner.draft_max_batch is not None:
             return  # the runner's head sits such steps out (ModelRunner.draft_max_batch); drafts stay empty
         depths = [self._depth(s) if drafting and not s.in_prefill else 0 for s in seqs]
@@ -179,6 +197,12 @@ class Speculator:
             return
         for seq, draft in zip(seqs, drafts):
             seq.draft = tuple(draft)
+
+    def timed(self, seconds: float) -> None:
+        """The wall time of the step (its draft head's run included): the gate's evidence when it decoded."""
+        sequences, drafted, kept = self._step
+        if self.gate is not None and sequences:
+            self.gate.record(seconds, sequences, drafted, kept)
 
     def _depth(self, seq: Sequence) -> int:
         """How many tokens to draft: the depth, within what the request may still produce and the context holds."""
