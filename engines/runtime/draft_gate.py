@@ -16,12 +16,12 @@ run after each included — with the rate of the last plain decode steps (one to
   smaller batch is picked up; the probe's evidence resumes drafting (logged) or pauses it again.
 
 Only decode steps count (every chunk one token of a sequence, no more sequences than may draft); steps are counted,
-not seconds, so what the gate does depends on the step times only through the comparison. Steps without drafts
-run the draft head where the runner keeps it fed on every step (depth 0: its cache stays whole, as for steps of
-too many sequences), so on such runners the plain rate is a little below a server's without drafting; where the
-head sits those steps out (`ModelRunner.draft_max_batch`, on a GPU) a paused step is a plain one, and the first
-drafts of a probe see a head cache without the positions decoded while paused. Outputs never depend on
-it: a step without drafts emits the tokens a drafted one would (engines/runtime/speculative.py)."""
+not seconds, so what the gate does depends on the step times only through the comparison. While the gate holds
+drafting back (measuring or paused) the draft head sits the steps out, so such a step is a plain one (on the
+V4-Flash shape the MTP block is most of a plain step's time again); the first drafts after it see a head cache
+without the positions decoded meanwhile (the heads start it afresh or fill it on), so a probe may undervalue
+drafting a little. Outputs never depend on it: a step without drafts emits the tokens a drafted one would
+(engines/runtime/speculative.py)."""
 from __future__ import annotations
 
 import logging

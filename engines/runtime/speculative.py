@@ -186,8 +186,10 @@ class Speculator:
         for the ones that decode next. A failure here costs only the drafts (logged): outputs never depend on them."""
         decoding = [s for s in seqs if not s.in_prefill]
         drafting = len(decoding) <= self.batch_limit and self.gate_open
-        if not drafting and self.runner.draft_max_batch is not None:
-            return  # the runner's head sits such steps out (ModelRunner.draft_max_batch); drafts stay empty
+        if not self.gate_open or not drafting and self.runner.draft_max_batch is not None:
+            # the head sits such steps out (paused: it would cost a paused step its block; ModelRunner.draft_max_batch:
+            # the runner's limit); drafts stay empty, and a head that missed positions starts its cache afresh
+            return
         depths = [self._depth(s) if drafting and not s.in_prefill else 0 for s in seqs]
         try:
             with torch.inference_mode():
