@@ -19,8 +19,9 @@ Only decode steps count (every chunk one token of a sequence, no more sequences 
 not seconds, so what the gate does depends on the step times only through the comparison. While the gate holds
 drafting back (measuring or paused) the draft head sits the steps out, so such a step is a plain one (on the
 V4-Flash shape the MTP block is most of a plain step's time again); the first drafts after it see a head cache
-without the positions decoded meanwhile (the heads start it afresh or fill it on), so a probe may undervalue
-drafting a little. Outputs never depend on it: a step without drafts emits the tokens a drafted one would
+without the positions decoded meanwhile (V4's head starts its cache afresh; V3's attends over what its layer of
+the KV cache holds there, as after steps of more sequences than `ModelRunner.draft_max_batch`), so a probe may
+undervalue drafting a little. Outputs never depend on it: a step without drafts emits the tokens a drafted one would
 (engines/runtime/speculative.py)."""
 from __future__ import annotations
 
