@@ -75,3 +75,14 @@ def test_drafts_proposed_before_the_gate_closed_count_as_neither_kind_of_step():
     assert not gate.drafting
     gate.record(SLOW_S, 1, 1, 0)  # a draft the head proposed after the step that closed the gate
     assert gate.paused_steps == 0 and not gate.drafting
+
+
+def test_with_speculative_adaptive_off_there_is_no_gate_to_hold_drafts_back():
+    """`--no-speculative-adaptive`: no gate, so step times never hold drafts back (the behaviour before the gate)."""
+    from types import SimpleNamespace
+
+    from engines.runtime.speculative import SpeculativeOptions, Speculator
+
+    runner = SimpleNamespace(drafts=True, draft_max_batch=None)  # a runner that drafts, as far as the gate goes
+    speculator = Speculator(runner, SpeculativeOptions(speculative="mtp", speculative_adaptive=False))
+    assert speculator.gate is None and speculator.gate_open
