@@ -27,7 +27,6 @@ token's bytes from host DRAM shrink by what moved.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import logging
@@ -157,12 +156,6 @@ def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     view = torch.utils.dlpack.from_dlpack(new_capsule(ctypes.addressof(managed), b"dltensor", None))
     view._host_owner = (host, managed, shape)  # the struct and the host memory live as long as the view
     return view
-
-
-def _readable(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`host` as the kernels on `device` read it: a device view on a GPU, itself on the CPU (where Triton's
-    interpreter, TRITON_INTERPRET=1, runs the kernels to check their arithmetic)."""
-    return device_view(host, device) if device.type == "cuda" else host
 
 
 # ------------------------------------------------------------------------------ the kernels
@@ -483,7 +476,7 @@ class MappedExperts:
         count = resident.held if resident is not None else 0
         # a kernel reads one of the two per expert; where a layer has no experts of one kind, the other's
         # tensors stand in (never read)
-        viewed = tuple(_readable(t, self.device) for t in host.tensors()) if host.held else resident.tensors()
+        viewed = tuple(device_view(t, self.device) for t in host.tensors()) if host.held else resident.tensors()
         kept = resident.tensors() if count else viewed
         gate_up, gate_up_scale, down, down_scale = viewed
         if parts[0].form == "int8":  # the row scales of every held expert move to the device
@@ -522,7 +515,7 @@ class MappedExperts:
         # (two weights a byte), the resident experts' group scales apart; MXFP4: rows of packed pairs, unpadded
         padded = copy.bits == 4 and not copy.mxfp4
         hp, ip = (copy.gate_up.shape[2] * 2, copy.down.shape[2] * 2) if padded else (size, inter)
-        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+        with torch.cuda.device(self.device):
             gate_up[(experts, triton.cdiv(inter, BLOCK_R))](
                 x, ids, copy.gate_up, copy.resident_gate_up, copy.gate_up_scale, copy.resident_gate_up_scale,
                 copy.resident, self._h, tokens, copy.limit, size, hp, inter, top_k, block_t, BLOCK_R, BLOCK_H,

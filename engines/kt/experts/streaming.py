@@ -585,3 +585,10 @@ class ExpertStreamers:
     def active(self) -> list[ExpertStreamer]:
         """The streamers some layer registered with (none where no expert layer sends output to a GPU)."""
         return [s for s in self._by_device.values() if s.layers]
+
+    def warm_up_reads(self) -> None:
+        """Compile the kernels that read copies in place in decode steps (engines/kt/experts/mapped.py), wherever a
+        layer registered some, before a request waits for them."""
+        for streamer in self.active():
+            if streamer.mapped is not None:
+                streamer.mapped.warm_up()

@@ -99,9 +99,7 @@ def load_mla(family: ModelFamily, context: LoadContext, variant: MLAVariant = ML
     if cpu_experts:  # set here, before the warm-up and graph capture below, and recorded by the engine
         loaded.torch_threads = torch_thread_count(kt.cpu_infer, all_on_gpus)
         torch.set_num_threads(loaded.torch_threads)
-    for streamer in options.streamers.active():
-        if streamer.mapped is not None:
-            streamer.mapped.warm_up()
+    options.streamers.warm_up_reads()
     if kt.kt_use_cuda_graph:
         if gpu:
             runner.capture_decode_graphs(context.decode_rows(head is not None))

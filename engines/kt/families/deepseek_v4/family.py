@@ -170,9 +170,7 @@ def _decode_reads(model: nn.Module, kt: Any, options: Any) -> dict[str, str]:
 
     if not options.gpu_prefill_tokens or not options.streamers.active():
         return {}
-    for streamer in options.streamers.active():
-        if streamer.mapped is not None:
-            streamer.mapped.warm_up()
+    options.streamers.warm_up_reads()
     read, _ = log_read_experts(model, kt.kt_gpu_read_experts)
     return {"gpu_read_experts": str(read)}
 
