@@ -277,19 +277,47 @@ def test_v4_decode_steps_reading_the_streamed_mxfp4_copies_keep_the_greedy_token
               if isinstance(m, RoutedExpertsCPU) and m.streamer is not None]
     assert int(v4_streaming.engine.info.details["gpu_read_experts"]) > 0
     assert layers and all(0 < m.mapped_experts(1) < m.num_experts for m in layers)
-    ids = v4_gpu.engine.tokenizer.encode(TEXT)
+    assert_greedy_of_kt_kernel_alone(v4_streaming, v4_gpu, "decode reading the MXFP4 copies")
 
-    def greedy(server):
-        reply = server.openai().completions.create(model=server.engine.info.id, prompt=ids, max_tokens=16,
-                                                   temperature=0, logprobs=2)
+
+def assert_greedy_of_kt_kernel_alone(server, plain_server, what: str) -> None:
+    """`server`'s greedy reply (CUDA graphs) is `plain_server`'s, every expert in kt-kernel, or parts where the
+    plain server's top two were within the tolerance of MXFP4 products rounded another way (a near tie)."""
+    from test_v4_streamed_experts import V4_STREAMED_LOGPROB_TOLERANCE
+
+    ids = plain_server.engine.tokenizer.encode(TEXT)
+
+    def greedy(running):
+        reply = running.openai().completions.create(model=running.engine.info.id, prompt=ids, max_tokens=16,
+                                                    temperature=0, logprobs=2)
         return reply.choices[0].logprobs
 
-    streamed, plain = greedy(v4_streaming), greedy(v4_gpu)
-    same = next((i for i, (a, b) in enumerate(zip(streamed.tokens, plain.tokens)) if a != b), len(plain.tokens))
-    diffs = torch.tensor([abs(a - b) for a, b in zip(streamed.token_logprobs[:same], plain.token_logprobs[:same])])
-    print(f"\nV4 decode reading the MXFP4 copies: {same} of {len(plain.tokens)} greedy tokens as kt-kernel alone, "
-          f"|dlogprob| median {diffs.median():.4f} max {diffs.max():.4f}")
+    got, plain = greedy(server), greedy(plain_server)
+    same = next((i for i, (a, b) in enumerate(zip(got.tokens, plain.tokens)) if a != b), len(plain.tokens))
+    diffs = torch.tensor([abs(a - b) for a, b in zip(got.token_logprobs[:same], plain.token_logprobs[:same])])
+    print(f"\nV4 {what}: {same} of {len(plain.tokens)} greedy tokens as kt-kernel alone, |dlogprob| median "
+          f"{diffs.median():.4f} max {diffs.max():.4f}")
     assert same >= 1 and diffs.median() < GPU_MEDIAN_LOGPROB_DIFF
     if same < len(plain.tokens):
         top = sorted(plain.top_logprobs[same].values(), reverse=True)
-        assert top[0] - top[1] < V4_STREAMED_LOGPROB_TOLERANCE, (same, streamed.tokens, plain.tokens)
+        assert top[0] - top[1] < V4_STREAMED_LOGPROB_TOLERANCE, (same, got.tokens, plain.tokens)
+
+
+def test_v4_experts_the_gpu_owns_in_its_memory_and_host_memory_keep_the_greedy_tokens_of_kt_kernel_alone(
+        v4_gpu, v4_model_dir):
+    """kt_gpu_read_experts=4 / kt_gpu_resident_experts=2 without streaming: each layer's experts 0-1 lie in GPU
+    memory and 2-3 in pinned host memory as the released MXFP4 bytes, computed on the GPU in every step; kt-kernel
+    holds only the other 4."""
+    from engines.kt.experts.cpu import RoutedExpertsCPU
+
+    running = start_server(v4_model_dir, engine="ktransformers", kt_gpu_read_experts=4, kt_gpu_resident_experts=2)
+    try:
+        details = running.engine.info.details
+        layers = [m for m in running.engine._runner.model.modules() if isinstance(m, RoutedExpertsCPU)]
+        assert (details["gpu_read_experts"], details["gpu_resident_experts"]) == ("4", "2")
+        assert layers and all((m.owned, m.kernel_experts, m.streamer.resident_experts(m.layer_idx))
+                              == (4, m.num_experts - 4, 2) for m in layers)
+        assert details["cuda_graphs"].startswith("piecewise"), details["cuda_graphs"]
+        assert_greedy_of_kt_kernel_alone(running, v4_gpu, "experts the GPU owns (2 resident, 2 in host memory)")
+    finally:
+        running.stop()

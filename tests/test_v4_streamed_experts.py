@@ -4,6 +4,7 @@ streaming.py): the GPU side's arithmetic on the released MXFP4 bytes, with V4's 
 kernel. The GPU path itself: tests/test_v4_gpu.py."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -216,3 +217,22 @@ def test_the_start_up_log_says_decode_steps_read_a_share_of_the_mxfp4_copies(cap
         assert log_read_experts(nn.ModuleList([layer]), E // 2) == (E // 2, 0)
     assert f"the GPU computes experts [0, {E // 2}) of each MoE layer" in caplog.text
     assert "from the streamed mxfp4 copies (kt_gpu_prefill_tokens)" in caplog.text
+
+
+@pytest.mark.parametrize(("owned", "resident"), [(7, 0), (7, 3), (11, 11)],
+                         ids=["in-host-memory", "some-in-gpu-memory", "all-in-gpu-memory"])
+def test_a_layer_whose_first_mxfp4_experts_the_gpu_owns_equals_kt_kernel_alone(owned, resident):
+    """kt_gpu_read_experts / kt_gpu_resident_experts on V4: experts [0, owned) live only as the released bytes on
+    the GPU's side (the CPU stands in for its memory here), kt-kernel holds the others (13 or 9 of 20: counts its
+    MXFP4 kernels are not otherwise given) and computes them as it would have."""
+    packed, _ = released_layer()
+    hidden, ids, weights = routing()
+    alone = mxfp4_layer()
+    alone.load_packed(packed)
+    layer = mxfp4_layer(ExpertStreamer(torch.device("cpu")), owned_experts=owned, resident_experts=resident)
+    layer.load_packed(packed)
+    streamer = layer.streamer
+    assert (layer.kernel_experts, streamer.resident_experts(3), streamer.held(3)) == (E - owned, resident, owned)
+    assert torch.equal(streamer.layers[3].down_scale, packed["down_scale"][resident:owned].view(torch.uint8))
+    assert relative(layer(hidden, ids, weights), alone(hidden, ids, weights).float()) < RELATIVE_TOLERANCE
+    assert streamer.stats.experts == owned  # computed on the GPU's side

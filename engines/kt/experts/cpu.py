@@ -454,13 +454,14 @@ class RoutedExpertsCPU(nn.Module):
         """Take this layer's experts in the method's own stored form, as a checkpoint ships them (V4's MXFP4:
         "gate"/"up"/"down" packed E2M1 [E, n, k/2] and "<m>_scale" UE8M0 [E, n, k/32]); kt-kernel reads them
         without a conversion. With a streamer (kt_gpu_prefill_tokens) the GPU side keeps copies of the same bytes
-        (`HostExperts.mxfp4_of`: of the first `stream_experts`), pinned where a GPU reads them. Layers whose GPU
-        keeps experts (hot or owned) take `load_weights` instead."""
+        (`HostExperts.mxfp4_of`: of the first `stream_experts`), pinned where a GPU reads them. Experts the GPU owns
+        (kt_gpu_read_experts, kt_gpu_resident_experts) live only as such copies, the first `resident` of them in
+        the GPU's memory; kt-kernel takes the others. Layers with hot experts take `load_weights` instead."""
         self._check_idle()
         if METHODS[self.method].weights != "mxfp4":
             raise ValueError(f"layer {self.layer_idx}: experts method {self.method} does not read packed weights")
-        if self.owned or self.gpu_experts:
-            raise ValueError(f"layer {self.layer_idx}: packed experts cannot also be kept on the GPU")
+        if self.gpu_experts:
+            raise ValueError(f"layer {self.layer_idx}: packed experts cannot also be kept on the GPU as hot experts")
         E, I, H = self.num_experts, self.intermediate_size, self.hidden_size
         prepared: dict[str, Any] = {}
         for m, (n, k) in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
@@ -469,13 +470,18 @@ class RoutedExpertsCPU(nn.Module):
                 raise ValueError(f"{m} experts of layer {self.layer_idx}: packed {tuple(packed.shape)} / scale "
                                  f"{tuple(scale.shape)}, expected ({E}, {n}, {k // 2}) / ({E}, {n}, "
                                  f"{k // mxfp4.GROUP})")
-            prepared[m] = packed.view(torch.uint8).contiguous()
-            prepared[f"{m}_scale"] = mxfp4.scales_as_bf16(scale)
+            prepared[m] = packed[self.owned:].view(torch.uint8).contiguous()
+            prepared[f"{m}_scale"] = mxfp4.scales_as_bf16(scale[self.owned:])
         self._build_kernel(prepared)
         if self.streamer is not None:
-            held = {name: tensor[:self.stream_experts] for name, tensor in weights.items()}
-            copies = HostExperts.mxfp4_of(held, pin=self.streamer.device.type == "cuda")
-            self.streamer.register(self.layer_idx, copies, self.top_k, read_in_place=self._read_in_place,
+            device, first = self.streamer.device, self.resident
+
+            def copies(start: int, stop: int, pin: bool = False) -> HostExperts:
+                return HostExperts.mxfp4_of({name: tensor[start:stop] for name, tensor in weights.items()}, pin=pin)
+
+            resident = copies(0, first).to(device) if first else None
+            self.streamer.register(self.layer_idx, copies(first, self.stream_experts, pin=device.type == "cuda"),
+                                   self.top_k, read_in_place=self._read_in_place, resident=resident,
                                    limit=self.swiglu_limit)
 
     def load_ggml(self, blocks: dict[str, tuple[torch.Tensor, str]]) -> bool:

@@ -65,8 +65,9 @@ def decode_experts(num_experts: int, held: int, cpu_bytes_per_expert: float, gpu
 # Methods whose kt-kernel classes computed every count of experts tried (8-40, odd ones included; code/expert_counts.py
 # in bench/results/nvidia-h100-2026-11-26-mapped/, avx512_bf16 and avx2 builds); the avx512_bf16 build's RAWINT4
 # class crashed the process for some counts (33 experts of 256 x 256; 12, 13 and 20 of 128 x 64), and LLAMAFILE
-# has no stream path.
-OWNABLE_METHODS = frozenset({"AMXINT8", "AMXINT4", "BF16", "FP8"})
+# has no stream path. MXFP4 (DeepSeek-V4's released experts, whose copies are the released bytes) computed 13 and
+# 9 of 20 experts of 256 x 128 on both builds (tests/test_v4_streamed_experts.py).
+OWNABLE_METHODS = frozenset({"AMXINT8", "AMXINT4", "BF16", "FP8", "MXFP4"})
 
 
 def owned_experts(setting: int | None, method: str, bits: int, num_experts: int, top_k: int) -> int:
@@ -76,11 +77,12 @@ def owned_experts(setting: int | None, method: str, bits: int, num_experts: int,
     reading `bits`-bit experts at CPU_EXPERT_BYTES_PER_S, the kernels the copies at GPU_READ_BYTES_PER_S) for
     methods whose copies are as precise as their own form (8- and 4-bit ones: host memory still holds each expert
     once, at its size), none for 16-bit ones (their copies would lose precision); kt-kernel keeps at least `top_k`
-    experts (a token's worth). 0 without Triton, and for methods outside OWNABLE_METHODS."""
+    experts (a token's worth). 0 without Triton, and for methods outside OWNABLE_METHODS; MXFP4 ones only where
+    asked for (the kernels' MXFP4 read rate is not measured, so there is no balance to default to)."""
     if method not in OWNABLE_METHODS:
         return 0
     if setting is None:
-        if copy_bits(bits) != bits:
+        if copy_bits(bits) != bits or method == "MXFP4":
             return 0
         setting = decode_experts(num_experts, num_experts, bits / 8, copy_bits(bits) / 8)
     if setting <= 0 or not triton_available():

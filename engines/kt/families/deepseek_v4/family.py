@@ -61,13 +61,14 @@ class DeepseekV4Family(ModelFamily):
         # released MXFP4 bytes for the MXFP4 method), of the first experts kt_gpu_prefill_memory holds
         stream_experts = _streamed_experts(kt, model, config, {c.method for c in choices.values()})
         streamed_tokens = kt.kt_gpu_prefill_tokens if stream_experts != 0 else 0
-        # decode steps read a share of those copies on the GPU (kt_gpu_read_experts), only where they are made:
-        # without them every expert stays in kt-kernel
+        # decode steps read a share of those copies on the GPU (kt_gpu_read_experts); without streaming, the GPU
+        # owns the experts asked for instead (kt-kernel no longer holds them), the first kt_gpu_resident_experts of
+        # them in its own memory: MXFP4 experts only where asked for (engines/kt/experts/mapped.py)
         options = OperatorOptions(max_tokens=context.chunk_size + context.max_concurrent, cpu_threads=kt.cpu_infer,
                                   methods={m: c.method for m, c in choices.items()},
                                   checkpoint=str(context.model_path), gpu_prefill_tokens=streamed_tokens,
-                                  gpu_prefill_experts=stream_experts,
-                                  gpu_read_experts=kt.kt_gpu_read_experts if streamed_tokens else 0)
+                                  gpu_prefill_experts=stream_experts, gpu_read_experts=kt.kt_gpu_read_experts,
+                                  gpu_resident_experts=kt.kt_gpu_resident_experts)
         apply_placement(model, placement, config, options)
         gpu = any(d.startswith("cuda") for d in placement.devices.values())
         dtype = resolve_dtype(context.dtype_setting, torch.device("cuda" if gpu else "cpu"))
@@ -163,21 +164,20 @@ def _streaming_details(options: Any, chunk_size: int) -> dict[str, str]:
 
 
 def _decode_reads(model: nn.Module, kt: Any, options: Any) -> dict[str, str]:
-    """With streamed copies (kt_gpu_prefill_tokens): compile the kernels that read a share of them in decode steps
-    (engines/kt/experts/mapped.py) before a request waits for them, and say how many of each layer's experts they
-    read (kt_gpu_read_experts)."""
+    """With copies on the GPU's side (streamed ones, or experts the GPU owns): compile the kernels that read them in
+    decode steps (engines/kt/experts/mapped.py) before a request waits for them, and say how many of each layer's
+    experts they read and how many of those lie in GPU memory (kt_gpu_read_experts, kt_gpu_resident_experts)."""
     from engines.kt.families.expert_notes import log_read_experts
 
-    if not options.gpu_prefill_tokens or not options.streamers.active():
-        return {}
     options.streamers.warm_up_reads()
-    read, _ = log_read_experts(model, kt.kt_gpu_read_experts)
-    return {"gpu_read_experts": str(read)}
+    read, resident = log_read_experts(model, kt.kt_gpu_read_experts, kt.kt_gpu_resident_experts)
+    return {"gpu_read_experts": str(read), "gpu_resident_experts": str(resident)}
 
 
 def _capture_graphs(context: LoadContext, runner: Any, gpu: bool, drafting: bool) -> str:
     """Capture the row-wise segments of V4 steps in CUDA graphs where they can be (graphs.py); what the engine
     details say of it."""
+    from engines.kt.experts.mapped import MAX_TOKENS as MAPPED_MAX_TOKENS
     from engines.kt.families.deepseek_v4.graphs import step_graphs
 
     if not context.options.kt_use_cuda_graph:
@@ -185,8 +185,11 @@ def _capture_graphs(context: LoadContext, runner: Any, gpu: bool, drafting: bool
     if not gpu:
         log.info("kt_use_cuda_graph: no GPU in the placement; V4 steps run without CUDA graphs")
         return "none: no GPU in the placement"
-    # the experts' stream-ordered path takes calls of up to chunk_size + max_concurrent rows
+    # the experts' stream-ordered path takes calls of up to chunk_size + max_concurrent rows; where the GPU owns
+    # experts, calls past its kernels' reach bring them through the copy ring, which a graph does not capture
     rows = min(context.decode_rows(drafting), context.chunk_size + context.max_concurrent)
+    if any(getattr(m, "owned", 0) for m in runner.model.modules()):
+        rows = min(rows, MAPPED_MAX_TOKENS)
     runner.graphs, described = step_graphs(runner.model, runner.batch, rows)
     return described
 
