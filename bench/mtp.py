@@ -12,8 +12,12 @@ a folder of its own that links the checkpoint's shards and adds one shard for th
 
 Each runs in its own KT engine (the primary method), decoding one greedy request after the same prompt as the
 decode phase, and reports tok/s, the acceptance rate, the time per step and the speed that step time would give
-at a trained MTP layer's acceptance (TRAINED_ACCEPTANCE); `off` is the same engine without drafting. The drafting
-runs draft in every step (`speculative_adaptive` off), so they measure what drafting costs. Run alone: python -m bench.run --only mtp [--no-cuda-graph].
+at a trained MTP layer's acceptance (TRAINED_ACCEPTANCE); `off` is the same engine without drafting. Those two
+runs draft in every step (`speculative_adaptive` off), so they measure what drafting costs; a third,
+`random-adaptive`, decodes ADAPTIVE_TOKENS_FACTOR times as many tokens over the random layer as served by default,
+the drafting gate free to pause drafting once it costs more than it saves (engines/runtime/draft_gate.py): its
+median step is then a plain one, and it says how many steps ran paused. Run alone: python -m bench.run --only mtp
+[--no-cuda-graph].
 
 On the V4 shape (`python -m bench.run --shape v4-flash --only mtp [--v4-layers N]`; `--quick`: the tiny demo
 V4's dimensions, a CPU check) `measure_v4` does the same with V4's MTP layer in the released layout (`mtp.0.*`,
@@ -32,6 +36,22 @@ from bench.report import fig
 TRAINED_ACCEPTANCE = 0.9
 KINDS = {"random": "a random MTP layer: drafts nearly always rejected (what drafting costs when it does not help)",
          "last-layer": "the model's last layer copied: drafts accepted more often (the mechanism's ceiling here)"}
+ADAPTIVE = "random-adaptive"  # the random layer with the drafting gate on (speculative_adaptive, the default)
+RUNS = ("off", *KINDS, ADAPTIVE)
+# the adaptive run decodes this many times the other runs' tokens: the gate decides after MIN_DRAFTED verified drafts
+# and MEASURE plain steps (engines/runtime/draft_gate.py), and the steps after that are what it measures
+ADAPTIVE_TOKENS_FACTOR = 4
+
+
+def _run_settings(kind: str) -> dict:
+    """The engine settings of a run of the phase: no drafting, or drafting over the MTP layer of its kind, the
+    gate off except in the adaptive run."""
+    return {} if kind == "off" else {"speculative": "mtp", "speculative_adaptive": kind == ADAPTIVE}
+
+
+def _variant(kind: str) -> str:
+    """The MTP layer a drafting run reads (the adaptive run: the random one)."""
+    return "random" if kind == ADAPTIVE else kind
 
 
 def mtp_variant(model_dir: Path, config: dict, kind: str) -> Path:
@@ -134,12 +154,13 @@ def measure(bench, deadline: float) -> dict:
     p, method = bench.plan, bench.primary
     section: dict = {"method": method, "prompt_tokens": p.decode_prompt, "tokens": p.decode_tokens,
                      "cuda_graphs": bench.cuda_graph, "kinds": KINDS}
-    for kind in ("off", *KINDS):
+    for kind in RUNS:
         if time.perf_counter() > deadline:
             section[kind] = {"skipped": "phase deadline reached"}
             continue
-        model_dir = bench.model_dir if kind == "off" else mtp_variant(bench.model_dir, bench.shape.config, kind)
-        config = bench.kt_config(method, **({} if kind == "off" else {"speculative": "mtp", "speculative_adaptive": False}))
+        model_dir = (bench.model_dir if kind == "off"
+                     else mtp_variant(bench.model_dir, bench.shape.config, _variant(kind)))
+        config = bench.kt_config(method, **_run_settings(kind))
         run = EngineRun("ktransformers", replace(config, model_path=str(model_dir)), bench.log_path, label=kind)
         section[kind] = _decode(run, kind, p.decode_prompt, p.decode_tokens, bench.vocab, deadline)
         bench.results["mtp"] = section
@@ -153,13 +174,17 @@ def _decode(run, kind: str, prompt: int, tokens: int, vocab: int, deadline: floa
     try:
         run.warm_up(vocab)
         before = run.engine.stats()
-        entry = run.decode(prompt, tokens, vocab, deadline, None)
+        entry = run.decode(prompt, tokens * (ADAPTIVE_TOKENS_FACTOR if kind == ADAPTIVE else 1), vocab, deadline,
+                           None)
         after = run.engine.stats()
         drafted = after.draft_tokens - before.draft_tokens
         accepted = after.accepted_draft_tokens - before.accepted_draft_tokens
         if kind != "off":
             entry.update(draft_tokens=drafted, accepted_draft_tokens=accepted,
                          acceptance=fig(accepted / drafted if drafted else None, "fraction"))
+        if kind == ADAPTIVE:
+            entry.update(draft_paused=after.draft_paused,
+                         draft_paused_steps=after.draft_paused_steps - before.draft_paused_steps)
             step_ms = ((entry.get("step_breakdown") or {}).get("step") or {}).get("value")
             if step_ms:  # a drafted step costs about the same whether its draft is kept or not
                 entry["projected_decode_throughput"] = fig(
@@ -183,12 +208,12 @@ def measure_v4(model_dir: Path, config: dict, threads: int | None, out: Path, de
     section: dict = {"shape": "v4-flash", "layers": config["num_hidden_layers"], "hidden_size": config["hidden_size"],
                      "prompt_tokens": prompt, "tokens": tokens, "kinds": KINDS}
     out.mkdir(parents=True, exist_ok=True)
-    for kind in ("off", *KINDS):
+    for kind in RUNS:
         if time.perf_counter() > deadline:
             section[kind] = {"skipped": "phase deadline reached"}
             continue
-        path = model_dir if kind == "off" else v4_variant(model_dir, config, kind)
-        settings = ({"cpu_infer": threads} if threads else {}) | ({} if kind == "off" else {"speculative": "mtp", "speculative_adaptive": False})
+        path = model_dir if kind == "off" else v4_variant(model_dir, config, _variant(kind))
+        settings = ({"cpu_infer": threads} if threads else {}) | _run_settings(kind)
         engine = EngineConfig(model_path=str(path), model_name=f"bench-v4-mtp-{kind}", max_concurrent=1,
                               max_model_len=4096, chunk_size=2048, settings=settings)
         section[kind] = _decode(EngineRun("ktransformers", engine, out / "engines.log", label=kind), kind, prompt,
@@ -200,17 +225,20 @@ def summary(data: dict) -> list[str]:
     """One line per run of the phase, for bench.report's table."""
     section = data.get("mtp") or {}
     lines = []
-    for kind in ("off", *KINDS):
+    for kind in RUNS:
         d = (section.get(kind) or {}).get("decode") or {}
         if not d:
             continue
         rate = (d.get("decode_throughput") or {}).get("value")
         accepted = (d.get("acceptance") or {}).get("value")
         projected = (d.get("projected_decode_throughput") or {}).get("value")
-        lines.append(f"mtp {kind:<11} batch-1 decode {_f(rate)} tok/s"
-                     + ("" if kind == "off" else f", acceptance {_f(accepted, '.3f')} ({d.get('accepted_draft_tokens')} "
-                        f"of {d.get('draft_tokens')} draft tokens); at {TRAINED_ACCEPTANCE} acceptance {_f(projected)} "
-                        "tok/s"))
+        line = f"mtp {kind:<15} batch-1 decode {_f(rate)} tok/s"
+        if kind != "off":
+            line += (f", acceptance {_f(accepted, '.3f')} ({d.get('accepted_draft_tokens')} of {d.get('draft_tokens')} "
+                     f"draft tokens); at {TRAINED_ACCEPTANCE} acceptance {_f(projected)} tok/s")
+        if kind == ADAPTIVE:
+            line += f"; {d.get('draft_paused_steps')} steps paused, paused at the end: {d.get('draft_paused')}"
+        lines.append(line)
     return lines
 
 
