@@ -271,7 +271,6 @@ def test_v4_decode_steps_reading_the_streamed_mxfp4_copies_keep_the_greedy_token
     plain server's top two were within the tolerance of the streamed prompts' logprobs (a near tie rounded the
     other way)."""
     from engines.kt.experts.cpu import RoutedExpertsCPU
-    from test_v4_streamed_experts import V4_STREAMED_LOGPROB_TOLERANCE
 
     layers = [m for m in v4_streaming.engine._runner.model.modules()
               if isinstance(m, RoutedExpertsCPU) and m.streamer is not None]
