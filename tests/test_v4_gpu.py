@@ -250,7 +250,7 @@ def test_a_v4_decode_call_reading_part_of_its_mxfp4_copies_on_the_gpu_equals_kt_
     alone = mxfp4_layer()
     alone.load_packed(packed)
     streamer = ExpertStreamer(torch.device("cuda"))
-    layer = mxfp4_layer(streamer, held=E, read_experts=None)
+    layer = mxfp4_layer(streamer, held=E, read_experts=E // 2)  # MXFP4 copies are read only where asked
     layer.load_packed(packed)
     assert streamer.mapped is not None and 3 in streamer.mapped.layers  # Triton: the kernels read the copies
     share = layer.mapped_experts(tokens)
@@ -262,6 +262,26 @@ def test_a_v4_decode_call_reading_part_of_its_mxfp4_copies_on_the_gpu_equals_kt_
     out = layer(hidden.cuda(), ids.cuda(), weights.cuda()).float().cpu()
     assert streamer.stats.chunks == 0  # nothing streamed: the kernels and kt-kernel split the call
     assert relative(out, expected) < RELATIVE_TOLERANCE
+
+
+@pytest.mark.parametrize("tokens", [16, 32, 33, 64, 128])
+@pytest.mark.parametrize("resident", [0, 3], ids=["in-host-memory", "some-in-gpu-memory"])
+def test_the_mxfp4_kernels_compute_calls_of_every_size_they_take_as_the_float32_reference(tokens, resident):
+    """Calls of up to MAX_TOKENS tokens (a prompt's tail: experts/mapped.py), the MXFP4 form, clamped as V4's
+    experts are: blocks of 64 tokens once read out of range and summed wrongly."""
+    from engines.kt.experts.mapped import MappedExperts
+    from engines.kt.experts.streaming import HostExperts
+    from test_v4_streamed_experts import (E, LIMIT, RELATIVE_TOLERANCE, TOP_K, reference, relative, released_layer,
+                                          routing)
+
+    packed, dense = released_layer()
+    mapped = MappedExperts(torch.device("cuda"))
+    first = {name: tensor[:resident] for name, tensor in packed.items()}
+    mapped.register(3, HostExperts.mxfp4_of({name: tensor[resident:] for name, tensor in packed.items()}, pin=True),
+                    top_k=TOP_K, resident=HostExperts.mxfp4_of(first).to("cuda") if resident else None, limit=LIMIT)
+    hidden, ids, weights = routing(tokens)
+    out = mapped.compute(3, hidden.cuda(), ids.cuda(), weights.cuda(), E).cpu()
+    assert relative(out, reference(dense, hidden, ids, weights)) < RELATIVE_TOLERANCE
 
 
 def test_v4_decode_steps_reading_the_streamed_mxfp4_copies_keep_the_greedy_tokens_of_kt_kernel_alone(v4_gpu,
@@ -304,12 +324,12 @@ def assert_greedy_of_kt_kernel_alone(server, plain_server, what: str) -> None:
 
 def test_v4_experts_the_gpu_owns_in_its_memory_and_host_memory_keep_the_greedy_tokens_of_kt_kernel_alone(
         v4_gpu, v4_model_dir):
-    """kt_gpu_read_experts=4 / kt_gpu_resident_experts=2 without streaming: each layer's experts 0-1 lie in GPU
-    memory and 2-3 in pinned host memory as the released MXFP4 bytes, computed on the GPU in every step; kt-kernel
-    holds only the other 4."""
+    """kt_gpu_resident_experts=2 and kt_gpu_read_experts=2 without streaming: each layer's experts 0-1 lie in GPU
+    memory and the next two in pinned host memory as the released MXFP4 bytes, computed on the GPU in every step;
+    kt-kernel holds only the other 4."""
     from engines.kt.experts.cpu import RoutedExpertsCPU
 
-    running = start_server(v4_model_dir, engine="ktransformers", kt_gpu_read_experts=4, kt_gpu_resident_experts=2)
+    running = start_server(v4_model_dir, engine="ktransformers", kt_gpu_read_experts=2, kt_gpu_resident_experts=2)
     try:
         details = running.engine.info.details
         layers = [m for m in running.engine._runner.model.modules() if isinstance(m, RoutedExpertsCPU)]

@@ -46,6 +46,12 @@ log = logging.getLogger("ktserve.engine.kt")
 # 128-token chunk slower split than in kt-kernel alone (the cached-prefix TTFT, 1,920 of 2,048 tokens cached, with
 # AMXINT4: 0.216 s split through the ring, 0.169 s all in kt-kernel, 0.122 s split through the kernels).
 MAX_TOKENS = 128
+# MXFP4 copies go through the kernels this many tokens at a time. Triton 3.6's build of their form for blocks of
+# 64 tokens and more reads out of range (H200 machine, 2026-11-28: compute-sanitizer reports "Out-of-range shared
+# or local address" in gate_up, sums off by 1e3 at V4's tiny dimensions, an illegal access at V4-Flash's), while
+# blocks of 16 and 32 match the float32 reference (tests/test_v4_gpu.py). A call of 64 or 128 tokens (a prompt's
+# tail) then reads the experts two or four times; decode steps of up to 32 sequences, once.
+MXFP4_TOKENS = 32
 # The kernels' read rate, alone, H100 machine, 2026-11-26: 50.3-51.0 GB/s for each kernel at 1 and 16 tokens
 # (bench/results/nvidia-h100-2026-11-26-fork/tune/; a host-issued copy read 53.9-54.3 GB/s on such machines). Every
 # share below is weighed with it, as kt-kernel's side is with its own rate alone (CPU_EXPERT_BYTES_PER_S).
@@ -450,14 +456,14 @@ class MappedExperts:
     @torch.no_grad()
     def warm_up(self) -> None:
         """Compile the kernels for each size of token block they take (calls of up to 16, 32, 64 and MAX_TOKENS
-        tokens) and each form of copies registered, before a request waits for it: a first compile took ~2 s on
+        tokens; MXFP4 copies' up to MXFP4_TOKENS) and each form of copies registered, before a request waits for it: a first compile took ~2 s on
         the GPU machine (the first 128-token prompt tail after start: 2.17 s instead of 0.11). Triton keeps them on
         disk for the next start."""
         shapes = {(c.bits, c.mxfp4, bool(c.limit), c.hidden, c.intermediate): layer
                   for layer, c in self.layers.items()}
-        for (*_, hidden, _), layer in shapes.items():
+        for (_, mxfp4_form, _, hidden, _), layer in shapes.items():
             tokens = 16
-            while tokens <= MAX_TOKENS:  # routed nowhere: the kernels compile, launch and return at once
+            while tokens <= (MXFP4_TOKENS if mxfp4_form else MAX_TOKENS):  # routed nowhere: compile, launch, return
                 ids = torch.full((tokens, self._top_k), -1, dtype=torch.int64, device=self.device)
                 self.compute(layer, torch.zeros(tokens, hidden, dtype=torch.bfloat16, device=self.device), ids,
                              torch.zeros(tokens, self._top_k, device=self.device), self.layers[layer].held)
@@ -502,6 +508,10 @@ class MappedExperts:
         if tokens > MAX_TOKENS:
             raise ValueError(f"mapped experts take calls of at most {MAX_TOKENS} tokens, got {tokens}")
         copy = self.layers[layer]
+        if copy.mxfp4 and tokens > MXFP4_TOKENS:  # a block of each (the scratch is reused once `sum` has read it)
+            return torch.cat([self.compute(layer, hidden[s:s + MXFP4_TOKENS], topk_ids[s:s + MXFP4_TOKENS],
+                                           topk_weights[s:s + MXFP4_TOKENS], experts)
+                              for s in range(0, tokens, MXFP4_TOKENS)])
         held, size, inter = copy.held, copy.hidden, copy.intermediate
         if not 0 < experts <= held:
             raise ValueError(f"mapped experts of layer {layer}: {experts} asked for, copies of {held} held")
