@@ -24,11 +24,20 @@ PROMPTS = ("Tell me about rivers.", "Write a haiku about the sea.", "1, 2, 3,")
 TOKENS = 32
 
 
-def replies(server, at_once: bool = False) -> list[str]:
+# a batch drafting at once has other rows in its GEMMs than the same batch without drafting: where the plain batch's
+# top two tokens lie closer than this, bf16 rounding may pick the other one. The demo's logits are bf16, one step of
+# which is 0.25 at magnitudes 32-64: on the H200 (2026-11-28, eager) a batch parted at token 6 of 32 where the plain
+# batch's top two were 0.2500 apart, one step, a tie the other rows' rounding broke the other way.
+NEAR_TIE = 0.3
+
+
+def replies(server, at_once: bool = False, logprobs: bool = False) -> list:
+    """Each prompt's greedy reply: its text, or with `logprobs` its choice's logprobs (tokens, top two)."""
     async def one(client, prompt):
         reply = await client.completions.create(model=server.engine.info.id, prompt=prompt, max_tokens=TOKENS,
-                                                temperature=0, extra_body={"ignore_eos": True})
-        return reply.choices[0].text
+                                                temperature=0, extra_body={"ignore_eos": True},
+                                                logprobs=2 if logprobs else None)
+        return reply.choices[0].logprobs if logprobs else reply.choices[0].text
 
     async def run():
         client = server.async_openai()
@@ -47,8 +56,9 @@ def test_greedy_replies_with_drafting_equal_the_replies_without_it_on_the_gpu(gr
     try:
         expected = replies(plain)
         # a batch's bf16 GEMMs round differently from one sequence's: drafting in a batch is held to the batch
-        expected_together = replies(plain, at_once=True)
-        print(json.dumps({"graphs": graphs, "plain_batch_equals_plain_solo": expected_together == expected}))
+        expected_together = replies(plain, at_once=True, logprobs=True)
+        print(json.dumps({"graphs": graphs, "plain_batch_equals_plain_solo":
+                          ["".join(r.tokens) for r in expected_together] == expected}))
     finally:
         plain.stop()
     drafting = start_server(ensure_demo_model(mtp="last-layer"), speculative="mtp", speculative_adaptive=False,
@@ -58,9 +68,19 @@ def test_greedy_replies_with_drafting_equal_the_replies_without_it_on_the_gpu(gr
         assert (runner.graphs is not None) == graphs
         assert runner.drafter.head.device.type == "cuda"
         assert replies(drafting) == expected
-        assert replies(drafting, at_once=True) == expected_together
+        for got, plain_reply in zip(replies(drafting, at_once=True, logprobs=True), expected_together):
+            assert_same_up_to_a_near_tie(got.tokens, plain_reply)
         stats = drafting.engine.stats()
         print(f"\ngraphs={graphs}: {stats.accepted_draft_tokens} of {stats.draft_tokens} draft tokens accepted")
         assert 0 < stats.accepted_draft_tokens < stats.draft_tokens
     finally:
         drafting.stop()
+
+
+def assert_same_up_to_a_near_tie(tokens: list[str], plain) -> None:
+    """`tokens` are the plain reply's, or they part where the plain reply's top two lay within NEAR_TIE."""
+    same = next((i for i, (a, b) in enumerate(zip(tokens, plain.tokens)) if a != b), len(plain.tokens))
+    if same < len(plain.tokens):
+        top = sorted(plain.top_logprobs[same].values(), reverse=True)
+        print(f"\nparted at token {same} of {len(plain.tokens)}: the plain batch's top two {top[0] - top[1]:.4f} apart")
+        assert top[0] - top[1] < NEAR_TIE, (same, tokens, plain.tokens)
