@@ -257,8 +257,8 @@ class RoutedExpertsCPU(nn.Module):
         if self.owned:
             self.stream_experts = self.owned
         # decode calls' share of those where they are extra copies (mapped_experts): as asked (kt_gpu_read_experts;
-        # 0: none), None: the two readers' balance for int8 / int4 copies, none for MXFP4 ones (the kernels' MXFP4
-        # read rate is not measured yet: asked for only)
+        # 0: none), None: the two readers' balance for int8 / int4 copies, none for MXFP4 ones (asked for only: their
+        # speed is measured at shares asked for, not as a balance; bench/results/nvidia-h200-2026-11-28-v4-owned/)
         mxfp4 = METHODS[method].weights == "mxfp4"
         self._mapped_share = (min(read_experts, self.stream_experts) if read_experts is not None else 0 if mxfp4
                               else decode_experts(num_experts, self.stream_experts,

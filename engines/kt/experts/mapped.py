@@ -84,7 +84,8 @@ def owned_experts(setting: int | None, method: str, bits: int, num_experts: int,
     methods whose copies are as precise as their own form (8- and 4-bit ones: host memory still holds each expert
     once, at its size), none for 16-bit ones (their copies would lose precision); kt-kernel keeps at least `top_k`
     experts (a token's worth). 0 without Triton, and for methods outside OWNABLE_METHODS; MXFP4 ones only where
-    asked for (the kernels' MXFP4 read rate is not measured, so there is no balance to default to)."""
+    asked for (their speed is measured at the shares asked for, 41 and 128 of V4-Flash's 256, not as a balance to
+    default to: bench/results/nvidia-h200-2026-11-28-v4-owned/)."""
     if method not in OWNABLE_METHODS:
         return 0
     if setting is None:
