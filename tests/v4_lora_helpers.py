@@ -25,10 +25,14 @@ from pathlib import Path
 import torch
 
 RANK, ALPHA = 4, 8.0
-# Served logprobs with the adapter vs the merged float32 reference: the LoRA'd rows' experts run in float32 torch
-# on the bf16 (exact for MXFP4) base experts. Measured: 1.9e-5 over 150 positions (prompt chunks of 50, then
-# decode steps) on both the avx512_bf16 and avx2 builds; the adapter itself moves them by up to 2.9.
-V4_LORA_TOLERANCE = 1e-3
+# Served logprobs with the adapter vs the merged float32 reference: the LoRA'd rows' experts run in kt-kernel's
+# MXFP4_SFT_MOE on the released experts, its products in bf16: each layer's expert output 0.54% from float32 torch
+# at the median row and 1.0% at the worst (the base MXFP4 kernel: 0.28%). Measured over the 146 positions of
+# test_v4_lora's prompt: median 0.0068, max 0.469 (avx512_bf16 build); 0.0045 / 0.145 (avx2). The one position
+# past 0.03 is where this tiny random model is most sensitive to its experts' rounding (every router picks the
+# reference's experts there); the adapter itself moves the logprobs by up to 2.36.
+V4_LORA_MEDIAN_TOLERANCE = 0.02
+V4_LORA_TOLERANCE = 0.6
 LORA_GAIN = 0.15  # the update's size relative to the weight it changes: moves the logprobs, keeps the model sane
 # the modules KT-SFT trains LoRA on for V4 (kt_kernel/sft/export_dsv4_sglang_adapter.py: _TARGET)
 TARGETS = re.compile(r"^model\.layers\.\d+\.(?:self_attn\.(?:q_a_proj|q_b_proj|kv_proj|o_b_proj|"

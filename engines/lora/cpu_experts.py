@@ -5,16 +5,15 @@ experts' output afterwards; it has to act inside the MLP. Each CPU-experts layer
 LoRA gets one `CPUExpertsLora`, shared by every adapter on that layer, with one of two backends:
 
 * `SFTKernelBackend` — kt-kernel's SFT MoE kernels (`AMXBF16_SFT_MOE`, `AMXInt8_SFT_MOE`, `AMXInt4_SFT_MOE`,
-  in the amx and avx512 builds) compute the MLP with the LoRA inside and switch LoRA pointers between calls,
+  in the amx and avx512 builds; `MXFP4_SFT_MOE` on every build, for DeepSeek-V4's experts as released, with
+  V4's SwiGLU clamp) compute the MLP with the LoRA inside and switch LoRA pointers between calls,
   so one copy of the base experts serves every adapter. The kernel has one rank: adapters are zero-padded
   to the largest rank loaded (exact), with the scale folded into B. Used when this build has the SFT kernel
-  of the layer's method (engines/kt/experts/methods.py).
-* `TorchBackend` — everywhere else (the avx2 build has no SFT kernels; FP8 / RAWINT4 / LLAMAFILE have none, and
-  DeepSeek-V4's MXFP4 experts stay off kt-kernel's `MXFP4_SFT_MOE`: it runs on every build, but its LoRA'd
-  outputs were ~1% off per layer against float32, which moved the tiny V4's logprobs by up to 1.1 from the
-  merged reference where this backend stays within 1e-4; V4's SwiGLU clamp applies here):
-  the layer's experts in bf16 plus each adapter's factors, computed in float32 with torch. Exact up to bf16
-  weights, slower than the kernel.
+  of the layer's method (engines/kt/experts/methods.py) and the layer has the base in that kernel's form
+  (`sft_base_weights`: bf16, or for MXFP4 the released E2M1 bytes, which experts converted to MXFP4 lack).
+* `TorchBackend` — everywhere else (the avx2 build has no bf16 / int SFT kernels; FP8 / RAWINT4 / LLAMAFILE have
+  none): the layer's experts in bf16 plus each adapter's factors, computed in float32 with torch, V4's clamp
+  applied. Exact up to bf16 weights, slower than the kernel.
 
 A step's rows that use such an adapter get no expert in the base kernel (id -1, which contributes 0) and are
 computed here instead; every other row stays on the base kernel. Reading the base experts from the
@@ -51,6 +50,10 @@ class CPUExperts(Protocol):
     def sft_kernel(self) -> tuple[type, Any] | None:
         """(kt-kernel's SFT kernel class for this layer's method, a fresh MOESFTConfig), or None."""
 
+    def sft_base_weights(self, config: Any) -> tuple[tuple[torch.Tensor, ...], bool]:
+        """Point an SFT config at the layer's base experts in the kernel's form: the tensors, and whether the kernel
+        reads them after loading."""
+
     def worker_pool(self) -> Any:
         """The shared kt-kernel worker pool."""
 
@@ -71,21 +74,21 @@ class SFTKernelBackend:
         self.shape = (experts.num_experts, experts.intermediate_size, experts.hidden_size)
         self.chunk_tokens = experts.chunk_tokens
         self.pool = experts.worker_pool()
-        gate, up, down = (w.to("cpu", torch.bfloat16).contiguous() for w in experts.read_base_weights())
-        self._keep = (gate, up, down, torch.arange(experts.num_experts, dtype=torch.int64))
+        self._map = torch.arange(experts.num_experts, dtype=torch.int64)
         self._zeros = self.pad({})
         config.expert_num, config.num_experts_per_tok = experts.num_experts, experts.top_k
         config.hidden_size, config.intermediate_size = experts.hidden_size, experts.intermediate_size
         config.lora_rank, config.lora_alpha, config.lora_dropout = rank, float(rank), 0.0
         config.max_cache_depth, config.max_len, config.layer_idx = 1, experts.chunk_tokens, experts.layer_idx
-        config.physical_to_logical_map = self._keep[3].data_ptr()
-        config.gate_proj, config.up_proj, config.down_proj = gate.data_ptr(), up.data_ptr(), down.data_ptr()
+        config.physical_to_logical_map = self._map.data_ptr()
+        base, read_later = experts.sft_base_weights(config)
         for name, tensor in zip(POINTERS, self._zeros):
             setattr(config, name, tensor.data_ptr())
         config.pool = self.pool.backend_
         self.kernel = kernel_cls(config)
         self.pool.submit(self.kernel.load_weights_task())
         self.pool.sync()
+        self._keep = base if read_later else ()  # kernels that copy the base in at load free it here
         n, h = experts.chunk_tokens, experts.hidden_size
         self._buffers = (torch.zeros(n, h, dtype=torch.bfloat16), torch.zeros(n, self.top_k, dtype=torch.int64),
                          torch.zeros(n, self.top_k, dtype=torch.float32), torch.zeros(n, h, dtype=torch.bfloat16),

@@ -234,6 +234,9 @@ class RoutedExpertsCPU(nn.Module):
         self.checkpoint = checkpoint  # where expert LoRA re-reads this layer's base experts from
         # a family whose checkpoint names its experts its own way sets how to re-read them (read_base_weights)
         self.base_reader: Callable[[int | None], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        # and, where its experts are stored in the method's own form (V4's MXFP4), how to re-read them so
+        # (`load_packed`'s terms), which kt-kernel's MXFP4 SFT kernel takes (sft_base_weights)
+        self.packed_reader: Callable[[], dict[str, torch.Tensor]] | None = None
         self.deferred = check_deferred(deferred, top_k)  # experts per token a decode step runs one layer late
         self.defer_into: int | None = None  # the layer that takes them (expert_deferral.link); None: no deferral
         self.deferral = deferral if deferral is not None else ExpertDeferral()  # shared by the model's layers
@@ -328,7 +331,29 @@ class RoutedExpertsCPU(nn.Module):
     # ------------------------------------------------------ what expert LoRA needs (engines/lora/cpu_experts.py)
     def sft_kernel(self) -> tuple[type, Any] | None:
         cls = sft_kernel_class(self.method)
-        return None if cls is None else (cls, load_ext().moe.MOESFTConfig())
+        if cls is None or (METHODS[self.method].weights == "mxfp4" and self.packed_reader is None):
+            return None  # MXFP4_SFT_MOE takes the released E2M1 bytes only; experts converted to MXFP4 keep none
+        return cls, load_ext().moe.MOESFTConfig()
+
+    def sft_base_weights(self, config: Any) -> tuple[tuple[torch.Tensor, ...], bool]:
+        """Point `config` (sft_kernel's) at this layer's base experts in the form its kernel takes: bf16 matrices, or
+        for MXFP4 the released bytes (per-expert E2M1 rows, bf16 multipliers per 32) with V4's SwiGLU clamp. Returns
+        the tensors the pointers reach, and whether the kernel reads them after loading (MXFP4's copies them in)."""
+        if METHODS[self.method].weights != "mxfp4":
+            gate, up, down = (w.to("cpu", torch.bfloat16).contiguous() for w in self.read_base_weights())
+            config.gate_proj, config.up_proj, config.down_proj = gate.data_ptr(), up.data_ptr(), down.data_ptr()
+            return (gate, up, down), True
+        packed, held = self.packed_reader(), []
+        for m in ("gate", "up", "down"):
+            rows = [packed[m][e].view(torch.uint8).contiguous() for e in range(self.num_experts)]
+            scales = [mxfp4.scales_as_bf16(packed[f"{m}_scale"][e]) for e in range(self.num_experts)]
+            setattr(config, f"{m}_projs", [[t.data_ptr() for t in rows]])
+            setattr(config, f"{m}_scales", [[t.data_ptr() for t in scales]])
+            held += rows + scales
+        config.quant_config.bits, config.quant_config.group_size = 4, mxfp4.GROUP
+        config.quant_config.zero_point = False
+        config.swiglu_limit = self.swiglu_limit
+        return tuple(held), False
 
     def worker_pool(self) -> Any:
         return shared_cpu_infer(self.threads)

@@ -65,7 +65,7 @@ METHODS: dict[str, ExpertMethod] = {m.name: m for m in (
     ExpertMethod("FP8", 8, ("AMXFP8_MOE", "AVX2FP8_MOE"), FP8_BLOCK, "fp8_blocks", None, True),
     ExpertMethod("RAWINT4", 4, ("AMXInt4_KGroup_MOE", "AVX2RawInt4_MOE"), 64, "int4_groups", None, True),
     ExpertMethod("LLAMAFILE", 8, ("MOE",), 256, "ggml", None, False),
-    ExpertMethod("MXFP4", 4, ("AMXFP4_KGroup_MOE", "AVX2MXFP4_MOE"), 32, "mxfp4", None, False),
+    ExpertMethod("MXFP4", 4, ("AMXFP4_KGroup_MOE", "AVX2MXFP4_MOE"), 32, "mxfp4", "MXFP4_SFT_MOE", False),
 )}
 CLAMPING_METHODS = frozenset({"FP8", "MXFP4"})  # kernels honouring MOEConfig.swiglu_limit
 DEFAULT_METHOD = "AMXINT8"  # what a rule without `backend`/`method` asks for, as in KTransformers

@@ -94,8 +94,7 @@ class DeepseekV4Family(ModelFamily):
         storage = CheckpointStorage("safetensors, DeepSeek-V4 release: FP8 e4m3 in 128x128 blocks (UE8M0 scales), "
                                     "MXFP4 routed experts",
                                     (("experts", experts), ("the rest", f"{dtype_name(dtype)} from FP8")))
-        details["expert_lora"] = ("torch on the LoRA'd rows, base experts in bf16 (kt-kernel's MXFP4_SFT_MOE: "
-                                  "not used, see engines/lora/cpu_experts.py)")
+        details["expert_lora"] = _expert_lora(methods)
         if head is not None:
             details["speculative"] = "mtp (mtp.0: sliding-window attention over its own cache per sequence)"
         budget, max_len = _cache_budget(context, dtype, drafting=head is not None)
@@ -118,6 +117,16 @@ class DeepseekV4Family(ModelFamily):
         from engines.kt.families.dsml_chat import install
 
         install(tokenizer, encoder)
+
+
+def _expert_lora(methods: list[str | None]) -> str:
+    """Where routed-expert LoRA runs (engines/lora/cpu_experts.py): kt-kernel's MXFP4 SFT kernel on the released
+    experts where every expert layer keeps them, else torch on the LoRA'd rows."""
+    from engines.kt.experts.methods import sft_kernel_class
+
+    if methods == ["MXFP4"] and sft_kernel_class("MXFP4") is not None:
+        return "kt-kernel MXFP4_SFT_MOE on the LoRA'd rows, base experts as released"
+    return "torch on the LoRA'd rows, base experts in bf16"
 
 
 def _draft_layer(context: LoadContext) -> tuple[int | None, str | None]:

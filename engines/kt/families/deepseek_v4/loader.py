@@ -156,6 +156,7 @@ def _load_experts(model: nn.Module, layer: int, stage: _Experts, device_of: Any,
     module = model.get_submodule(prefix)
     if isinstance(module, RoutedExpertsCPU):
         module.base_reader = partial(read_layer_experts, model_path, layer, stage.num_experts)
+        module.packed_reader = partial(read_layer_packed, model_path, layer, stage.num_experts)
         if module.method == "MXFP4" and not module.gpu_experts:  # streamed, owned by the GPU, or neither
             module.load_packed(stage.packed())
         else:  # another method (converted here) or experts the GPU keeps
