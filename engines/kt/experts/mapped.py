@@ -457,9 +457,9 @@ class MappedExperts:
     @torch.no_grad()
     def warm_up(self) -> None:
         """Compile the kernels for each size of token block they take (calls of up to 16, 32, 64 and MAX_TOKENS
-        tokens; MXFP4 copies' up to MXFP4_TOKENS) and each form of copies registered, before a request waits for it: a first compile took ~2 s on
-        the GPU machine (the first 128-token prompt tail after start: 2.17 s instead of 0.11). Triton keeps them on
-        disk for the next start."""
+        tokens; MXFP4 copies' up to MXFP4_TOKENS) and each form of copies registered, before a request waits for
+        it: a first compile took ~2 s on the GPU machine (the first 128-token prompt tail after start: 2.17 s instead
+        of 0.11). Triton keeps them on disk for the next start."""
         shapes = {(c.bits, c.mxfp4, bool(c.limit), c.hidden, c.intermediate): layer
                   for layer, c in self.layers.items()}
         for (_, mxfp4_form, _, hidden, _), layer in shapes.items():
