@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import assert_error
 from v4_helpers import reference_logprobs, v4_reference_model
@@ -149,3 +150,25 @@ def test_kt_sft_manifest_accepts_a_copy_of_its_checkpoint_that_its_cache_manifes
         {"source": {"fingerprint": "f" * 64, "identity": recorded}}))
     with pytest.raises(ValueError, match="/elsewhere/DeepSeek-V4-Flash"):
         kt_manifest.check(binding, v4_model_dir, "adapter")
+
+
+def test_the_mxfp4_sft_kernel_keeps_none_of_the_released_bytes_it_was_loaded_from():
+    """kt-kernel's MXFP4_SFT_MOE copies a layer's experts in at load (both builds), which is why the expert-LoRA
+    backend frees the bytes it re-read (engines/lora/cpu_experts.py); with no LoRA it computes what the layer's
+    MXFP4 kernel does."""
+    from engines.lora.cpu_experts import SFTKernelBackend
+    from test_v4_streamed_experts import RELATIVE_TOLERANCE, mxfp4_layer, relative, released_layer, routing
+
+    packed, _ = released_layer()
+    layer = mxfp4_layer()
+    layer.load_packed(packed)
+    layer.packed_reader = lambda: packed
+    kernel, config = layer.sft_kernel()
+    assert kernel.__name__ == "MXFP4_SFT_MOE"
+    backend = SFTKernelBackend(layer, kernel, config, rank=8)
+    hidden, ids, weights = routing()
+    before = backend.run(backend._zeros, hidden, ids, weights)
+    assert relative(before, layer(hidden, ids, weights).float()) < RELATIVE_TOLERANCE
+    for tensor in packed.values():
+        tensor.zero_()
+    assert backend._keep == () and torch.equal(backend.run(backend._zeros, hidden, ids, weights), before)
