@@ -21,7 +21,8 @@ first, each bounded in work and in time, rewriting bench.json after each one and
     peers     ik_llama.cpp and llama.cpp built, run on the same checkpoint as GGUF (Q8_0 / Q4_0) and set beside
               this run's decode, ttft and http figures (bench/peers.py; `python -m bench.peers` runs it with those)
     mtp       batch-1 decode with speculative decoding (`speculative: mtp`) against without, with a random MTP layer and
-              one copying the last layer (bench/mtp.py), AMXINT8 (--primary picks), each in an engine of its own
+              one copying the last layer, then the random one with the drafting gate on (bench/mtp.py), AMXINT8
+              (--primary picks), each in an engine of its own
     attention FlashInfer against torch MLA attention (an AMXINT8 engine each): the TTFT of a 2,048-token prompt
               whose first 1,920 tokens are cached, and concurrent streaming clients at long contexts
               (bench/attention.py; `python -m bench.attention` runs it alone)
