@@ -127,11 +127,11 @@ class Settings(BaseModel):
               "none for 16-bit ones (int8 copies would lose BF16's precision; RAWINT4 and LLAMAFILE are never "
               "split); 0: off. With "
               "kt_gpu_prefill_tokens: how many of the streamed copies (DeepSeek-V4: the released MXFP4 ones) "
-              "decode steps read that way; DeepSeek-V4 reads its MXFP4 copies only where this asks (none by default) "
-              "and none without them", ge=0)
+              "decode steps read that way. DeepSeek-V4's MXFP4 experts go to the GPU only where this asks (none by "
+              "default), as the released bytes", ge=0)
     kt_gpu_resident_experts: int = engine_setting(
         0, "how many of each MoE layer's experts (the first ones) the GPU keeps in its own memory as copies (int8, "
-           "int4 for 4-bit methods) and "
+           "int4 for 4-bit methods, DeepSeek-V4's MXFP4 as released) and "
            "computes in every call, before the ones it reads from host memory (kt_gpu_read_experts balances the "
            "rest): GPU memory for decode speed, one expert's copy a layer each (8.7 MB in int8 for V2-Lite, 26 "
            "layers). "

@@ -68,6 +68,15 @@ def log_read_experts(model: torch.nn.Module, setting: int | None, resident_setti
     return 0, 0
 
 
+def decode_reads(model: torch.nn.Module, kt: KTOptions, options: OperatorOptions) -> dict[str, str]:
+    """Compile the kernels that read the GPU side's copies in decode steps (engines/kt/experts/mapped.py) before a
+    request or a CUDA graph capture waits for them, say how many of each layer's experts the GPU computes and where
+    they lie, and return that for the engine details (kt_gpu_read_experts, kt_gpu_resident_experts)."""
+    options.streamers.warm_up_reads()
+    read, resident = log_read_experts(model, kt.kt_gpu_read_experts, kt.kt_gpu_resident_experts)
+    return {"gpu_read_experts": str(read), "gpu_resident_experts": str(resident)}
+
+
 def _resident_bytes(layers: list[RoutedExpertsCPU]) -> int:
     """GPU memory the layers' resident experts take (kt_gpu_resident_experts)."""
     return sum(m.streamer.resident[m.layer_idx].nbytes for m in layers

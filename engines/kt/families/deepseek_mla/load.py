@@ -17,7 +17,7 @@ from engines.kt.experts.cpu import RoutedExpertsCPU
 from engines.kt.experts.methods import METHODS, default_method, normalize_method, unavailable_reason
 from engines.kt.experts.streaming import copy_bits
 from engines.kt.families.base import LoadContext, LoadedModel, ModelFamily
-from engines.kt.families.expert_notes import log_read_experts, log_streamed_experts, streamed_expert_count
+from engines.kt.families.expert_notes import decode_reads, log_streamed_experts, streamed_expert_count
 from engines.kt.loader import load_checkpoint, missing_tensors
 from engines.kt.options import KTOptions
 from engines.kt.placement.operators import OperatorOptions, fuse_rms_norms
@@ -99,14 +99,13 @@ def load_mla(family: ModelFamily, context: LoadContext, variant: MLAVariant = ML
     if cpu_experts:  # set here, before the warm-up and graph capture below, and recorded by the engine
         loaded.torch_threads = torch_thread_count(kt.cpu_infer, all_on_gpus)
         torch.set_num_threads(loaded.torch_threads)
-    options.streamers.warm_up_reads()
+    reads = decode_reads(model, kt, options)  # before the capture below, which replays the read kernels
     if kt.kt_use_cuda_graph:
         if gpu:
             runner.capture_decode_graphs(context.decode_rows(head is not None))
         else:
             log.info("kt_use_cuda_graph: no GPU in the placement; decode runs without CUDA graphs")
     log_streamed_experts(options, options.gpu_prefill_tokens, chunk_size)
-    mapped, resident = log_read_experts(model, kt.kt_gpu_read_experts, kt.kt_gpu_resident_experts)
     if cpu_experts and all_on_gpus:
         # every thread but kt-kernel's workers is GPU-side work (launching, sampling, the stream callbacks)
         if kt.kt_isolate_workers:
@@ -133,8 +132,7 @@ def load_mla(family: ModelFamily, context: LoadContext, variant: MLAVariant = ML
         details["gpu_prefill_tokens"] = str(kt.kt_gpu_prefill_tokens)
         details["gpu_prefill_copy_gbps"] = f"{min(s.pcie_bytes_per_s for s in streaming) / 1e9:.1f}"
         details["gpu_prefill_experts"] = str(min(h.held for s in streaming for h in s.layers.values()))
-    details["gpu_read_experts"] = str(mapped)
-    details["gpu_resident_experts"] = str(resident)
+    details.update(reads)
     if runner.isolation.spare:
         details["server_thread_cores"] = ",".join(map(str, sorted(runner.isolation.spare)))
     if padded:

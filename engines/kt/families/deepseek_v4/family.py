@@ -39,6 +39,7 @@ class DeepseekV4Family(ModelFamily):
     def load(self, context: LoadContext) -> LoadedModel:
         from engines.kt.engine import expert_methods_for, torch_thread_count
         from engines.kt.families.deepseek_v4.hyper import install_fused_hyper_connections
+        from engines.kt.families.expert_notes import decode_reads
         from engines.kt.families.deepseek_v4.loader import load_v4_checkpoint
         from engines.kt.families.deepseek_v4.mtp import V4DraftHead, add_draft_block
         from engines.kt.families.deepseek_v4.runner import V4ModelRunner
@@ -85,7 +86,7 @@ class DeepseekV4Family(ModelFamily):
         for choice in choices.values():
             details.update(choice.describe())
         details.update(_streaming_details(options, context.chunk_size))
-        details.update(_decode_reads(model, kt, options))
+        details.update(decode_reads(model, kt, options))
         cpu_experts = any(c.method for c in choices.values())
         threads = torch_thread_count(kt.cpu_infer, gpu) if cpu_experts else None
         methods = sorted({c.method for c in choices.values()})
@@ -170,17 +171,6 @@ def _streaming_details(options: Any, chunk_size: int) -> dict[str, str]:
                                     f"{' and '.join(sorted({streamed_from(s) for s in streaming}))}, "
                                     f"{pinned / 1e9:.2f} GB pinned, copied at "
                                     f"{min(s.pcie_bytes_per_s for s in streaming) / 1e9:.1f} GB/s")}
-
-
-def _decode_reads(model: nn.Module, kt: Any, options: Any) -> dict[str, str]:
-    """With copies on the GPU's side (streamed ones, or experts the GPU owns): compile the kernels that read them in
-    decode steps (engines/kt/experts/mapped.py) before a request waits for them, and say how many of each layer's
-    experts they read and how many of those lie in GPU memory (kt_gpu_read_experts, kt_gpu_resident_experts)."""
-    from engines.kt.families.expert_notes import log_read_experts
-
-    options.streamers.warm_up_reads()
-    read, resident = log_read_experts(model, kt.kt_gpu_read_experts, kt.kt_gpu_resident_experts)
-    return {"gpu_read_experts": str(read), "gpu_resident_experts": str(resident)}
 
 
 def _capture_graphs(context: LoadContext, runner: Any, gpu: bool, drafting: bool) -> str:
