@@ -243,7 +243,7 @@ def test_a_layer_whose_first_mxfp4_experts_the_gpu_owns_equals_kt_kernel_alone(o
 def test_fp8_experts_streaming_int8_copies_clamp_on_both_sides():
     """V4 served with the FP8 experts method (converted from MXFP4 at load) and streamed prompts: the GPU side's
     int8 copies clamp the SwiGLU inputs as kt-kernel's FP8 kernel does. Measured (2026-11-28, both builds): split
-    4.6% and FP8 alone 6.6% from the clamped float32 reference (e4m3 weights), both 95% from the unclamped one."""
+    0.0459 from the clamped float32 reference (e4m3 and int8 weights), 0.951 from the unclamped one."""
     from engines.kt.experts.cpu import RoutedExpertsCPU
     from engines.kt.experts.methods import unavailable_reason
 
@@ -259,5 +259,8 @@ def test_fp8_experts_streaming_int8_copies_clamp_on_both_sides():
     split.load_weights(*weights)
     out = split(hidden, ids, routed)
     assert (streamer.stats.experts, streamer.layers[3].form) == (HELD, "int8")
-    assert relative(out, reference(dense, hidden, ids, routed)) < 0.08  # e4m3 and int8 weights
-    assert relative(out, reference(dense, hidden, ids, routed, limit=None)) > 0.5
+    clamped, unclamped = (relative(out, reference(dense, hidden, ids, routed, limit=limit)) for limit in (LIMIT, None))
+    print(f"\nFP8 experts split with int8 copies: {clamped:.4f} from the clamped float32 reference, {unclamped:.4f} "
+          "from the unclamped one")
+    assert clamped < 0.08  # e4m3 and int8 weights
+    assert unclamped > 0.5
