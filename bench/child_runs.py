@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def child_decode(*, shape: str, quick: bool, model_dir: Path, log_path: Path, method: str, threads: int | None,
                  cuda_graph: bool, rules: str | None, deadline: float, env: dict[str, str] | None = None,
-                 gpu_prefill_tokens: int = 0, chunk_size: int = 2048, settings: dict | None = None) -> dict:
+                 gpu_prefill_tokens: int | None = None, chunk_size: int | None = None,
+                 settings: dict | None = None) -> dict:
     """Run the decode phase of `method` ("rules": whatever the placement rules choose on that build) in a child
     process under the parent's rule file (`rules`, None: the default) and engine `settings` (`--setting`, each
     value as JSON); its kt section entry, with the child's meta and phase outcome. Raises RuntimeError when the
@@ -39,8 +40,8 @@ def child_decode(*, shape: str, quick: bool, model_dir: Path, log_path: Path, me
         cmd += [] if threads is None else ["--threads", str(threads)]
         cmd += [] if cuda_graph else ["--no-cuda-graph"]
         cmd += [] if rules is None else ["--rules", rules]
-        cmd += ["--gpu-prefill-tokens", str(gpu_prefill_tokens)] if gpu_prefill_tokens else []
-        cmd += ["--chunk-size", str(chunk_size)]
+        cmd += [] if gpu_prefill_tokens is None else ["--gpu-prefill-tokens", str(gpu_prefill_tokens)]
+        cmd += [] if chunk_size is None else ["--chunk-size", str(chunk_size)]
         for key, value in (settings or {}).items():
             cmd += ["--setting", f"{key}={json.dumps(value)}"]
         with open(log_path, "a") as log:

@@ -13,8 +13,9 @@ quantizes it to Q8_0 and Q4_0 (against ktserve's AMXINT8 and AMXINT4 experts), r
 (its own row, e.g. "ktserve (GGUF Q8_0)", measured by the code that measures its safetensors run), then sets
 ktserve's figures of the same run beside theirs: bench.json's `peers` holds `engines` (name, version, bits,
 figures) and `ratios` (ktserve / the best peer at the primary method's bits), `ratios_by_bits`,
-`ratios_streamed_by_bits` and `ratios_gguf_by_bits`. ktserve also gets a row with its streamed-experts prefill on
-(`--kt-gpu-prefill-tokens 128 --chunk-size 8192`, "ktserve (streamed prefill)") at each bits. See bench/README.md."""
+`ratios_cpu_prefill_by_bits` and `ratios_gguf_by_bits`. ktserve also gets a row with the settings its defaults
+replaced on 2026-11-28, every routed expert of a prompt on the CPU (`--kt-gpu-prefill-tokens 0 --chunk-size 2048`,
+"ktserve (prompts' experts on the CPU)"), at each bits. See bench/README.md."""
 from __future__ import annotations
 
 import argparse
@@ -35,13 +36,13 @@ PREFILL = (512, 2048, 8192)
 CLIENTS = (16, 32)
 GGUF_ROW_SECONDS = 150  # the most one ktserve-on-GGUF row may take (load, decode, prefill, two rounds)
 GGUF_ROW_MIN_SECONDS = 90  # and the least it starts with: the load alone is not bounded by the deadline
-# ktserve's streamed-experts prefill (README "Speed"): prompt chunks of 128 tokens or more compute the routed experts
-# on the GPU from copies streamed out of pinned host memory, in chunks of 8,192 tokens
-STREAMED = {"kt_gpu_prefill_tokens": 128, "chunk_size": 8192}
-STREAMED_ROW_NAME = "ktserve (streamed prefill)"
-STREAMED_ROW_SECONDS = 120  # the most that row may take: load (~25-35 s and the pinned copies), decode, prompts, rounds
-STREAMED_ROW_MIN_SECONDS = 60
-KTSERVE_ROWS = ("streamed", "gguf")  # --peers-ktserve: ktserve's rows beside its own run's
+# ktserve with every routed expert of a prompt on the CPU, in chunks of 2,048 tokens: its defaults until prompt chunks
+# streamed the experts to the GPU wherever the host holds the copies (README "Speed"), beside the run's own row
+CPU_PREFILL = {"kt_gpu_prefill_tokens": 0, "chunk_size": 2048}
+CPU_PREFILL_ROW_NAME = "ktserve (prompts' experts on the CPU)"
+CPU_PREFILL_ROW_SECONDS = 120  # the most that row may take: load (~25-35 s), decode, prompts, rounds
+CPU_PREFILL_ROW_MIN_SECONDS = 60
+KTSERVE_ROWS = ("cpu-prefill", "gguf")  # --peers-ktserve: ktserve's rows beside its own run's
 RATIOS = ("decode", "prefill_2048", "prefill_8192", "clients_16", "clients_32")
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SOURCES = REPO / ".peers"
@@ -65,8 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated peers to build and run, of: {','.join(ENGINE_NAMES)} (default: both; "
                         "llama.cpp's archive is unpacked for its GGUF converter either way)")
     p.add_argument("--peers-ktserve", type=ktserve_rows, default=KTSERVE_ROWS, metavar="ROWS",
-                   help="ktserve's rows beside its run's own, comma-separated, of: streamed (its streamed-experts "
-                        f"prefill, {' '.join(f'{k}={v}' for k, v in STREAMED.items())}, at each bits measured), gguf "
+                   help="ktserve's rows beside its run's own, comma-separated, of: cpu-prefill (every routed "
+                        "expert of a prompt on the CPU, "
+                        f"{' '.join(f'{k}={v}' for k, v in CPU_PREFILL.items())}, at each bits measured), gguf "
                         "(serving the peers' GGUF files); `none` for neither (default: both)")
 
 
@@ -107,7 +109,7 @@ def phase_estimate(bench: Any) -> float:
     for i, _ in enumerate(quants):
         first = i == 0
         total += len(engines) * parts["bench" if first else "bench_decode"]
-        total += parts["streamed" if first else "streamed_no_clients"] * ("streamed" in rows)
+        total += parts["cpu_prefill" if first else "cpu_prefill_no_clients"] * ("cpu-prefill" in rows)
         total += parts["gguf" if first else "gguf_decode"] * ("gguf" in rows)
         total += len(engines) * (parts["server_16"] + parts["server_32"]) * first
     return total
@@ -146,15 +148,15 @@ def run_peers(bench: Any, deadline: float, save: Callable[[dict], None]) -> dict
     peers = [Peer(name, path, version_of(path) or "?", bench.threads) for name, path in ready.items()]
     measured: dict[tuple[str, str], dict] = {}
     on_gguf: dict[str, dict] = section.setdefault("ktserve_gguf", {})
-    streamed: dict[str, dict] = section.setdefault("ktserve_streamed", {})
+    cpu_prefill: dict[str, dict] = section.setdefault("ktserve_cpu_prefill", {})
     rows = getattr(args, "peers_ktserve", KTSERVE_ROWS)
 
     def refresh() -> None:
-        section["engines"] = engine_entries(bench, measured, on_gguf, streamed)
+        section["engines"] = engine_entries(bench, measured, on_gguf, cpu_prefill)
         save(section)
 
-    # the first file (the primary method's bits) gets every figure; the others decode only (ktserve's streamed row
-    # its prompts too). Peers' llama-bench first, then ktserve's streamed row and ktserve on the same file, then the
+    # the first file (the primary method's bits) gets every figure; the others decode only (ktserve's CPU-prefill row
+    # its prompts too). Peers' llama-bench first, then ktserve's CPU-prefill row and ktserve on the same file, then the
     # servers, 16 clients of each peer before 32 of either
     for i, quant in enumerate(quants):
         gguf = Path(files[quant]["path"])
@@ -165,9 +167,9 @@ def run_peers(bench: Any, deadline: float, save: Callable[[dict], None]) -> dict
             measure_bench(peer, gguf, entry, args.peers_repetitions, deadline, work, decode_only=i > 0)
             refresh()
         method = next(m for m in methods if QUANT_FOR[m] == quant)
-        if "streamed" in rows:
-            streamed[method] = measure_ktserve_streamed(
-                bench, method, min(deadline - 20, time.perf_counter() + STREAMED_ROW_SECONDS), clients=i == 0)
+        if "cpu-prefill" in rows:
+            cpu_prefill[method] = measure_ktserve_cpu_prefill(
+                bench, method, min(deadline - 20, time.perf_counter() + CPU_PREFILL_ROW_SECONDS), clients=i == 0)
             refresh()
         if "gguf" in rows:
             on_gguf[quant] = measure_ktserve_gguf(bench, gguf, min(deadline - 20, time.perf_counter() +
@@ -177,7 +179,7 @@ def run_peers(bench: Any, deadline: float, save: Callable[[dict], None]) -> dict
             for peer in peers:
                 measure_server(peer, gguf, measured[(peer.name, quant)], bench, level, deadline, work)
                 refresh()
-    section["engines"] = engine_entries(bench, measured, on_gguf, streamed)
+    section["engines"] = engine_entries(bench, measured, on_gguf, cpu_prefill)
     section.update(with_ratios(section["engines"], bench.primary))
     return section
 
@@ -306,26 +308,21 @@ def measure_ktserve_gguf(bench: Any, gguf: Path, deadline: float, full: bool) ->
                            f"GGUF {gguf.name}", deadline, GGUF_ROW_MIN_SECONDS, prompts=full, clients=full)
 
 
-def measure_ktserve_streamed(bench: Any, method: str, deadline: float, clients: bool) -> dict:
-    """ktserve with `method` experts on the run's checkpoint and streamed-experts prefill (STREAMED: prompt chunks
-    compute the routed experts on the GPU from int8 / int4 copies streamed out of pinned host memory), measured by
-    measure_ktserve, its prompts always (what the mode is for) and with `clients` its rounds. Without a GPU the mode
-    has nothing to stream to, so the row is skipped with that reason."""
+def measure_ktserve_cpu_prefill(bench: Any, method: str, deadline: float, clients: bool) -> dict:
+    """ktserve with `method` experts on the run's checkpoint and every routed expert of a prompt on the CPU
+    (CPU_PREFILL), measured by measure_ktserve, its prompts always (what the row is for) and with `clients` its
+    rounds: set beside the run's own row, what streaming prompts' experts to the GPU by default changes. Without a
+    GPU nothing streams by default either, so the row is skipped with that reason."""
     import torch
 
-    entry: dict = {"model": str(bench.model_dir), "kt_method": method, "options": dict(STREAMED)}
+    entry: dict = {"model": str(bench.model_dir), "kt_method": method, "options": dict(CPU_PREFILL)}
     if not torch.cuda.is_available():
-        return {**entry, "skipped": "no GPU: streamed experts are copied to a GPU, and kt_gpu_prefill_tokens does "
-                                    "nothing without one"}
-    tokens, chunk = STREAMED["kt_gpu_prefill_tokens"], STREAMED["chunk_size"]
-    entry = measure_ktserve(bench, entry, lambda plan: bench.kt_config(method, plan=plan, chunk_size=chunk,
-                                                                       kt_gpu_prefill_tokens=tokens),
-                            f"{method} streamed prefill", deadline, STREAMED_ROW_MIN_SECONDS, prompts=True,
-                            clients=clients)
-    details = entry.get("engine_details") or {}
-    if details and "gpu_prefill_tokens" not in details:  # the engine said it streams nothing here
-        entry["note"] = "the engine streamed no experts (no gpu_prefill_tokens in its details): see engines.log"
-    return entry
+        return {**entry, "skipped": "no GPU: without one the run's own row keeps prompts' experts on the CPU too"}
+    tokens, chunk = CPU_PREFILL["kt_gpu_prefill_tokens"], CPU_PREFILL["chunk_size"]
+    return measure_ktserve(bench, entry, lambda plan: bench.kt_config(method, plan=plan, chunk_size=chunk,
+                                                                      kt_gpu_prefill_tokens=tokens),
+                           f"{method} prompts on the CPU", deadline, CPU_PREFILL_ROW_MIN_SECONDS, prompts=True,
+                           clients=clients)
 
 
 def measure_ktserve(bench: Any, entry: dict, config_for: Callable[[Any], Any], label: str, deadline: float,
@@ -441,9 +438,9 @@ def gguf_row_name(quant: str) -> str:
 
 
 def engine_entries(bench: Any, measured: dict[tuple[str, str], dict], on_gguf: dict[str, dict] | None = None,
-                   streamed: dict[str, dict] | None = None) -> list[dict]:
-    """For each bits in turn: ktserve's entry for the method measured, ktserve's with streamed-experts prefill
-    (`streamed`: method -> measure_ktserve_streamed's entry), ktserve's on the GGUF file (`on_gguf`: quant ->
+                   cpu_prefill: dict[str, dict] | None = None) -> list[dict]:
+    """For each bits in turn: ktserve's entry for the method measured, ktserve's with prompts' experts on the CPU
+    (`cpu_prefill`: method -> measure_ktserve_cpu_prefill's entry), ktserve's on the GGUF file (`on_gguf`: quant ->
     measure_ktserve_gguf's entry), then each peer's."""
     out = []
     results = bench.results.data
@@ -451,9 +448,9 @@ def engine_entries(bench: Any, measured: dict[tuple[str, str], dict], on_gguf: d
     for method, quant in QUANT_FOR.items():
         if (results.get("kt") or {}).get(method, {}).get("decode"):
             out.append({"name": "ktserve", "version": version, "bits": method, "figures": ktserve_figures(results, method)})
-        row = (streamed or {}).get(method)
+        row = (cpu_prefill or {}).get(method)
         if row is not None:
-            out.append(_kt_row(STREAMED_ROW_NAME, method, version, row, options=row.get("options")))
+            out.append(_kt_row(CPU_PREFILL_ROW_NAME, method, version, row, options=row.get("options")))
         row = (on_gguf or {}).get(quant)
         if row is not None:
             out.append(_kt_row(gguf_row_name(quant), quant, version, row, gguf=row.get("model")))
@@ -479,7 +476,7 @@ def complete(figure: dict | None) -> float | None:
 
 def ratios(engines: list[dict], method: str, name: str = "ktserve") -> dict:
     """ktserve / the best peer for each figure of RATIOS at `method`'s bits (None where either is missing or only
-    partial); `name` picks ktserve's row: its own run (method), STREAMED_ROW_NAME (method) or the GGUF file's
+    partial); `name` picks ktserve's row: its own run (method), CPU_PREFILL_ROW_NAME (method) or the GGUF file's
     (gguf_row_name, the file's type)."""
     quant = QUANT_FOR.get(method)
     ours = next((e["figures"] for e in engines if e["name"] == name and e["bits"] in (method, quant)), {})
@@ -497,13 +494,13 @@ def ratios(engines: list[dict], method: str, name: str = "ktserve") -> dict:
 # bench.json key of each bits' ratios of one ktserve row -> (its label in the table, the row's name at a method)
 RATIO_ROWS: dict[str, tuple[str, Callable[[str], str]]] = {
     "ratios_by_bits": ("ktserve", lambda method: "ktserve"),
-    "ratios_streamed_by_bits": ("ktserve streamed prefill", lambda method: STREAMED_ROW_NAME),
+    "ratios_cpu_prefill_by_bits": ("ktserve, prompts on the CPU", lambda method: CPU_PREFILL_ROW_NAME),
     "ratios_gguf_by_bits": ("ktserve on the GGUF", lambda method: gguf_row_name(QUANT_FOR[method]))}
 
 
 def with_ratios(engines: list[dict], primary: str) -> dict:
     """`ratios` (the primary method's bits), and for each bits measured `ratios_by_bits` (ktserve's own run),
-    `ratios_streamed_by_bits` (its streamed-prefill row) and `ratios_gguf_by_bits` (its GGUF row)."""
+    `ratios_cpu_prefill_by_bits` (its row with prompts' experts on the CPU) and `ratios_gguf_by_bits` (its GGUF row)."""
     measured = [m for m, q in QUANT_FOR.items() if any(e["bits"] in (m, q) for e in engines)]
     return {"ratios": ratios(engines, primary),
             **{key: {QUANT_FOR[m]: ratios(engines, m, name(m)) for m in measured}

@@ -107,11 +107,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "engine picks by model), e.g. DeepSeek-V2-Lite-defer.yaml for expert deferral")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run the KT engine's decode without CUDA graphs (kt_use_cuda_graph off)")
-    p.add_argument("--chunk-size", type=int, default=2048, metavar="N",
-                   help="the engines' prefill chunk size in tokens (default 2048, the server's default)")
-    p.add_argument("--gpu-prefill-tokens", type=int, default=0, metavar="N",
+    p.add_argument("--chunk-size", type=int, metavar="N",
+                   help="the engines' prefill chunk size in tokens (default: the server's, 2048, or 8192 where "
+                        "prompt chunks stream the experts to the GPU)")
+    p.add_argument("--gpu-prefill-tokens", type=int, metavar="N",
                    help="the KT engine's kt_gpu_prefill_tokens: prompt chunks of N tokens or more compute part of "
-                        "the experts on the GPU from streamed weights (default 0: off)")
+                        "the experts on the GPU from streamed weights; 0: off (default: the server's, on where the "
+                        "host holds the copies)")
     p.add_argument("--http-max-tokens", type=int, metavar="N",
                    help="the http phase's clients ask for max_tokens N but each reads only the plan's tokens and "
                         "closes its stream, as batch evaluations ask for large max_tokens and stop early; the "

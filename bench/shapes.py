@@ -149,11 +149,11 @@ MiB = 1024 ** 2
 # (bench/results/nvidia-h200-2026-11-28-peers-ik): the rest of ik_llama.cpp's build that a 540-s build call leaves
 # (42 steps took 66.6 s); one peer's llama-bench runs at the first bits (llama.cpp 30.4 s, ik 46.0 s) and decode
 # only at the others (9.1 / 22.3 s); one 16-client server round with the server's start (llama.cpp 19.1 s + ~6, ik
-# 26.5 s + ~10) and one 32-client round (both ran to their 60-s limit); ktserve's streamed-prefill row (the
-# AMXINT8 / AMXINT4 loads took 25.0 / 30.8 s, plus pinning the streamed copies, decode, prompts, two rounds ~25 s:
-# not yet measured on the H200) and its GGUF row (the Q8_0 load 75.9-87.9 s, then ~35 s of figures)
-PEERS_PARTS = {"build": 75, "bench": 40, "bench_decode": 17, "server_16": 33, "server_32": 68, "streamed": 80,
-               "streamed_no_clients": 55, "gguf": 120, "gguf_decode": 95}
+# 26.5 s + ~10) and one 32-client round (both ran to their 60-s limit); ktserve's row with prompts' experts on the
+# CPU (the AMXINT8 / AMXINT4 loads took 25.0 / 30.8 s, then decode, prompts of up to 8,192 tokens on the CPU ~6 s,
+# two rounds ~25 s) and its GGUF row (the Q8_0 load 75.9-87.9 s, then ~35 s of figures)
+PEERS_PARTS = {"build": 75, "bench": 40, "bench_decode": 17, "server_16": 33, "server_32": 68, "cpu_prefill": 80,
+               "cpu_prefill_no_clients": 55, "gguf": 120, "gguf_decode": 95}
 
 # Estimates for the H100/H200 machines (16 cores, ~80-100 GB/s CPU copy bandwidth), from BASELINES.md and
 # kt-kernel load timings scaled from a 2-core run: see bench/README.md for the arithmetic. baseline, decode:AMXINT8,

@@ -165,14 +165,16 @@ def run(args: argparse.Namespace) -> dict:
                                    settings={"kt_use_cuda_graph": getattr(args, "cuda_graph", True),
                                              **({"cpu_infer": args.threads} if args.threads else {}),
                                              # --gpu-prefill-tokens N: prompt chunks stream the experts to the GPU
-                                             "kt_gpu_prefill_tokens": getattr(args, "gpu_prefill_tokens", 0),
+                                             # (0: never; None: the engine's default)
+                                             "kt_gpu_prefill_tokens": getattr(args, "gpu_prefill_tokens", None),
                                              **getattr(args, "settings", {})}))
     started = time.perf_counter()
     engine.start()
     load_s = time.perf_counter() - started
     vocab, deadline = config["vocab_size"], time.perf_counter() + (args.budget or 1800)
     results: dict = {"shape": "v4-flash", "layers": layers, "build_s": built, "load_s": load_s,
-                     "kt_gpu_prefill_tokens": getattr(args, "gpu_prefill_tokens", 0),
+                     # what the engine runs with: N, or "0: why not"
+                     "kt_gpu_prefill_tokens": engine.info.details.get("gpu_prefill_tokens"),
                      "engine_details": dict(engine.info.details),
                      "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
 
@@ -237,11 +239,16 @@ def read_ceiling(config: dict, threads: int, decode_tok_s: float | None, nbytes:
             "expert_bytes_per_token_gb_43_layers": flash / 1e9, "ceiling_tok_s_43_layers": read / flash}
 
 
+def _streams(detail: str | None) -> bool:
+    """Whether the engine detail gpu_prefill_tokens ("N", or "0: why not") says prompt chunks stream experts."""
+    return (detail or "0").split(":")[0].strip() != "0"
+
+
 def main(args: argparse.Namespace) -> int:
     from bench.report import print_and_write
 
     results = run(args)
     name = ("v4-flash-mtp" if "mtp" in results else
-            "v4-flash-streamed" if results.get("kt_gpu_prefill_tokens") else "v4-flash")
+            "v4-flash-streamed" if _streams(results.get("kt_gpu_prefill_tokens")) else "v4-flash")
     print_and_write(results, args.out, f"{name}.json")
     return 0

@@ -262,6 +262,9 @@ def marker_prefix_tail(text: str, markers: "tuple[str, ...] | list[str]") -> int
 
 
 # ------------------------------------------------------------------------------------ config and info
+DEFAULT_CHUNK_SIZE = 2048  # prefill tokens per step unless the settings or the engine's load choose another
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """What an engine is built from: the settings every engine understands, and in `settings` the user's
@@ -276,7 +279,7 @@ class EngineConfig:
     max_concurrent: int = 16  # requests generating at once; the rest wait
     max_queue: int = 1024  # waiting requests beyond which submit() raises QueueFullError
     max_model_len: int | None = None  # default: the model's own
-    chunk_size: int = 2048  # prefill tokens per step (chunked prefill); see docs/performance.md
+    chunk_size: int | None = None  # prefill tokens per step (chunked prefill); None: the engine's default
     trust_remote_code: bool = False
     template: str | None = None  # built-in chat template name, overriding the model's
     adapters: dict[str, str] = field(default_factory=dict)  # name -> path, loaded at start

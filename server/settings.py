@@ -89,7 +89,9 @@ class Settings(BaseModel):
     kt_optimize_rule: str | None = engine_setting(None, "placement rule file (ktransformers engine)")
     cpu_infer: int | None = engine_setting(None, "CPU expert threads; default: physical cores - max(2, cores / 8)",
                                            gt=0)
-    chunk_size: int = Field(2048, gt=0, description="prefill chunk size in tokens")
+    chunk_size: int | None = Field(None, gt=0, description="prefill chunk size in tokens; default 2048, and 8192 "
+                                                           "where prompt chunks stream the routed experts to the "
+                                                           "GPU (kt_gpu_prefill_tokens; DeepSeek-V4: 2048)")
     kt_use_cuda_graph: bool = engine_setting(True, "run decode steps as CUDA graphs (used where the model sits on "
                                                     "one GPU without hot experts; elsewhere decode runs eager; "
                                                     "DeepSeek-V4: the row-wise parts of its steps)")
@@ -109,11 +111,15 @@ class Settings(BaseModel):
               "checkpoint's experts; the experts method is theirs")
     kt_isolate_workers: bool = engine_setting(True, "with the non-expert model on GPUs, keep the server's other "
                                                     "threads off the cores of kt-kernel's pinned workers")
-    kt_gpu_prefill_tokens: int = engine_setting(
-        0, "prompt chunks of at least this many tokens, and decode steps of at least this many sequences (run "
-           "without CUDA graphs), compute part of each layer's routed experts on the GPU, streaming int8 copies "
-           "(int4 for 4-bit methods) of them from pinned host memory (one more byte, or half a byte, of host memory "
-           "per expert weight); 0: off", ge=0)
+    kt_gpu_prefill_tokens: int | None = engine_setting(
+        None, "prompt chunks of at least this many tokens, and decode steps of at least this many sequences (run "
+              "without CUDA graphs), compute part of each layer's routed experts on the GPU, streaming int8 copies "
+              "(int4 for 4-bit methods, DeepSeek-V4's MXFP4 as released) of them from pinned host memory (one more "
+              "byte, or half a byte, of host memory per expert weight); 0: off; default: 128 where the layers' "
+              "output is on a GPU, the experts are 8- or 4-bit (AMXINT8, AMXINT4, FP8, MXFP4: copies as precise "
+              "as kt-kernel's form), no experts are handed to the GPU to own (kt_gpu_read_experts=N, "
+              "kt_gpu_resident_experts=N) and kt-kernel's experts and their copies take at most 0.6 of the host "
+              "memory available at load; else off, and the start-up log says why", ge=0)
     kt_gpu_prefill_memory: float | None = engine_setting(
         None, "GB of host memory the streamed experts' copies may take (kt_gpu_prefill_tokens): each layer keeps "
               "copies of as many of its first experts as fit, and the GPU takes at most those; default: every expert",

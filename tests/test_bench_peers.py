@@ -255,50 +255,50 @@ def test_ktserve_on_a_gguf_file_is_skipped_with_the_reason_when_the_phase_has_no
     assert any(line.startswith("ktserve (GGUF Q4_0) Q4_0: skipped: ") for line in peers_lines({"engines": [entry]}))
 
 
-def test_ktserve_streamed_prefill_row_is_in_the_printed_and_merged_tables_with_its_ratios(tmp_path, capsys):
-    """A run whose streamed-prefill row measured figures shows that row, with its options, in the summary's table
-    and in `bench.peers table`, and its ratios to the best peer."""
-    from bench.peers import STREAMED, STREAMED_ROW_NAME, engine_entries, main, peers_lines, with_ratios
+def test_ktserve_cpu_prefill_row_is_in_the_printed_and_merged_tables_with_its_ratios(tmp_path, capsys):
+    """A run whose row with prompts' experts on the CPU measured figures shows that row, with its options, in the
+    summary's table and in `bench.peers table`, and its ratios to the best peer."""
+    from bench.peers import CPU_PREFILL, CPU_PREFILL_ROW_NAME, engine_entries, main, peers_lines, with_ratios
 
     def rate(value: float) -> dict:
         return {"value": value, "unit": "tok/s"}
 
-    streamed = {"model": "m", "kt_method": "AMXINT8", "options": dict(STREAMED),
-                "engine_details": {"experts_method": "AMXINT8", "gpu_prefill_tokens": "128"},
+    cpu_row = {"model": "m", "kt_method": "AMXINT8", "options": dict(CPU_PREFILL),
+                "engine_details": {"experts_method": "AMXINT8", "gpu_prefill_tokens": "0"},
                 "decode": {"decode_throughput": rate(40.0)},
                 "ttft": [{"prompt_tokens": n, "prefill_throughput": rate(r)}
                          for n, r in ((2048, 9000.0), (8192, 12000.0))],
                 "http": {"rounds": [{"concurrency": 16, "output_throughput": rate(110.0)}]}}
     peer = {("ik_llama.cpp", "Q8_0"): _peer("ik_llama.cpp", IK_JSON, {16: 50.0})}
-    engines = engine_entries(_bench_with({}), peer, streamed={"AMXINT8": streamed})
-    assert [(e["name"], e["bits"]) for e in engines] == [(STREAMED_ROW_NAME, "AMXINT8"), ("ik_llama.cpp", "Q8_0")]
-    assert engines[0]["options"] == {"kt_gpu_prefill_tokens": 128, "chunk_size": 8192}
+    engines = engine_entries(_bench_with({}), peer, cpu_prefill={"AMXINT8": cpu_row})
+    assert [(e["name"], e["bits"]) for e in engines] == [(CPU_PREFILL_ROW_NAME, "AMXINT8"), ("ik_llama.cpp", "Q8_0")]
+    assert engines[0]["options"] == {"kt_gpu_prefill_tokens": 0, "chunk_size": 2048}
     section = {"threads": 14, "engines": engines, **with_ratios(engines, "AMXINT8")}
-    r = section["ratios_streamed_by_bits"]["Q8_0"]
+    r = section["ratios_cpu_prefill_by_bits"]["Q8_0"]
     assert r["prefill_8192"]["value"] == pytest.approx(12000 / 800) and r["clients_16"]["value"] == pytest.approx(2.2)
     printed = "\n".join(peers_lines(section))
-    assert any(line.startswith(STREAMED_ROW_NAME) and "12000" in line for line in printed.splitlines())
-    assert "ktserve streamed prefill / best peer at Q8_0: decode 0.78 (ik_llama.cpp)" in printed
+    assert any(line.startswith(CPU_PREFILL_ROW_NAME) and "12000" in line for line in printed.splitlines())
+    assert "ktserve, prompts on the CPU / best peer at Q8_0: decode 0.78 (ik_llama.cpp)" in printed
     (tmp_path / "bench.json").write_text(json.dumps({"peers": section}))
     assert main(["table", str(tmp_path / "bench.json")]) == 0
     merged = capsys.readouterr().out
-    assert any(line.startswith(STREAMED_ROW_NAME) and "12000" in line for line in merged.splitlines())
-    assert "ktserve streamed prefill / best peer at Q8_0: decode 0.78" in merged
+    assert any(line.startswith(CPU_PREFILL_ROW_NAME) and "12000" in line for line in merged.splitlines())
+    assert "ktserve, prompts on the CPU / best peer at Q8_0: decode 0.78" in merged
 
 
-def test_ktserve_streamed_prefill_row_says_it_was_skipped_without_a_gpu(monkeypatch):
+def test_ktserve_cpu_prefill_row_says_it_was_skipped_without_a_gpu(monkeypatch):
     import time
 
     import torch
 
-    from bench.peers import STREAMED_ROW_NAME, engine_entries, measure_ktserve_streamed, peers_lines
+    from bench.peers import CPU_PREFILL_ROW_NAME, engine_entries, measure_ktserve_cpu_prefill, peers_lines
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     bench = SimpleNamespace(model_dir=Path("v2-lite"), results=SimpleNamespace(data={}))
-    row = measure_ktserve_streamed(bench, "AMXINT4", time.perf_counter() + 300, clients=True)
-    (entry,) = engine_entries(bench, {}, streamed={"AMXINT4": row})
-    assert entry["options"]["kt_gpu_prefill_tokens"] == 128 and entry["figures"]["decode"]["value"] is None
-    assert any(line.startswith(f"{STREAMED_ROW_NAME} AMXINT4: skipped: no GPU")
+    row = measure_ktserve_cpu_prefill(bench, "AMXINT4", time.perf_counter() + 300, clients=True)
+    (entry,) = engine_entries(bench, {}, cpu_prefill={"AMXINT4": row})
+    assert entry["options"]["kt_gpu_prefill_tokens"] == 0 and entry["figures"]["decode"]["value"] is None
+    assert any(line.startswith(f"{CPU_PREFILL_ROW_NAME} AMXINT4: skipped: no GPU")
                for line in peers_lines({"engines": [entry]}))
 
 
@@ -391,32 +391,33 @@ def test_peers_phase_estimate_counts_the_builds_left_and_the_ktserve_rows_asked_
                                methods=methods)
         return phase_estimate(SimpleNamespace(plan=SHAPES["v2-lite"].plan, args=args, primary="AMXINT8"))
 
-    unbuilt = estimate(("streamed",), ("AMXINT8",))
+    unbuilt = estimate(("cpu-prefill",), ("AMXINT8",))
     for name in ("llama.cpp", "ik_llama.cpp"):
         binaries(tmp_path, name).mkdir(parents=True)
         for target in ENGINES[name].targets:
             (binaries(tmp_path, name) / target).write_text("")
     p = PEERS_PARTS
-    one_bits = 2 * (p["bench"] + p["server_16"] + p["server_32"]) + p["streamed"]
+    one_bits = 2 * (p["bench"] + p["server_16"] + p["server_32"]) + p["cpu_prefill"]
     assert unbuilt == p["build"] + one_bits
-    assert estimate(("streamed",), ("AMXINT8",)) == one_bits
-    assert estimate(("streamed", "gguf"), ("AMXINT8",)) == one_bits + p["gguf"]
-    assert estimate(("streamed",), ("AMXINT8", "AMXINT4")) == one_bits + 2 * p["bench_decode"] + \
-        p["streamed_no_clients"]
+    assert estimate(("cpu-prefill",), ("AMXINT8",)) == one_bits
+    assert estimate(("cpu-prefill", "gguf"), ("AMXINT8",)) == one_bits + p["gguf"]
+    assert estimate(("cpu-prefill",), ("AMXINT8", "AMXINT4")) == one_bits + 2 * p["bench_decode"] + \
+        p["cpu_prefill_no_clients"]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
-def test_ktserve_streamed_prefill_row_streams_experts_and_measures_each_figure_on_a_gpu(tmp_path):
-    """On the GPU machine (`pytest -m gpu`): the streamed row's engine says it streams (gpu_prefill_tokens 128) and
-    the row has a decode rate, a prefill rate per ttft prompt and both client rounds."""
+def test_ktserve_streams_prompts_by_default_and_its_cpu_prefill_row_measures_each_figure_on_a_gpu(tmp_path):
+    """On the GPU machine (`pytest -m gpu`): the run's own engine streams prompts' experts by default
+    (gpu_prefill_tokens 128, chunks of 8,192), the CPU-prefill row's engine does not (chunks of 2,048), and the row
+    has a decode rate, a prefill rate per ttft prompt and both client rounds."""
     import time
 
     from helpers import require_kt_kernel
 
     require_kt_kernel()
     from bench.checkpoint import build_checkpoint
-    from bench.peers import STREAMED_ROW_NAME, engine_entries, measure_ktserve_streamed
+    from bench.peers import CPU_PREFILL_ROW_NAME, engine_entries, measure_ktserve_cpu_prefill
     from bench.run import Bench, parse_args
     from bench.shapes import SHAPES
 
@@ -425,10 +426,14 @@ def test_ktserve_streamed_prefill_row_streams_experts_and_measures_each_figure_o
     bench = Bench(parse_args(["--shape", "tiny", "--quick", "--only", "peers", "--model-dir", str(tmp_path / "tiny"),
                               "--out", str(tmp_path / "out")]), time.perf_counter())
     bench.vocab = 1000
-    row = measure_ktserve_streamed(bench, "AMXINT8", time.perf_counter() + 200, clients=True)
-    assert "failed" not in row and "note" not in row, row.get("traceback") or row.get("note")
-    assert row["engine_details"]["gpu_prefill_tokens"] == "128"
-    (entry,) = engine_entries(bench, {}, streamed={"AMXINT8": row})
-    assert entry["name"] == STREAMED_ROW_NAME
+    own = bench.kt_engine("AMXINT8")
+    assert (own.engine.info.details["gpu_prefill_tokens"], own.engine.config.chunk_size) == ("128", 8192)
+    bench.close_engines()
+    row = measure_ktserve_cpu_prefill(bench, "AMXINT8", time.perf_counter() + 200, clients=True)
+    assert "failed" not in row, row.get("traceback")
+    assert row["engine_details"]["gpu_prefill_tokens"] == ("0: every routed expert of a prompt on the CPU "
+                                                           "(kt_gpu_prefill_tokens=0)")
+    (entry,) = engine_entries(bench, {}, cpu_prefill={"AMXINT8": row})
+    assert entry["name"] == CPU_PREFILL_ROW_NAME
     for key in ("decode", *(f"prefill_{n}" for n in bench.plan.ttft_prompts), "clients_16", "clients_32"):
         assert entry["figures"][key]["value"] > 0, key

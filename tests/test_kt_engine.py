@@ -143,12 +143,18 @@ def test_weight_cache_skips_quantization_and_serves_the_same(demo_model_dir, tmp
     assert scores() == first
 
 
+def test_without_a_gpu_prompts_keep_their_experts_on_the_cpu_in_2048_token_chunks_by_default(kt_bf16):
+    assert kt_bf16.engine.info.details["gpu_prefill_tokens"] == ("0: every routed expert of a prompt on the CPU (no GPU "
+                                                                 "in the placement)")
+    assert kt_bf16.engine.config.chunk_size == 2048
+
+
 def test_streamed_experts_without_a_gpu_say_so_and_serve_from_the_cpu(demo_model_dir, caplog):
     with caplog.at_level("WARNING", logger="ktserve.engine.kt"):
         running = start_server(demo_model_dir, engine="ktransformers", kt_method="BF16", kt_gpu_prefill_tokens=16)
     try:
         assert "kt_gpu_prefill_tokens=16: no CPU-expert layer sends its output to a GPU" in caplog.text
-        assert "gpu_prefill_tokens" not in running.engine.info.details
+        assert running.engine.info.details["gpu_prefill_tokens"].startswith("0: ")
         assert prompt_logprobs(running, LONG_TEXT[:300]).token_logprobs[1] < 0
     finally:
         running.stop()

@@ -298,18 +298,16 @@ def test_the_budget_gives_each_expert_layer_the_experts_it_holds(demo_model_dir,
     layers = sum(1 for name, _ in model.named_modules() if name.endswith(".mlp.experts"))
     one = expert_copy_bytes(config.hidden_size, config.moe_intermediate_size)
     budget = 3 * layers * one / 1e9  # GB
-    assert streamed_expert_count(KTOptions(kt_gpu_prefill_tokens=64, kt_gpu_prefill_memory=budget), model,
-                                  config) == 3
-    assert streamed_expert_count(KTOptions(kt_gpu_prefill_tokens=64), model, config) is None  # every expert
+    assert streamed_expert_count(KTOptions(kt_gpu_prefill_memory=budget), model, config, tokens=64) == 3
+    assert streamed_expert_count(KTOptions(), model, config, tokens=64) is None  # every expert
     with caplog.at_level("WARNING", logger="ktserve.engine.kt"):
-        assert streamed_expert_count(KTOptions(kt_gpu_prefill_tokens=64, kt_gpu_prefill_memory=budget / 10),
-                                      model, config) == 0
-        assert streamed_expert_count(KTOptions(kt_gpu_prefill_memory=budget), model, config) is None
-    assert "holds no expert's copy" in caplog.text and "does nothing without kt_gpu_prefill_tokens" in caplog.text
+        assert streamed_expert_count(KTOptions(kt_gpu_prefill_memory=budget / 10), model, config, tokens=64) == 0
+        assert streamed_expert_count(KTOptions(kt_gpu_prefill_memory=budget), model, config, tokens=0) is None
+    assert "holds no expert's copy" in caplog.text and "does nothing while prompt chunks do not stream" in caplog.text
 
 
 def test_the_start_up_log_says_what_a_chunk_of_streamed_experts_copies(caplog):
-    from engines.kt.families.expert_notes import log_streamed_experts
+    from engines.kt.families.expert_notes import StreamedPrefill, log_streamed_experts
     from engines.kt.placement.operators import OperatorOptions
 
     options = OperatorOptions(gpu_prefill_tokens=128)
@@ -317,7 +315,7 @@ def test_the_start_up_log_says_what_a_chunk_of_streamed_experts_copies(caplog):
     streamer.register(1, HostExperts.quantize(*layer_weights(1)))
     streamer.pcie_bytes_per_s = streamer.layers[1].nbytes / 0.25  # as if one layer took 0.25 s to copy
     with caplog.at_level("INFO", logger="ktserve.engine.kt"):
-        log_streamed_experts(options, 128, 2048)
+        log_streamed_experts(options, StreamedPrefill(tokens=128, experts=None, chunk_size=2048))
     assert "copies them all, 0.25 s, once per chunk of up to chunk_size=2048 tokens" in caplog.text
     assert f"at most the first {E} of each layer's" in caplog.text
 

@@ -217,11 +217,12 @@ def test_a_4_bit_layer_computes_the_experts_the_gpu_owns_from_their_int4_copies(
 def serve_demo(model_dir, **settings) -> tuple[str, list[float], list[float]]:
     """The demo model served with these settings: "owned/resident" experts of a layer, the logprobs of a prompt of
     a few hundred tokens (one chunk: the GPU's experts streamed through the ring) and of 16 greedy decode steps
-    (replayed from CUDA graphs: the GPU's experts read by the mapped kernels)."""
+    (replayed from CUDA graphs: the GPU's experts read by the mapped kernels). No duplicate copies stream
+    (kt_gpu_prefill_tokens=0): the experts the GPU computes are the ones it owns."""
     from conftest import start_server
     from test_kt_gpu import TEXT
 
-    running = start_server(model_dir, engine="ktransformers", **settings)
+    running = start_server(model_dir, engine="ktransformers", **{"kt_gpu_prefill_tokens": 0, **settings})
     try:
         client, model = running.openai(), running.engine.info.id
         prompt = client.completions.create(model=model, prompt=TEXT[:1200], max_tokens=0, echo=True, logprobs=0)

@@ -27,7 +27,9 @@ TEXT = ("The history of the river begins in the mountains, where snow melts each
 
 @pytest.fixture(scope="module")
 def v4_gpu(v4_model_dir):
-    running = start_server(v4_model_dir, engine="ktransformers")
+    """The tiny V4 with every routed expert in kt-kernel (prompts too: kt_gpu_prefill_tokens=0), the reference the
+    GPU's expert paths below are held to."""
+    running = start_server(v4_model_dir, engine="ktransformers", kt_gpu_prefill_tokens=0)
     yield running
     running.stop()
 

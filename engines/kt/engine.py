@@ -170,6 +170,8 @@ class KTEngine(LLMEngine):
                               fold=_fold_devices(rules, rule_file, kt.kt_strict_placement),
                               speculative=engine_options(SpeculativeOptions, cfg.settings), source=source)
         loaded = family.load(context)
+        if cfg.chunk_size is None:
+            cfg.chunk_size = loaded.chunk_size
         encoder = family.chat_encoder(model_path, allow_checkpoint_code=cfg.trust_remote_code)
         if encoder is not None and cfg.template is None:
             family.install_chat_encoder(tokenizer, encoder)

@@ -20,7 +20,9 @@ class KTOptions:
     attention_backend: str = "auto"  # "auto" | "flashinfer" | "torch" (MLA attention on CUDA)
     # GPU placements: other threads leave kt-kernel's worker cores (experts/cpuinfer.py)
     kt_isolate_workers: bool = True
-    kt_gpu_prefill_tokens: int = 0  # expert calls this large (chunks, decode batches) stream part to the GPU; 0: off
+    # expert calls this large (chunks, decode batches) stream part to the GPU; 0: off; None: where the host holds the
+    # copies (engines/kt/families/expert_notes.py: streamed_prefill)
+    kt_gpu_prefill_tokens: int | None = None
     kt_gpu_prefill_memory: float | None = None  # GB of host memory the streamed copies may take; None: every expert
     kt_gpu_read_experts: int | None = None  # experts the GPU reads from host memory (experts/mapped.py); None: auto
     kt_gpu_resident_experts: int = 0  # experts of each MoE layer kept in GPU memory (experts/mapped.py); 0: none

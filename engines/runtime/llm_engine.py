@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from engines.base import (
-    Engine, EngineConfig, EngineStats, EngineUnavailableError, GenerationOutput, GenerationRequest, Grammar,
+    DEFAULT_CHUNK_SIZE, Engine, EngineConfig, EngineStats, EngineUnavailableError, GenerationOutput, GenerationRequest, Grammar,
     InvalidRequestError, ModelInfo, RequestHandle, UnsupportedError, engine_options,
 )
 from engines.model_files import parameter_count, weights_size
@@ -85,6 +85,8 @@ class LLMEngine(Engine):
     # ------------------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self._runner, self._tokenizer, self._info = self._load()
+        if self.config.chunk_size is None:  # an engine whose load did not choose one
+            self.config.chunk_size = DEFAULT_CHUNK_SIZE
         self._info.size_bytes = weights_size(self.config.model_path)
         self._info.parameter_count = parameter_count(self.config.model_path)
         self._info.gpu_bytes = self._runner.gpu_bytes()

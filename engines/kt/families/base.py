@@ -66,7 +66,7 @@ class LoadContext:
     rules: list  # parsed placement rules (engines/kt/placement/rules.py: load_rules)
     max_model_len: int
     max_concurrent: int
-    chunk_size: int
+    chunk_size: int | None  # prefill tokens per step; None: the family's default (expert_notes.streamed_prefill)
     dtype_setting: str | None  # EngineConfig.dtype
     options: Any  # engines.kt.options.KTOptions
     fold: dict[str, str] = field(default_factory=dict)  # rule devices this machine lacks -> where they run
@@ -98,6 +98,7 @@ class LoadedModel:
     torch_threads: int | None = None  # torch's intra-op threads beside kt-kernel's workers; None: unchanged
     checkpoint: Any = None  # engines.base.CheckpointStorage: the format and each part's storage (/version)
     max_model_len: int | None = None  # the context served, where the family's cache holds less than asked
+    chunk_size: int | None = None  # the prefill chunk it runs with, where chunk_size was left to its default
 
 
 class ChatEncoder(Protocol):

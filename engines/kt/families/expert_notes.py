@@ -1,22 +1,119 @@
-"""What the KT engine's start-up log and model info say about where a model's routed experts run, for every family
-(DeepSeek V2/V3/V3.2 and V4): the GPU's streamed copies (kt_gpu_prefill_tokens, and how many of each layer's
-experts kt_gpu_prefill_memory holds), the experts it reads (kt_gpu_read_experts, kt_gpu_resident_experts)."""
+"""Where a model's routed experts run, for every family of the KT engine (DeepSeek V2/V3/V3.2 and V4), and what the
+start-up log and model info say of it: whether prompt chunks stream the experts to the GPU (`streamed_prefill`:
+kt_gpu_prefill_tokens, by default wherever the host holds the copies, and how many of each layer's experts
+kt_gpu_prefill_memory holds), the experts the GPU reads in decode steps (kt_gpu_read_experts,
+kt_gpu_resident_experts)."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from engines.base import DEFAULT_CHUNK_SIZE
 from engines.kt.experts.cpu import RoutedExpertsCPU
 from engines.kt.experts.mapped import MAX_TOKENS as MAPPED_MAX_TOKENS
-from engines.kt.experts.mapped import triton_available
-from engines.kt.experts.methods import METHODS
-from engines.kt.experts.streaming import ExpertStreamer, expert_copy_bytes, experts_within
+from engines.kt.experts.mapped import OWNABLE_METHODS, triton_available
+from engines.kt.experts.methods import METHODS, memory_available
+from engines.kt.experts.streaming import ExpertStreamer, copy_bits, expert_copy_bytes, experts_within
 from engines.kt.options import KTOptions
 from engines.kt.placement.operators import OperatorOptions
 
 log = logging.getLogger("ktserve.engine.kt")
+
+# The prefill chunk where prompt chunks stream the routed experts to the GPU (elsewhere DEFAULT_CHUNK_SIZE): a chunk
+# copies every streamed expert once, whatever its length,
+# so longer chunks amortize the copy (V2-Lite on an H100 machine, 2026-11-25: an 8,192-token prompt took 0.46 s in
+# one chunk, 1.33 s in chunks of 2,048; docs/performance.md, "Streamed experts")
+STREAMED_CHUNK_SIZE = 8192
+# kt_gpu_prefill_tokens by default, where the copies fit: prompt chunks (and decode steps) of this many tokens or more
+# stream; smaller calls keep the decode path (the GPU's mapped reads cover calls of up to MAPPED_MAX_TOKENS)
+AUTO_PREFILL_TOKENS = MAPPED_MAX_TOKENS
+# By default prompts stream only where kt-kernel's form of every routed expert and the GPU's copy of each together
+# take at most this share of the host memory available when the model loads: the copies are pinned (never swapped),
+# and the rest is left for the load's own peaks, the page cache and the server.
+AUTO_HOST_SHARE = 0.6
+
+
+@dataclass(frozen=True, slots=True)
+class StreamedPrefill:
+    """Whether prompt chunks stream the routed experts to the GPU, as the family loads its layers with it."""
+
+    tokens: int  # calls of at least this many tokens stream (kt_gpu_prefill_tokens); 0: none
+    experts: int | None  # how many of each layer's experts (the first ones) keep copies; None: all
+    chunk_size: int  # the prefill chunk the engine runs with (chunk_size, or its default for this choice)
+    why: str = ""  # where the default left it off, why (the start-up log and the engine details say it)
+
+    def off_detail(self) -> str:
+        """The engine detail gpu_prefill_tokens where no prompt chunk streams, with the reason."""
+        why = self.why or ("no CPU-expert layer sends its output to a GPU" if self.tokens else "kt_gpu_prefill_tokens=0")
+        return f"0: every routed expert of a prompt on the CPU ({why})"
+
+
+def streamed_prefill(kt: KTOptions, model: Any, config: Any, methods: set[str | None], gpu: bool,
+                     chunk_size: int | None, streamed_chunk: int = STREAMED_CHUNK_SIZE) -> StreamedPrefill:
+    """Resolve kt_gpu_prefill_tokens (None: on where the host holds the copies, `auto_prefill_tokens`), how many
+    experts keep copies (kt_gpu_prefill_memory) and chunk_size (None: `streamed_chunk` where prompts stream, else
+    DEFAULT_CHUNK_SIZE) for a model whose expert layers run `methods` (None: torch) and whose output lies on a GPU
+    where `gpu`."""
+    methods = {m for m in methods if m}
+    mxfp4 = bool(methods) and all(METHODS[m].weights == "mxfp4" for m in methods)
+    bits = max((copy_bits(METHODS[m].bits) for m in methods), default=8)
+    tokens, why = kt.kt_gpu_prefill_tokens, ""
+    if tokens is None:
+        tokens, why = auto_prefill_tokens(kt, model, config, methods, gpu, bits, mxfp4)
+    experts = streamed_expert_count(kt, model, config, bits, mxfp4, tokens)
+    streams = bool(tokens) and experts != 0
+    if chunk_size is None:
+        chunk_size = streamed_chunk if streams else DEFAULT_CHUNK_SIZE
+    return StreamedPrefill(tokens if streams else 0, experts, chunk_size, why)
+
+
+def auto_prefill_tokens(kt: KTOptions, model: Any, config: Any, methods: set[str], gpu: bool, bits: int,
+                        mxfp4: bool) -> tuple[int, str]:
+    """kt_gpu_prefill_tokens' default: AUTO_PREFILL_TOKENS where the expert layers' output lies on a GPU, the GPU's
+    copies are as precise as kt-kernel's form (not for 16-bit methods, RAWINT4 or LLAMAFILE), and kt-kernel's experts with a copy of each fit in AUTO_HOST_SHARE of the host's available memory (a
+    kt_gpu_prefill_memory budget counts instead of every copy), unless the settings hand experts to the GPU to own
+    (kt_gpu_read_experts=N, kt_gpu_resident_experts=N: one copy of each expert, which streaming's duplicates would
+    replace); else 0 and why."""
+    if not gpu or not torch.cuda.is_available():
+        return 0, "no GPU in the placement"
+    if not methods:
+        return 0, "no routed experts on the CPU"
+    coarser = sorted(m for m in methods if not _copies_as_precise(m))
+    if coarser:
+        return 0, (f"the GPU's copies of {'/'.join(coarser)} experts would not be as precise as kt-kernel's form "
+                   "(kt_gpu_prefill_tokens=N streams anyway)")
+    if kt.kt_gpu_resident_experts or kt.kt_gpu_read_experts:
+        asked = "kt_gpu_resident_experts" if kt.kt_gpu_resident_experts else "kt_gpu_read_experts"
+        return 0, (f"{asked} hands the GPU experts of its own, kept once (kt_gpu_prefill_tokens=N streams duplicate "
+                   "copies instead)")
+    layers = _expert_layers(model)
+    num_experts = getattr(config, "n_routed_experts", None) or config.num_experts
+    H, I = config.hidden_size, config.moe_intermediate_size
+    kernel = layers * num_experts * 3 * H * I * max(METHODS[m].bits for m in methods) // 8
+    copies = layers * num_experts * expert_copy_bytes(H, I, bits, mxfp4)
+    if kt.kt_gpu_prefill_memory is not None:
+        copies = min(copies, int(kt.kt_gpu_prefill_memory * 1e9))
+    available = memory_available()
+    if available is None or kernel + copies > AUTO_HOST_SHARE * available:
+        have = "unknown" if available is None else f"{available / 1e9:.1f} GB"
+        return 0, (f"the experts ({kernel / 1e9:.1f} GB) and their copies ({copies / 1e9:.1f} GB) would take more "
+                   f"than {AUTO_HOST_SHARE:.0%} of the host memory available ({have}); kt_gpu_prefill_tokens=N "
+                   "streams anyway, kt_gpu_prefill_memory=GB a share of them")
+    return AUTO_PREFILL_TOKENS, ""
+
+
+def _copies_as_precise(method: str) -> bool:
+    """Whether the GPU's copies of `method`'s experts hold what kt-kernel computes (MXFP4 as released, int8 / int4
+    copies of 8- and 4-bit methods), as the experts it owns by default do (engines/kt/experts/mapped.py)."""
+    spec = METHODS[method]
+    return method in OWNABLE_METHODS and (spec.weights == "mxfp4" or copy_bits(spec.bits) == spec.bits)
+
+
+def _expert_layers(model: Any) -> int:
+    return sum(1 for name, _ in model.named_modules() if name.endswith(".mlp.experts"))
 
 
 def log_read_experts(model: torch.nn.Module, setting: int | None, resident_setting: int = 0) -> tuple[int, int]:
@@ -88,9 +185,13 @@ def streamed_from(streamer: ExpertStreamer) -> str:
     return "/".join(sorted({h.form for h in streamer.layers.values()})) + " copies"
 
 
-def log_streamed_experts(options: OperatorOptions, tokens: int, chunk_size: int) -> None:
-    """Say what kt_gpu_prefill_tokens does on this placement (it needs expert layers whose output is on a GPU)."""
+def log_streamed_experts(options: OperatorOptions, prefill: StreamedPrefill) -> None:
+    """Say whether prompt chunks stream the routed experts to the GPU on this placement, and from what (they need
+    expert layers whose output is on a GPU), or why the default left them on the CPU."""
+    tokens, chunk_size = prefill.tokens, prefill.chunk_size
     if not tokens:
+        if prefill.why:
+            log.info("prompt chunks compute their routed experts on the CPU (kt_gpu_prefill_tokens=0): %s", prefill.why)
         return
     streamers = options.streamers.active()
     if not streamers:
@@ -109,16 +210,18 @@ def log_streamed_experts(options: OperatorOptions, tokens: int, chunk_size: int)
                  what, pinned / s.pcie_bytes_per_s, chunk_size)
 
 
-def streamed_expert_count(kt: KTOptions, model: Any, config: Any, bits: int = 8, mxfp4: bool = False) -> int | None:
-    """How many of each layer's experts keep streamed copies (`bits`-bit ones, or MXFP4 as released with `mxfp4`):
-    as many as kt_gpu_prefill_memory holds over the model's expert layers (0: none, streaming off, said why), None:
-    every expert (no budget)."""
+def streamed_expert_count(kt: KTOptions, model: Any, config: Any, bits: int = 8, mxfp4: bool = False,
+                          tokens: int = 0) -> int | None:
+    """How many of each layer's experts keep streamed copies (`bits`-bit ones, or MXFP4 as released with `mxfp4`)
+    where calls of `tokens` stream: as many as kt_gpu_prefill_memory holds over the model's expert layers (0: none,
+    streaming off, said why), None: every expert (no budget)."""
     if kt.kt_gpu_prefill_memory is None:
         return None
-    if not kt.kt_gpu_prefill_tokens:
-        log.warning("kt_gpu_prefill_memory=%g GB does nothing without kt_gpu_prefill_tokens", kt.kt_gpu_prefill_memory)
+    if not tokens:
+        log.warning("kt_gpu_prefill_memory=%g GB does nothing while prompt chunks do not stream (kt_gpu_prefill_tokens)",
+                    kt.kt_gpu_prefill_memory)
         return None
-    layers = sum(1 for name, _ in model.named_modules() if name.endswith(".mlp.experts"))
+    layers = _expert_layers(model)
     num_experts = getattr(config, "n_routed_experts", None) or config.num_experts
     count = experts_within(kt.kt_gpu_prefill_memory * 1e9, layers, num_experts, config.hidden_size,
                            config.moe_intermediate_size, bits, mxfp4)

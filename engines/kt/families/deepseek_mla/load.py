@@ -14,10 +14,9 @@ from engines.kt import mtp
 from engines.kt.attention.flashinfer_mla import attention_for
 from engines.kt.attention.kv_cache import PAGE_TOKENS, LatentKVCache
 from engines.kt.experts.cpu import RoutedExpertsCPU
-from engines.kt.experts.methods import METHODS, default_method, normalize_method, unavailable_reason
-from engines.kt.experts.streaming import copy_bits
+from engines.kt.experts.methods import default_method, normalize_method, unavailable_reason
 from engines.kt.families.base import LoadContext, LoadedModel, ModelFamily
-from engines.kt.families.expert_notes import decode_reads, log_streamed_experts, streamed_expert_count
+from engines.kt.families.expert_notes import decode_reads, log_streamed_experts, streamed_prefill
 from engines.kt.loader import load_checkpoint, missing_tensors
 from engines.kt.options import KTOptions
 from engines.kt.placement.operators import OperatorOptions, fuse_rms_norms
@@ -44,7 +43,6 @@ def load_mla(family: ModelFamily, context: LoadContext, variant: MLAVariant = ML
     from engines.kt.placement.rules import apply_placement, plan_placement
 
     kt, config, rule_file, model_path = context.options, context.config, context.rule_file, context.model_path
-    chunk_size, max_concurrent = context.chunk_size, context.max_concurrent
     draft_layer, no_draft = _draft_layer(context)
     # the MTP layer is read only to draft with; then its copies of the embedding and LM head are not
     source = context.source.for_layers(config.num_hidden_layers + (draft_layer is not None),
@@ -57,18 +55,16 @@ def load_mla(family: ModelFamily, context: LoadContext, variant: MLAVariant = ML
     placement = plan_placement(model, context.rules, default_device="cpu", fold=context.fold)
     default = default_method(source.experts_form)
     choices = expert_methods_for(placement, explicit, rule_file, config, default, source)
-    bits = max((copy_bits(METHODS[c.method].bits) for c in choices.values()), default=8)  # none: torch experts
-    stream_experts = streamed_expert_count(kt, model, config, bits)
-    options = OperatorOptions(max_tokens=chunk_size + max_concurrent, cpu_threads=kt.cpu_infer,
+    gpu = any(d.startswith("cuda") for d in placement.devices.values())
+    prefill = streamed_prefill(kt, model, config, {c.method for c in choices.values()}, gpu, context.chunk_size)
+    options = OperatorOptions(max_tokens=prefill.chunk_size + context.max_concurrent, cpu_threads=kt.cpu_infer,
                               methods={m: c.method for m, c in choices.items()}, checkpoint=str(source.path),
-                              default_method=default,
-                              gpu_prefill_tokens=kt.kt_gpu_prefill_tokens if stream_experts != 0 else 0,
-                              gpu_prefill_experts=stream_experts, expert_pad_from=kt.kt_expert_pad_from,
+                              default_method=default, gpu_prefill_tokens=prefill.tokens,
+                              gpu_prefill_experts=prefill.experts, expert_pad_from=kt.kt_expert_pad_from,
                               # kt-kernel holds every expert of a pre-converted layer: none is the GPU's own
                               gpu_read_experts=0 if converted else kt.kt_gpu_read_experts,
                               gpu_resident_experts=0 if converted else kt.kt_gpu_resident_experts)
     apply_placement(model, placement, config, options)
-    gpu = any(d.startswith("cuda") for d in placement.devices.values())
     dtype = resolve_dtype(context.dtype_setting, torch.device("cuda" if gpu else "cpu"))
     storage = load_checkpoint(model, source, placement.device_of_param, dtype,
                               getattr(config, "n_routed_experts", None) or config.num_experts,
@@ -94,7 +90,7 @@ def load_mla(family: ModelFamily, context: LoadContext, variant: MLAVariant = ML
     flash = attention_for(backend, model.model.layers[0].self_attn, cache_devices, cache)
     runner = KTModelRunner(model, devices, cache, max_len, flash=flash, draft_head=head,
                            draft_unavailable=no_draft)
-    loaded = LoadedModel(runner, checkpoint=storage, max_model_len=max_len)
+    loaded = LoadedModel(runner, checkpoint=storage, max_model_len=max_len, chunk_size=prefill.chunk_size)
     cpu_experts, all_on_gpus = uses_cpu_experts(model), all(d.type == "cuda" for d in devices)
     if cpu_experts:  # set here, before the warm-up and graph capture below, and recorded by the engine
         loaded.torch_threads = torch_thread_count(kt.cpu_infer, all_on_gpus)
@@ -105,7 +101,7 @@ def load_mla(family: ModelFamily, context: LoadContext, variant: MLAVariant = ML
             runner.capture_decode_graphs(context.decode_rows(head is not None))
         else:
             log.info("kt_use_cuda_graph: no GPU in the placement; decode runs without CUDA graphs")
-    log_streamed_experts(options, options.gpu_prefill_tokens, chunk_size)
+    log_streamed_experts(options, prefill)
     if cpu_experts and all_on_gpus:
         # every thread but kt-kernel's workers is GPU-side work (launching, sampling, the stream callbacks)
         if kt.kt_isolate_workers:
@@ -128,10 +124,12 @@ def load_mla(family: ModelFamily, context: LoadContext, variant: MLAVariant = ML
     details = loaded.details
     details["attention_backend"] = "torch" if flash is None else "flashinfer"
     streaming = options.streamers.active()
-    if streaming and kt.kt_gpu_prefill_tokens:
-        details["gpu_prefill_tokens"] = str(kt.kt_gpu_prefill_tokens)
+    if streaming and prefill.tokens:
+        details["gpu_prefill_tokens"] = str(prefill.tokens)
         details["gpu_prefill_copy_gbps"] = f"{min(s.pcie_bytes_per_s for s in streaming) / 1e9:.1f}"
         details["gpu_prefill_experts"] = str(min(h.held for s in streaming for h in s.layers.values()))
+    else:
+        details["gpu_prefill_tokens"] = prefill.off_detail()
     details.update(reads)
     if runner.isolation.spare:
         details["server_thread_cores"] = ",".join(map(str, sorted(runner.isolation.spare)))

@@ -39,7 +39,8 @@ class DeepseekV4Family(ModelFamily):
     def load(self, context: LoadContext) -> LoadedModel:
         from engines.kt.engine import expert_methods_for, torch_thread_count
         from engines.kt.families.deepseek_v4.hyper import install_fused_hyper_connections
-        from engines.kt.families.expert_notes import decode_reads
+        from engines.base import DEFAULT_CHUNK_SIZE
+        from engines.kt.families.expert_notes import decode_reads, streamed_prefill
         from engines.kt.families.deepseek_v4.loader import load_v4_checkpoint
         from engines.kt.families.deepseek_v4.mtp import V4DraftHead, add_draft_block
         from engines.kt.families.deepseek_v4.runner import V4ModelRunner
@@ -59,19 +60,21 @@ class DeepseekV4Family(ModelFamily):
         choices = expert_methods_for(placement, kt.kt_method, context.rule_file, config,
                                      self.expert_layout.native_method)
         # kt_gpu_prefill_tokens: prompt chunks stream the routed experts to the GPU from copies in host memory (the
-        # released MXFP4 bytes for the MXFP4 method), of the first experts kt_gpu_prefill_memory holds
-        stream_experts = _streamed_experts(kt, model, config, {c.method for c in choices.values()})
-        streamed_tokens = kt.kt_gpu_prefill_tokens if stream_experts != 0 else 0
+        # released MXFP4 bytes for the MXFP4 method), of the first experts kt_gpu_prefill_memory holds; by default
+        # where the host holds the copies, in chunks of the usual size (longer ones are not measured with V4's
+        # attention)
+        gpu = any(d.startswith("cuda") for d in placement.devices.values())
+        prefill = streamed_prefill(kt, model, config, {c.method for c in choices.values()}, gpu, context.chunk_size,
+                                   streamed_chunk=DEFAULT_CHUNK_SIZE)
         # decode steps read a share of those copies on the GPU (kt_gpu_read_experts); without streaming, the GPU
         # owns the experts asked for instead (kt-kernel no longer holds them), the first kt_gpu_resident_experts of
         # them in its own memory: MXFP4 experts only where asked for (engines/kt/experts/mapped.py)
-        options = OperatorOptions(max_tokens=context.chunk_size + context.max_concurrent, cpu_threads=kt.cpu_infer,
+        options = OperatorOptions(max_tokens=prefill.chunk_size + context.max_concurrent, cpu_threads=kt.cpu_infer,
                                   methods={m: c.method for m, c in choices.items()},
-                                  checkpoint=str(context.model_path), gpu_prefill_tokens=streamed_tokens,
-                                  gpu_prefill_experts=stream_experts, gpu_read_experts=kt.kt_gpu_read_experts,
+                                  checkpoint=str(context.model_path), gpu_prefill_tokens=prefill.tokens,
+                                  gpu_prefill_experts=prefill.experts, gpu_read_experts=kt.kt_gpu_read_experts,
                                   gpu_resident_experts=kt.kt_gpu_resident_experts)
         apply_placement(model, placement, config, options)
-        gpu = any(d.startswith("cuda") for d in placement.devices.values())
         dtype = resolve_dtype(context.dtype_setting, torch.device("cuda" if gpu else "cpu"))
         _build_rotary_tables(model, config, placement.device_of_param)
         load_v4_checkpoint(model, context.model_path, placement.device_of_param, dtype, draft_layer=draft_layer)
@@ -85,7 +88,7 @@ class DeepseekV4Family(ModelFamily):
                    "hyper_connections": hyper}
         for choice in choices.values():
             details.update(choice.describe())
-        details.update(_streaming_details(options, context.chunk_size))
+        details.update(_streaming_details(options, prefill))
         details.update(decode_reads(model, kt, options))
         cpu_experts = any(c.method for c in choices.values())
         threads = torch_thread_count(kt.cpu_infer, gpu) if cpu_experts else None
@@ -102,9 +105,10 @@ class DeepseekV4Family(ModelFamily):
         details["v4_cache_budget"] = (f"{budget.capacity / 2**20:.1f} MiB: {budget.positions} positions among up to "
                                       f"{context.max_concurrent} sequences (kv_cache_tokens)")
         runner = V4ModelRunner(model, max_len, budget, context.model_path, head=head, draft_unavailable=no_draft)
-        details["cuda_graphs"] = _capture_graphs(context, runner, gpu, drafting=head is not None)
+        details["cuda_graphs"] = _capture_graphs(context, runner, gpu, drafting=head is not None,
+                                                  chunk_size=prefill.chunk_size)
         return LoadedModel(runner=runner, details=details, torch_threads=threads, checkpoint=storage,
-                           max_model_len=max_len)
+                           max_model_len=max_len, chunk_size=prefill.chunk_size)
 
     def chat_encoder(self, model_path: Path, allow_checkpoint_code: bool = False) -> ChatEncoder | None:
         """The release's `encoding/encoding_dsv4.py` when the user allows running the model folder's code
@@ -144,27 +148,16 @@ def _draft_layer(context: LoadContext) -> tuple[int | None, str | None]:
     return config.num_hidden_layers, None
 
 
-def _streamed_experts(kt: Any, model: nn.Module, config: Any, methods: set[str]) -> int | None:
-    """How many of each layer's experts keep copies to stream (kt_gpu_prefill_memory; None: all of them)."""
-    from engines.kt.experts.methods import METHODS
-    from engines.kt.experts.streaming import copy_bits
-    from engines.kt.families.expert_notes import streamed_expert_count
-
-    methods = {m for m in methods if m}  # None: experts in torch
-    bits = max((copy_bits(METHODS[m].bits) for m in methods), default=8)
-    return streamed_expert_count(kt, model, config, bits, mxfp4=methods == {"MXFP4"})
-
-
-def _streaming_details(options: Any, chunk_size: int) -> dict[str, str]:
+def _streaming_details(options: Any, prefill: Any) -> dict[str, str]:
     """Say in the start-up log and the engine details whether prompt chunks stream the routed experts to the GPU
     (kt_gpu_prefill_tokens) and from what."""
     from engines.kt.families.expert_notes import log_streamed_experts, streamed_from
 
-    tokens = options.gpu_prefill_tokens
-    log_streamed_experts(options, tokens, chunk_size)
+    tokens = prefill.tokens
+    log_streamed_experts(options, prefill)
     streaming = options.streamers.active()
     if not tokens or not streaming:
-        return {"gpu_prefill_tokens": "0: every routed expert on the CPU (kt_gpu_prefill_tokens)"}
+        return {"gpu_prefill_tokens": prefill.off_detail()}
     pinned = sum(h.nbytes for s in streaming for h in s.layers.values())
     return {"gpu_prefill_tokens": str(tokens),
             "gpu_prefill_experts": (f"prompt chunks of >= {tokens} tokens stream the routed experts to the GPU from "
@@ -173,7 +166,7 @@ def _streaming_details(options: Any, chunk_size: int) -> dict[str, str]:
                                     f"{min(s.pcie_bytes_per_s for s in streaming) / 1e9:.1f} GB/s")}
 
 
-def _capture_graphs(context: LoadContext, runner: Any, gpu: bool, drafting: bool) -> str:
+def _capture_graphs(context: LoadContext, runner: Any, gpu: bool, drafting: bool, chunk_size: int) -> str:
     """Capture the row-wise segments of V4 steps in CUDA graphs where they can be (graphs.py); what the engine
     details say of it."""
     from engines.kt.experts.mapped import MAX_TOKENS as MAPPED_MAX_TOKENS
@@ -186,7 +179,7 @@ def _capture_graphs(context: LoadContext, runner: Any, gpu: bool, drafting: bool
         return "none: no GPU in the placement"
     # the experts' stream-ordered path takes calls of up to chunk_size + max_concurrent rows; where the GPU owns
     # experts, calls past its kernels' reach bring them through the copy ring, which a graph does not capture
-    rows = min(context.decode_rows(drafting), context.chunk_size + context.max_concurrent)
+    rows = min(context.decode_rows(drafting), chunk_size + context.max_concurrent)
     if any(getattr(m, "owned", 0) for m in runner.model.modules()):
         rows = min(rows, MAPPED_MAX_TOKENS)
     runner.graphs, described = step_graphs(runner.model, runner.batch, rows)
