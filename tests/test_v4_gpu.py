@@ -161,6 +161,35 @@ def test_v4_drafting_on_the_gpu_gives_the_replies_without_it(v4_gpu, tmp_path_fa
     assert together == plain
 
 
+def prompt_logprobs(server, ids: list[int]) -> torch.Tensor:
+    reply = server.openai().completions.create(model=server.engine.info.id, prompt=ids, max_tokens=0, echo=True,
+                                               logprobs=1, temperature=0)
+    return torch.tensor(reply.choices[0].logprobs.token_logprobs[1:])
+
+
+def test_v4_served_at_defaults_streams_long_prompts_experts_in_2048_token_chunks(v4_model_dir, v4_gpu):
+    """With nothing set, a GPU placement whose host holds the MXFP4 copies streams prompt chunks of 128 tokens or
+    more (kt_gpu_prefill_tokens' default) in V4's chunks of 2,048, and a long prompt keeps kt-kernel's logprobs."""
+    from engines.kt.experts.cpu import RoutedExpertsCPU
+
+    running = start_server(v4_model_dir, engine="ktransformers")
+    try:
+        assert running.engine.info.details["gpu_prefill_tokens"] == "128"
+        assert running.engine.config.chunk_size == 2048
+        streamer = next(m.streamer for m in running.engine._runner.model.modules()
+                        if isinstance(m, RoutedExpertsCPU) and m.streamer is not None)
+        ids = v4_gpu.engine.tokenizer.encode(TEXT * 2)
+        before = streamer.stats.chunks
+        streamed, plain = prompt_logprobs(running, ids), prompt_logprobs(v4_gpu, ids)
+        diffs = (streamed - plain).abs()
+        print(f"\nV4 at defaults, a {len(ids)}-token prompt: {streamer.stats.chunks - before} layer calls streamed; "
+              f"|dlogprob| against kt-kernel alone median {diffs.median():.4f} max {diffs.max():.4f}")
+        assert len(ids) >= 128 and streamer.stats.chunks > before
+        assert diffs.median() < GPU_MEDIAN_LOGPROB_DIFF
+    finally:
+        running.stop()
+
+
 @pytest.fixture(scope="module")
 def v4_streaming(v4_model_dir):
     """The tiny V4 with prompt chunks of 16 tokens or more streaming their MXFP4 experts to the GPU, and decode steps
@@ -189,13 +218,7 @@ def test_v4_prompts_streaming_their_mxfp4_experts_keep_the_logprobs_of_kt_kernel
     streamer = layers[0].streamer
     before = streamer.stats.chunks
     ids = v4_gpu.engine.tokenizer.encode(TEXT)
-
-    def logprobs(server) -> torch.Tensor:
-        reply = server.openai().completions.create(model=server.engine.info.id, prompt=ids, max_tokens=0, echo=True,
-                                                   logprobs=1, temperature=0)
-        return torch.tensor(reply.choices[0].logprobs.token_logprobs[1:])
-
-    streamed, plain = logprobs(v4_streaming), logprobs(v4_gpu)
+    streamed, plain = prompt_logprobs(v4_streaming, ids), prompt_logprobs(v4_gpu, ids)
     reference = reference_logprobs(v4_reference_model(v4_model_dir), ids)
     expected = reference[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     against_plain, against_reference = (streamed - plain).abs(), (streamed - expected).abs()
