@@ -39,11 +39,11 @@ def test_a_streamed_chunk_equals_the_experts_on_the_cpu(pcie_share):
     from engines.kt.experts.streaming import ExpertStreamer
 
     streamer = ExpertStreamer(torch.device("cuda"))
-    experts = experts_layer(streamer)
+    experts, alone = experts_layer(streamer), experts_layer(None, layer_idx=91)  # the same weights, no streamer
     # the split follows the copy rate: make copying free, or take about as long as the CPU side (0.4 ms)
     streamer.pcie_bytes_per_s = float("inf") if pcie_share == 1.0 else 1e10  # ~ the CPU side's time
     hidden, ids, weights = routed(40)
-    on_cpu = experts(hidden, ids, weights).float()
+    on_cpu = alone(hidden, ids, weights).float()  # a layer with a streamer streams CPU inputs' chunks too
     split = experts._streamed_experts(40)
     on_gpu = experts(hidden.cuda(), ids.cuda(), weights.cuda()).float().cpu()
     assert (split == 24) if pcie_share == 1.0 else (0 < split < 24)
@@ -56,9 +56,10 @@ def test_a_chunk_streams_only_the_experts_a_budget_holds_and_equals_the_cpu():
 
     streamer = ExpertStreamer(torch.device("cuda"))
     experts = experts_layer(streamer, held=10)  # kt_gpu_prefill_memory: copies of the first 10 of 24
+    alone = experts_layer(None, layer_idx=91)
     streamer.pcie_bytes_per_s = float("inf")  # the balance alone would give the GPU all 24
     hidden, ids, weights = routed(40)
-    on_cpu = experts(hidden, ids, weights).float()
+    on_cpu = alone(hidden, ids, weights).float()
     on_gpu = experts(hidden.cuda(), ids.cuda(), weights.cuda()).float().cpu()
     assert experts._streamed_experts(40) == 10 and streamer.stats.experts == 10
     assert (on_gpu - on_cpu).norm() <= 2e-2 * on_cpu.norm()
