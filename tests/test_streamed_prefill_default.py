@@ -125,6 +125,16 @@ def test_nothing_streams_by_default_without_a_gpu_or_cpu_experts(host, gpu, meth
     assert (prefill.tokens, prefill.chunk_size, prefill.why) == (0, 2048, why)
 
 
+def test_streaming_asked_for_without_a_gpu_keeps_2048_token_chunks(host):
+    assert resolve(host, gpu=False, kt_gpu_prefill_tokens=16).chunk_size == 2048
+
+
+def test_a_budget_holding_no_expert_says_so(host):
+    prefill = resolve(host, kt_gpu_prefill_tokens=16, kt_gpu_prefill_memory=1e-9)
+    assert (prefill.tokens, prefill.chunk_size) == (0, 2048)
+    assert "kt_gpu_prefill_memory holds no expert's copy" in prefill.off_detail()
+
+
 def test_nothing_streams_by_default_where_torch_sees_no_cuda(host, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve(host).why == "no GPU in the placement"

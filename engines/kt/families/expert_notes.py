@@ -64,9 +64,11 @@ def streamed_prefill(kt: KTOptions, model: Any, config: Any, methods: set[str | 
     if tokens is None:
         tokens, why = auto_prefill_tokens(kt, model, config, methods, gpu, bits, mxfp4)
     experts = streamed_expert_count(kt, model, config, bits, mxfp4, tokens)
+    if tokens and experts == 0:
+        why = "kt_gpu_prefill_memory holds no expert's copy"
     streams = bool(tokens) and experts != 0
     if chunk_size is None:
-        chunk_size = streamed_chunk if streams else DEFAULT_CHUNK_SIZE
+        chunk_size = streamed_chunk if streams and gpu else DEFAULT_CHUNK_SIZE
     return StreamedPrefill(tokens if streams else 0, experts, chunk_size, why)
 
 
