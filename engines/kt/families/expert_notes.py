@@ -47,7 +47,8 @@ class StreamedPrefill:
 
     def off_detail(self) -> str:
         """The engine detail gpu_prefill_tokens where no prompt chunk streams, with the reason."""
-        why = self.why or ("no CPU-expert layer sends its output to a GPU" if self.tokens else "kt_gpu_prefill_tokens=0")
+        why = self.why or ("no CPU-expert layer sends its output to a GPU" if self.tokens
+                           else "kt_gpu_prefill_tokens=0")
         return f"0: every routed expert of a prompt on the CPU ({why})"
 
 
@@ -75,10 +76,10 @@ def streamed_prefill(kt: KTOptions, model: Any, config: Any, methods: set[str | 
 def auto_prefill_tokens(kt: KTOptions, model: Any, config: Any, methods: set[str], gpu: bool, bits: int,
                         mxfp4: bool) -> tuple[int, str]:
     """kt_gpu_prefill_tokens' default: AUTO_PREFILL_TOKENS where the expert layers' output lies on a GPU, the GPU's
-    copies are as precise as kt-kernel's form (not for 16-bit methods, RAWINT4 or LLAMAFILE), and kt-kernel's experts with a copy of each fit in AUTO_HOST_SHARE of the host's available memory (a
-    kt_gpu_prefill_memory budget counts instead of every copy), unless the settings hand experts to the GPU to own
-    (kt_gpu_read_experts=N, kt_gpu_resident_experts=N: one copy of each expert, which streaming's duplicates would
-    replace); else 0 and why."""
+    copies are as precise as kt-kernel's form (not for 16-bit methods, RAWINT4 or LLAMAFILE), the settings hand no
+    experts to the GPU to own (kt_gpu_read_experts=N, kt_gpu_resident_experts=N: one copy of each expert, which
+    streaming's duplicates would replace), and kt-kernel's experts with a copy of each fit in AUTO_HOST_SHARE of the
+    host's available memory (a kt_gpu_prefill_memory budget counts instead of every copy); else 0 and why."""
     if not gpu or not torch.cuda.is_available():
         return 0, "no GPU in the placement"
     if not methods:
@@ -220,8 +221,8 @@ def streamed_expert_count(kt: KTOptions, model: Any, config: Any, bits: int = 8,
     if kt.kt_gpu_prefill_memory is None:
         return None
     if not tokens:
-        log.warning("kt_gpu_prefill_memory=%g GB does nothing while prompt chunks do not stream (kt_gpu_prefill_tokens)",
-                    kt.kt_gpu_prefill_memory)
+        log.warning("kt_gpu_prefill_memory=%g GB does nothing while prompt chunks do not stream "
+                    "(kt_gpu_prefill_tokens)", kt.kt_gpu_prefill_memory)
         return None
     layers = _expert_layers(model)
     num_experts = getattr(config, "n_routed_experts", None) or config.num_experts
