@@ -185,12 +185,12 @@ def _decode(run, kind: str, prompt: int, tokens: int, vocab: int, deadline: floa
         if kind == ADAPTIVE:
             entry.update(draft_paused=after.draft_paused,
                          draft_paused_steps=after.draft_paused_steps - before.draft_paused_steps)
-            step_ms = ((entry.get("step_breakdown") or {}).get("step") or {}).get("value")
-            if step_ms:  # a drafted step costs about the same whether its draft is kept or not
-                entry["projected_decode_throughput"] = fig(
-                    (1 + TRAINED_ACCEPTANCE) / (step_ms / 1e3), "tok/s",
-                    note=f"1 + {TRAINED_ACCEPTANCE} tokens per step at this run's step time: the speed at a "
-                         "trained MTP layer's acceptance")
+        step_ms = ((entry.get("step_breakdown") or {}).get("step") or {}).get("value")
+        if kind in KINDS and step_ms:  # drafting every step: a drafted step costs about the same kept or not
+            entry["projected_decode_throughput"] = fig(
+                (1 + TRAINED_ACCEPTANCE) / (step_ms / 1e3), "tok/s",
+                note=f"1 + {TRAINED_ACCEPTANCE} tokens per step at this run's step time: the speed at a "
+                     "trained MTP layer's acceptance")
         graphs = run.engine.info.details.get("cuda_graphs")
         return {"load_time": fig(run.load_time, "s"), "cuda_graphs": graphs, "decode": entry}
     finally:

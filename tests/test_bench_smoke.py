@@ -397,3 +397,24 @@ def test_bench_v4_batch_prints_each_levels_aggregate_decode_and_one_expert_call_
     for level in data["levels"]:
         assert level["decode_tok_s_total"] > 0 and level["wall_tok_s"] > 0
     assert data["levels"][1]["expert_calls_per_step"] < 1.5  # three sequences' rows in one call, not three
+
+
+@pytest.mark.parametrize("kind, projected", [("off", False), ("random", True), ("last-layer", True),
+                                             ("random-adaptive", False)])
+def test_mtp_projects_a_trained_layers_speed_only_from_runs_that_draft_every_step(kind, projected):
+    """bench/mtp.py: the speed at a trained MTP layer's acceptance is projected from a drafted step's time, so only
+    runs drafting in every step give it; the adaptive run's median step is mostly a plain one."""
+    from types import SimpleNamespace
+
+    from bench.mtp import TRAINED_ACCEPTANCE, _decode
+
+    stats = iter([SimpleNamespace(draft_tokens=0, accepted_draft_tokens=0, draft_paused=False, draft_paused_steps=0),
+                  SimpleNamespace(draft_tokens=30, accepted_draft_tokens=3, draft_paused=True, draft_paused_steps=96)])
+    run = SimpleNamespace(warm_up=lambda vocab: None, load_time=1.0, close=lambda: None,
+                          decode=lambda *args: {"step_breakdown": {"step": {"value": 20.0, "unit": "ms"}}},
+                          engine=SimpleNamespace(stats=lambda: next(stats), info=SimpleNamespace(details={})))
+    entry = _decode(run, kind, 64, 32, 1000, float("inf"))["decode"]
+    assert ("projected_decode_throughput" in entry) == projected
+    if projected:
+        assert entry["projected_decode_throughput"]["value"] == pytest.approx((1 + TRAINED_ACCEPTANCE) / 0.02)
+    assert ("draft_paused_steps" in entry) == (kind == "random-adaptive")
