@@ -46,6 +46,13 @@ def test_a_bad_value_names_the_key_and_its_source(tmp_path):
         load_settings(None, env={"MAX_CONCURRENT": "many"})
 
 
+def test_a_chunk_size_of_0_is_refused_naming_the_key_and_an_unset_one_is_left_to_the_engine():
+    with pytest.raises(SettingsError, match=r"chunk_size \(from command line\): .*greater than 0"):
+        load_settings(None, cli={"chunk_size": 0}, env={})
+    settings = load_settings(None, cli={}, env={})
+    assert (settings.chunk_size, settings.kt_gpu_prefill_tokens) == (None, None)
+
+
 def test_a_negative_gpu_prefill_threshold_is_refused_naming_the_key():
     with pytest.raises(SettingsError, match=r"kt_gpu_prefill_tokens \(from command line\): .*greater than or equal to 0"):
         load_settings(None, cli={"kt_gpu_prefill_tokens": -5}, env={})
