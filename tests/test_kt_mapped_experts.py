@@ -90,9 +90,9 @@ def test_the_setting_defaults_to_the_balance_and_zero_turns_it_off():
 @pytest.mark.parametrize(("setting", "method", "bits", "owned"), [
     (None, "AMXINT8", 8, 32), (None, "FP8", 8, 32), (None, "AMXINT4", 4, 32), (20, "AMXINT4", 4, 20),
     (None, "BF16", 16, 0), (0, "AMXINT8", 8, 0), (5, "BF16", 16, 5), (99, "AMXINT8", 8, 58), (20, "RAWINT4", 4, 0),
-    (None, "MXFP4", 4, 0), (20, "MXFP4", 4, 20)],
+    (None, "MXFP4", 4, 36), (20, "MXFP4", 4, 20)],
     ids=["int8-balance", "fp8-balance", "int4-balance-of-int4-copies", "asked-for-int4", "bf16-not-by-default", "off",
-         "asked-for-bf16", "kt-kernel-keeps-a-tokens-worth", "never-rawint4", "mxfp4-not-by-default",
+         "asked-for-bf16", "kt-kernel-keeps-a-tokens-worth", "never-rawint4", "mxfp4-balance",
          "asked-for-mxfp4"])
 def test_how_many_experts_the_gpu_owns(monkeypatch, setting, method, bits, owned):
     import engines.kt.experts.mapped as mapped

@@ -25,11 +25,15 @@ TEXT = ("The history of the river begins in the mountains, where snow melts each
         "small streams. They join in the valley, turn the old mills and slow down in the plain. ") * 3
 
 
+# every routed expert in kt-kernel, prompts' and decode steps' alike (by default the GPU takes a share of them)
+KT_KERNEL_ALONE = {"kt_gpu_prefill_tokens": 0, "kt_gpu_read_experts": 0}
+
+
 @pytest.fixture(scope="module")
 def v4_gpu(v4_model_dir):
-    """The tiny V4 with every routed expert in kt-kernel (prompts too: kt_gpu_prefill_tokens=0), the reference the
-    GPU's expert paths below are held to."""
-    running = start_server(v4_model_dir, engine="ktransformers", kt_gpu_prefill_tokens=0)
+    """The tiny V4 with every routed expert in kt-kernel (KT_KERNEL_ALONE), the reference the GPU's expert paths
+    below are held to."""
+    running = start_server(v4_model_dir, engine="ktransformers", **KT_KERNEL_ALONE)
     yield running
     running.stop()
 
@@ -92,7 +96,7 @@ def test_v4_decodes_the_same_with_cuda_graphs_on_and_off(v4_model_dir, v4_gpu):
     replayed = graphs.replayed
     on = completions_together(v4_gpu, PROMPTS, max_tokens=12, ignore_eos=True)
     assert graphs.replayed > replayed  # decode steps came from the graphs
-    off = start_server(v4_model_dir, engine="ktransformers", kt_use_cuda_graph=False)
+    off = start_server(v4_model_dir, engine="ktransformers", kt_use_cuda_graph=False, **KT_KERNEL_ALONE)
     try:
         assert off.engine.info.details["cuda_graphs"] == "none: kt_use_cuda_graph is off"
         assert off.engine._runner.graphs is None
@@ -139,7 +143,8 @@ def test_v4_drafting_on_the_gpu_gives_the_replies_without_it(v4_gpu, tmp_path_fa
     from helpers import completions_together
 
     model = make_demo_model_v4(tmp_path_factory.mktemp("v4-gpu-mtp") / "tiny-v4-mtp", mtp="last-layer")
-    drafting = start_server(model, engine="ktransformers", speculative="mtp", speculative_adaptive=False)
+    drafting = start_server(model, engine="ktransformers", speculative="mtp", speculative_adaptive=False,
+                            **KT_KERNEL_ALONE)
     try:
         prompts = PROMPTS
         ask = dict(max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
@@ -169,13 +174,16 @@ def prompt_logprobs(server, ids: list[int]) -> torch.Tensor:
 
 def test_v4_served_at_defaults_streams_long_prompts_experts_in_2048_token_chunks(v4_model_dir, v4_gpu):
     """With nothing set, a GPU placement whose host holds the MXFP4 copies streams prompt chunks of 128 tokens or
-    more (kt_gpu_prefill_tokens' default) in V4's chunks of 2,048, and a long prompt keeps kt-kernel's logprobs."""
+    more (kt_gpu_prefill_tokens' default) in V4's chunks of 2,048, and a long prompt keeps kt-kernel's logprobs;
+    decode steps read the measured balance of the copies (5 of 8 experts) and keep kt-kernel's greedy tokens."""
     from engines.kt.experts.cpu import RoutedExpertsCPU
 
     running = start_server(v4_model_dir, engine="ktransformers")
     try:
         assert running.engine.info.details["gpu_prefill_tokens"] == "128"
         assert running.engine.config.chunk_size == 2048
+        assert running.engine.info.details["gpu_read_experts"] == "5"
+        assert_greedy_of_kt_kernel_alone(running, v4_gpu, "at defaults, decode reading 5 of 8 MXFP4 copies")
         streamer = next(m.streamer for m in running.engine._runner.model.modules()
                         if isinstance(m, RoutedExpertsCPU) and m.streamer is not None)
         ids = v4_gpu.engine.tokenizer.encode(TEXT * 2)
@@ -345,6 +353,23 @@ def assert_greedy_of_kt_kernel_alone(server, plain_server, what: str) -> None:
     if same < len(plain.tokens):
         top = sorted(plain.top_logprobs[same].values(), reverse=True)
         assert top[0] - top[1] < V4_STREAMED_LOGPROB_TOLERANCE, (same, got.tokens, plain.tokens)
+
+
+def test_v4_without_streamed_prompts_the_gpu_owns_the_measured_balance_of_experts_by_default(v4_gpu, v4_model_dir):
+    """kt_gpu_prefill_tokens=0 and nothing else set: the GPU owns each layer's first 5 of 8 experts (the balance of
+    the two MXFP4 readers' measured rates) as the released bytes in pinned host memory, kt-kernel the other 3, and
+    the greedy reply is kt-kernel's alone."""
+    from engines.kt.experts.cpu import RoutedExpertsCPU
+
+    running = start_server(v4_model_dir, engine="ktransformers", kt_gpu_prefill_tokens=0)
+    try:
+        details = running.engine.info.details
+        layers = [m for m in running.engine._runner.model.modules() if isinstance(m, RoutedExpertsCPU)]
+        assert (details["gpu_read_experts"], details["gpu_resident_experts"]) == ("5", "0")
+        assert layers and all((m.owned, m.kernel_experts) == (5, 3) for m in layers)
+        assert_greedy_of_kt_kernel_alone(running, v4_gpu, "experts the GPU owns by default (5 of 8)")
+    finally:
+        running.stop()
 
 
 def test_v4_experts_the_gpu_owns_in_its_memory_and_host_memory_keep_the_greedy_tokens_of_kt_kernel_alone(

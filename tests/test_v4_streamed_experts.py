@@ -180,13 +180,14 @@ class DecodeKernels:
         self.layers[layer] = (host, limit)
 
 
-def test_decode_calls_read_the_mxfp4_copies_only_where_kt_gpu_read_experts_asks():
-    """kt_gpu_read_experts unset (None): MXFP4 copies are for prompt chunks only (the GPU's MXFP4 read rate is not
-    measured, so no balance is guessed); a number gives the GPU that many experts, at most those it holds."""
+def test_decode_calls_read_the_measured_balance_of_the_mxfp4_copies_by_default_and_as_many_as_asked():
+    """kt_gpu_read_experts unset (None): decode calls read the balance of kt-kernel's and the kernels' measured
+    MXFP4 rates (37.4 and 48.3 GB/s: 11 of 20 experts); a number gives the GPU that many experts, at most those it
+    holds."""
     kernels = DecodeKernels()
     unset = mxfp4_layer(ExpertStreamer(torch.device("cpu"), mapped=kernels), held=E, read_experts=None)
     unset.load_packed(released_layer()[0])
-    assert unset.mapped_experts(1) == 0 and kernels.layers == {}
+    assert unset.mapped_experts(1) == 11 and 3 in kernels.layers
     asked = mxfp4_layer(ExpertStreamer(torch.device("cpu"), mapped=kernels), held=HELD, read_experts=E)
     asked.load_packed(released_layer()[0])
     assert asked.mapped_experts(4) == HELD

@@ -32,8 +32,8 @@ from engines.kt.attention.mla import layer_index
 from engines.kt.experts.cpuinfer import check_thread_count, load_ext, shared_cpu_infer
 from engines.kt.experts.cache import LayerCache
 from engines.kt.experts.deferral import Deferred, ExpertDeferral, check_deferred, split_deferred
-from engines.kt.experts.streaming import ExpertStreamer, HostExperts, copy_bits, expert_copy_bytes
-from engines.kt.experts.mapped import OWNABLE_METHODS, decode_experts, owned_experts, resident_experts
+from engines.kt.experts.streaming import ExpertStreamer, HostExperts, copy_bits
+from engines.kt.experts.mapped import OWNABLE_METHODS, default_read_share, owned_experts, resident_experts
 from engines.kt.experts.mapped import MAX_TOKENS as MAPPED_MAX_TOKENS
 from engines.kt.experts.methods import (CLAMPING_METHODS, METHODS, ExpertsUnsupportedError, check_llamafile_type,
                                        default_pad_from, kernel_class, llamafile_computes, matrix_tokens,
@@ -260,13 +260,10 @@ class RoutedExpertsCPU(nn.Module):
         if self.owned:
             self.stream_experts = self.owned
         # decode calls' share of those where they are extra copies (mapped_experts): as asked (kt_gpu_read_experts;
-        # 0: none), None: the two readers' balance for int8 / int4 copies, none for MXFP4 ones (asked for only: their
-        # speed is measured at shares asked for, not as a balance; bench/results/nvidia-h200-2026-11-28-v4-owned/)
-        mxfp4 = METHODS[method].weights == "mxfp4"
-        self._mapped_share = (min(read_experts, self.stream_experts) if read_experts is not None else 0 if mxfp4
-                              else decode_experts(num_experts, self.stream_experts,
-                                                  3 * hidden_size * intermediate_size * METHODS[method].bits / 8,
-                                                  expert_copy_bytes(hidden_size, intermediate_size, self.copy_bits)))
+        # 0: none), None: the method's default (default_read_share)
+        self._mapped_share = (min(read_experts, self.stream_experts) if read_experts is not None
+                              else default_read_share(method, num_experts, self.stream_experts, hidden_size,
+                                                      intermediate_size))
         # whether decode calls read this layer's copies on the GPU where they lie, host or GPU memory (mapped_experts)
         self._read_in_place = bool(self.owned or self._mapped_share)
         # calls of `pad_from` tokens or more that kt-kernel would compute on its per-token vector path are padded

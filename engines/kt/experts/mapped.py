@@ -34,7 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.kt.experts.streaming import CPU_EXPERT_BYTES_PER_S, INT4_GROUP, HostExperts, copy_bits
+from engines.kt.experts.methods import METHODS
+from engines.kt.experts.streaming import (CPU_EXPERT_BYTES_PER_S, INT4_GROUP, HostExperts, copy_bits,
+                                         expert_copy_bytes)
 
 log = logging.getLogger("ktserve.engine.kt")
 
@@ -56,6 +58,13 @@ MXFP4_TOKENS = 32
 # (bench/results/nvidia-h100-2026-11-26-fork/tune/; a host-issued copy read 53.9-54.3 GB/s on such machines). Every
 # share below is weighed with it, as kt-kernel's side is with its own rate alone (CPU_EXPERT_BYTES_PER_S).
 GPU_READ_BYTES_PER_S = 50e9
+# MXFP4 experts (V4's, as released; the GPU reads the same bytes), H200 machine with AMX, 2026-11-29,
+# `python -m bench.mapped_experts --shape v4-flash` (bench/results/nvidia-h200-2026-11-29-v4-share/): one token's
+# six experts of a V4-Flash layer (80.2 MB) took kt-kernel's MXFP4 kernel alone 2.142 ms (37.4 GB/s; calls of 2-8
+# tokens read at 22-26 GB/s), the kernels alone 48.3 GB/s. Their balance, 144 of 256 experts, sits in the flat
+# optimum measured there at one token (96-160: 1.38-1.39 ms a layer, against 2.14 with kt-kernel alone).
+MXFP4_CPU_BYTES_PER_S = 37.4e9
+MXFP4_GPU_READ_BYTES_PER_S = 48.3e9
 
 
 def decode_experts(num_experts: int, held: int, cpu_bytes_per_expert: float, gpu_bytes_per_expert: float,
@@ -66,6 +75,23 @@ def decode_experts(num_experts: int, held: int, cpu_bytes_per_expert: float, gpu
     cpu = cpu_bytes_per_expert / cpu_bytes_per_s
     gpu = gpu_bytes_per_expert / gpu_bytes_per_s
     return max(0, min(held, round(num_experts * cpu / (cpu + gpu))))
+
+
+def _mxfp4_balance(num_experts: int, held: int) -> int:
+    """decode_experts for MXFP4 experts: both readers read the same bytes, each at its measured rate."""
+    return decode_experts(num_experts, held, 1.0, 1.0, MXFP4_GPU_READ_BYTES_PER_S, MXFP4_CPU_BYTES_PER_S)
+
+
+def default_read_share(method: str, num_experts: int, held: int, hidden: int, intermediate: int) -> int:
+    """How many of the `held` copies (the first experts) a decode call reads on the GPU where kt_gpu_read_experts
+    is unset and the copies are there anyway (streamed prompts keep them): the two readers' balance, each at its
+    own measured rate (int8 / int4 copies against kt-kernel's 8- and 4-bit forms; MXFP4 copies, the same bytes
+    kt-kernel reads, at MXFP4's rates)."""
+    spec = METHODS[method]
+    if spec.weights == "mxfp4":
+        return _mxfp4_balance(num_experts, held)
+    return decode_experts(num_experts, held, 3 * hidden * intermediate * spec.bits / 8,
+                          expert_copy_bytes(hidden, intermediate, copy_bits(spec.bits)))
 
 
 # Methods whose kt-kernel classes computed every count of experts tried (8-40, odd ones included; code/expert_counts.py
@@ -80,18 +106,20 @@ def owned_experts(setting: int | None, method: str, bits: int, num_experts: int,
     """How many of a layer's experts (the first ones) the GPU owns, computing them in every call from its copies
     (int8, or int4 for 4-bit methods: `copy_bits`) in pinned host memory instead of kt-kernel
     (`kt_gpu_read_experts`): `setting`, or where it is None the decode balance of the two readers (kt-kernel
-    reading `bits`-bit experts at CPU_EXPERT_BYTES_PER_S, the kernels the copies at GPU_READ_BYTES_PER_S) for
-    methods whose copies are as precise as their own form (8- and 4-bit ones: host memory still holds each expert
-    once, at its size), none for 16-bit ones (their copies would lose precision); kt-kernel keeps at least `top_k`
-    experts (a token's worth). 0 without Triton, and for methods outside OWNABLE_METHODS; MXFP4 ones only where
-    asked for (their speed is measured at the shares asked for, 41 and 128 of V4-Flash's 256, not as a balance to
-    default to: bench/results/nvidia-h200-2026-11-28-v4-owned/)."""
+    reading `bits`-bit experts at CPU_EXPERT_BYTES_PER_S, the kernels the copies at GPU_READ_BYTES_PER_S; MXFP4
+    experts, whose copies are the released bytes, at MXFP4's measured rates) for methods whose copies are as
+    precise as their own form (8- and 4-bit ones and MXFP4: host memory still holds each expert once, at its size),
+    none for 16-bit ones (their copies would lose precision); kt-kernel keeps at least `top_k` experts (a token's
+    worth). 0 without Triton, and for methods outside OWNABLE_METHODS."""
     if method not in OWNABLE_METHODS:
         return 0
     if setting is None:
-        if copy_bits(bits) != bits or method == "MXFP4":
+        if method == "MXFP4":
+            setting = _mxfp4_balance(num_experts, num_experts)
+        elif copy_bits(bits) != bits:
             return 0
-        setting = decode_experts(num_experts, num_experts, bits / 8, copy_bits(bits) / 8)
+        else:
+            setting = decode_experts(num_experts, num_experts, bits / 8, copy_bits(bits) / 8)
     if setting <= 0 or not triton_available():
         return 0
     return max(0, min(setting, num_experts - top_k))

@@ -161,7 +161,8 @@ def log_read_experts(model: torch.nn.Module, setting: int | None, resident_setti
     elif not triton_available():
         why = "Triton is not installed"
     elif setting is None and not resident_setting:
-        why = "by default the GPU takes experts of int8 and int4 methods only (kt_gpu_read_experts=N asks anyway)"
+        why = ("by default the GPU takes experts of int8, int4 and MXFP4 methods only (kt_gpu_read_experts=N asks "
+               "anyway)")
     else:
         why = "the layers keep hot experts, defer experts, or run RAWINT4 or LLAMAFILE"
     (log.warning if resident_setting else log.info)("decode steps compute every routed expert with kt-kernel: %s", why)

@@ -67,8 +67,8 @@ class DeepseekV4Family(ModelFamily):
         prefill = streamed_prefill(kt, model, config, {c.method for c in choices.values()}, gpu, context.chunk_size,
                                    streamed_chunk=DEFAULT_CHUNK_SIZE)
         # decode steps read a share of those copies on the GPU (kt_gpu_read_experts); without streaming, the GPU
-        # owns the experts asked for instead (kt-kernel no longer holds them), the first kt_gpu_resident_experts of
-        # them in its own memory: MXFP4 experts only where asked for (engines/kt/experts/mapped.py)
+        # owns that share instead (kt-kernel no longer holds it), the first kt_gpu_resident_experts of them in its
+        # own memory; by default the measured balance of the two MXFP4 readers (engines/kt/experts/mapped.py)
         options = OperatorOptions(max_tokens=prefill.chunk_size + context.max_concurrent, cpu_threads=kt.cpu_infer,
                                   methods={m: c.method for m, c in choices.items()},
                                   checkpoint=str(context.model_path), gpu_prefill_tokens=prefill.tokens,
