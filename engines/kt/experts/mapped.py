@@ -58,8 +58,8 @@ MXFP4_TOKENS = 32
 # (bench/results/nvidia-h100-2026-11-26-fork/tune/; a host-issued copy read 53.9-54.3 GB/s on such machines). Every
 # share below is weighed with it, as kt-kernel's side is with its own rate alone (CPU_EXPERT_BYTES_PER_S).
 GPU_READ_BYTES_PER_S = 50e9
-# MXFP4 experts (V4's, as released; the GPU reads the same bytes), H200 machine with AMX, 2026-11-29,
-# `python -m bench.mapped_experts --shape v4-flash` (bench/results/nvidia-h200-2026-11-29-v4-share/): one token's
+# MXFP4 experts (V4's, as released; the GPU reads the same bytes), H200 machine with AMX, 2026-11-28,
+# `python -m bench.mapped_experts --shape v4-flash` (bench/results/nvidia-h200-2026-11-28-v4-share/): one token's
 # six experts of a V4-Flash layer (80.2 MB) took kt-kernel's MXFP4 kernel alone 2.142 ms (37.4 GB/s; calls of 2-8
 # tokens read at 22-26 GB/s), the kernels alone 48.3 GB/s. Their balance, 144 of 256 experts, sits in the flat
 # optimum measured there at one token (96-160: 1.38-1.39 ms a layer, against 2.14 with kt-kernel alone).
