@@ -138,3 +138,36 @@ def test_a_budget_holding_no_expert_says_so(host):
 def test_nothing_streams_by_default_where_torch_sees_no_cuda(host, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve(host).why == "no GPU in the placement"
+
+
+def streamers_of(*streamers) -> SimpleNamespace:
+    return SimpleNamespace(streamers=SimpleNamespace(active=lambda: list(streamers)))
+
+
+def streamer(form: str, held: list[int], nbytes: int, gbps: float) -> SimpleNamespace:
+    layers = {i: SimpleNamespace(form=form, held=n, nbytes=nbytes) for i, n in enumerate(held)}
+    return SimpleNamespace(layers=layers, pcie_bytes_per_s=gbps * 1e9, device=torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("form", ["int8", "mxfp4"], ids=["v2-v3-int8-copies", "v4-mxfp4-copies"])
+def test_every_family_reports_streamed_prompts_under_the_same_engine_detail_keys(form):
+    """/version's details of a streaming engine, whatever the family (both call streaming_details): the threshold,
+    each layer's experts with copies (the fewest), what the copies are with the bytes pinned, the copy rate."""
+    from engines.kt.families.expert_notes import StreamedPrefill, streaming_details
+
+    options = streamers_of(streamer(form, [8, 6], 2_500_000_000, 55.14), streamer(form, [8], 1_000_000_000, 52.0))
+    details = streaming_details(options, StreamedPrefill(128, None, 8192))
+    assert details == {"gpu_prefill_tokens": "128", "gpu_prefill_experts": "6",
+                       "gpu_prefill_copies": f"{form} copies, 6.00 GB pinned", "gpu_prefill_copy_gbps": "52.0"}
+
+
+def test_where_no_prompt_streams_the_engine_details_say_why_under_the_one_key():
+    from engines.kt.families.expert_notes import StreamedPrefill, streaming_details
+
+    off = StreamedPrefill(0, None, 2048, "no GPU in the placement")
+    assert streaming_details(streamers_of(), off) == {
+        "gpu_prefill_tokens": "0: every routed expert of a prompt on the CPU (no GPU in the placement)"}
+    no_layer = StreamedPrefill(16, None, 2048)  # asked for, but no expert layer's output is on a GPU
+    assert streaming_details(streamers_of(), no_layer) == {
+        "gpu_prefill_tokens": "0: every routed expert of a prompt on the CPU (no CPU-expert layer sends its output "
+                              "to a GPU)"}

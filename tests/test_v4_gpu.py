@@ -219,7 +219,7 @@ def test_v4_prompts_streaming_their_mxfp4_experts_keep_the_logprobs_of_kt_kernel
 
     details = v4_streaming.engine.info.details
     assert details["gpu_prefill_tokens"] == "16"
-    assert "mxfp4 copies" in details["gpu_prefill_experts"], details["gpu_prefill_experts"]
+    assert "mxfp4 copies" in details["gpu_prefill_copies"], details["gpu_prefill_copies"]
     layers = [m for m in v4_streaming.engine._runner.model.modules()
               if isinstance(m, RoutedExpertsCPU) and m.streamer is not None]
     assert layers and all(m.streamer.layers[m.layer_idx].form == "mxfp4" for m in layers)

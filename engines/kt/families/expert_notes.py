@@ -214,6 +214,24 @@ def log_streamed_experts(options: OperatorOptions, prefill: StreamedPrefill) -> 
                  what, pinned / s.pcie_bytes_per_s, chunk_size)
 
 
+def streaming_details(options: OperatorOptions, prefill: StreamedPrefill) -> dict[str, str]:
+    """Say in the start-up log (`log_streamed_experts`) and return for the engine details whether prompt chunks
+    stream the routed experts to the GPU: `gpu_prefill_tokens` (the threshold, or "0: ..." with why not), and
+    where they stream `gpu_prefill_experts` (each layer's experts with copies, the fewest of any layer),
+    `gpu_prefill_copies` (what the copies are and how much is pinned) and `gpu_prefill_copy_gbps` (the measured
+    copy rate) — the same keys for every family."""
+    log_streamed_experts(options, prefill)
+    streaming = options.streamers.active()
+    if not prefill.tokens or not streaming:
+        return {"gpu_prefill_tokens": prefill.off_detail()}
+    pinned = sum(h.nbytes for s in streaming for h in s.layers.values())
+    return {"gpu_prefill_tokens": str(prefill.tokens),
+            "gpu_prefill_experts": str(min(h.held for s in streaming for h in s.layers.values())),
+            "gpu_prefill_copies": (f"{' and '.join(sorted({streamed_from(s) for s in streaming}))}, "
+                                   f"{pinned / 1e9:.2f} GB pinned"),
+            "gpu_prefill_copy_gbps": f"{min(s.pcie_bytes_per_s for s in streaming) / 1e9:.1f}"}
+
+
 def streamed_expert_count(kt: KTOptions, model: Any, config: Any, bits: int = 8, mxfp4: bool = False,
                           tokens: int = 0) -> int | None:
     """How many of each layer's experts keep streamed copies (`bits`-bit ones, or MXFP4 as released with `mxfp4`)

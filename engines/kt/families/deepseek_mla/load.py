@@ -16,7 +16,7 @@ from engines.kt.attention.kv_cache import PAGE_TOKENS, LatentKVCache
 from engines.kt.experts.cpu import RoutedExpertsCPU
 from engines.kt.experts.methods import default_method, normalize_method, unavailable_reason
 from engines.kt.families.base import LoadContext, LoadedModel, ModelFamily
-from engines.kt.families.expert_notes import decode_reads, log_streamed_experts, streamed_prefill
+from engines.kt.families.expert_notes import decode_reads, streamed_prefill, streaming_details
 from engines.kt.loader import load_checkpoint, missing_tensors
 from engines.kt.options import KTOptions
 from engines.kt.placement.operators import OperatorOptions, fuse_rms_norms
@@ -101,7 +101,7 @@ def load_mla(family: ModelFamily, context: LoadContext, variant: MLAVariant = ML
             runner.capture_decode_graphs(context.decode_rows(head is not None))
         else:
             log.info("kt_use_cuda_graph: no GPU in the placement; decode runs without CUDA graphs")
-    log_streamed_experts(options, prefill)
+    streamed = streaming_details(options, prefill)
     if cpu_experts and all_on_gpus:
         # every thread but kt-kernel's workers is GPU-side work (launching, sampling, the stream callbacks)
         if kt.kt_isolate_workers:
@@ -123,13 +123,7 @@ def load_mla(family: ModelFamily, context: LoadContext, variant: MLAVariant = ML
     log.info("%s: %s, experts on the CPU: %s", model_path.name, dtype, cpu_experts)
     details = loaded.details
     details["attention_backend"] = "torch" if flash is None else "flashinfer"
-    streaming = options.streamers.active()
-    if streaming and prefill.tokens:
-        details["gpu_prefill_tokens"] = str(prefill.tokens)
-        details["gpu_prefill_copy_gbps"] = f"{min(s.pcie_bytes_per_s for s in streaming) / 1e9:.1f}"
-        details["gpu_prefill_experts"] = str(min(h.held for s in streaming for h in s.layers.values()))
-    else:
-        details["gpu_prefill_tokens"] = prefill.off_detail()
+    details.update(streamed)
     details.update(reads)
     if runner.isolation.spare:
         details["server_thread_cores"] = ",".join(map(str, sorted(runner.isolation.spare)))

@@ -40,7 +40,7 @@ class DeepseekV4Family(ModelFamily):
         from engines.kt.engine import expert_methods_for, torch_thread_count
         from engines.kt.families.deepseek_v4.hyper import install_fused_hyper_connections
         from engines.base import DEFAULT_CHUNK_SIZE
-        from engines.kt.families.expert_notes import decode_reads, streamed_prefill
+        from engines.kt.families.expert_notes import decode_reads, streamed_prefill, streaming_details
         from engines.kt.families.deepseek_v4.loader import load_v4_checkpoint
         from engines.kt.families.deepseek_v4.mtp import V4DraftHead, add_draft_block
         from engines.kt.families.deepseek_v4.runner import V4ModelRunner
@@ -88,7 +88,7 @@ class DeepseekV4Family(ModelFamily):
                    "hyper_connections": hyper}
         for choice in choices.values():
             details.update(choice.describe())
-        details.update(_streaming_details(options, prefill))
+        details.update(streaming_details(options, prefill))
         details.update(decode_reads(model, kt, options))
         cpu_experts = any(c.method for c in choices.values())
         threads = torch_thread_count(kt.cpu_infer, gpu) if cpu_experts else None
@@ -146,24 +146,6 @@ def _draft_layer(context: LoadContext) -> tuple[int | None, str | None]:
         return None, (f"{context.model_path.name} has no multi-token-prediction layer ({MARKER} is not in the "
                       "checkpoint)")
     return config.num_hidden_layers, None
-
-
-def _streaming_details(options: Any, prefill: Any) -> dict[str, str]:
-    """Say in the start-up log and the engine details whether prompt chunks stream the routed experts to the GPU
-    (kt_gpu_prefill_tokens) and from what."""
-    from engines.kt.families.expert_notes import log_streamed_experts, streamed_from
-
-    tokens = prefill.tokens
-    log_streamed_experts(options, prefill)
-    streaming = options.streamers.active()
-    if not tokens or not streaming:
-        return {"gpu_prefill_tokens": prefill.off_detail()}
-    pinned = sum(h.nbytes for s in streaming for h in s.layers.values())
-    return {"gpu_prefill_tokens": str(tokens),
-            "gpu_prefill_experts": (f"prompt chunks of >= {tokens} tokens stream the routed experts to the GPU from "
-                                    f"{' and '.join(sorted({streamed_from(s) for s in streaming}))}, "
-                                    f"{pinned / 1e9:.2f} GB pinned, copied at "
-                                    f"{min(s.pcie_bytes_per_s for s in streaming) / 1e9:.1f} GB/s")}
 
 
 def _capture_graphs(context: LoadContext, runner: Any, gpu: bool, drafting: bool, chunk_size: int) -> str:
