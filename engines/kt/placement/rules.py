@@ -212,6 +212,11 @@ class Placement:
     transfer_map: dict[int, str]  # layer index -> device the hidden states move to before that layer
     default_device: str  # the model's own device (the root module)
 
+    @property
+    def uses_gpu(self) -> bool:
+        """Whether any module's weights lie on a CUDA device."""
+        return any(d.startswith("cuda") for d in self.devices.values())
+
     def device_of_param(self, param_name: str) -> str:
         """Device for a parameter or buffer named as in the original model's state dict."""
         path = param_name

@@ -55,7 +55,7 @@ def load_mla(family: ModelFamily, context: LoadContext, variant: MLAVariant = ML
     placement = plan_placement(model, context.rules, default_device="cpu", fold=context.fold)
     default = default_method(source.experts_form)
     choices = expert_methods_for(placement, explicit, rule_file, config, default, source)
-    gpu = any(d.startswith("cuda") for d in placement.devices.values())
+    gpu = placement.uses_gpu
     prefill = streamed_prefill(kt, model, config, {c.method for c in choices.values()}, gpu, context.chunk_size)
     options = OperatorOptions(max_tokens=prefill.chunk_size + context.max_concurrent, cpu_threads=kt.cpu_infer,
                               methods={m: c.method for m, c in choices.items()}, checkpoint=str(source.path),

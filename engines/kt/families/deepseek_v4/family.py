@@ -63,7 +63,7 @@ class DeepseekV4Family(ModelFamily):
         # released MXFP4 bytes for the MXFP4 method), of the first experts kt_gpu_prefill_memory holds; by default
         # where the host holds the copies, in chunks of the usual size (longer ones are not measured with V4's
         # attention)
-        gpu = any(d.startswith("cuda") for d in placement.devices.values())
+        gpu = placement.uses_gpu
         prefill = streamed_prefill(kt, model, config, {c.method for c in choices.values()}, gpu, context.chunk_size,
                                    streamed_chunk=DEFAULT_CHUNK_SIZE)
         # decode steps read a share of those copies on the GPU (kt_gpu_read_experts); without streaming, the GPU
