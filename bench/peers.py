@@ -571,9 +571,12 @@ def peers_lines(section: dict) -> list[str]:
                              f"{e[what] if isinstance(e[what], str) else '; '.join(e[what])}")
     builds = [section.get("build")] + [m.get("build") for m in section.get("merged_from", [])]
     for name, b in ((n, b) for build in builds for n, b in (build or {}).items()):
-        lines.append(f"build {name}: " + ("reused" if b.get("reused") else
-                     f"{b.get('steps_done')}/{b.get('steps_total')} steps in {b.get('seconds')} s"
-                     + ("" if b.get("finished") else " (unfinished)") + (f" {b['failed']}" if b.get("failed") else "")))
+        line = f"build {name}: " + ("reused" if b.get("reused") else
+                                    f"{b.get('steps_done')}/{b.get('steps_total')} steps in {b.get('seconds')} s"
+                                    + ("" if b.get("finished") else " (unfinished)")
+                                    + (f" {b['failed']}" if b.get("failed") else ""))
+        if line not in lines:  # merged calls that each reused the same build say so once
+            lines.append(line)
     return lines
 
 

@@ -437,3 +437,12 @@ def test_ktserve_streams_prompts_by_default_and_its_cpu_prefill_row_measures_eac
     assert entry["name"] == CPU_PREFILL_ROW_NAME
     for key in ("decode", *(f"prefill_{n}" for n in bench.plan.ttft_prompts), "clients_16", "clients_32"):
         assert entry["figures"][key]["value"] > 0, key
+
+
+def test_merged_calls_that_reused_the_same_builds_say_so_once():
+    from bench.peers import peers_lines
+
+    reused = {"llama.cpp": {"reused": True}, "ik_llama.cpp": {"reused": True}}
+    section = {"engines": [], "build": reused, "merged_from": [{"build": reused}, {"build": reused}]}
+    builds = [line for line in peers_lines(section) if line.startswith("build ")]
+    assert builds == ["build llama.cpp: reused", "build ik_llama.cpp: reused"]
