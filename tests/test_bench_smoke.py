@@ -193,6 +193,10 @@ def test_bench_expert_streaming_refuses_held_counts_that_are_not_positive_whole_
 def test_bench_mapped_experts_refuses_shares_past_the_experts_and_calls_past_the_kernels():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     for args, message in ((["--shares", "0,65"], "--shares: expected 'auto' or whole numbers up to 64, got '0,65'"),
+                          (["--shape", "v4-flash", "--shares", "144,257"],
+                           "--shares: expected 'auto' or whole numbers up to 256, got '144,257'"),
+                          (["--shape", "v4-flash", "--method", "AMXINT8"],
+                           "--method: the v4-flash layers hold released MXFP4 experts, read by the MXFP4 method only"),
                           (["--tokens", "1,129"], "--tokens: calls of at most 128 tokens go through the mapped experts")):
         done = subprocess.run([sys.executable, "-m", "bench.mapped_experts", *args], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=SMOKE_TIMEOUT)
