@@ -280,3 +280,14 @@ def test_cached_copies_of_the_other_width_are_not_read(tmp_path):
 def test_experts_go_to_the_gpu_side_only_where_it_holds_and_computes_them(kwargs, why):
     with pytest.raises(ValueError, match=why):
         owned_layer(7, **kwargs)
+
+
+def test_a_v4_flash_layer_hands_the_gpu_144_of_its_256_mxfp4_experts_by_default_streamed_or_owned(monkeypatch):
+    """The README's default: the balance of kt-kernel's and the kernels' measured MXFP4 read rates, the same count
+    whether decode calls read the streamed copies or the GPU owns the experts."""
+    import engines.kt.experts.mapped as mapped
+
+    monkeypatch.setattr(mapped, "triton_available", lambda: True)
+    assert mapped.default_read_share("MXFP4", 256, 256, 4096, 2048) == 144
+    assert mapped.owned_experts(None, "MXFP4", 4, 256, top_k=6) == 144
+    assert mapped.default_read_share("MXFP4", 256, 100, 4096, 2048) == 100  # never more than the copies held
