@@ -126,15 +126,13 @@ class Settings(BaseModel):
         gt=0)
     kt_gpu_read_experts: int | None = engine_setting(
         None, "how many of each MoE layer's experts (the first ones) the GPU computes, reading their copies (int8, "
-              "int4 for 4-bit methods) straight from pinned host memory in calls of up to 128 tokens (and streaming "
-              "them for longer prompt chunks), while kt-kernel computes the rest and no longer holds these: host "
-              "memory stays one copy of the experts. Needs the layer's output on a GPU and Triton. Default: the "
-              "balance of the two readers for 8- and 4-bit methods (32 of V2-Lite's 64 for AMXINT8 and AMXINT4), "
-              "none for 16-bit ones (int8 copies would lose BF16's precision; RAWINT4 and LLAMAFILE are never "
-              "split); 0: off. With "
-              "kt_gpu_prefill_tokens: how many of the streamed copies (DeepSeek-V4: the released MXFP4 ones) "
-              "decode steps read that way. DeepSeek-V4's MXFP4 experts go to the GPU only where this asks (none by "
-              "default), as the released bytes", ge=0)
+              "int4 for 4-bit methods, DeepSeek-V4's MXFP4 as released) straight from pinned host memory in calls "
+              "of up to 128 tokens (and streaming them for longer prompt chunks), while kt-kernel computes the rest "
+              "and no longer holds these: host memory stays one copy of the experts. Needs the layer's output on a "
+              "GPU and Triton. Default: the balance of the two readers' measured rates for 8- and 4-bit methods "
+              "(32 of V2-Lite's 64 for AMXINT8 and AMXINT4) and for MXFP4 (144 of V4-Flash's 256), none for 16-bit "
+              "ones (int8 copies would lose BF16's precision; RAWINT4 and LLAMAFILE are never split); 0: off. With "
+              "kt_gpu_prefill_tokens: how many of the streamed copies decode steps read that way", ge=0)
     kt_gpu_resident_experts: int = engine_setting(
         0, "how many of each MoE layer's experts (the first ones) the GPU keeps in its own memory as copies (int8, "
            "int4 for 4-bit methods, DeepSeek-V4's MXFP4 as released) and "
