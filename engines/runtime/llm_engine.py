@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from engines.base import (
-    DEFAULT_CHUNK_SIZE, Engine, EngineConfig, EngineStats, EngineUnavailableError, GenerationOutput, GenerationRequest, Grammar,
-    InvalidRequestError, ModelInfo, RequestHandle, UnsupportedError, engine_options,
+    DEFAULT_CHUNK_SIZE, Engine, EngineConfig, EngineStats, EngineUnavailableError, GenerationOutput,
+    GenerationRequest, Grammar, InvalidRequestError, ModelInfo, RequestHandle, UnsupportedError, engine_options,
 )
 from engines.model_files import parameter_count, weights_size
 from engines.runtime.detokenizer import IncrementalDetokenizer

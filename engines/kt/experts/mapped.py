@@ -102,6 +102,13 @@ def default_read_share(method: str, num_experts: int, held: int, hidden: int, in
 OWNABLE_METHODS = frozenset({"AMXINT8", "AMXINT4", "BF16", "FP8", "MXFP4"})
 
 
+def copies_as_precise(method: str) -> bool:
+    """Whether the GPU's copies of `method`'s experts hold what kt-kernel computes (MXFP4 as released, int8 / int4
+    copies of 8- and 4-bit methods): the methods whose experts it takes by default, owned or streamed."""
+    spec = METHODS[method]
+    return method in OWNABLE_METHODS and (spec.weights == "mxfp4" or copy_bits(spec.bits) == spec.bits)
+
+
 def owned_experts(setting: int | None, method: str, bits: int, num_experts: int, top_k: int) -> int:
     """How many of a layer's experts (the first ones) the GPU owns, computing them in every call from its copies
     (int8, or int4 for 4-bit methods: `copy_bits`) in pinned host memory instead of kt-kernel
@@ -114,12 +121,10 @@ def owned_experts(setting: int | None, method: str, bits: int, num_experts: int,
     if method not in OWNABLE_METHODS:
         return 0
     if setting is None:
-        if method == "MXFP4":
-            setting = _mxfp4_balance(num_experts, num_experts)
-        elif copy_bits(bits) != bits:
+        if not copies_as_precise(method):
             return 0
-        else:
-            setting = decode_experts(num_experts, num_experts, bits / 8, copy_bits(bits) / 8)
+        setting = (_mxfp4_balance(num_experts, num_experts) if METHODS[method].weights == "mxfp4"
+                   else decode_experts(num_experts, num_experts, bits / 8, copy_bits(bits) / 8))
     if setting <= 0 or not triton_available():
         return 0
     return max(0, min(setting, num_experts - top_k))

@@ -14,7 +14,7 @@ import torch
 from engines.base import DEFAULT_CHUNK_SIZE
 from engines.kt.experts.cpu import RoutedExpertsCPU
 from engines.kt.experts.mapped import MAX_TOKENS as MAPPED_MAX_TOKENS
-from engines.kt.experts.mapped import OWNABLE_METHODS, triton_available
+from engines.kt.experts.mapped import copies_as_precise, triton_available
 from engines.kt.experts.methods import METHODS, memory_available
 from engines.kt.experts.streaming import ExpertStreamer, copy_bits, expert_copy_bytes, experts_within
 from engines.kt.options import KTOptions
@@ -84,7 +84,7 @@ def auto_prefill_tokens(kt: KTOptions, model: Any, config: Any, methods: set[str
         return 0, "no GPU in the placement"
     if not methods:
         return 0, "no routed experts on the CPU"
-    coarser = sorted(m for m in methods if not _copies_as_precise(m))
+    coarser = sorted(m for m in methods if not copies_as_precise(m))
     if coarser:
         return 0, (f"the GPU's copies of {'/'.join(coarser)} experts would not be as precise as kt-kernel's form "
                    "(kt_gpu_prefill_tokens=N streams anyway)")
@@ -106,13 +106,6 @@ def auto_prefill_tokens(kt: KTOptions, model: Any, config: Any, methods: set[str
                    f"than {AUTO_HOST_SHARE:.0%} of the host memory available ({have}); kt_gpu_prefill_tokens=N "
                    "streams anyway, kt_gpu_prefill_memory=GB a share of them")
     return AUTO_PREFILL_TOKENS, ""
-
-
-def _copies_as_precise(method: str) -> bool:
-    """Whether the GPU's copies of `method`'s experts hold what kt-kernel computes (MXFP4 as released, int8 / int4
-    copies of 8- and 4-bit methods), as the experts it owns by default do (engines/kt/experts/mapped.py)."""
-    spec = METHODS[method]
-    return method in OWNABLE_METHODS and (spec.weights == "mxfp4" or copy_bits(spec.bits) == spec.bits)
 
 
 def _expert_layers(model: Any) -> int:
