@@ -122,15 +122,16 @@ class V4Batch:
 
     def segments(self, pieces: list[Piece], spans: list[tuple[str | None, int, int]], embeds: torch.Tensor,
                  positions: torch.Tensor) -> list[_Segment]:
-        """What each piece's cached attention needs: its rows, positions and sliding-window mask."""
+        """What each piece's cached attention needs: its rows, positions and sliding-window mask (None for one
+        row: the cache keeps the window's other positions, so a decode token sees every key it holds)."""
         from transformers.masking_utils import create_sliding_window_causal_mask
 
         segments = []
         for p, (adapter, first, n) in zip(pieces, spans):
             cut = slice(first, first + n)
-            mask = create_sliding_window_causal_mask(config=self.config, inputs_embeds=embeds[:, cut],
-                                                     attention_mask=None, cache=p.cache,
-                                                     position_ids=positions[:, cut])
+            mask = None if n == 1 else create_sliding_window_causal_mask(
+                config=self.config, inputs_embeds=embeds[:, cut], attention_mask=None, cache=p.cache,
+                position_ids=positions[:, cut])
             segments.append(_Segment(row=first, n=n, cache=p.cache, positions=positions[:, cut], mask=mask,
                                      rows=AdapterRows.uniform(adapter), record=p.record))
         return segments
@@ -187,14 +188,12 @@ class V4Batch:
             compressed, bias = attn.compressor(x, q_residual, s.positions, s.cache, attn.layer_idx)
             kv = torch.cat([kv, compressed], dim=2)
         mask = s.mask
-        if isinstance(mask, torch.Tensor) and kv.shape[2] > mask.shape[-1]:
+        if mask is None and bias is not None:  # one row: every key of the window, the indexer's picks after them
+            mask = F.pad(bias, (kv.shape[2] - bias.shape[-1], 0), value=0.0)
+        elif isinstance(mask, torch.Tensor) and kv.shape[2] > mask.shape[-1]:
             mask = (torch.cat([mask, bias.to(mask.dtype)], dim=-1) if bias is not None
                     else F.pad(mask, (0, kv.shape[2] - mask.shape[-1]), value=0.0))
-        interface = self.v4.ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
-                                                                  self.v4.eager_attention_forward)
-        out, _ = interface(attn, q, kv, kv, mask, dropout=0.0, scaling=attn.scaling,
-                           sliding_window=attn.sliding_window, s_aux=attn.sinks)
-        return out
+        return attend(q, kv, mask, attn.scaling, attn.sinks)
 
     @staticmethod
     def _moe(mlp: nn.Module, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -208,6 +207,23 @@ class V4Batch:
         experts.submit(flat, indices, weights)
         shared = mlp.shared_experts(flat)
         return (experts.wait().to(x.dtype) + shared).view_as(x)
+
+
+def attend(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, scaling: float, sinks: torch.Tensor
+           ) -> torch.Tensor:
+    """V4's attention over one shared key-value head with a sink per head: transformers' `eager_attention_forward`
+    for V4, its products, shapes and dtypes, with the key-value head broadcast to the query heads rather than
+    copied once per head. q [1, heads, n, d], kv [1, 1, keys, d], an additive mask broadcast over heads
+    ([1, 1, n, keys]) or None. [1, n, heads, d]."""
+    heads = q.shape[1]
+    keys = kv[0, 0]
+    scores = torch.matmul(q[0], keys.transpose(0, 1).expand(heads, -1, -1)) * scaling  # [heads, n, keys]
+    if mask is not None:
+        scores = scores + mask[0]
+    logits = torch.cat([scores, sinks.view(heads, 1, 1).expand(-1, scores.shape[1], 1)], dim=-1)  # promoted as there
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(keys.dtype)
+    return torch.matmul(probs, keys.expand(heads, -1, -1)).unsqueeze(0).transpose(1, 2).contiguous()
 
 
 def flat_rows(pieces: list[Piece]) -> tuple[torch.Tensor, torch.Tensor, list[tuple[str | None, int, int]]]:
