@@ -146,7 +146,7 @@ def _memory() -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from bench.engine_runs import generate
+    from bench.engine_runs import generate, step_breakdown
     from bench.shapes import prompt_ids
     from engines.base import EngineConfig
     from engines.kt.engine import KTEngine
@@ -189,11 +189,18 @@ def run(args: argparse.Namespace) -> dict:
                 return None
             return figure["value"] / (1000.0 if figure.get("unit") == "ms" else 1.0)
 
+        after = engine.stats()
         figures = [g.figures() for g in gens]
         decode = [1.0 / value(f["tpot_median"]) for f in figures if value(f.get("tpot_median"))]
-        return {"clients": clients, "prompt_tokens": prompt_len, "ttft_s": value(figures[0]["ttft"]),
-                "decode_tok_s_per_client": sum(decode) / len(decode) if decode else None,
-                "decode_tok_s_total": sum(decode) if decode else None}
+        out = {"clients": clients, "prompt_tokens": prompt_len, "ttft_s": value(figures[0]["ttft"]),
+               "decode_tok_s_per_client": sum(decode) / len(decode) if decode else None,
+               "decode_tok_s_total": sum(decode) if decode else None}
+        if clients == 1 and gens[0].stats_at_first_token is not None:
+            # the decode steps' wall time and what came after the forward (sampling, delivery); the V4 runner does
+            # not time its GPU and expert parts (`python -m bench.v4_trace` does)
+            steps = step_breakdown(gens[0].stats_at_first_token, after).get("step_breakdown", {})
+            out["step_breakdown"] = {k: steps[k] for k in ("steps", "step", "after_forward") if k in steps}
+        return out
 
     results["decode_batch1"] = once(64, 32)
     results["ttft"] = [once(n, 2) for n in (2048, 8192) if time.perf_counter() < deadline]

@@ -108,7 +108,7 @@ def _parts(timer: PartTimer, wall: float, count: int) -> dict:
 
 def trace(runner, device: torch.device, vocab: int, prompt: int, chunk: int, steps: int) -> dict:
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(100, vocab, (prompt + 3 * steps + 8,), generator=generator).tolist()
+    ids = torch.randint(100, vocab, (prompt + 5 * steps + 8,), generator=generator).tolist()
     timer = PartTimer(device)
     instrument(runner, timer)
     sync = timer.sync
@@ -148,8 +148,9 @@ def _profiled_decode(runner, ids: list[int], at: int, steps: int, cache, device:
         _step(runner, ids, at + i, at + i + 1, cache, graphs=True)
     sync()
     wall = time.perf_counter() - started
+    issued = _issue_times(runner, ids, at + steps, steps, cache, sync)
     with profile(activities=activities) as prof:
-        for i in range(steps, 2 * steps):
+        for i in range(2 * steps, 3 * steps):
             _step(runner, ids, at + i, at + i + 1, cache, graphs=True)
         sync()
     events = prof.key_averages()
@@ -159,13 +160,92 @@ def _profiled_decode(runner, ids: list[int], at: int, steps: int, cache, device:
         kernels = sum(e.count for e in events if e.key.startswith("aten::") and e.cpu_children == [])
     top = sorted(events, key=lambda e: e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total,
                  reverse=True)[:12]
-    return {"decode_step_ms": round(wall / steps * 1e3, 3),
+    kernel_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                    ) if device.type == "cuda" else 0.0
+    return {"decode_step_ms": round(wall / steps * 1e3, 3), **issued,
+            "gpu_kernel_ms_per_step": round(kernel_us / steps / 1e3, 3) if device.type == "cuda" else None,
             "path": getattr(runner.graphs, "describe", lambda: "eager")() if runner.graphs is not None else "eager",
             "kernels_per_step": round(kernels / steps, 1), "kernels_per_step_per_layer": round(kernels / steps / layers, 1),
             "kernels_counted": "CUDA kernels" if device.type == "cuda" else "leaf aten ops (no GPU)",
             "top": [{"name": e.key[:80], "count_per_step": round(e.count / steps, 1),
                      "self_us_per_step": round((e.self_device_time_total if device.type == "cuda"
-                                                else e.self_cpu_time_total) / steps, 1)} for e in top]}
+                                                else e.self_cpu_time_total) / steps, 1)} for e in top],
+            "host_top": [{"name": e.key[:80], "count_per_step": round(e.count / steps, 1),
+                          "self_cpu_us_per_step": round(e.self_cpu_time_total / steps, 1)}
+                         for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]]}
+
+
+def _issue_times(runner, ids: list[int], at: int, steps: int, cache, sync) -> dict:
+    """Decode steps as the engine runs them, each one started with the stream idle: how long the host takes to
+    queue a step (`host_issue_ms`: until the step's call returns, nothing waited for), how much of that is each
+    sequence's cached attention (`cached_attention_host_ms`, run eagerly between the graphs), and how long until
+    the stream has run it (`step_from_idle_ms`). Where the first is close to the last, the step waits on the host.
+
+    `timeline`: at each graph replay and cached attention of the step (in order), when the host reached it
+    (`host_ms`, from the step's start) and when the stream had run everything queued before it (`gpu_ms`, a CUDA
+    event recorded there): where `gpu_ms` is close to `host_ms`, the GPU sat waiting for the host to get there.
+    `host_to_next_ms`: the host's time from there to the next mark over the steps (mean, min, max)."""
+    issue = done = cached = 0.0
+    batch, graphs = runner.batch, runner.graphs
+    cuda = runner.head_device.type == "cuda"
+    marks: list[tuple[str, float, object]] = []
+    timeline: dict[str, list[float]] = {}
+    started = 0.0
+
+    def mark(name: str) -> None:
+        event = None
+        if cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        marks.append((name, (time.perf_counter() - started) * 1e3, event))
+
+    inner = batch.cached_attention
+
+    def timed(*args, **kwargs):
+        nonlocal cached
+        mark(f"attention {sum(m[0].startswith('attention') for m in marks)}")
+        begun = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            cached += time.perf_counter() - begun
+
+    replays = []
+    for k, graph in enumerate((graphs.graphs.get(1) or []) if graphs is not None else []):
+        def replay(graph=graph, k=k, original=graph.replay):
+            mark(f"replay {k}")
+            return original()
+        replays.append((graph, graph.replay))
+        graph.replay = replay
+    batch.cached_attention = timed
+    try:
+        for i in range(steps):
+            sync()
+            marks.clear()
+            begin = torch.cuda.Event(enable_timing=True) if cuda else None
+            started = time.perf_counter()
+            if begin is not None:
+                begin.record()
+            _step(runner, ids, at + i, at + i + 1, cache, graphs=True)
+            issue += time.perf_counter() - started
+            mark("issued")
+            sync()
+            done += time.perf_counter() - started
+            for (name, host_ms, event), after in zip(marks, marks[1:] + [("", 0.0, None)]):
+                timeline.setdefault(name, []).append((host_ms, begin.elapsed_time(event) if cuda else 0.0,
+                                                      after[1] - host_ms if after[0] else 0.0))
+    finally:
+        del batch.cached_attention
+        for graph, original in replays:
+            graph.replay = original
+    return {"host_issue_ms": round(issue / steps * 1e3, 3), "cached_attention_host_ms": round(cached / steps * 1e3, 3),
+            "step_from_idle_ms": round(done / steps * 1e3, 3),
+            "timeline": [{"at": name, "host_ms": round(sum(t[0] for t in v) / steps, 3),
+                          "gpu_ms": round(sum(t[1] for t in v) / steps, 3) if cuda else None,
+                          "host_to_next_ms": {"mean": round(sum(t[2] for t in v) / steps, 3),
+                                              "min": round(min(t[2] for t in v), 3),
+                                              "max": round(max(t[2] for t in v), 3)}}
+                         for name, v in timeline.items()]}
 
 
 def drafted(root, config: dict, threads: int | None, steps: int) -> dict:
