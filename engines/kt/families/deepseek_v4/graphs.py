@@ -74,8 +74,9 @@ class V4StepGraphs:
                     out = self.outputs[rows][k]
                 else:
                     out = self._eagerly(k, rows, out)
-                if k == 0:
-                    segments = self.batch.segments(pieces, spans, out["embeds"][:, :n], positions.to(self.device))
+                if k == 0:  # the positions already copied to the device (a copy from the host would wait for the
+                    # stream to run segment 0), cloned: a verified draft's record keeps them past the step
+                    segments = self.batch.segments(pieces, spans, out["embeds"][:, :n], self.positions[:, :n].clone())
                 if k < len(self.layers):
                     attended = self.batch.cached_attention(self.layers[k].self_attn, out["before"].first(n), segments)
                     self.attended[:, :n].copy_(attended)

@@ -113,7 +113,7 @@ class V4ModelRunner(ModelRunner):
         picked = [torch.arange(first, first + n) for first, n in wanted if n]
         if not picked:
             return [None] * len(chunks)
-        rows = torch.cat(picked).to(streams.device)
+        rows = torch.cat(picked).to(streams.device, non_blocking=True)  # not waiting for the step's GPU work
         logits = self.model.lm_head(self.batch.final(streams.index_select(0, rows)).to(self.head_device)).float()
         out: list[torch.Tensor | None] = []
         at = 0
