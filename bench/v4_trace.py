@@ -17,9 +17,11 @@ beside the shared expert): the sum is slower than a real step, each part shows i
 * `rest` — the step's wall time less the parts: norms, rope, masks, the sliding-window cache, the attention
   kernel itself, `_mix`, Python.
 
-Then decode steps as the engine runs them (its CUDA graphs where it captured them: `path`), unsynchronized,
-under torch.profiler: `kernels_per_step` (kernel launches the GPU
-ran per decode step, per layer) and the real `decode_step_ms`. Prints one JSON object (also to --out/v4-trace.json).
+Then decode steps as the engine runs them (its CUDA graphs where it captured them: `path`), unsynchronized: the real
+`decode_step_ms`; steps started with the stream idle, timed on the host and by CUDA events (`host_issue_ms`,
+`step_from_idle_ms`, `timeline`: see `_issue_times`); and steps under torch.profiler: `kernels_per_step` (kernel
+launches the GPU ran per decode step, per layer), `gpu_kernel_ms_per_step`, the top kernels and the top host ops.
+Prints one JSON object (also to --out/v4-trace.json).
 """
 from __future__ import annotations
 
