@@ -18,6 +18,11 @@ LoRA: the step's `AdapterRows` cover the flat rows, and the linears that see all
 ([rows, features]: a LoRA'd linear picks its adapters' rows in dim 0); inside one sequence's cached part the
 context holds that sequence's adapter alone.
 
+A decode row (a piece of one row) takes a lighter way through its cached part, for the host's sake (a step queues
+every op of it from Python): no sliding-window mask (its cache holds only keys it may see), and on a CSA layer,
+where the row closes no compressor window, `csa_row` in place of the compressor module. `attend` is transformers'
+eager V4 attention without its copy of the shared key-value head per query head. Each gives the module's values.
+
 A piece that verifies a draft carries a `record` (caches.py: StepRecord): its cached part notes there the keys it
 appends and the compressor inputs it runs, so its cache can later be taken back to the draft's accepted length."""
 from __future__ import annotations
