@@ -21,6 +21,7 @@ Then decode steps as the engine runs them (its CUDA graphs where it captured the
 `decode_step_ms`; steps started with the stream idle, timed on the host and by CUDA events (`host_issue_ms`,
 `step_from_idle_ms`, `timeline`: see `_issue_times`); and steps under torch.profiler: `kernels_per_step` (kernel
 launches the GPU ran per decode step, per layer), `gpu_kernel_ms_per_step`, the top kernels and the top host ops.
+Last, `engine_decode`: one request decoded through the engine, where its step thread's time goes per token.
 Prints one JSON object (also to --out/v4-trace.json).
 """
 from __future__ import annotations
@@ -329,6 +330,57 @@ def drafted(root, config: dict, threads: int | None, steps: int) -> dict:
         engine.stop()
 
 
+def engine_decode(engine, vocab: int, tokens: int) -> dict:
+    """Decode as the engine serves it: one greedy request of `tokens` tokens after a 64-token prompt, its steps on
+    the engine's step thread. Per decode step, the host's time (nothing synchronized) in the runner's step
+    (`execute`), inside it in the step's parts and the logits (`hidden_streams`, `logits`), and in the sampler
+    (`sample`: it waits for the GPU); `outside` is the rest of the time per token (the step loop, delivery). Set
+    beside the trace's `host_issue_ms` and `step_from_idle_ms`, these say what the engine adds to a step."""
+    import asyncio
+
+    from bench.engine_runs import generate
+    from bench.shapes import prompt_ids
+
+    runner, sampler = engine._runner, engine._sampler
+    seconds: dict[str, float] = defaultdict(float)
+    decoding = {"on": False, "steps": 0}
+
+    def timed(name: str, fn, step: bool = False):
+        def wrapper(*args, **kwargs):
+            if step:
+                decoding["on"] = all(c.num_tokens == 1 and not c.draft for c in args[0])
+                decoding["steps"] += decoding["on"]
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if decoding["on"]:
+                    seconds[name] += time.perf_counter() - started
+        return wrapper
+
+    patched = [(runner, "execute", True), (runner, "_logits", False), (sampler, "sample_batch", False),
+               (runner.batch, "hidden_streams", False)] + (
+        [(runner.graphs, "hidden_streams", False)] if runner.graphs is not None else [])
+    for owner, name, step in patched:
+        setattr(owner, name, timed("hidden_streams" if name == "hidden_streams" else name.strip("_"),
+                                   getattr(owner, name), step))
+    try:
+        asyncio.run(generate(engine, prompt_ids(64, vocab, seed=6), 4, float("inf")))
+        seconds.clear()
+        decoding["steps"] = 0
+        run = asyncio.run(generate(engine, prompt_ids(64, vocab, seed=7), tokens + 1, float("inf")))
+    finally:
+        for owner, name, _ in patched:
+            delattr(owner, name)
+    times = run.token_times
+    steps = max(decoding["steps"], 1)
+    wall = (times[-1] - times[0]) / max(len(times) - 1, 1)
+    out = {"decode_steps": decoding["steps"], "wall_ms_per_token": round(wall * 1e3, 3)}
+    out.update({f"{k}_ms": round(v / steps * 1e3, 3) for k, v in seconds.items()})
+    out["outside_ms"] = round((wall - (seconds["execute"] + seconds["sample_batch"]) / steps) * 1e3, 3)
+    return out
+
+
 def _profiled_generate(engine, prompt: list[int], tokens: int, device: torch.device) -> dict:
     """One request of `tokens` tokens under the profiler, started and stopped on the engine's step thread (where
     its steps run): the top kernels by device time and the top host ops by their own time, per generated token."""
@@ -404,7 +456,8 @@ def main() -> int:
         result = {"shape": "v4-flash-quick" if args.quick else "v4-flash", "layers": config["num_hidden_layers"],
                   "build_s": round(built, 1), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                   "engine_details": dict(engine.info.details),
-                  **trace(runner, device, config["vocab_size"], args.prompt, args.chunk, args.steps)}
+                  **trace(runner, device, config["vocab_size"], args.prompt, args.chunk, args.steps),
+                  "engine_decode": engine_decode(engine, config["vocab_size"], 2 * args.steps)}
     finally:
         engine.stop()
     print_and_write(result, args.out, "v4-trace.json")
