@@ -61,9 +61,13 @@ class Attending(NamedTuple):
     kv: torch.Tensor
     q_residual: torch.Tensor
 
-    def first(self, n: int) -> "Attending":
-        """The first `n` rows of what the cached part reads, copied: a cache keeps keys and a verified draft's
-        record keeps its inputs past the step, while the buffers they come from get the next step's rows."""
+    def first(self, n: int, kept: bool) -> "Attending":
+        """The first `n` rows of what the cached part reads; copied where they are `kept` past the step (a verified
+        draft's record keeps its keys and compressor inputs), since the buffers they come from get the next step's
+        rows. Otherwise views: the cached part only reads them (the caches keep what they concatenate and project)."""
+        if not kept:
+            return Attending(self.post, self.comb, self.x[:, :n], self.q[:, :, :n], self.kv[:, :, :n],
+                             self.q_residual[:, :n])
         return Attending(self.post, self.comb, self.x[:, :n].clone(), self.q[:, :, :n], self.kv[:, :, :n].clone(),
                          self.q_residual[:, :n].clone())
 

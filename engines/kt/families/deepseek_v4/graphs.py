@@ -66,6 +66,7 @@ class V4StepGraphs:
         self.ids[:, :rows].copy_(torch.cat([ids, pad], dim=1), non_blocking=True)
         self.positions[:, :rows].copy_(torch.cat([positions, pad], dim=1), non_blocking=True)
         graphs, segments, out = self.graphs.get(rows), None, None
+        kept = any(p.record is not None for p in pieces)  # a verified draft's record keeps the cached parts' inputs
         self.replayed += graphs is not None
         with self.batch.lora.step(AdapterRows(spans)), device_scope(self.device):
             for k in range(len(self.layers) + 1):
@@ -74,11 +75,13 @@ class V4StepGraphs:
                     out = self.outputs[rows][k]
                 else:
                     out = self._eagerly(k, rows, out)
-                if k == 0:  # the positions already copied to the device (a copy from the host would wait for the
-                    # stream to run segment 0), cloned: a verified draft's record keeps them past the step
-                    segments = self.batch.segments(pieces, spans, out["embeds"][:, :n], self.positions[:, :n].clone())
+                if k == 0:  # the positions already on the device (a copy from the host would wait for the stream
+                    # to run segment 0)
+                    at = self.positions[:, :n]
+                    segments = self.batch.segments(pieces, spans, out["embeds"][:, :n], at.clone() if kept else at)
                 if k < len(self.layers):
-                    attended = self.batch.cached_attention(self.layers[k].self_attn, out["before"].first(n), segments)
+                    attended = self.batch.cached_attention(self.layers[k].self_attn, out["before"].first(n, kept),
+                                                           segments)
                     self.attended[:, :n].copy_(attended)
                     self.attended[:, n:rows].zero_()
         return out["hidden"][0, :n].clone()  # the next step's replay overwrites `out`
