@@ -241,14 +241,47 @@ def _issue_times(runner, ids: list[int], at: int, steps: int, cache, sync) -> di
         del batch.cached_attention
         for graph, original in replays:
             graph.replay = original
+    means = {name: (sum(t[0] for t in v) / steps, sum(t[1] for t in v) / steps, sum(t[2] for t in v) / steps)
+             for name, v in timeline.items()}
     return {"host_issue_ms": round(issue / steps * 1e3, 3), "cached_attention_host_ms": round(cached / steps * 1e3, 3),
             "step_from_idle_ms": round(done / steps * 1e3, 3),
-            "timeline": [{"at": name, "host_ms": round(sum(t[0] for t in v) / steps, 3),
-                          "gpu_ms": round(sum(t[1] for t in v) / steps, 3) if cuda else None,
-                          "host_to_next_ms": {"mean": round(sum(t[2] for t in v) / steps, 3),
+            "timeline": [{"at": name, "host_ms": round(means[name][0], 3),
+                          "gpu_ms": round(means[name][1], 3) if cuda else None,
+                          "host_to_next_ms": {"mean": round(means[name][2], 3),
                                               "min": round(min(t[2] for t in v), 3),
                                               "max": round(max(t[2] for t in v), 3)}}
-                         for name, v in timeline.items()]}
+                         for name, v in timeline.items()],
+            **(_by_layer_kind(means, runner.config.layer_types) if cuda and graphs is not None else {})}
+
+
+def _by_layer_kind(means: dict[str, tuple[float, float, float]], kinds: list[str]) -> dict:
+    """From the timeline's means (host ms, GPU ms, host ms to the next mark), each layer's host time (its cached
+    attention, then the replay of the segment after it) and GPU time (from its cached attention to the next one, or
+    to the step's end: the last layer's includes the head), averaged by attention kind; and those added up over V4-Flash's 43 layers (computed, not measured: whether a
+    full-depth step would wait for the host)."""
+    from bench.v4_flash import FLASH_RATIOS
+
+    per_kind: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    replays = [means[f"replay {k}"][2] for k in range(1, len(kinds)) if f"replay {k}" in means]
+    for k, kind in enumerate(kinds):
+        attention, replay = means.get(f"attention {k}"), means.get(f"replay {k + 1}")
+        after = means.get(f"attention {k + 1}") or means.get("issued")
+        if attention is None or replay is None or after is None:
+            continue
+        # the last replay's host time runs on into the head: the other replays' mean stands in for it
+        host = replay[2] if k + 1 < len(kinds) or not replays else sum(replays) / len(replays)
+        per_kind[kind].append((attention[2] + host, after[1] - attention[1]))
+    by_kind = {kind: {"layers": len(v), "host_ms": round(sum(h for h, _ in v) / len(v), 3),
+                      "gpu_ms": round(sum(g for _, g in v) / len(v), 3)} for kind, v in per_kind.items()}
+    names = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+    schedule = [names[r] for r in FLASH_RATIOS]
+    if not all(kind in by_kind for kind in schedule):
+        return {"by_layer_kind": by_kind}
+    return {"by_layer_kind": by_kind, "layers_43_computed": {
+        "host_ms": round(sum(by_kind[kind]["host_ms"] for kind in schedule), 2),
+        "gpu_ms": round(sum(by_kind[kind]["gpu_ms"] for kind in schedule), 2),
+        "note": "each kind's per-layer figures above added over V4-Flash's 43 layers; where host_ms comes near "
+                "gpu_ms, full-depth steps wait for the host"}}
 
 
 def drafted(root, config: dict, threads: int | None, steps: int) -> dict:
