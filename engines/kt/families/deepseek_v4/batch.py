@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4CSACompressor, apply_rotary_pos_emb
 
 from engines.lora.modules import AdapterRows, LoraContext
 
@@ -225,8 +226,6 @@ class V4Batch:
 def closes_no_window(compressor: nn.Module, state: Any) -> bool:
     """Whether a CSA layer's compressor takes one more row into the cache layer `state` without closing a window
     (3 rows in 4 of a decode)."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4CSACompressor
-
     if not isinstance(compressor, DeepseekV4CSACompressor):
         return False
     buffered = state.buffer_kv
@@ -241,8 +240,6 @@ def csa_row(compressor: nn.Module, x: torch.Tensor, q_residual: torch.Tensor, po
     indexer scores them only where there are more than it keeps (otherwise it keeps them all: no bias). A row after
     every earlier position of its sequence may see every entry, so none is masked as in its future. The module's
     entries, bias values and cache state (tests/test_v4_attention.py)."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
-
     indexer = compressor.indexer
     state.store_compression_weights("compressor", compressor.kv_proj(x), compressor.gate_proj(x))
     state.store_compression_weights("indexer", indexer.kv_proj(x), indexer.gate_proj(x))
