@@ -257,9 +257,11 @@ def _issue_times(runner, ids: list[int], at: int, steps: int, cache, sync) -> di
 def _by_layer_kind(means: dict[str, tuple[float, float, float]], kinds: list[str]) -> dict:
     """From the timeline's means (host ms, GPU ms, host ms to the next mark), each layer's host time (its cached
     attention, then the replay of the segment after it) and GPU time (from its cached attention to the next one, or
-    to the step's end: the last layer's includes the head), averaged by attention kind; and those added up over V4-Flash's 43 layers (computed, not measured: whether a
-    full-depth step would wait for the host)."""
-    from bench.v4_flash import FLASH_RATIOS
+    to the step's end: the last layer's includes the head), averaged by attention kind; and those added up over
+    V4-Flash's 43 layers (computed, not measured: whether a full-depth step would wait for the host)."""
+    from transformers import DeepseekV4Config
+
+    from bench.v4_flash import FLASH_LAYERS, flash_config
 
     per_kind: dict[str, list[tuple[float, float]]] = defaultdict(list)
     replays = [means[f"replay {k}"][2] for k in range(1, len(kinds)) if f"replay {k}" in means]
@@ -273,8 +275,7 @@ def _by_layer_kind(means: dict[str, tuple[float, float, float]], kinds: list[str
         per_kind[kind].append((attention[2] + host, after[1] - attention[1]))
     by_kind = {kind: {"layers": len(v), "host_ms": round(sum(h for h, _ in v) / len(v), 3),
                       "gpu_ms": round(sum(g for _, g in v) / len(v), 3)} for kind, v in per_kind.items()}
-    names = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
-    schedule = [names[r] for r in FLASH_RATIOS]
+    schedule = DeepseekV4Config(**flash_config(FLASH_LAYERS)).layer_types  # the released config's kinds, as read
     if not all(kind in by_kind for kind in schedule):
         return {"by_layer_kind": by_kind}
     return {"by_layer_kind": by_kind, "layers_43_computed": {
