@@ -203,6 +203,15 @@ def test_bench_mapped_experts_refuses_shares_past_the_experts_and_calls_past_the
         assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
+def test_bench_v4_shares_refuses_configs_and_batches_it_cannot_run():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    for args, message in ((["--configs", "112:128,144"], "expected share:prefill pairs of whole numbers, got '144'"),
+                          (["--batches", "1,5"], "expected sequence counts of 1 to 4, got '1,5'")):
+        done = subprocess.run([sys.executable, "-m", "bench.v4_shares", *args], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=SMOKE_TIMEOUT)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize("flag, value", [("--client-temperature", "-0.5"), ("--client-top-p", "0")])
 def test_bench_run_refuses_client_sampling_the_api_would_refuse(flag, value):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
