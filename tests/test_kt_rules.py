@@ -593,6 +593,22 @@ def test_fused_rms_norm_equals_transformers_within_one_rounding():
     torch.testing.assert_close(fused.float(), reference(x).float(), rtol=2 ** -7, atol=1e-3)
 
 
+def test_a_fused_v4_rms_norm_scales_in_float32_as_transformers_does():
+    """DeepSeek-V4's norms keep float32 weights, scale in float32 and round once: the upcast form gives the same
+    bf16 values on the CPU (on a GPU the fused kernel's sum may round differently)."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm
+
+    from engines.kt.placement.operators import FusedRMSNorm
+
+    torch.manual_seed(0)
+    reference = DeepseekV4RMSNorm(1024, eps=1e-6).float()
+    reference.weight.data = torch.rand(1024) + 0.5
+    x = torch.randn(7, 1024, dtype=torch.bfloat16) * 3
+    fused = FusedRMSNorm(reference.weight, reference.variance_epsilon, upcast=True)(x)
+    assert fused.dtype == torch.bfloat16
+    assert torch.equal(fused, reference(x))
+
+
 def test_only_norms_on_a_gpu_are_fused():
     from engines.kt.placement.operators import FusedRMSNorm, fuse_rms_norms
 

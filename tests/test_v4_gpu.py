@@ -55,6 +55,15 @@ def test_v4_hyper_connections_on_the_gpu_run_the_fused_kernel(v4_gpu):
     assert is_fused(model.model.hc_head)
 
 
+def test_v4_weighted_rms_norms_on_the_gpu_run_fused_in_float32(v4_gpu):
+    from engines.kt.placement.operators import FusedRMSNorm
+
+    norms = [m for m in v4_gpu.engine._runner.model.modules()
+             if type(m).__name__.endswith("RMSNorm") and getattr(m, "weight", None) is not None]
+    assert norms and all(isinstance(m, FusedRMSNorm) and m.upcast and m.weight.is_cuda for m in norms)
+    assert " on the GPU fused (torch rms_norm, float32 scale)" in v4_gpu.engine.info.details["rms_norms"]
+
+
 def test_v4_prompt_logprobs_on_the_gpu_agree_with_the_reference(v4_gpu, v4_model_dir):
     ids = v4_gpu.engine.tokenizer.encode(TEXT)
     reply = v4_gpu.openai().completions.create(model=v4_gpu.engine.info.id, prompt=ids, max_tokens=0, echo=True,

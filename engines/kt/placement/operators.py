@@ -104,20 +104,27 @@ class FusedRMSNorm(nn.Module):
     ones. A decode step runs three norms per layer, and at small batch their launches, not their arithmetic,
     are the cost: on the GPU machine they were 24 of the ~72 kernels of a V2-Lite layer. The sum of squares
     accumulates in float32 as in transformers; the result is rounded to the input's dtype once, after the
-    scale, where transformers rounds before it as well (a difference within one unit of the last place)."""
+    scale, where transformers rounds before it as well (a difference within one unit of the last place).
+    `upcast`: the norm scales in float32 by its float32 weight and rounds once at the end, as DeepSeek-V4's norms
+    do (`DeepseekV4RMSNorm`): the input goes to float32 first and the result back (three kernels in all, against
+    transformers' eight, with the same arithmetic)."""
 
-    def __init__(self, weight: nn.Parameter, eps: float):
+    def __init__(self, weight: nn.Parameter, eps: float, upcast: bool = False):
         super().__init__()
         self.weight = weight
         self.eps = eps
+        self.upcast = upcast
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.upcast:
+            return torch.nn.functional.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
         return torch.nn.functional.rms_norm(x, self.weight.shape, self.weight.to(x.dtype), self.eps)
 
 
-def fuse_rms_norms(model: nn.Module) -> int:
-    """Swap every transformers RMSNorm whose weight is on a GPU for `FusedRMSNorm`; how many were swapped.
-    Norms on the CPU keep transformers' code (there a fused kernel saves nothing worth a rounding change)."""
+def fuse_rms_norms(model: nn.Module, upcast: bool = False) -> int:
+    """Swap every transformers RMSNorm whose weight is on a GPU for `FusedRMSNorm` (with `upcast`: for models whose
+    norms scale in float32, as DeepSeek-V4's); how many were swapped. Norms on the CPU keep transformers' code
+    (there a fused kernel saves nothing worth a rounding change)."""
     swapped = 0
     for name, module in list(model.named_modules()):
         if (type(module).__name__.endswith("RMSNorm") and not isinstance(module, FusedRMSNorm)
@@ -125,6 +132,6 @@ def fuse_rms_norms(model: nn.Module) -> int:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name)
             eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
-            setattr(parent, child, FusedRMSNorm(module.weight, eps))
+            setattr(parent, child, FusedRMSNorm(module.weight, eps, upcast=upcast))
             swapped += 1
     return swapped

@@ -44,7 +44,7 @@ class DeepseekV4Family(ModelFamily):
         from engines.kt.families.deepseek_v4.loader import load_v4_checkpoint
         from engines.kt.families.deepseek_v4.mtp import V4DraftHead, add_draft_block
         from engines.kt.families.deepseek_v4.runner import V4ModelRunner
-        from engines.kt.placement.operators import OperatorOptions
+        from engines.kt.placement.operators import OperatorOptions, fuse_rms_norms
         from engines.kt.placement.rules import apply_placement, plan_placement
         from engines.base import CheckpointStorage
         from engines.checkpoints.source import dtype_name
@@ -79,13 +79,17 @@ class DeepseekV4Family(ModelFamily):
         _build_rotary_tables(model, config, placement.device_of_param)
         load_v4_checkpoint(model, context.model_path, placement.device_of_param, dtype, draft_layer=draft_layer)
         model.eval()
-        # before the MTP block leaves the model (its hc modules go with it) and before the graphs capture them
+        # before the MTP block leaves the model (its hc modules and norms go with it) and before the graphs capture
+        # them: the weighted norms on the GPU as one rms_norm kernel each, scaled in float32 as V4's are
+        norms = fuse_rms_norms(model, upcast=True)
         hyper = install_fused_hyper_connections(model, dtype, enabled=kt.kt_fused_hyper_connections)
         head = V4DraftHead.take(model) if draft_layer is not None else None
         details = {"attention_backend": "torch (transformers' DeepSeek-V4 modules)",
                    "v4_caches": "per sequence (transformers DynamicCache)",
                    "v4_steps": "batched: a step's rows together, attention's cached part per sequence",
-                   "hyper_connections": hyper}
+                   "hyper_connections": hyper,
+                   "rms_norms": f"{norms} on the GPU fused (torch rms_norm, float32 scale)" if norms
+                   else "transformers' (none on a GPU)"}
         for choice in choices.values():
             details.update(choice.describe())
         details.update(streaming_details(options, prefill))
