@@ -45,7 +45,7 @@ def parse_batches(text: str) -> list[int]:
 
 
 def measure(root, config: dict, share: int, prefill: int, batches: list[int], prompt: int, steps: int) -> dict:
-    from bench.v4_trace import _stream_sync
+    from bench.v4_trace import _stream_sync, run_step
     from engines.base import EngineConfig
     from engines.kt.engine import KTEngine
     from engines.kt.families.deepseek_v4.batch import Piece
@@ -65,18 +65,14 @@ def measure(root, config: dict, share: int, prefill: int, batches: list[int], pr
         out = {"share": share, "prefill_tokens": prefill, "gpu_read_experts": details.get("gpu_read_experts"),
                "gpu_prefill_tokens": details.get("gpu_prefill_tokens")}
 
-        def step(pieces: list[Piece]) -> None:
-            path = runner.graphs if runner.graphs is not None and runner.graphs.fits(pieces) else runner.batch
-            runner.model.lm_head(runner.batch.final(path.hidden_streams(pieces)).to(runner.head_device))
-
         with torch.inference_mode():
             caches = [runner._new_cache() for _ in range(SEQUENCES)]
             for ids, cache in zip(token_ids, caches):
-                step([Piece(ids, 0, prompt, cache, None)])
+                run_step(runner, [Piece(ids, 0, prompt, cache, None)])
             at = [prompt] * SEQUENCES
 
             def decode(n: int) -> None:
-                step([Piece(token_ids[i], at[i], at[i] + 1, caches[i], None) for i in range(n)])
+                run_step(runner, [Piece(token_ids[i], at[i], at[i] + 1, caches[i], None) for i in range(n)])
                 for i in range(n):
                     at[i] += 1
 

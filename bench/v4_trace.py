@@ -97,10 +97,16 @@ def _step(runner, ids: list[int], start: int, end: int, cache, graphs: bool = Fa
     the captured row-wise segments, where the engine has them and the step fits)."""
     from engines.kt.families.deepseek_v4.batch import Piece
 
-    pieces = [Piece(ids, start, end, cache, None)]
+    run_step(runner, [Piece(ids, start, end, cache, None)], graphs)
+
+
+def run_step(runner, pieces: list, graphs: bool = True) -> None:
+    """One step of `pieces` (batch.py's Piece) through the runner's V4 step, from its graphs where `graphs` and
+    the step fits them, then the logits of each piece's last row, as a decode step computes them."""
     path = runner.graphs if graphs and runner.graphs is not None and runner.graphs.fits(pieces) else runner.batch
     streams = path.hidden_streams(pieces)
-    runner.model.lm_head(runner.batch.final(streams[-1:]).to(runner.head_device))
+    last = [sum(p.end - p.start for p in pieces[:i + 1]) - 1 for i in range(len(pieces))]
+    runner.model.lm_head(runner.batch.final(streams[last]).to(runner.head_device))
 
 
 def _parts(timer: PartTimer, wall: float, count: int) -> dict:
