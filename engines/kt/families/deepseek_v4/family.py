@@ -80,7 +80,7 @@ class DeepseekV4Family(ModelFamily):
         load_v4_checkpoint(model, context.model_path, placement.device_of_param, dtype, draft_layer=draft_layer)
         model.eval()
         # before the MTP block leaves the model (its hc modules and norms go with it) and before the graphs capture
-        # them: the weighted norms on the GPU as one rms_norm kernel each, scaled in float32 as V4's are
+        # them: the weighted norms on the GPU as torch's fused rms_norm (three kernels, not eight), scaled in float32
         norms = fuse_rms_norms(model, upcast=True)
         hyper = install_fused_hyper_connections(model, dtype, enabled=kt.kt_fused_hyper_connections)
         head = V4DraftHead.take(model) if draft_layer is not None else None
