@@ -374,7 +374,7 @@ def engine_decode(engine, vocab: int, tokens: int) -> dict:
     """Decode as the engine serves it: one greedy request of `tokens` tokens after a 64-token prompt, its steps on
     the engine's step thread. Per decode step, the host's time (nothing synchronized) in the runner's step
     (`execute`), inside it in the step's parts and the logits (`hidden_streams`, `logits`), and in the sampler
-    (`sample`: it waits for the GPU); `outside` is the rest of the time per token (the step loop, delivery). Set
+    (`sample_batch`: it waits for the GPU); `outside` is the rest of the time per token (the step loop, delivery). Set
     beside the trace's `host_issue_ms` and `step_from_idle_ms`, these say what the engine adds to a step."""
     import asyncio
 

@@ -90,9 +90,6 @@ class V4Batch:
     """Runs steps of many sequences through a placed `DeepseekV4ForCausalLM`'s layers."""
 
     def __init__(self, model: nn.Module, lora: LoraContext):
-        from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
-
-        self.v4 = v4
         self.inner = model.model
         self.config = model.config
         self.layers = list(self.inner.layers)
@@ -156,9 +153,9 @@ class V4Batch:
         cos, sin = rope[attn.rope_layer_type]
         q_residual = attn.q_a_norm(attn.q_a_proj(flat))
         q = attn.q_b_proj(q_residual).view(1, rows, -1, attn.head_dim).transpose(1, 2)
-        q = self.v4.apply_rotary_pos_emb(attn.q_b_norm(q), cos, sin)
+        q = apply_rotary_pos_emb(attn.q_b_norm(q), cos, sin)
         kv = attn.kv_norm(attn.kv_proj(flat)).view(1, rows, -1, attn.head_dim).transpose(1, 2)
-        kv = self.v4.apply_rotary_pos_emb(kv, cos, sin)
+        kv = apply_rotary_pos_emb(kv, cos, sin)
         return Attending(post, comb, x, q, kv, q_residual[None])
 
     def cached_attention(self, attn: nn.Module, a: Attending, segments: list[_Segment]) -> torch.Tensor:
@@ -178,7 +175,7 @@ class V4Batch:
         rows = attended.shape[1]
         cos, sin = rope[attn.rope_layer_type]
         # V carried the keys' rotation: undo it at each query's position before the grouped output projection
-        attended = self.v4.apply_rotary_pos_emb(attended.transpose(1, 2), cos, -sin).transpose(1, 2)
+        attended = apply_rotary_pos_emb(attended.transpose(1, 2), cos, -sin).transpose(1, 2)
         grouped = attn.o_a_proj(attended.reshape(rows, attn.config.o_groups, -1)).flatten(1)
         hidden = _mix(a.post, a.comb, attn.o_b_proj(grouped)[None], hidden)
         post, comb, collapsed = layer.ffn_hc(hidden)
