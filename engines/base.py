@@ -117,6 +117,7 @@ def lark_json(schema: dict[str, Any]) -> str:
 
 
 _request_counter = itertools.count()
+INTERACTIVE, BACKGROUND = 0, 1  # GenerationRequest.priority of clients' requests and of background work
 
 
 @dataclass(slots=True)
@@ -125,6 +126,9 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     adapter: str | None = None  # None: the base model
     request_id: str = field(default_factory=lambda: f"req-{next(_request_counter)}")
+    # Admission order: waiting requests of a lower number are admitted first, equal ones in arrival order.
+    # Interactive requests are INTERACTIVE; background work (the Batch API's lines) is BACKGROUND.
+    priority: int = 0  # INTERACTIVE
 
 
 # -------------------------------------------------------------------------------------------- outputs

@@ -17,6 +17,8 @@ from engines.base import Engine
 from server.adapters.router import router as adapters_router
 from server.adapters.serving import AdapterServing
 from server.auth import require_api_key
+from server.batches.router import router as batches_router
+from server.batches.serving import UPLOAD_OVERHEAD, BatchServing
 from server.chat.router import router as chat_router
 from server.chat.serving import ChatServing
 from server.completions.router import router as completions_router
@@ -45,17 +47,19 @@ log = logging.getLogger("ktserve.server")
 
 
 class BodySizeLimit:
-    """Refuse request bodies over `limit` bytes with 413, before they are read into memory."""
+    """Refuse request bodies over `limit` bytes with 413, before they are read into memory; the paths in
+    `paths` (file uploads) have limits of their own."""
 
-    def __init__(self, app: ASGIApp, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app: ASGIApp, limit: int, paths: dict[str, int] | None = None):
+        self.app, self.default, self.paths = app, limit, paths or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = self.paths.get(scope["path"], self.default)
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._refuse(scope, send)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return await self._refuse(scope, send, limit)
         seen = 0
 
         async def limited_receive():
@@ -63,18 +67,18 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise RequestTooLarge(self.limit)
+                if seen > limit:
+                    raise RequestTooLarge(limit)
             return message
 
         try:
             await self.app(scope, limited_receive, send)
         except RequestTooLarge:
-            await self._refuse(scope, send)
+            await self._refuse(scope, send, limit)
 
-    async def _refuse(self, scope: Scope, send: Send) -> None:
+    async def _refuse(self, scope: Scope, send: Send, limit: int) -> None:
         import json
-        error = RequestTooLarge(self.limit)
+        error = RequestTooLarge(limit)
         content, status, _ = wire_error(scope["path"], to_api_error(error))
         body = json.dumps(content).encode()
         await send({"type": "http.response.start", "status": status,
@@ -91,11 +95,13 @@ def create_app(settings: Settings, engine: Engine, *, load_engine: bool = True) 
         task = None
         if load_engine:
             task = asyncio.create_task(_load(app, engine))
+        await app.state.batches.start(app)  # unfinished batches resume once the engine serves
         try:
             yield
         finally:
             if task is not None and not task.done():
                 task.cancel()
+            await app.state.batches.stop()  # lines in flight stay pending: they run at the next start
             if load_engine:
                 with stdout_to_log():  # kt-kernel says goodbye as its thread pool ends
                     await asyncio.to_thread(engine.stop)
@@ -120,11 +126,12 @@ def create_app(settings: Settings, engine: Engine, *, load_engine: bool = True) 
     app.include_router(health_router)
     app.include_router(metrics_router, dependencies=[] if settings.metrics_public else key_required)
     for router in (models_router, chat_router, completions_router, responses_router, embeddings_router,
-                   tokenize_router, ollama_router, adapters_router, score_router):
+                   tokenize_router, ollama_router, adapters_router, score_router, batches_router):
         app.include_router(router, dependencies=protected)
     app.include_router(worker_router, dependencies=key_required)  # what a router in front asks (server/worker)
     # The last middleware added runs first: request tracking sees every answer, CORS and 413s included.
-    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
+    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes,
+                       paths={"/v1/files": settings.batch_max_file_bytes + UPLOAD_OVERHEAD})
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-Id", "Retry-After"])
@@ -143,6 +150,7 @@ def _add_serving(app: FastAPI, settings: Settings, engine: Engine) -> None:
     state.embeddings = EmbeddingServing(engine)
     state.score = ScoreServing(engine)
     state.adapters = AdapterServing(engine, settings.adapter_roots)
+    state.batches = BatchServing(settings, engine)
 
 
 async def _load(app: FastAPI, engine: Engine) -> None:

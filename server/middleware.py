@@ -15,9 +15,10 @@ import time
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engines.base import INTERACTIVE
 from server.metrics import Metrics
 from server.shutdown import Drain
-from server.tracking import UNMATCHED, RequestTracker, request_id_from
+from server.tracking import PRIORITY_SCOPE_KEY, UNMATCHED, RequestTracker, request_id_from
 
 log = logging.getLogger("ktserve.requests")
 errors_log = logging.getLogger("ktserve.server")
@@ -35,6 +36,7 @@ class RequestTracking:
             return await self.app(scope, receive, send)
         tracker = RequestTracker(request_id_from(Headers(scope=scope).get("x-request-id")), scope["method"],
                                  scope["path"])
+        tracker.priority = scope.get(PRIORITY_SCOPE_KEY, tracker.priority)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -102,5 +104,6 @@ def log_request(t: RequestTracker) -> None:
                  f" finish={','.join(fields['finish_reasons'])}")
     if t.error is not None:
         text += f" error={t.error}"
-    level = logging.DEBUG if t.route in SERVICE_ROUTES else logging.INFO
+    # background work (a batch's lines) logs at debug level too: a 50,000-line batch is not 50,000 log lines
+    level = logging.DEBUG if t.route in SERVICE_ROUTES or t.priority != INTERACTIVE else logging.INFO
     log.log(level, "%s", text, extra={"fields": fields})

@@ -146,6 +146,10 @@ class Settings(BaseModel):
               "compute on its per-token vector path are padded with empty rows up to its matrix path; 0: never; "
               "default: where that was measured faster for the experts method", ge=0)
     kv_cache_tokens: int | None = engine_setting(None, "KV cache capacity in tokens (ktransformers engine)", gt=0)
+    batch_invariant: Literal["scores", "all", "off"] = engine_setting(
+        "scores", "which requests get the same tokens and logprobs whatever else is batched with them (ktransformers "
+                  "engine; docs/reliability.md): scores (requests with logprobs or prompt logprobs, every score and "
+                  "embedding), all, or off (the fastest steps)")
     prefix_cache: bool = engine_setting(True, "reuse the cached KV pages of a prompt prefix seen before; off: "
                                               "compute every prompt whole")
     speculative: Literal["mtp"] | None = engine_setting(
@@ -179,6 +183,17 @@ class Settings(BaseModel):
     reasoning_parser: str | None = Field(None, description="deepseek_r1: split <think> text into reasoning_content")
     metrics_public: bool = Field(False, description="serve /metrics without the API key")
     cors_origins: list[str] = repeated(list, "allowed CORS origin (repeatable)", "--cors-origin", "ORIGIN")
+    # the Batch API (server/batches/, docs/batch-api.md)
+    data_dir: str = Field("./ktserve-data", description="where the Batch API keeps its files and its SQLite "
+                                                        "database of batches (created at the first upload)")
+    batch_max_file_bytes: int = Field(200 * 1024 * 1024, gt=0, description="largest file /v1/files accepts")
+    batch_max_lines: int = Field(50_000, gt=0, description="most requests (lines) in one batch")
+    batch_max_open: int = Field(100, gt=0, description="most batches not yet finished at once")
+    batch_max_storage_bytes: int = Field(10 * 1024 ** 3, gt=0, description="bytes all stored files may take; "
+                                                                           "uploads beyond are refused")
+    batch_max_in_flight: int | None = Field(None, gt=0, description="batch lines generating at once; default: "
+                                                                    "half of max_concurrent, the rest kept for "
+                                                                    "interactive requests")
     log_format: Literal["text", "json"] = Field("text", description="log line format")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="least severe level logged")
 

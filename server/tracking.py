@@ -13,9 +13,10 @@ from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 
-from engines.base import GenerationOutput, RequestHandle, whole_output
+from engines.base import INTERACTIVE, GenerationOutput, RequestHandle, whole_output
 
 MAX_REQUEST_ID_LENGTH = 128
+PRIORITY_SCOPE_KEY = "ktserve.priority"
 UNMATCHED = "unmatched"  # the route of requests no route served: one label value whatever the path
 # A client's X-Request-Id goes into a response header and the log, so only plain token characters survive.
 _UNSAFE_ID_CHARACTERS = re.compile(r"[^A-Za-z0-9._:/+=-]")
@@ -95,6 +96,9 @@ class RequestTracker:
         self.prompt_tokens = 0
         self.handles: list[TrackedHandle] = []
         self.shutdown_message: str | None = None
+        # engine admission order of what this request submits (GenerationRequest.priority): set from the
+        # ASGI scope's PRIORITY_SCOPE_KEY, which only an in-process caller (the Batch API's runner) can set
+        self.priority = INTERACTIVE
 
     def track(self, handles: list[RequestHandle], prompt_tokens: int) -> list[TrackedHandle]:
         tracked = [TrackedHandle(h) for h in handles]

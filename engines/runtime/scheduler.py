@@ -2,10 +2,11 @@
 
 Every step carries one decode token for each running sequence that has finished its prompt, then spends a
 token budget (`chunk_size`) on prompts: continuing chunked prefills first, then admitting waiting requests
-while fewer than `max_running` generate and the runner has KV room for them. A waiting request whose prompt
-starts with pages a running one is still computing waits for them, keeping its place and its slot, and is
-admitted once they are cached (the other choices of an n > 1 request, a batch sharing a preamble). The
-scheduler never touches a tensor; the runner decides whether a sequence fits.
+(by priority, then arrival: `GenerationRequest.priority`) while fewer than `max_running` generate and the
+runner has KV room for them. A waiting request whose prompt starts with pages a running one is still
+computing waits for them, keeping its place and its slot, and is admitted once they are cached (the other
+choices of an n > 1 request, a batch sharing a preamble). The scheduler never touches a tensor; the runner
+decides whether a sequence fits.
 
 KV room goes by use, not by reservation: a request is admitted with room for the tokens it holds (the runner
 keeps a small margin free), and each step first makes room for every running sequence's next positions,
@@ -46,6 +47,19 @@ class Scheduler:
             if len(self.waiting) >= self.max_queue:
                 raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests); retry later")
             self.waiting.append(seq)
+            self._before_lower_priorities(seq)
+
+    def _before_lower_priorities(self, seq: Sequence) -> None:
+        """Move the just-queued `seq` ahead of the waiting sequences of a lower priority (a higher number), so
+        an interactive request never waits behind background work; sequences of equal priority keep arrival
+        order."""
+        waiting, priority = self.waiting, seq.request.priority
+        at = len(waiting) - 1
+        while at > 0 and waiting[at - 1].request.priority > priority:
+            at -= 1
+        if at < len(waiting) - 1:
+            waiting.pop()
+            waiting.insert(at, seq)
 
     def remove(self, seq: Sequence) -> None:
         with self._lock:
@@ -122,7 +136,17 @@ class Scheduler:
 
     def _prefill(self, seq: Sequence, budget: int, chunks: list[ScheduledChunk]) -> int:
         remaining = len(seq) - seq.num_computed
-        n = min(remaining, budget) if self._runner.chunked_prefill else remaining
+        if not self._runner.chunked_prefill:
+            n = remaining
+        elif seq.batch_invariant:
+            # cut at multiples of the chunk size only, so the chunks are the sequence's own whatever its
+            # neighbours take of the budget: a chunk that does not fit waits a step (the first prefill of a
+            # step always finds the whole budget, so one always moves)
+            n = min(remaining, self.chunk_size - seq.num_computed % self.chunk_size)
+            if n > budget:
+                return 0
+        else:
+            n = min(remaining, budget)
         chunks.append(self._chunk(seq, seq.num_computed + n))
         return n
 
