@@ -1,0 +1,330 @@
+"""ktserve's own routed-expert kernel for decode-sized calls (a few rows), on the CPU.
+
+Decoding reads each chosen expert's weights once per call, so a call is bound by memory bandwidth; this kernel
+streams every expert a call uses once, for all rows routed to it (gate and up fused, SwiGLU with V4's clamp,
+down, the weighted sum), reading the weights in place: MXFP4 (V4's E2M1 + UE8M0 per 32), FP8 e4m3 in 128 x 128
+blocks with float multipliers (V3/R1), and INT8 (per-row scales) / INT4 (bf16 scales per 32) quantized at load.
+A row's result is bit-identical whatever else is in the call and whatever the thread count (src/dk.c says how).
+
+The C library is built by build.py (AVX-512 and AVX2 halves, one chosen at run time;
+KTSERVE_DECODE_KERNEL_ISA=avx2 forces the AVX2 one). Where it cannot be built or loaded, `unavailable_reason()`
+says why and callers keep kt-kernel."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from typing import Any
+
+import torch
+
+log = logging.getLogger("ktserve.engine.kt")
+
+FORMATS = {"mxfp4": 0, "fp8": 1, "int8": 2, "int4": 3}
+ISA_ENV = "KTSERVE_DECODE_KERNEL_ISA"
+SPIN_US = 2000  # how long an idle worker spins before it sleeps (a decode step calls every layer within that)
+
+_lib: ctypes.CDLL | None = None
+_why: str | None = None
+_load_lock = threading.Lock()
+_pool: "DecodePool | None" = None
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.dk_isa.restype = i
+    lib.dk_isa_name.restype = ctypes.c_char_p
+    lib.dk_force_isa.argtypes = [ctypes.c_char_p]
+    lib.dk_force_isa.restype = i
+    lib.dk_layer_create.argtypes = [i, i, i, i, p, f]
+    lib.dk_layer_create.restype = p
+    lib.dk_layer_destroy.argtypes = [p]
+    lib.dk_pool_create.argtypes = [i, p, i]
+    lib.dk_pool_create.restype = p
+    lib.dk_pool_destroy.argtypes = [p]
+    call = [p, p, i, i, p, i, p, p, p, i]
+    lib.dk_submit.argtypes = call
+    lib.dk_submit.restype = i
+    lib.dk_forward.argtypes = call
+    lib.dk_forward.restype = i
+    lib.dk_wait.argtypes = [p]
+    lib.dk_task_create.argtypes = [p, p, p, i, p, i, p, p, p, i]
+    lib.dk_task_create.restype = p
+    lib.dk_task_destroy.argtypes = [p]
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library (built first where needed), or None: `unavailable_reason()` says why."""
+    global _lib, _why
+    with _load_lock:
+        if _lib is not None or _why is not None:
+            return _lib
+        from engines.kt.experts.decode_kernel import build
+
+        try:
+            lib = ctypes.CDLL(str(build.build()))
+            _declare(lib)
+        except (OSError, RuntimeError, AttributeError) as exc:
+            _why = f"the decode kernel could not be built or loaded ({exc}); kt-kernel serves decode calls"
+            log.warning(_why)
+            return None
+        if lib.dk_isa() == 0:
+            _why = "this CPU has neither AVX-512 nor AVX2 (or KTSERVE_DECODE_KERNEL_ISA=none); kt-kernel serves"
+            log.info(_why)
+            return None
+        _lib = lib
+        return lib
+
+
+def unavailable_reason() -> str | None:
+    library()
+    return _why
+
+
+def isa() -> str:
+    """"avx512", "avx2" or "none": the vector half this process runs."""
+    lib = library()
+    return lib.dk_isa_name().decode() if lib is not None else "none"
+
+
+def force_isa(name: str) -> bool:
+    """Run the `name` half ("avx512", "avx2") from now on, if this CPU has it (tests of both paths in one
+    process; never while a call runs). False where it cannot."""
+    lib = library()
+    return lib is not None and bool(lib.dk_force_isa(name.encode()))
+
+
+class DecodePool:
+    """The kernel's own worker threads (pinned one per CPU of `cpus` when given). One per process, as kt-kernel's."""
+
+    def __init__(self, threads: int, cpus: list[int] | None = None, spin_us: int = SPIN_US):
+        lib = library()
+        if lib is None:
+            raise RuntimeError(unavailable_reason())
+        if cpus is not None and len(cpus) < threads:
+            raise ValueError(f"{threads} decode kernel threads need {threads} CPUs to pin to, got {cpus}")
+        cpu_array = (ctypes.c_int * threads)(*cpus[:threads]) if cpus else None
+        self.threads, self.cpus = threads, cpus[:threads] if cpus else None
+        self._lib = lib
+        self._handle = lib.dk_pool_create(threads, cpu_array, spin_us)
+        if not self._handle:
+            raise RuntimeError("the decode kernel's worker pool could not start")
+
+    @property
+    def handle(self) -> int:
+        return self._handle
+
+    def close(self) -> None:
+        if self._handle:
+            self._lib.dk_pool_destroy(self._handle)
+            self._handle = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def shared_pool(threads: int, cpus: list[int] | None = None) -> DecodePool:
+    """The process's pool, started with `threads` workers on first call (later calls get that one)."""
+    global _pool
+    with _load_lock:
+        if _pool is None:
+            _pool = DecodePool(threads, cpus)
+            log.info("decode kernel (%s) worker pool started with %d threads%s", isa(), threads,
+                     f", pinned to CPUs {cpus[:threads]}" if cpus else "")
+        return _pool
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    t = t if t.dtype == torch.uint8 else t.view(torch.uint8)
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("decode kernel weights must be contiguous CPU tensors")
+    return t
+
+
+class DecodeLayer:
+    """One MoE layer's routed experts as the kernel reads them. The tensors are kept (read in place)."""
+
+    def __init__(self, fmt: str, hidden: int, inter: int, tensors: dict[str, torch.Tensor], *,
+                 swiglu_limit: float = 0.0):
+        lib = library()
+        if lib is None:
+            raise RuntimeError(unavailable_reason())
+        if fmt not in FORMATS:
+            raise ValueError(f"decode kernel format {fmt!r} is not one of {', '.join(FORMATS)}")
+        if hidden % 32 or inter % 32:
+            raise ValueError(f"decode kernel sizes must be multiples of 32, got hidden {hidden}, intermediate {inter}")
+        self.format, self.hidden, self.inter, self.swiglu_limit = fmt, hidden, inter, float(swiglu_limit)
+        self.tensors = tensors
+        self.experts = tensors["gate"].shape[0]
+        ptrs = []
+        for m in ("gate", "up", "down"):
+            w, s = tensors[m], tensors[f"{m}_scale"]
+            ptrs += [w[e].data_ptr() for e in range(self.experts)]
+            ptrs += [s[e].data_ptr() for e in range(self.experts)]
+        array = (ctypes.c_int64 * len(ptrs))(*ptrs)
+        self._lib = lib
+        self._handle = lib.dk_layer_create(FORMATS[fmt], self.experts, hidden, inter, array, self.swiglu_limit)
+        if not self._handle:
+            raise ValueError(f"decode kernel: layer of {fmt} experts refused (sizes, or FP8 multipliers of 2^8 or "
+                             f"more)")
+
+    # ------------------------------------------------------------------ the formats, as checkpoints hold them
+    @classmethod
+    def mxfp4(cls, packed: dict[str, torch.Tensor], *, swiglu_limit: float = 0.0) -> "DecodeLayer":
+        """V4's released experts: "gate"/"up"/"down" E2M1 pairs [E, n, k/2], "<m>_scale" UE8M0 [E, n, k/32]."""
+        t = {m: _u8(packed[m]) for m in packed}
+        E, inter, half = t["gate"].shape
+        return cls("mxfp4", half * 2, inter, t, swiglu_limit=swiglu_limit)
+
+    @classmethod
+    def fp8(cls, blocks: dict[str, torch.Tensor], *, swiglu_limit: float = 0.0) -> "DecodeLayer":
+        """e4m3 "gate"/"up"/"down" [E, n, k] with float32 "<m>_scale" [E, n/128, k/128] (weight_scale_inv)."""
+        t = {m: (_u8(v) if not m.endswith("_scale") else v.float().contiguous()) for m, v in blocks.items()}
+        E, inter, hidden = t["gate"].shape
+        return cls("fp8", hidden, inter, t, swiglu_limit=swiglu_limit)
+
+    @classmethod
+    def quantize(cls, fmt: str, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
+                 swiglu_limit: float = 0.0) -> "DecodeLayer":
+        """INT8 (symmetric per row, float scales) or INT4 (symmetric per 32, bf16 scales, value + 8 two to a
+        byte, the earlier column low: methods.quantize_int4_groups) from float weights gate/up [E, I, H], down
+        [E, H, I]."""
+        t: dict[str, torch.Tensor] = {}
+        for m, w in (("gate", gate), ("up", up), ("down", down)):
+            t[m], t[f"{m}_scale"] = (quantize_int8_rows if fmt == "int8" else quantize_int4_groups)(w)
+        return cls(fmt, gate.shape[2], gate.shape[1], t, swiglu_limit=swiglu_limit)
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The weights this layer computes with, as float32 [E, ...] (the tests' reference)."""
+        return tuple(dequantize(self.format, self.tensors[m], self.tensors[f"{m}_scale"])
+                     for m in ("gate", "up", "down"))
+
+    @property
+    def nbytes_per_expert(self) -> int:
+        """Bytes one expert's three matrices and their scales take: what a call reads per expert."""
+        return sum(self.tensors[m][0].nbytes + self.tensors[f"{m}_scale"][0].nbytes for m in ("gate", "up", "down"))
+
+    @property
+    def handle(self) -> int:
+        return self._handle
+
+    # ------------------------------------------------------------------------------------------ calls
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, pool: DecodePool,
+                out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """sum_k weights[:, k] * expert_{ids[:, k]}(x) for x [T, hidden] (bf16 or float32), ids [T, k] (-1: none),
+        as [T, hidden] `out_dtype` (float32 or bf16), blocking."""
+        x, ids, weights, out = self._prepare(x, ids, weights, out, out_dtype)
+        rc = self._lib.dk_forward(pool.handle, self._handle, x.shape[0], ids.shape[1], x.data_ptr(),
+                                  int(x.dtype == torch.bfloat16), ids.data_ptr(), weights.data_ptr(), out.data_ptr(),
+                                  int(out.dtype == torch.bfloat16))
+        if rc:
+            raise RuntimeError(f"decode kernel call failed ({rc})")
+        return out
+
+    def _prepare(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None,
+                 out_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        if x.dim() != 2 or x.shape[1] != self.hidden:
+            raise ValueError(f"x must be [tokens, {self.hidden}], got {tuple(x.shape)}")
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            x = x.float()
+        x = x.contiguous()
+        ids = ids.to(torch.int64).contiguous()
+        weights = weights.to(torch.float32).contiguous()
+        if ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
+            raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be [{x.shape[0]}, k]")
+        if out is None:
+            out = torch.empty(x.shape[0], self.hidden, dtype=out_dtype)
+        return x, ids, weights, out
+
+    def task(self, pool: DecodePool, tokens: torch.Tensor, top_k: int, x: torch.Tensor, ids: torch.Tensor,
+             weights: torch.Tensor, out: torch.Tensor) -> "StreamTask":
+        """A call over fixed (pinned) buffers, started and awaited from a CUDA stream (`StreamTask`)."""
+        return StreamTask(self, pool, tokens, top_k, x, ids, weights, out)
+
+    def close(self) -> None:
+        if getattr(self, "_handle", None):
+            self._lib.dk_layer_destroy(self._handle)
+            self._handle = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class StreamTask:
+    """A call queued on a CUDA stream as two host functions: start (when the stream reaches it, the rows
+    count read from `tokens`, an int32 cell) and wait. The buffers are kept; CUDA graphs may replay both."""
+
+    def __init__(self, layer: DecodeLayer, pool: DecodePool, tokens: torch.Tensor, top_k: int, x: torch.Tensor,
+                 ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor):
+        lib = layer._lib
+        self._keep = (layer, pool, tokens, x, ids, weights, out)
+        self._lib = lib
+        self._handle = lib.dk_task_create(pool.handle, layer.handle, tokens.data_ptr(), top_k, x.data_ptr(),
+                                          int(x.dtype == torch.bfloat16), ids.data_ptr(), weights.data_ptr(),
+                                          out.data_ptr(), int(out.dtype == torch.bfloat16))
+        self._submit = ctypes.cast(lib.dk_task_submit, ctypes.c_void_p).value
+        self._wait = ctypes.cast(lib.dk_task_wait, ctypes.c_void_p).value
+
+    def launch(self, stream: int) -> None:
+        _launch_host_func(stream, self._submit, self._handle)
+
+    def launch_wait(self, stream: int) -> None:
+        _launch_host_func(stream, self._wait, self._handle)
+
+    def __del__(self) -> None:
+        if getattr(self, "_handle", None):
+            self._lib.dk_task_destroy(self._handle)
+            self._handle = None
+
+
+_cuda_launch: Any = None
+
+
+def _launch_host_func(stream: int, fn: int, arg: int) -> None:
+    """cudaLaunchHostFunc from the CUDA runtime torch loaded (found in the process's mappings)."""
+    global _cuda_launch
+    if _cuda_launch is None:
+        path = next((line.split()[-1] for line in open("/proc/self/maps") if "libcudart" in line), None)
+        if path is None:
+            raise RuntimeError("the CUDA runtime is not loaded: no stream to queue the decode kernel on")
+        f = ctypes.CDLL(path).cudaLaunchHostFunc
+        f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        f.restype = ctypes.c_int
+        _cuda_launch = f
+    rc = _cuda_launch(stream, fn, arg)
+    if rc:
+        raise RuntimeError(f"cudaLaunchHostFunc failed ({rc})")
+
+
+# ----------------------------------------------------------------------------------- formats in torch
+def quantize_int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, n, k] float -> (int8 [E, n, k], float32 scales [E, n]): symmetric per row."""
+    w = w.float()
+    scale = (w.abs().amax(-1) / 127).clamp_min(1e-12)
+    q = torch.clamp(torch.round(w / scale[..., None]), -127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def quantize_int4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from engines.kt.experts.methods import quantize_int4_groups as one
+
+    parts = [one(e) for e in w]
+    return torch.stack([p[0] for p in parts]).contiguous(), torch.stack([p[1] for p in parts]).contiguous()
+
+
+def dequantize(fmt: str, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """[E, n, *] weights and scales in `fmt` -> float32 [E, n, k]."""
+    from engines.checkpoints import mxfp4
+    from engines.checkpoints.fp8 import dequantize_blocks
+
+    if fmt == "mxfp4":
+        return torch.stack([mxfp4.dequantize(w[e], s[e], torch.float32) for e in range(w.shape[0])])
+    if fmt == "fp8":
+        return torch.stack([dequantize_blocks(w[e].view(torch.float8_e4m3fn), s[e], torch.float32)
+                            for e in range(w.shape[0])])
+    if fmt == "int8":
+        return w.view(torch.int8).float() * s[..., None]
+    codes = w.view(torch.uint8)
+    q = torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(*codes.shape[:-1], -1).float() - 8
+    return (q.view(*q.shape[:-1], -1, 32) * s.float()[..., None]).reshape(q.shape)

@@ -1,0 +1,3 @@
+/* The AVX2 half (compiled with -mavx2 -mfma). */
+#define DK_WIDTH 8
+#include "isa_impl.h"

@@ -1,0 +1,472 @@
+/* The decode kernel's dispatcher: ISA choice, layers, the worker pool and the phases of a call.
+ * Built without ISA flags; avx512.c / avx2.c hold the vector code, chosen once at run time.
+ *
+ * A call runs three phases on every worker, separated by barriers:
+ *   0  convert the rows' activations to float (in the order the ISA's dot products read them)
+ *   1  gate/up + SwiGLU: items are (expert, 16 intermediate rows), taken from a shared counter
+ *   2  down: items are (expert, 32 hidden rows), each expert's output kept per (row, slot)
+ *   3  the weighted sum over each row's slots in slot order, split over hidden columns
+ * Which worker computes an item never changes what it computes, so results do not depend on the thread
+ * count, and a row's results do not depend on the other rows of the call. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <linux/futex.h>
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#include <immintrin.h>
+#include "dk.h"
+
+#define GATEUP_ROWS 16
+#define DOWN_ROWS 32
+#define SUM_COLS 256
+#define MAX_R 256 /* rows one ISA call takes (isa_impl.h: MAXR) */
+
+float dk_e8m0[256]; /* 2^(e - 127), filled once by choose_isa */
+
+/* ------------------------------------------------------------------------------------------ ISA */
+static const dk_isa_ops *chosen;
+static int chosen_isa;
+
+static int cpu_has_avx512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
+}
+
+static int cpu_has_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+static void choose_isa(void) {
+    if (chosen_isa) return;
+    for (int e = 0; e < 256; e++) dk_e8m0[e] = ldexpf(1.f, e - 127);
+    const char *want = getenv("KTSERVE_DECODE_KERNEL_ISA");
+    int avx512 = cpu_has_avx512(), avx2 = cpu_has_avx2();
+    if (want && !strcmp(want, "avx2")) avx512 = 0;
+    if (want && !strcmp(want, "none")) avx512 = avx2 = 0;
+    if (avx512) { chosen = &dk_ops_avx512; chosen_isa = DK_ISA_AVX512; }
+    else if (avx2) { chosen = &dk_ops_avx2; chosen_isa = DK_ISA_AVX2; }
+    else chosen_isa = -1;
+}
+
+/* DK_ISA_AVX512, DK_ISA_AVX2, or 0 where this CPU has neither (or KTSERVE_DECODE_KERNEL_ISA=none) */
+int dk_isa(void) {
+    choose_isa();
+    return chosen_isa > 0 ? chosen_isa : 0;
+}
+
+const char *dk_isa_name(void) { return dk_isa() ? chosen->name : "none"; }
+
+/* Switch to another half ("avx512", "avx2") where this CPU has it, for tests of both in one process; only
+ * while no call runs. Returns the ISA now chosen (0: none). */
+int dk_force_isa(const char *name) {
+    choose_isa();
+    if (!strcmp(name, "avx512") && cpu_has_avx512()) { chosen = &dk_ops_avx512; chosen_isa = DK_ISA_AVX512; }
+    else if (!strcmp(name, "avx2") && cpu_has_avx2()) { chosen = &dk_ops_avx2; chosen_isa = DK_ISA_AVX2; }
+    else return 0;
+    return chosen_isa;
+}
+
+/* ------------------------------------------------------------------------------------------ layers */
+static int dup_ptrs(dk_mat *m, const int64_t *w, const int64_t *s, int experts, int rows, int cols) {
+    m->w = malloc(sizeof(void *) * experts);
+    m->s = malloc(sizeof(void *) * experts);
+    if (!m->w || !m->s) return -1;
+    for (int e = 0; e < experts; e++) {
+        m->w[e] = (const uint8_t *)(intptr_t)w[e];
+        m->s[e] = (const void *)(intptr_t)s[e];
+    }
+    m->rows = rows;
+    m->cols = cols;
+    return 0;
+}
+
+static int own_fp8_scales(dk_layer *L) {
+    dk_mat *mats[3] = {&L->gate, &L->up, &L->down};
+    size_t total = 0;
+    for (int i = 0; i < 3; i++) total += (size_t)((mats[i]->rows + 127) / 128) * ((mats[i]->cols + 127) / 128);
+    L->fp8_scales = malloc(sizeof(float) * total * L->experts);
+    if (!L->fp8_scales) return -1;
+    float *p = L->fp8_scales;
+    for (int i = 0; i < 3; i++) {
+        size_t n = (size_t)((mats[i]->rows + 127) / 128) * ((mats[i]->cols + 127) / 128);
+        for (int e = 0; e < L->experts; e++) {
+            const float *src = mats[i]->s[e];
+            for (size_t j = 0; j < n; j++) {
+                p[j] = src[j] * 0x1p120f;
+                if (!isfinite(p[j])) return -2; /* a multiplier of 2^8 or more: not a real checkpoint */
+            }
+            mats[i]->s[e] = p;
+            p += n;
+        }
+    }
+    return 0;
+}
+
+void dk_layer_destroy(dk_layer *L) {
+    if (!L) return;
+    dk_mat *mats[3] = {&L->gate, &L->up, &L->down};
+    for (int i = 0; i < 3; i++) { free(mats[i]->w); free(mats[i]->s); }
+    free(L->fp8_scales);
+    free(L);
+}
+
+/* ptrs: 6 arrays of `experts` addresses, gate w/s, up w/s, down w/s (dk.h says what each holds; they are read
+ * in place for as long as the layer lives). NULL on a bad argument. */
+dk_layer *dk_layer_create(int fmt, int experts, int hidden, int inter, const int64_t *ptrs, float limit) {
+    if (fmt < DK_MXFP4 || fmt > DK_INT4 || experts < 1 || hidden < 32 || inter < 32 || hidden % 32 || inter % 32)
+        return NULL;
+    dk_layer *L = calloc(1, sizeof *L);
+    if (!L) return NULL;
+    L->fmt = fmt; L->experts = experts; L->hidden = hidden; L->inter = inter; L->limit = limit;
+    int bad = dup_ptrs(&L->gate, ptrs, ptrs + experts, experts, inter, hidden) ||
+              dup_ptrs(&L->up, ptrs + 2 * experts, ptrs + 3 * experts, experts, inter, hidden) ||
+              dup_ptrs(&L->down, ptrs + 4 * experts, ptrs + 5 * experts, experts, hidden, inter);
+    if (!bad && fmt == DK_FP8) bad = own_fp8_scales(L);
+    if (bad) { dk_layer_destroy(L); return NULL; }
+    return L;
+}
+
+/* ------------------------------------------------------------------------------------------ calls */
+typedef struct dk_call {
+    const dk_layer *L;
+    int tokens, top_k, x_bf16, out_bf16;
+    const void *x;
+    const int64_t *ids;
+    const float *weights;
+    void *out;
+    /* the grouping: experts used, in first-use order, and per expert its (row, slot) pairs */
+    int used;
+    int *expert;     /* [used] */
+    int *pair_start; /* [used + 1] into pair_row / pair_slot */
+    int *pair_row, *pair_slot;
+    int *pair_of;    /* [tokens * top_k]: the pair index of (row, slot), -1 none */
+    float *xf;       /* [tokens, hidden] */
+    float *h;        /* [pairs, inter] */
+    float *y;        /* [pairs, hidden] */
+    atomic_int next[4];
+} dk_call;
+
+typedef struct dk_pool {
+    int threads;
+    pthread_t *tid;
+    atomic_uint generation; /* bumped to start a call; workers sleep on it when idle */
+    atomic_int stop;
+    atomic_int arrived[4];  /* barrier counts, one per phase end */
+    atomic_int finished;
+    atomic_int busy;        /* a call is running */
+    dk_call call;
+    size_t cap_pairs, cap_x, cap_h, cap_y; /* grown, never shrunk */
+    long spin_ns;
+    int *cpus;
+} dk_pool;
+
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static void futex_wait(atomic_uint *addr, unsigned expected) {
+    syscall(SYS_futex, (unsigned *)addr, FUTEX_WAIT_PRIVATE, expected, NULL, NULL, 0);
+}
+
+static void futex_wake(atomic_uint *addr) { syscall(SYS_futex, (unsigned *)addr, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0); }
+
+static void barrier(dk_pool *p, int which) {
+    atomic_fetch_add_explicit(&p->arrived[which], 1, memory_order_acq_rel);
+    while (atomic_load_explicit(&p->arrived[which], memory_order_acquire) < p->threads) _mm_pause();
+}
+
+static float bf16f(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static uint16_t to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+static void run_call(dk_pool *p, int me) {
+    dk_call *c = &p->call;
+    const dk_layer *L = c->L;
+    const dk_isa_ops *ops = chosen;
+    int H = L->hidden, I = L->inter, T = c->tokens, K = c->top_k;
+    /* 0: activations to float, permuted */
+    for (int t = me; t < T; t += p->threads) {
+        float *dst = c->xf + (size_t)t * H;
+        if (c->x_bf16) {
+            const uint16_t *src = (const uint16_t *)c->x + (size_t)t * H;
+            for (int i = 0; i < H; i++) dst[i] = bf16f(src[ops->natural_index(L->fmt, i)]);
+        } else {
+            const float *src = (const float *)c->x + (size_t)t * H;
+            for (int i = 0; i < H; i++) dst[i] = src[ops->natural_index(L->fmt, i)];
+        }
+    }
+    barrier(p, 0);
+    /* 1: gate/up */
+    int per_expert = (I + GATEUP_ROWS - 1) / GATEUP_ROWS, items = c->used * per_expert;
+    const float *xs[MAX_R];
+    float *hs[MAX_R];
+    for (int it; (it = atomic_fetch_add_explicit(&c->next[1], 1, memory_order_relaxed)) < items;) {
+        int u = it % c->used, chunk = it / c->used; /* neighbouring items on different experts */
+        int i0 = chunk * GATEUP_ROWS, i1 = i0 + GATEUP_ROWS < I ? i0 + GATEUP_ROWS : I;
+        for (int q0 = c->pair_start[u]; q0 < c->pair_start[u + 1]; q0 += MAX_R) {
+            int R = c->pair_start[u + 1] - q0 < MAX_R ? c->pair_start[u + 1] - q0 : MAX_R;
+            for (int r = 0; r < R; r++) {
+                xs[r] = c->xf + (size_t)c->pair_row[q0 + r] * H;
+                hs[r] = c->h + (size_t)(q0 + r) * I;
+            }
+            ops->gateup(L, c->expert[u], i0, i1, xs, R, hs);
+        }
+    }
+    barrier(p, 1);
+    /* 2: down */
+    per_expert = (H + DOWN_ROWS - 1) / DOWN_ROWS;
+    items = c->used * per_expert;
+    for (int it; (it = atomic_fetch_add_explicit(&c->next[2], 1, memory_order_relaxed)) < items;) {
+        int u = it % c->used, chunk = it / c->used;
+        int n0 = chunk * DOWN_ROWS, n1 = n0 + DOWN_ROWS < H ? n0 + DOWN_ROWS : H;
+        for (int q0 = c->pair_start[u]; q0 < c->pair_start[u + 1]; q0 += MAX_R) {
+            int R = c->pair_start[u + 1] - q0 < MAX_R ? c->pair_start[u + 1] - q0 : MAX_R;
+            for (int r = 0; r < R; r++) {
+                xs[r] = c->h + (size_t)(q0 + r) * I;
+                hs[r] = c->y + (size_t)(q0 + r) * H;
+            }
+            ops->down(L, c->expert[u], n0, n1, xs, R, hs);
+        }
+    }
+    barrier(p, 2);
+    /* 3: out[t] = sum over slots in order of w * y */
+    int col_items = (H + SUM_COLS - 1) / SUM_COLS;
+    items = T * col_items;
+    for (int it; (it = atomic_fetch_add_explicit(&c->next[3], 1, memory_order_relaxed)) < items;) {
+        int t = it / col_items, n0 = (it % col_items) * SUM_COLS, n1 = n0 + SUM_COLS < H ? n0 + SUM_COLS : H;
+        float acc[SUM_COLS];
+        for (int n = n0; n < n1; n++) acc[n - n0] = 0.f;
+        for (int k = 0; k < K; k++) {
+            int q = c->pair_of[t * K + k];
+            if (q < 0) continue;
+            float w = c->weights[t * K + k];
+            const float *y = c->y + (size_t)q * H;
+            for (int n = n0; n < n1; n++) acc[n - n0] += w * y[n];
+        }
+        if (c->out_bf16) {
+            uint16_t *o = (uint16_t *)c->out + (size_t)t * H;
+            for (int n = n0; n < n1; n++) o[n] = to_bf16(acc[n - n0]);
+        } else {
+            float *o = (float *)c->out + (size_t)t * H;
+            for (int n = n0; n < n1; n++) o[n] = acc[n - n0];
+        }
+    }
+}
+
+static void *worker(void *arg) {
+    dk_pool *p = ((void **)arg)[0];
+    int me = (int)(intptr_t)((void **)arg)[1];
+    free(arg);
+    _mm_setcsr(0x1F80); /* IEEE: no flush-to-zero, whatever the creating thread had */
+    if (p->cpus) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(p->cpus[me], &set);
+        pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+    }
+    unsigned seen = atomic_load(&p->generation);
+    for (;;) {
+        long since = now_ns();
+        unsigned g;
+        int spins = 0;
+        while ((g = atomic_load_explicit(&p->generation, memory_order_acquire)) == seen) {
+            if (atomic_load(&p->stop)) return NULL;
+            _mm_pause();
+            if (++spins % 256 == 0) {
+                if (now_ns() - since > p->spin_ns) futex_wait(&p->generation, seen);
+                else sched_yield(); /* a pinned kt-kernel worker on this core gets its turn */
+            }
+        }
+        seen = g;
+        if (atomic_load(&p->stop)) return NULL;
+        run_call(p, me);
+        if (atomic_fetch_add_explicit(&p->finished, 1, memory_order_acq_rel) + 1 == p->threads)
+            atomic_store_explicit(&p->busy, 0, memory_order_release);
+    }
+}
+
+/* threads workers; cpus: NULL, or one CPU per worker to pin it to; spin_us: how long an idle worker spins
+ * before it sleeps */
+dk_pool *dk_pool_create(int threads, const int *cpus, int spin_us) {
+    if (threads < 1 || dk_isa() == 0) return NULL;
+    dk_pool *p = calloc(1, sizeof *p);
+    if (!p) return NULL;
+    p->threads = threads;
+    p->spin_ns = (long)spin_us * 1000;
+    if (cpus) {
+        p->cpus = malloc(sizeof(int) * threads);
+        memcpy(p->cpus, cpus, sizeof(int) * threads);
+    }
+    p->tid = calloc(threads, sizeof(pthread_t));
+    for (int i = 0; i < threads; i++) {
+        void **arg = malloc(2 * sizeof(void *));
+        arg[0] = p;
+        arg[1] = (void *)(intptr_t)i;
+        if (pthread_create(&p->tid[i], NULL, worker, arg)) {
+            p->threads = i; /* the ones started are stopped by destroy */
+            atomic_store(&p->stop, 1);
+            return p;
+        }
+    }
+    return p;
+}
+
+void dk_pool_destroy(dk_pool *p) {
+    if (!p) return;
+    atomic_store(&p->stop, 1);
+    atomic_fetch_add(&p->generation, 1);
+    futex_wake(&p->generation);
+    for (int i = 0; i < p->threads; i++) pthread_join(p->tid[i], NULL);
+    dk_call *c = &p->call;
+    free(c->expert); free(c->pair_start); free(c->pair_row); free(c->pair_slot); free(c->pair_of);
+    free(c->xf); free(c->h); free(c->y);
+    free(p->tid); free(p->cpus); free(p);
+}
+
+static int grow_floats(float **buf, size_t *cap, size_t need) {
+    if (need <= *cap && *buf) return 0;
+    free(*buf);
+    *buf = aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);
+    *cap = *buf ? need : 0;
+    return *buf ? 0 : -1;
+}
+
+static int grow(dk_pool *p, size_t tokens, size_t pairs, const dk_layer *L) {
+    dk_call *c = &p->call;
+    if (pairs > p->cap_pairs || !c->expert) {
+        free(c->expert); free(c->pair_start); free(c->pair_row); free(c->pair_slot); free(c->pair_of);
+        c->expert = malloc(sizeof(int) * pairs);
+        c->pair_start = malloc(sizeof(int) * (pairs + 1));
+        c->pair_row = malloc(sizeof(int) * pairs);
+        c->pair_slot = malloc(sizeof(int) * pairs);
+        c->pair_of = malloc(sizeof(int) * pairs);
+        p->cap_pairs = pairs;
+        if (!c->expert || !c->pair_start || !c->pair_row || !c->pair_slot || !c->pair_of) {
+            p->cap_pairs = 0;
+            return -1;
+        }
+    }
+    return grow_floats(&c->xf, &p->cap_x, tokens * L->hidden) || grow_floats(&c->h, &p->cap_h, pairs * L->inter) ||
+           grow_floats(&c->y, &p->cap_y, pairs * L->hidden);
+}
+
+/* Start a call and return: 0, or -1 while the previous call runs, -2 without memory, -3 for bad sizes.
+ * x: [tokens, hidden] bf16 (x_bf16) or float; ids [tokens, top_k] (ids outside 0..experts-1, e.g. -1, add
+ * nothing); weights [tokens, top_k] float; out [tokens, hidden] bf16 (out_bf16) or float. */
+int dk_submit(dk_pool *p, const dk_layer *L, int tokens, int top_k, const void *x, int x_bf16, const int64_t *ids,
+              const float *weights, void *out, int out_bf16) {
+    if (atomic_load_explicit(&p->busy, memory_order_acquire)) return -1;
+    if (tokens < 0 || top_k < 1 || top_k > 64) return -3;
+    if (tokens == 0) return 0;
+    size_t pairs = (size_t)tokens * top_k;
+    if (grow(p, tokens, pairs, L)) return -2;
+    dk_call *c = &p->call;
+    c->L = L; c->tokens = tokens; c->top_k = top_k; c->x = x; c->x_bf16 = x_bf16;
+    c->ids = ids; c->weights = weights; c->out = out; c->out_bf16 = out_bf16;
+    /* experts in first-use order; each one's pairs in (row, slot) order */
+    int used = 0;
+    for (size_t q = 0; q < pairs; q++) {
+        int64_t e = ids[q];
+        c->pair_of[q] = -1;
+        if (e < 0 || e >= L->experts) continue;
+        int u = 0;
+        while (u < used && c->expert[u] != (int)e) u++;
+        if (u == used) c->expert[used++] = (int)e;
+        c->pair_of[q] = u; /* the expert's index for now; its pair index below */
+    }
+    int n = 0;
+    for (int u = 0; u < used; u++) {
+        c->pair_start[u] = n;
+        for (size_t q = 0; q < pairs; q++)
+            if (c->pair_of[q] == u && c->expert[u] == (int)ids[q]) {
+                c->pair_row[n] = (int)(q / top_k);
+                c->pair_slot[n] = (int)(q % top_k);
+                n++;
+            }
+    }
+    c->pair_start[used] = n;
+    for (int q = 0; q < n; q++) c->pair_of[c->pair_row[q] * top_k + c->pair_slot[q]] = q;
+    c->used = used;
+    for (int i = 0; i < 4; i++) {
+        atomic_store_explicit(&c->next[i], 0, memory_order_relaxed);
+        atomic_store_explicit(&p->arrived[i], 0, memory_order_relaxed);
+    }
+    atomic_store_explicit(&p->finished, 0, memory_order_relaxed);
+    atomic_store_explicit(&p->busy, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&p->generation, 1, memory_order_release);
+    futex_wake(&p->generation);
+    return 0;
+}
+
+/* Wait for the call dk_submit started (returns at once when none runs). */
+void dk_wait(dk_pool *p) {
+    int spins = 0;
+    while (atomic_load_explicit(&p->busy, memory_order_acquire)) {
+        _mm_pause();
+        if (++spins % 4096 == 0) sched_yield();
+    }
+}
+
+int dk_forward(dk_pool *p, const dk_layer *L, int tokens, int top_k, const void *x, int x_bf16, const int64_t *ids,
+               const float *weights, void *out, int out_bf16) {
+    int rc = dk_submit(p, L, tokens, top_k, x, x_bf16, ids, weights, out, out_bf16);
+    if (rc == 0) dk_wait(p);
+    return rc;
+}
+
+int dk_pool_threads(const dk_pool *p) { return p->threads; }
+
+/* ------------------------------------------------------------------------------- CUDA stream tasks */
+/* A call whose buffers never move (pinned host memory a captured CUDA graph replays), its token count read
+ * through `tokens` when the stream reaches it: `dk_task_submit` and `dk_task_wait` are host functions for
+ * cudaLaunchHostFunc, with the task as their argument. */
+typedef struct dk_task {
+    dk_pool *p;
+    const dk_layer *L;
+    const int *tokens;
+    int top_k, x_bf16, out_bf16;
+    const void *x;
+    const int64_t *ids;
+    const float *weights;
+    void *out;
+} dk_task;
+
+dk_task *dk_task_create(dk_pool *p, const dk_layer *L, const int *tokens, int top_k, const void *x, int x_bf16,
+                        const int64_t *ids, const float *weights, void *out, int out_bf16) {
+    dk_task *t = malloc(sizeof *t);
+    if (!t) return NULL;
+    *t = (dk_task){p, L, tokens, top_k, x_bf16, out_bf16, x, ids, weights, out};
+    return t;
+}
+
+void dk_task_destroy(dk_task *t) { free(t); }
+
+void dk_task_submit(void *arg) {
+    dk_task *t = arg;
+    dk_wait(t->p);
+    dk_submit(t->p, t->L, *t->tokens, t->top_k, t->x, t->x_bf16, t->ids, t->weights, t->out, t->out_bf16);
+}
+
+void dk_task_wait(void *arg) { dk_wait(((dk_task *)arg)->p); }

@@ -1,0 +1,47 @@
+/* The routed-expert decode kernel: shared declarations of the dispatcher (dk.c) and the ISA files.
+ *
+ * A call computes, for T rows of activations and their top-k experts,
+ *   out[t] = sum_{slot in order} w[t, slot] * down_e(swiglu(gate_e(x_t), up_e(x_t)))
+ * streaming each chosen expert's weights once for all rows routed to it. Every row's arithmetic is fixed:
+ * a dot product's lanes and reduction tree depend only on the ISA and the format, the weighted sum runs in
+ * slot order, and work is split over experts and output rows, never over a reduction. */
+#ifndef KTSERVE_DK_H
+#define KTSERVE_DK_H
+#include <stdint.h>
+
+enum { DK_MXFP4 = 0, DK_FP8 = 1, DK_INT8 = 2, DK_INT4 = 3 };
+enum { DK_ISA_NONE = 0, DK_ISA_AVX2 = 1, DK_ISA_AVX512 = 2 };
+
+/* One projection of every expert of a layer: rows x cols weights per expert, at per-expert addresses.
+ *   MXFP4: w [rows, cols/2] E2M1 pairs (earlier column low), s [rows, cols/32] UE8M0 exponents (uint8)
+ *   FP8:   w [rows, cols] e4m3fn, s: the layer's own [ceil(rows/128), ceil(cols/128)] float multipliers x 2^120
+ *   INT8:  w [rows, cols] int8, s [rows] float (value = q * s)
+ *   INT4:  w [rows, cols/2] (q + 8, earlier column low), s [rows, cols/32] bf16 (value = q * s) */
+typedef struct dk_mat {
+    const uint8_t **w;
+    const void **s;
+    int rows, cols;
+} dk_mat;
+
+typedef struct dk_layer {
+    int fmt, experts, hidden, inter;
+    float limit; /* SwiGLU clamp: gate <= limit, -limit <= up <= limit; 0: none */
+    dk_mat gate, up, down;
+    float *fp8_scales; /* FP8: the multipliers x 2^120, owned by the layer */
+} dk_layer;
+
+/* What one ISA file provides. x / h: the activation rows in `natural_index` order (see there). */
+typedef struct dk_isa_ops {
+    const char *name;
+    /* h[r][pos(i)] = swiglu(gate_i . x[r], up_i . x[r]) for rows i in [i0, i1) of expert e, r < R */
+    void (*gateup)(const dk_layer *L, int e, int i0, int i1, const float *const *x, int R, float *const *h);
+    /* y[r][n] = down_n . h[r] for rows n in [n0, n1) of expert e, r < R */
+    void (*down)(const dk_layer *L, int e, int n0, int n1, const float *const *h, int R, float *const *y);
+    /* the natural column whose value a dot product meets at position p of its activation vector */
+    int (*natural_index)(int fmt, int p);
+} dk_isa_ops;
+
+extern const dk_isa_ops dk_ops_avx512;
+extern const dk_isa_ops dk_ops_avx2;
+extern float dk_e8m0[256]; /* 2^(e - 127) */
+#endif
