@@ -122,8 +122,9 @@ class BatchStore:
                 except queue.Empty:
                     break
             stopping = None in group
-            answers = self._commit([call for call in group if call is not None], connection)
-            for future, result, error in answers:
+            # a call whose caller was cancelled before it ran is dropped; once running it can no longer be
+            live = [call for call in group if call is not None and call[2].set_running_or_notify_cancel()]
+            for future, result, error in self._commit(live, connection):
                 if error is None:
                     future.set_result(result)
                 else:
