@@ -114,12 +114,20 @@ def _validation_message(exc: RequestValidationError, body_model: Any = None) -> 
     # pydantic tags union members in the location (e.g. "str", "list[...]"); drop those for the name
     loc = tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p in ("str", "int", "function-after"))))
     field = _field_name(loc) or None
-    msg = first.get("msg", "invalid value")
+    msg = _integer_expected(first) if first.get("type") == "int_type" else first.get("msg", "invalid value")
     if first.get("type") == "missing":
         return f"'{field}' is required", field
     if field is None:
         return f"invalid request body: {msg}", None
     return f"invalid value for '{field}': {msg}", field
+
+
+def _integer_expected(error: dict[str, Any]) -> str:
+    """OpenAI's wording for a strict integer field given something else: what was sent, as JSON spells it."""
+    value = error.get("input")
+    shown = json.dumps(value) if isinstance(value, (bool, float, str)) and len(str(value)) <= 40 else \
+        type(value).__name__
+    return f"expected an integer, got {shown}"
 
 
 def _empty_body_message(body_model: Any) -> tuple[str, str | None]:

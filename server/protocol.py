@@ -1,20 +1,28 @@
 """Wire models shared by the OpenAI endpoints. Pydantic lives here, at the edge, and nowhere below.
 
 Requests ignore unknown fields (clients send vendor extensions) but reject NaN/inf and out-of-range values
-with a 400 naming the field. Each request converts itself into the engine's `SamplingParams`."""
+with a 400 naming the field. Integer fields are strict (`Int`, `TokenId`): OpenAI refuses `"n": true` and
+`"max_tokens": 69.0`, where pydantic's lax mode would read 1 and 69. Each request converts itself into the
+engine's `SamplingParams`."""
 from __future__ import annotations
 
+import json
 import math
 from typing import Annotated, Any
 
-from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, ValidatorFunctionWrapHandler,
-                      WrapValidator, field_validator)
+from pydantic import (BaseModel, ConfigDict, Field, StrictInt, ValidationError,
+                      ValidatorFunctionWrapHandler, WrapValidator, field_validator)
 
 from engines.base import InvalidRequestError, SamplingParams
 
 MAX_STOP_STRINGS = 64
 MAX_STOP_LENGTH = 1024
 MAX_LOGIT_BIAS = 1024
+
+
+# An integer field of a request: a JSON integer only, never a boolean, a float (even 69.0) or a string.
+Int = StrictInt
+TokenId = Annotated[StrictInt, Field(ge=0)]
 
 
 # The most ids validated in one call: pydantic validates a list in one piece of native code that holds the
@@ -38,9 +46,9 @@ def _in_slices(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
 
 
 MAX_TOKEN_IDS = 1_000_000
-# A long list of token ids (what /detokenize takes): list[NonNegativeInt] of at most MAX_TOKEN_IDS, checked a
+# A long list of token ids (what /detokenize takes): list[TokenId] of at most MAX_TOKEN_IDS, checked a
 # slice at a time.
-TokenIds = Annotated[list[NonNegativeInt], Field(max_length=MAX_TOKEN_IDS), WrapValidator(_in_slices)]
+TokenIds = Annotated[list[TokenId], Field(max_length=MAX_TOKEN_IDS), WrapValidator(_in_slices)]
 
 
 class OpenAIRequest(BaseModel):
@@ -55,22 +63,22 @@ class SamplingRequest(OpenAIRequest):
     """The sampling fields chat and completions share (OpenAI's, plus vLLM's common extensions)."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: Int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: Int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    seed: Int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
-    stop_token_ids: list[NonNegativeInt] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_STRINGS)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: Int = Field(0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
@@ -130,7 +138,28 @@ class SamplingRequest(OpenAIRequest):
             skip_special_tokens=self.skip_special_tokens)
 
 
-PromptBatch = str | list[str] | list[int] | list[list[int]]
+def _non_integer_id(value: Any) -> Any:
+    """The first boolean or float among a token-id list's items (or a list of such lists'), else None."""
+    for item in value if isinstance(value, list) else ():
+        for x in item if isinstance(item, list) else (item,):
+            if isinstance(x, (bool, float)):
+                return x
+    return None
+
+
+def _ids_are_integers(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """`handler(value)`; when it fails on a token id that is a boolean or a float, say so (the union's first
+    complaint would be "should be a valid string"). Looked for only on failure: a valid list costs nothing."""
+    try:
+        return handler(value)
+    except ValidationError:
+        bad = _non_integer_id(value)
+        if bad is None:
+            raise
+        raise ValueError(f"token ids must be integers, got {json.dumps(bad)}") from None
+
+
+PromptBatch = Annotated[str | list[str] | list[Int] | list[list[Int]], WrapValidator(_ids_are_integers)]
 
 
 def check_prompt_batch(value: PromptBatch, what: str, limit: int) -> PromptBatch:

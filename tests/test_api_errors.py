@@ -2,6 +2,8 @@
 serving afterwards. FastAPI's own 422 body never reaches a client."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 CHAT = "/v1/chat/completions"
@@ -115,3 +117,38 @@ def test_zero_max_tokens_without_echo_is_400(server):
 def test_unknown_route_is_404_error_json(server):
     with server.http() as http:
         assert_error(http.get("/v1/nothing-here"), 404)
+
+
+EMBEDDINGS = "/v1/embeddings"
+RESPONSES = "/v1/responses"
+
+
+@pytest.mark.parametrize("path,body,param,shown", [
+    (CHAT, {**GOOD, "max_tokens": True}, "max_tokens", "true"),
+    (CHAT, {**GOOD, "n": 69.0}, "n", "69.0"),
+    (CHAT, {**GOOD, "n": "2"}, "n", '"2"'),
+    (CHAT, {**GOOD, "max_completion_tokens": 2.0}, "max_completion_tokens", "2.0"),
+    (CHAT, {**GOOD, "seed": False}, "seed", "false"),
+    (CHAT, {**GOOD, "top_k": 5.0}, "top_k", "5.0"),
+    (CHAT, {**GOOD, "stop_token_ids": [1.0]}, "stop_token_ids[0]", "1.0"),
+    (CHAT, {**GOOD, "logprobs": True, "top_logprobs": True}, "top_logprobs", "true"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 2.0}, "max_tokens", "2.0"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "logprobs": True}, "logprobs", "true"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "min_tokens": 1.0}, "min_tokens", "1.0"),
+    (COMPLETIONS, {"prompt": [5, 6.0], "max_tokens": 2}, "prompt", "6.0"),
+    (COMPLETIONS, {"prompt": [[5], [True]], "max_tokens": 2}, "prompt", "true"),
+    (EMBEDDINGS, {"input": "hi", "dimensions": 8.0}, "dimensions", "8.0"),
+    (RESPONSES, {"input": "hi", "max_output_tokens": True}, "max_output_tokens", "true"),
+], ids=lambda v: json.dumps(v)[:60] if isinstance(v, dict) else str(v))
+def test_an_integer_field_given_a_boolean_a_float_or_a_string_is_400_naming_it(server, path, body, param, shown):
+    """OpenAI refuses `"max_tokens": true` and `"n": 69.0`; pydantic's lax mode read them as 1 and 69."""
+    r = post(server, path, json=body)
+    assert_error(r, 400, param)
+    assert shown in r.json()["error"]["message"], r.json()["error"]["message"]
+    assert_still_serving(server)
+
+
+def test_the_integers_an_integer_field_takes_still_work(server):
+    reply = post(server, CHAT, json={**GOOD, "n": 2, "max_tokens": 3, "seed": 7, "top_k": 5}).json()
+    assert len(reply["choices"]) == 2 and reply["usage"]["completion_tokens"] <= 6
+    assert post(server, COMPLETIONS, json={"prompt": [5, 6], "max_tokens": 2, "logprobs": 1}).status_code == 200

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from server.protocol import OpenAIRequest
+from server.protocol import Int, OpenAIRequest
 
 
 class LoadLoraAdapterRequest(OpenAIRequest):
@@ -13,4 +13,4 @@ class LoadLoraAdapterRequest(OpenAIRequest):
 
 class UnloadLoraAdapterRequest(OpenAIRequest):
     lora_name: str = Field(min_length=1, max_length=256)
-    lora_int_id: int | None = None  # vLLM sends it; names are what identify adapters here
+    lora_int_id: Int | None = None  # vLLM sends it; names are what identify adapters here

@@ -5,7 +5,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from server.protocol import OpenAIRequest, SamplingRequest
+from server.protocol import Int, OpenAIRequest, SamplingRequest
 
 # OpenAI's rule for function names; it also keeps them safe to splice into a grammar.
 FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_.\-]{1,64}$"
@@ -122,10 +122,10 @@ class ResponseFormat(OutputFormat):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: Int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

@@ -5,7 +5,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator
 
-from server.protocol import OpenAIRequest, PromptBatch, check_prompt_batch, split_prompt_batch
+from server.protocol import Int, OpenAIRequest, PromptBatch, check_prompt_batch, split_prompt_batch
 
 MAX_INPUTS = 2048  # OpenAI's limit per request
 
@@ -14,7 +14,7 @@ class EmbeddingRequest(OpenAIRequest):
     model: str | None = None
     input: Annotated[PromptBatch, AfterValidator(lambda v: check_prompt_batch(v, "input", MAX_INPUTS))]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: Int | None = None
     user: str | None = None
 
     def inputs(self) -> list[str | list[int]]:

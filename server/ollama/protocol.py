@@ -6,15 +6,26 @@ import json
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from server.chat.protocol import ChatCompletionRequest
 from server.embeddings.protocol import MAX_INPUTS
 from server.errors import checked
-from server.protocol import check_prompt_batch
+from server.protocol import Int, check_prompt_batch
 
 # The Ollama API level these routes follow; clients compare it against the features they need.
 OLLAMA_API_VERSION = "0.6.2"
+
+
+def _a_number(value: Any) -> Any:
+    if isinstance(value, (bool, str)):
+        raise ValueError(f"expected an integer, got a {'boolean' if isinstance(value, bool) else 'string'}")
+    return value
+
+
+# An integer option: Ollama reads `options` as JSON numbers, so 69.0 is 69, but a boolean or a string is
+# refused. The request's own integer fields (`context`, `dimensions`) are strict, as Ollama's typed fields are.
+OptionInt = Annotated[int, BeforeValidator(_a_number)]
 
 
 class OllamaModel(BaseModel):
@@ -26,10 +37,10 @@ class Options(OllamaModel):
 
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: OptionInt | None = None
     min_p: float | None = None
-    num_predict: int | None = None  # -1: until the context is full
-    seed: int | None = None
+    num_predict: OptionInt | None = None  # -1: until the context is full
+    seed: OptionInt | None = None
     stop: str | list[str] | None = None
     repeat_penalty: float | None = None
     presence_penalty: float | None = None
@@ -100,7 +111,7 @@ class GenerateRequest(GenerationFields):
     prompt: str = ""
     system: str | None = None
     raw: bool = False
-    context: list[int] | None = None
+    context: list[Int] | None = None
     suffix: str | None = None
 
     def openai(self) -> ChatCompletionRequest:
@@ -113,7 +124,7 @@ class EmbedRequest(OllamaModel):
     model: str
     input: Annotated[str | list[str], AfterValidator(lambda v: check_prompt_batch(v, "input", MAX_INPUTS))]
     truncate: bool = True  # cut inputs longer than the context to it (Ollama's default), else refuse them
-    dimensions: int | None = None
+    dimensions: Int | None = None
 
     def inputs(self) -> list[str]:
         return [self.input] if isinstance(self.input, str) else list(self.input)

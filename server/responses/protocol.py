@@ -12,7 +12,7 @@ from pydantic import Field, field_validator
 
 from server.chat.protocol import FUNCTION_NAME_PATTERN, ChatCompletionRequest, OutputFormat
 from server.errors import checked
-from server.protocol import OpenAIRequest
+from server.protocol import Int, OpenAIRequest
 
 
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -88,7 +88,7 @@ class ResponsesRequest(OpenAIRequest):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: Int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool = False
