@@ -53,6 +53,26 @@ def test_echo_with_zero_max_tokens_scores_the_prompt(server, tokenizer, referenc
     assert reply.usage.completion_tokens == 0
 
 
+def test_usage_counts_exactly_the_prompt_tokens_an_echo_returns(server, tokenizer):
+    """A text prompt's BOS, which the server adds, is neither echoed nor counted: `usage.prompt_tokens` is the
+    number of echoed prompt tokens (12 counted against 11 echoed before), with or without echo, streamed or
+    not. A token-id prompt is the client's own, BOS included: all of it is echoed and counted."""
+    ids = tokenizer.encode(PROMPT)
+    scored = complete(server, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    assert scored.choices[0].text == PROMPT
+    assert len(scored.choices[0].logprobs.tokens) == scored.usage.prompt_tokens == len(ids) - 1
+    assert scored.usage.total_tokens == scored.usage.prompt_tokens and scored.usage.completion_tokens == 0
+    generating = complete(server, prompt=PROMPT, max_tokens=3, echo=True, logprobs=1)
+    assert len(generating.choices[0].logprobs.tokens) == generating.usage.prompt_tokens + 3
+    assert complete(server, prompt=PROMPT, max_tokens=3).usage.prompt_tokens == scored.usage.prompt_tokens
+    streamed = list(complete(server, prompt=PROMPT, max_tokens=3, stream=True,
+                             stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens == scored.usage.prompt_tokens
+    by_ids = complete(server, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    assert by_ids.choices[0].logprobs.token_logprobs[0] is None
+    assert len(by_ids.choices[0].logprobs.tokens) == by_ids.usage.prompt_tokens == len(ids)
+
+
 def test_legacy_logprobs_offsets_index_the_returned_text(server):
     reply = complete(server, prompt=PROMPT, max_tokens=8, echo=True, logprobs=2)
     choice = reply.choices[0]

@@ -1,7 +1,11 @@
 """POST /v1/completions: prompt(s) -> engine -> OpenAI legacy JSON, with echo and legacy logprobs.
 
 `max_tokens: 0` with `echo: true` and `logprobs` returns the prompt's own token logprobs: the way
-evaluation harnesses score multiple-choice options by log-likelihood."""
+evaluation harnesses score multiple-choice options by log-likelihood.
+
+A text prompt's tokens are the client's: the BOS the tokenizer puts before the text is the model's, seen by
+it but neither echoed nor counted in `usage.prompt_tokens` (nor in `cached_tokens`), so the echoed tokens
+and the usage always agree, and lm-eval's `token_logprobs[len(context tokens):-1]` is the continuation."""
 from __future__ import annotations
 
 import codecs
@@ -70,7 +74,7 @@ def best_candidates(outputs: list[GenerationOutput], plans: list, candidates: in
 @dataclass(frozen=True, slots=True)
 class PromptIds:
     """A prompt's token ids, of which the first `added` are what the server put before the client's text
-    (the tokenizer's BOS): the model sees them, an echo does not."""
+    (the tokenizer's BOS): the model sees them; an echo does not show them and usage does not count them."""
 
     ids: list[int]
     added: int = 0
@@ -78,6 +82,18 @@ class PromptIds:
     @property
     def shown(self) -> list[int]:
         return self.ids[self.added:]
+
+    def shown_cached(self, cached: int) -> int:
+        """Of the `cached` leading positions the prefix cache held, how many are shown tokens."""
+        return max(0, cached - self.added)
+
+
+def prompt_usage(plans: list[PromptIds], cached: list[int], completion_tokens: int, n: int) -> dict[str, Any]:
+    """Usage of a request whose choices (`n` per prompt, in order) had these plans and cached positions: each
+    prompt counted once, by its shown tokens."""
+    firsts = list(zip(plans[::n], cached[::n]))
+    return usage(sum(len(p.shown) for p, _ in firsts), completion_tokens,
+                 sum(p.shown_cached(c) for p, c in firsts))
 
 
 class CompletionServing:
@@ -195,10 +211,9 @@ class CompletionServing:
             if out.finish_reason == "error":
                 raise APIError(500, out.error or "generation failed", type="internal_error")
         choices = [self._choice(req, i, out, plans[i]) for i, out in enumerate(outputs)]
-        n_prompt = sum(len(p.ids) for p in plans[::req.n])
-        cached = sum(o.cached_tokens for o in outputs[::req.n])
         return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-                "choices": choices, "usage": usage(n_prompt, generated, cached)}
+                "choices": choices,
+                "usage": prompt_usage(plans, [o.cached_tokens for o in outputs], generated, req.n)}
 
     async def _stream(self, req, request_id, model, handles, plans) -> AsyncIterator[Event]:
         base = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
@@ -236,5 +251,4 @@ class CompletionServing:
                               "timeout_error", "request_timeout")
             return
         if include_usage:
-            n_prompt = sum(len(p.ids) for p in plans[::req.n])
-            yield chunk([], usage(n_prompt, sum(completion_tokens), sum(cached_tokens[::req.n])))
+            yield chunk([], prompt_usage(plans, cached_tokens, sum(completion_tokens), req.n))
