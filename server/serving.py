@@ -102,7 +102,8 @@ def submit_choices(engine: Engine, tracker: RequestTracker, prompt: list[int], p
     try:
         for i, p in enumerate(params):
             handles.append(engine.submit(GenerationRequest(
-                prompt_token_ids=prompt, sampling=p, adapter=adapter, request_id=f"{request_id}-{i}")))
+                prompt_token_ids=prompt, sampling=p, adapter=adapter, request_id=f"{request_id}-{i}",
+                priority=tracker.priority)))
     except Exception:
         for h in handles:
             h.cancel()
@@ -260,6 +261,12 @@ def stream_response(tracker: RequestTracker, events: AsyncIterator[Event], handl
                     tracker.note_error(event.code or event.type)
                     event = framing.error(event)
                 yield framing.frame(event)
+                # Let the loop run between events: a step's deltas for n choices arrive at once, and written
+                # in one go, every write after the client's reset is one more "socket.send() raised
+                # exception." from asyncio (past the fifth), as uvicorn learns of the lost connection only
+                # from a callback of the loop. Yielding here runs it after the first failed write; uvicorn
+                # then drops what follows and the response sees the disconnect and ends the stream.
+                await asyncio.sleep(0)
             for marker in framing.end:
                 yield marker
             complete = True
