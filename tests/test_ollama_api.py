@@ -106,6 +106,43 @@ def test_errors_use_ollamas_error_shape(scripted, body, status):
     assert r.status_code == status and isinstance(r.json()["error"], str) and r.json()["error"]
 
 
+BODIES = {"/api/show": ("ShowRequest", {"model", "name"}, []),
+          "/api/chat": ("ChatRequest", {"model", "messages", "options", "stream", "format", "tools"}, ["model"]),
+          "/api/generate": ("GenerateRequest", {"model", "prompt", "system", "context", "raw", "options"}, ["model"]),
+          "/api/embed": ("EmbedRequest", {"model", "input", "truncate", "dimensions"}, ["model", "input"]),
+          "/api/embeddings": ("EmbeddingsRequest", {"model", "prompt"}, ["model"])}
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+def test_the_openapi_document_describes_each_ollama_request_body(scripted, path):
+    """The routes read their bodies themselves (for Ollama's error shape); the schema still says what they take,
+    so schema-driven clients and fuzzers reach them."""
+    title, fields, required = BODIES[path]
+    with scripted.http() as http:
+        body = http.get("/openapi.json").json()["paths"][path]["post"]["requestBody"]
+    schema = body["content"]["application/json"]["schema"]
+    assert schema["title"] == title and fields <= set(schema["properties"])
+    assert schema.get("required", []) == required and body["required"] is bool(required)
+    assert "$ref" not in json.dumps(schema)  # nested models written in place, nothing left to resolve
+    if path == "/api/chat":
+        assert schema["properties"]["options"]["properties"]["num_predict"]["anyOf"][0] == {"type": "integer"}
+
+
+@pytest.mark.parametrize("path,body,named", [
+    ("/api/chat", {"messages": USER}, "'model' is required"),
+    ("/api/chat", {"model": "scripted", "messages": USER, "options": {"num_predict": True}}, "options.num_predict"),
+    ("/api/generate", {"model": "scripted", "prompt": "hi", "context": [1.5]}, "context[0]"),
+    ("/api/embed", {"model": "scripted", "input": "hi", "dimensions": 8.0}, "dimensions"),
+    ("/api/show", {"model": 5}, "'model'"),
+])
+def test_an_ollama_body_is_still_checked_by_the_route_naming_the_field(scripted, path, body, named):
+    r = post(scripted, path, body)
+    assert r.status_code == 400 and set(r.json()) == {"error"} and named in r.json()["error"], r.text
+    reply = post(scripted, "/api/chat", {"model": "scripted", "messages": USER, "stream": False,
+                                         "options": {"num_predict": 3.0}})  # a number Ollama reads as 3
+    assert reply.status_code == 200 and reply.json()["done"] is True
+
+
 def test_the_ollama_client_chats_streams_and_lists(scripted):
     ollama = pytest.importorskip("ollama")
     client = ollama.Client(host=scripted.base_url)

@@ -1,5 +1,6 @@
 """Ollama's HTTP routes. Bodies are validated here rather than by FastAPI so that every failure, bad input
-included, answers in Ollama's error shape, `{"error": "..."}`."""
+included, answers in Ollama's error shape, `{"error": "..."}`; each POST route still describes its body in
+the OpenAPI document (`body_schema`), so schema-driven clients and fuzzers know what to send."""
 from __future__ import annotations
 
 import functools
@@ -31,6 +32,25 @@ async def parse(request: Request, model: type[Body]) -> Body:
     except (ValueError, RecursionError) as exc:  # not JSON, nested too deeply, not UTF-8
         raise unparsable_body(exc) from None
     return checked(lambda: model.model_validate(data))
+
+
+def body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """The `openapi_extra` that documents `model` as a route's JSON body, which FastAPI leaves out for a body
+    the route parses itself. Nested models are written in place: a `$ref` would point into the document's
+    components, which FastAPI fills only with the models of bodies it parses."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, list):
+            return [inline(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        named = inline(defs[node["$ref"].rsplit("/", 1)[-1]]) if "$ref" in node else {}
+        return {**named, **{key: inline(value) for key, value in node.items() if key != "$ref"}}
+
+    return {"requestBody": {"required": bool(schema.get("required")),
+                            "content": {"application/json": {"schema": inline(schema)}}}}
 
 
 def ollama_route(handler: Callable[[Request], Awaitable[Any]]) -> Callable[[Request], Awaitable[Any]]:
@@ -69,7 +89,7 @@ async def ps(request: Request):
     return {"models": [base, *adapters]}
 
 
-@router.post("/show")
+@router.post("/show", openapi_extra=body_schema(ShowRequest))
 @ollama_route
 async def show(request: Request):
     body = await parse(request, ShowRequest)
@@ -83,19 +103,19 @@ async def show(request: Request):
                            "ktserve.engine": info.engine}}
 
 
-@router.post("/chat")
+@router.post("/chat", openapi_extra=body_schema(ChatRequest))
 @ollama_route
 async def chat(request: Request):
     return await request.app.state.ollama.chat_reply(await parse(request, ChatRequest), request)
 
 
-@router.post("/generate")
+@router.post("/generate", openapi_extra=body_schema(GenerateRequest))
 @ollama_route
 async def generate(request: Request):
     return await request.app.state.ollama.generate(await parse(request, GenerateRequest), request)
 
 
-@router.post("/embed")
+@router.post("/embed", openapi_extra=body_schema(EmbedRequest))
 @ollama_route
 async def embed(request: Request):
     body = await parse(request, EmbedRequest)
@@ -109,7 +129,7 @@ async def embed(request: Request):
                               "total_duration": time.perf_counter_ns() - started, "prompt_eval_count": tokens})
 
 
-@router.post("/embeddings")
+@router.post("/embeddings", openapi_extra=body_schema(EmbeddingsRequest))
 @ollama_route
 async def embeddings(request: Request):
     body = await parse(request, EmbeddingsRequest)
