@@ -2,7 +2,7 @@
 
   ktserve eval DATASET --base-url URL --model NAME --out DIR [--api-key K] [--concurrency N]
                [--max-tokens N] [--temperature T] [--resume] [--mc-mode letter|loglik] [--limit N]
-               [--timeout S] [--retries N]
+               [--timeout S] [--retries N] [--batch]
   ktserve eval --compare BEFORE/report.json AFTER/report.json
 
 Exit codes: 0 all samples answered, 1 some requests failed (the report is still written; rerun with
@@ -19,7 +19,8 @@ import os
 import sys
 from pathlib import Path
 
-from evaluation.client import OpenAIClient, RetryPolicy
+from evaluation.batch import run_batch
+from evaluation.client import OpenAIClient, RequestFailed, RetryPolicy
 from evaluation.datasets import load_dataset
 from evaluation.report import build_report, compare_reports, render_markdown, write_report
 from evaluation.runner import RESULTS_FILE, RunOptions, read_results, run_samples
@@ -53,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds per request attempt (default 120)")
     parser.add_argument("--retries", metavar="N", type=_non_negative_int, default=3,
                         help="retries after a 408/429/5xx, timeout or connection error (default 3)")
+    parser.add_argument("--batch", action="store_true",
+                        help="send the samples as one OpenAI batch (/files, /batches) and read the answers from "
+                             "its output file; --concurrency and --retries do not apply")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"ktserve eval: error: {err}", file=sys.stderr)
         return 2
+    except RequestFailed as err:  # --batch: the server refused the upload or the batch
+        print(f"ktserve eval: error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"ktserve eval: interrupted; finished samples are in {Path(args.out or '.') / RESULTS_FILE}, "
               "rerun with --resume to send the rest", file=sys.stderr)
@@ -84,13 +91,18 @@ def _evaluate(args: argparse.Namespace) -> int:
     results_path = out / RESULTS_FILE
     _check_resume(out, results_path, args)
 
+    options = RunOptions(concurrency=args.concurrency, max_tokens=args.max_tokens, temperature=args.temperature,
+                         mc_mode=args.mc_mode)
+
     async def send() -> None:
+        if args.batch:
+            await run_batch(dataset.samples, args.base_url, args.model, args.api_key, results_path, options,
+                            timeout_s=args.timeout)
+            return
         async with OpenAIClient(args.base_url, args.model, args.api_key, timeout_s=args.timeout,
                                 retry=RetryPolicy(retries=args.retries),
                                 max_connections=args.concurrency) as client:
-            await run_samples(dataset.samples, client, results_path,
-                              RunOptions(concurrency=args.concurrency, max_tokens=args.max_tokens,
-                                         temperature=args.temperature, mc_mode=args.mc_mode))
+            await run_samples(dataset.samples, client, results_path, options)
 
     asyncio.run(send())
     report = build_report(dataset, read_results(results_path), model=args.model, base_url=args.base_url,

@@ -91,29 +91,14 @@ class OpenAIClient:
 
     async def chat(self, messages: list[dict[str, str]], *, max_tokens: int, temperature: float) -> ChatAnswer:
         """Generate one answer to `messages`."""
-        payload = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
-                   "temperature": temperature, "stream": False}
-        body, attempts = await self._post("chat/completions", payload)
-        try:
-            text = body["choices"][0]["message"]["content"] or ""
-        except (KeyError, IndexError, TypeError):
-            raise RequestFailed("response has no choices[0].message.content", attempts) from None
-        usage = body.get("usage") or {}
-        return ChatAnswer(text=text, completion_tokens=usage.get("completion_tokens"), attempts=attempts)
+        body, attempts = await self._post("chat/completions", chat_payload(self.model, messages, max_tokens,
+                                                                           temperature))
+        return chat_answer(body, attempts)
 
     async def continuation_logprob(self, context: str, continuation: str) -> Loglik:
         """Summed log-probability of `continuation` following `context`, from the echoed prompt logprobs."""
-        payload = {"model": self.model, "prompt": context + continuation, "max_tokens": 0,
-                   "echo": True, "logprobs": 1, "temperature": 0.0}
-        body, attempts = await self._post("completions", payload)
-        try:
-            choice = body["choices"][0]
-            generated = (body.get("usage") or {}).get("completion_tokens") or 0
-            return Loglik(sum_continuation_logprobs(choice["logprobs"], continuation, generated), attempts)
-        except (KeyError, IndexError, TypeError, ValueError) as err:
-            raise RequestFailed(
-                f"no prompt logprobs in the /completions response ({err}); --mc-mode loglik needs a server "
-                "that returns prompt logprobs with echo", attempts) from None
+        body, attempts = await self._post("completions", loglik_payload(self.model, context, continuation))
+        return continuation_loglik(body, continuation, attempts)
 
     async def _post(self, path: str, payload: dict) -> tuple[dict, int]:
         """POST with retries; returns (JSON body, attempts used)."""
@@ -137,6 +122,38 @@ class OpenAIClient:
             if attempt < attempts:
                 await asyncio.sleep(self.retry.delay(attempt - 1, retry_after))
         raise RequestFailed(error, attempts)
+
+
+def chat_payload(model: str, messages: list[dict[str, str]], max_tokens: int, temperature: float) -> dict:
+    """The /chat/completions request for one answer (also a batch line's body: evaluation/batch.py)."""
+    return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
+            "stream": False}
+
+
+def chat_answer(body: dict, attempts: int) -> ChatAnswer:
+    try:
+        text = body["choices"][0]["message"]["content"] or ""
+    except (KeyError, IndexError, TypeError):
+        raise RequestFailed("response has no choices[0].message.content", attempts) from None
+    usage = body.get("usage") or {}
+    return ChatAnswer(text=text, completion_tokens=usage.get("completion_tokens"), attempts=attempts)
+
+
+def loglik_payload(model: str, context: str, continuation: str) -> dict:
+    """The /completions request that echoes `context + continuation` with its prompt logprobs."""
+    return {"model": model, "prompt": context + continuation, "max_tokens": 0, "echo": True, "logprobs": 1,
+            "temperature": 0.0}
+
+
+def continuation_loglik(body: dict, continuation: str, attempts: int) -> Loglik:
+    try:
+        choice = body["choices"][0]
+        generated = (body.get("usage") or {}).get("completion_tokens") or 0
+        return Loglik(sum_continuation_logprobs(choice["logprobs"], continuation, generated), attempts)
+    except (KeyError, IndexError, TypeError, ValueError) as err:
+        raise RequestFailed(
+            f"no prompt logprobs in the /completions response ({err}); --mc-mode loglik needs a server "
+            "that returns prompt logprobs with echo", attempts) from None
 
 
 def sum_continuation_logprobs(logprobs: dict, continuation: str, generated_tokens: int = 0) -> float:

@@ -56,12 +56,17 @@ def latest_by_index(records: list[dict]) -> dict[int, dict]:
     return {record["index"]: record for record in records}
 
 
+def missing_samples(samples: list[Sample], results_path: Path) -> list[Sample]:
+    """The samples without a successful result in `results_path` (a partial last line cut off first)."""
+    _drop_partial_last_line(results_path)
+    done = {i for i, record in latest_by_index(read_results(results_path)).items() if record.get("ok")}
+    return [sample for sample in samples if sample.index not in done]
+
+
 async def run_samples(samples: list[Sample], client: OpenAIClient, results_path: Path,
                       options: RunOptions) -> int:
     """Evaluate the samples without a successful result in `results_path`; return how many were sent."""
-    _drop_partial_last_line(results_path)
-    done = {i for i, record in latest_by_index(read_results(results_path)).items() if record.get("ok")}
-    missing = [sample for sample in samples if sample.index not in done]
+    missing = missing_samples(samples, results_path)
     todo = len(missing)
     pending = iter(missing)
     session = time.time()
