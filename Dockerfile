@@ -70,20 +70,21 @@ RUN --mount=type=cache,target=/root/.cache/pip --mount=type=secret,id=pip.conf,t
 FROM ${VARIANT}-os AS runtime
 # A fixed high uid: no clash with host users, and numeric for orchestrators that check runAsNonRoot.
 RUN useradd --system --no-log-init --uid 10001 --user-group --create-home --shell /usr/sbin/nologin ktserve \
- && mkdir -p /models /adapters /cache /config \
- && chown 10001:10001 /cache
+ && mkdir -p /models /adapters /cache /config /data \
+ && chown 10001:10001 /cache /data
 COPY --from=build /opt/ktserve /opt/ktserve
 ENV PATH=/opt/ktserve/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     API_HOST=0.0.0.0 \
     API_PORT=8000 \
     KTSERVE_CACHE_DIR=/cache \
+    KTSERVE_DATA_DIR=/data \
     HF_HOME=/cache/huggingface \
     FLASHINFER_WORKSPACE_BASE=/cache
 # Relative paths in configs (kt_optimize_rules/...) resolve against the source tree.
 WORKDIR /opt/ktserve/src
 USER 10001:10001
-VOLUME ["/models", "/adapters", "/cache"]
+VOLUME ["/models", "/adapters", "/cache", "/data"]
 EXPOSE 8000
 # /health answers 503 while the model loads, which urlopen raises on; a large model takes many minutes.
 # No --start-interval: builders older than Docker Engine 25 refuse it (podman 4 stops the build there).
