@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from pathlib import Path
@@ -25,6 +26,7 @@ from server.batches.validate import count_lines
 from server.errors import APIError
 from server.settings import Settings
 
+log = logging.getLogger("ktserve.batches")
 UPLOAD_PURPOSES = ("batch",)
 COPY_CHUNK = 1024 * 1024
 # multipart framing around the file: the body limit of POST /v1/files is the file limit plus this
@@ -54,7 +56,10 @@ class BatchServing:
     async def start(self, app: Any) -> None:
         self.app = app
         if BatchStore.exists(self.settings.data_dir):
-            self.store(create=True)
+            try:
+                self.store(create=True)
+            except APIError as exc:  # the server serves on; the Batch API answers 503 saying why
+                log.error("the Batch API's store did not open: %s", exc.message)
         self.runner.start()
 
     async def stop(self) -> None:
@@ -93,14 +98,17 @@ class BatchServing:
         if purpose not in UPLOAD_PURPOSES:
             raise APIError(400, f"'purpose' must be one of {', '.join(UPLOAD_PURPOSES)}, got {purpose!r}",
                            param="purpose")
-        limit = self.settings.batch_max_file_bytes
-        if upload.size is not None and upload.size > limit:
-            raise APIError(413, f"the file is {upload.size} bytes; batch_max_file_bytes allows {limit}",
-                           param="file", code="file_too_large")
+        if upload.size is not None:
+            self._check_size(upload.size)
         store = self.store(create=True)
         assert store is not None
         file_id = f"file-{uuid.uuid4().hex[:24]}"
         size = await asyncio.to_thread(store.write_file, file_id, iter(lambda: upload.file.read(COPY_CHUNK), b""))
+        try:
+            self._check_size(size)
+        except APIError:
+            store.file_path(file_id).unlink(missing_ok=True)
+            raise
         record = {"id": file_id, "purpose": purpose, "filename": Path(upload.filename or "upload.jsonl").name,
                   "bytes": size, "created_at": int(time.time())}
         try:
@@ -109,6 +117,12 @@ class BatchServing:
             store.file_path(file_id).unlink(missing_ok=True)
             raise limit_error(exc) from None
         return file_object(record)
+
+    def _check_size(self, size: int) -> None:
+        limit = self.settings.batch_max_file_bytes
+        if size > limit:
+            raise APIError(413, f"the file is {size} bytes; batch_max_file_bytes allows {limit}", param="file",
+                           code="file_too_large")
 
     async def list_files(self, query: ListQuery) -> dict[str, Any]:
         found = await self._call(queries.list_files, query.purpose, query.after, query.limit, query.order, empty=[])
