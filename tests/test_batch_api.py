@@ -266,3 +266,18 @@ def test_with_an_api_key_the_routes_need_it_and_lines_still_run(limited):
     assert done.status == "completed", done
     [line] = lines_of(client, done.output_file_id)
     assert line["response"]["body"]["choices"][0]["message"]["content"] == "hello there"
+
+
+def test_an_interactive_request_is_answered_while_a_batch_runs(scripted):
+    client = scripted.openai()
+    long = " ".join(f"word{i}" for i in range(300))
+    batch = submit(client, jsonl([chat_line(f"line-{i}", long, max_tokens=600) for i in range(40)]))
+    wait_for(client, batch.id, until=("in_progress",), check=lambda b: b.request_counts.completed >= 1)
+    reply = client.chat.completions.create(model=scripted.engine.info.id, max_tokens=8,
+                                           messages=[{"role": "user", "content": "right away"}])
+    assert reply.choices[0].message.content == "right away"
+    during = client.batches.retrieve(batch.id)
+    assert during.status == "in_progress" and during.request_counts.completed < 40
+    client.batches.cancel(batch.id)
+    wait_for(client, batch.id)
+    scripted.wait_idle()
