@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from v4_helpers import V4_LOGPROB_TOLERANCE, reference_logprobs, v4_reference_model
+from v4_helpers import (V4_LOGPROB_TOLERANCE, V4_NEAR_TIE_TOLERANCE, Choices, diffs_off_and_on_ties,
+                        flipped_near_ties, reference_logprobs, v4_reference_model)
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = ("The old lighthouse keeper counted the ships that passed each night, writing their names in a "
@@ -49,13 +50,18 @@ def test_v4_hyper_connections_on_the_cpu_keep_transformers_forward(v4_server):
 
 
 def test_v4_prompt_logprobs_match_the_transformers_reference(v4_server, v4_reference):
+    """Within rounding, but where the served model's top-k picked otherwise at one of the reference's near ties
+    (v4_helpers: V4_NEAR_TIE_GAP), which happens at few positions."""
     ids = v4_server.engine.tokenizer.encode(PROMPT)
     assert len(ids) > 128
-    reply = complete(v4_server, prompt=ids, max_tokens=0, echo=True, logprobs=1)
-    served = reply.choices[0].logprobs.token_logprobs
-    reference = reference_logprobs(v4_reference, ids)
-    diffs = [abs(served[i] - float(reference[i - 1, ids[i]])) for i in range(1, len(ids))]
-    assert max(diffs) < V4_LOGPROB_TOLERANCE
+    with Choices(v4_server.engine._runner.model) as served_choices:
+        reply = complete(v4_server, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    with Choices(v4_reference, gaps=True) as reference_choices:
+        reference = reference_logprobs(v4_reference, ids)
+    ties = flipped_near_ties(served_choices, reference_choices)
+    off, on = diffs_off_and_on_ties(reply.choices[0].logprobs.token_logprobs, reference, ids, ties)
+    assert max(off) < V4_LOGPROB_TOLERANCE
+    assert max(on, default=0.0) < V4_NEAR_TIE_TOLERANCE and len(on) <= len(ids) // 20
 
 
 def test_v4_greedy_decode_and_its_logprobs_match_the_reference(v4_server, v4_reference):
