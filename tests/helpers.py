@@ -194,3 +194,27 @@ def poisoned_request(server, poison: int) -> httpx.Response:
     with server.http() as http:
         return http.post("/v1/completions", json={"model": server.engine.info.id, "prompt": [poison, 100, 200],
                                                    "max_tokens": 4})
+
+
+NEIGHBOUR_PROMPTS = [f"Question: {i}+{i}=? Answer: {2 * i}. Then {i} more carts rolled into the village square, "
+                     f"and the miller counted them twice. " * (1 + i % 3) for i in range(15)]
+
+
+def alone_and_beside(server, request: dict, neighbours: int, timeout: float = 300) -> tuple[dict, dict]:
+    """`request` (a /v1/completions body) answered alone, then again while `neighbours` other requests (greedy
+    completions and echoed prompts of NEIGHBOUR_PROMPTS) run beside it: the two choices. It runs once before
+    either, so both find the same pages of it in the prefix cache."""
+    async def run(count: int) -> dict:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=timeout) as client:
+            async def post(body: dict) -> dict:
+                r = await client.post("/v1/completions", json={"model": server.engine.info.id, **body})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]
+
+            others = [{"prompt": p, "max_tokens": 8, "temperature": 0} if i % 2 else
+                      {"prompt": p, "max_tokens": 0, "echo": True, "logprobs": 1}
+                      for i, p in enumerate(NEIGHBOUR_PROMPTS[:count])]
+            answers = await asyncio.wait_for(asyncio.gather(*[post(b) for b in others], post(request)), timeout)
+            return answers[-1]
+    asyncio.run(run(0))
+    return asyncio.run(run(0)), asyncio.run(run(neighbours))

@@ -99,3 +99,17 @@ def test_a_recomputed_prompt_does_not_ask_again_for_the_prompt_logprobs_it_has()
     scheduler.add(seq)
     (chunk,) = scheduler.schedule()
     assert (chunk.start, chunk.end, chunk.all_logits) == (0, PAGE + 1, False)
+
+
+def test_a_batch_invariant_prompt_is_cut_every_chunk_size_whatever_its_neighbours_leave_of_the_budget():
+    scheduler = Scheduler(PagedRunner(pages=100), max_running=8, max_queue=8, chunk_size=16)
+    other, invariant = sequence("other", 10), sequence("invariant", 40)
+    invariant.batch_invariant = True
+    scheduler.add(other)
+    scheduler.add(invariant)
+    # the neighbour takes 10 of the 16 tokens: the invariant prompt's first chunk (16) does not fit the 6 left,
+    # so it waits rather than be cut at 6
+    assert step(scheduler) == {"other": (0, 10)}
+    assert step(scheduler) == {"other": (10, 11), "invariant": (0, 16)}
+    assert step(scheduler) == {"other": (11, 12), "invariant": (16, 32)}
+    assert step(scheduler) == {"other": (12, 13), "invariant": (32, 40)}

@@ -72,16 +72,18 @@ def test_kt_sft_v4_adapter_card_says_where_its_expert_lora_runs(v4_server, kt_ad
 
 
 def test_two_kt_sft_adapters_and_the_base_in_one_batch_each_match_their_solo_runs(v4_server, kt_adapters):
+    """Requests with logprobs are batch-invariant by default: text and logprobs are their solo runs' bit for bit."""
     jobs = [("v4-a", PROMPT), ("v4-b", PROMPT), (v4_server.engine.info.id, PROMPT), ("v4-b", OTHER_PROMPT)]
 
     def run(job):
-        return complete(v4_server, job[0], job[1], max_tokens=6).choices[0].text
+        choice = complete(v4_server, job[0], job[1], max_tokens=6, logprobs=0).choices[0]
+        return choice.text, choice.logprobs.token_logprobs
 
     solo = [run(job) for job in jobs]
     with ThreadPoolExecutor(len(jobs)) as pool:
         together = list(pool.map(run, jobs))
     assert together == solo
-    assert len({solo[0], solo[1], solo[2]}) == 3  # each adapter, and the base, writes its own text
+    assert len({solo[0][0], solo[1][0], solo[2][0]}) == 3  # each adapter, and the base, writes its own text
 
 
 def test_kt_sft_v4_adapter_unloads_and_reloads(v4_server, kt_adapters):

@@ -27,6 +27,7 @@ from engines.kt.families.base import LoadContext, ModelFamily
 from engines.kt.families.deepseek_mla.family import SUPPORTED_ARCHITECTURES, MLAFamily
 from engines.kt.options import KTOptions
 from engines.model_files import context_length, eos_token_ids, load_tokenizer, model_id
+from engines.runtime.batch_invariance import check_policy
 from engines.runtime.llm_engine import LLMEngine
 from engines.runtime.model_runner import ModelRunner
 from engines.runtime.speculative import SpeculativeOptions
@@ -170,6 +171,7 @@ class KTEngine(LLMEngine):
                               fold=_fold_devices(rules, rule_file, kt.kt_strict_placement),
                               speculative=engine_options(SpeculativeOptions, cfg.settings), source=source)
         loaded = family.load(context)
+        loaded.runner.batch_invariance = check_policy(kt.batch_invariant)
         if cfg.chunk_size is None:
             cfg.chunk_size = loaded.chunk_size
         encoder = family.chat_encoder(model_path, allow_checkpoint_code=cfg.trust_remote_code)
@@ -180,7 +182,10 @@ class KTEngine(LLMEngine):
             torch.set_num_threads(loaded.torch_threads)
         log.info("loaded %s (%s family) with %s in %.1fs", model_path.name, family.name, rule_file.name,
                  time.perf_counter() - started)
-        details = {"kt_optimize_rule": rule_file.name, "model_family": family.name, **loaded.details}
+        details = {"kt_optimize_rule": rule_file.name, "model_family": family.name, **loaded.details,
+                   "batch_invariant": kt.batch_invariant}
+        if gguf is not None and gguf.routing_note:  # what the GGUF's metadata lacked of the routing (gguf/routing.py)
+            details["gguf_routing"] = gguf.routing_note
         name = (cfg.model_name or gguf.name) if gguf else model_id(cfg)
         info = ModelInfo(id=name, max_model_len=loaded.max_model_len or max_len,
                          architecture=family.architectures[0], engine=self.name, created=int(time.time()),

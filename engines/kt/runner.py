@@ -21,6 +21,7 @@ from engines.kt.placement.operators import MoEWithCPUExperts
 from engines.kt.step_timing import StepTimer
 from engines.lora.install import LoraModules
 from engines.lora.modules import AdapterRows
+from engines.runtime.batch_invariance import scores_are_invariant
 from engines.runtime.model_runner import ModelRunner, ScheduledChunk
 from engines.runtime.sequence import Sequence
 
@@ -332,14 +333,16 @@ class KTModelRunner(ModelRunner):
             return self.inner.norm(hidden.to(self.norm_device))
 
     def final_hidden_states(self, prompts: list[list[int]], adapter: str | None) -> list[torch.Tensor]:
-        """The prompts in as few forwards as the free cache allows (borrowed blocks, freed at once)."""
+        """The prompts in as few forwards as the free cache allows (borrowed blocks, freed at once); one prompt a
+        forward where scores are batch-invariant (runtime/batch_invariance.py)."""
         from engines.base import EngineUnavailableError
 
         states: list[torch.Tensor] = []
+        together = len(prompts) if not scores_are_invariant(self.batch_invariance) else 1
         while len(states) < len(prompts):
             tables: list[BlockTable] = []
             try:
-                for prompt in prompts[len(states):]:
+                for prompt in prompts[len(states):len(states) + together]:
                     table = BlockTable()
                     if self.cache.admit(table, prompt, "", reuse=False) is None:
                         break

@@ -26,6 +26,7 @@ from engines.base import (
     GenerationRequest, Grammar, InvalidRequestError, ModelInfo, RequestHandle, UnsupportedError, engine_options,
 )
 from engines.model_files import parameter_count, weights_size
+from engines.runtime.batch_invariance import solo_groups
 from engines.runtime.detokenizer import IncrementalDetokenizer
 from engines.runtime.embeddings import EmbeddingQueue
 from engines.runtime.model_runner import ModelRunner, ScheduledChunk
@@ -87,6 +88,7 @@ class LLMEngine(Engine):
         self._runner, self._tokenizer, self._info = self._load()
         if self.config.chunk_size is None:  # an engine whose load did not choose one
             self.config.chunk_size = DEFAULT_CHUNK_SIZE
+        self._runner.chunk_size = self.config.chunk_size
         self._info.size_bytes = weights_size(self.config.model_path)
         self._info.parameter_count = parameter_count(self.config.model_path)
         self._info.gpu_bytes = self._runner.gpu_bytes()
@@ -161,6 +163,7 @@ class LLMEngine(Engine):
                                        include_stop_str_in_output=p.include_stop_str_in_output)
         processor = compiler_for(self._tokenizer).processor(p.grammar) if p.grammar is not None else None
         seq = Sequence.create(request, handle, detok, processor)
+        seq.batch_invariant = self._runner.invariant_for(p)
         self._sequences[seq.id] = seq  # before the scheduler can hand it to the thread
         try:
             self._scheduler.add(seq)
@@ -295,9 +298,17 @@ class LLMEngine(Engine):
                 self._speculator.timed(elapsed)
 
     def _execute(self, chunks: list[ScheduledChunk]) -> list[tuple[ScheduledChunk, torch.Tensor | None]]:
-        """Run a step; (chunk, logits) for each chunk that computed. When the step raises, its chunks run again
-        in halves (ModelRunner.execute advances nothing, so a retry is safe) until the chunks that fail alone
-        are found: those requests fail, the others go on with the logits they get as a smaller batch."""
+        """Run a step: the chunks of batch-invariant sequences each alone, the others together
+        (runtime/batch_invariance.py); (chunk, logits) for each chunk that computed."""
+        computed: list[tuple[ScheduledChunk, torch.Tensor | None]] = []
+        for group in solo_groups(chunks, [c.seq.batch_invariant for c in chunks]):
+            computed += self._execute_together(group)
+        return computed
+
+    def _execute_together(self, chunks: list[ScheduledChunk]) -> list[tuple[ScheduledChunk, torch.Tensor | None]]:
+        """Run chunks as one step; (chunk, logits) for each chunk that computed. When the step raises, its chunks
+        run again in halves (ModelRunner.execute advances nothing, so a retry is safe) until the chunks that fail
+        alone are found: those requests fail, the others go on with the logits they get as a smaller batch."""
         try:
             return list(zip(chunks, self._runner.execute(chunks)))
         except Exception as exc:

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.base import SamplingParams
+from engines.runtime.batch_invariance import wants_invariance
 from engines.runtime.sequence import Sequence
 
 
@@ -43,6 +45,14 @@ class ModelRunner(ABC):
     draft_unavailable: str | None = None  # why not, when drafting was asked for (logged by the runtime)
     # the most decoding sequences a step drafts for (more: the draft head sits the step out); None: the options'
     draft_max_batch: int | None = None
+    # which requests this runner computes in batch-invariant steps (runtime/batch_invariance.py: POLICIES); "off"
+    # for runners that do not (the huggingface runner computes each request alone anyway)
+    batch_invariance: str = "off"
+    chunk_size: int = 0  # the scheduler's prefill chunk, set by the engine before the first step
+
+    def invariant_for(self, sampling: SamplingParams) -> bool:
+        """Whether a request sampled with `sampling` runs in batch-invariant steps (`Sequence.batch_invariant`)."""
+        return wants_invariance(self.batch_invariance, sampling)
 
     @abstractmethod
     def execute(self, chunks: list[ScheduledChunk]) -> list[torch.Tensor | None]:

@@ -94,7 +94,7 @@ class Scheduler:
                 cached = self._runner.admit(seq)
                 if cached is None:
                     break  # no KV room now; it stays in line
-                seq.num_computed = cached
+                seq.num_computed = seq.prefill_origin = cached
                 if not seq.preemptions:  # a readmitted sequence's prompt was counted when it first started
                     seq.num_cached_tokens = cached
                     self.prompt_tokens += seq.num_prompt_tokens
@@ -139,10 +139,10 @@ class Scheduler:
         if not self._runner.chunked_prefill:
             n = remaining
         elif seq.batch_invariant:
-            # cut at multiples of the chunk size only, so the chunks are the sequence's own whatever its
+            # cut every chunk size from its origin only, so the chunks are the sequence's own whatever its
             # neighbours take of the budget: a chunk that does not fit waits a step (the first prefill of a
             # step always finds the whole budget, so one always moves)
-            n = min(remaining, self.chunk_size - seq.num_computed % self.chunk_size)
+            n = min(remaining, self.chunk_size - (seq.num_computed - seq.prefill_origin) % self.chunk_size)
             if n > budget:
                 return 0
         else:

@@ -38,6 +38,10 @@ class Sequence:
     runner_state: object | None = None
     logits_processor: Any = None  # the compiled SamplingParams.grammar (engines/runtime/structured.py)
     draft: tuple[int, ...] = ()  # tokens the draft head proposed to follow token_ids (speculative.py)
+    # computed in steps of its own, its prompt cut every chunk size from where its computing starts
+    # (runtime/batch_invariance.py); that start: the positions the prefix cache held when it was admitted
+    batch_invariant: bool = False
+    prefill_origin: int = 0
 
     @classmethod
     def create(cls, request: GenerationRequest, handle: RequestHandle, detokenizer: IncrementalDetokenizer,

@@ -40,6 +40,7 @@ from engines.kt.families.deepseek_v4.budget import CacheBudget
 from engines.kt.families.deepseek_v4.caches import SequenceCache
 from engines.lora.install import LoraModules
 from engines.lora.modules import AdapterRows
+from engines.runtime.batch_invariance import scores_are_invariant
 from engines.runtime.model_runner import ModelRunner, ScheduledChunk
 from engines.runtime.sequence import Sequence
 
@@ -151,9 +152,11 @@ class V4ModelRunner(ModelRunner):
     @torch.inference_mode()
     def final_hidden_states(self, prompts: list[list[int]], adapter: str | None) -> list[torch.Tensor]:
         """The prompts in steps of up to max_model_len tokens (one prompt at least), each on a fresh cache
-        dropped afterwards."""
+        dropped afterwards; one prompt a step where scores are batch-invariant."""
         out: list[torch.Tensor] = []
-        for group in _groups(prompts, self.max_model_len):
+        # one prompt a step where scores are batch-invariant (runtime/batch_invariance.py)
+        tokens = 0 if scores_are_invariant(self.batch_invariance) else self.max_model_len
+        for group in _groups(prompts, tokens):
             streams = self.batch.hidden_streams([Piece(p, 0, len(p), self._new_cache(), adapter) for p in group])
             hidden = self.batch.final(streams).float().cpu()
             row = 0
