@@ -49,8 +49,9 @@ def q4k_server(q4k_parts):
     running.stop()
 
 
-def reference_on(path) -> torch.nn.Module:
-    """transformers' DeepSeek model with the GGUF's weights, dequantized to float32."""
+def reference_on(path, config=None) -> torch.nn.Module:
+    """transformers' DeepSeek model with the GGUF's weights, dequantized to float32; `config`: the model's (default:
+    the one the GGUF's metadata makes)."""
     from transformers import AutoModelForCausalLM
 
     checkpoint = GGUFCheckpoint(path)
@@ -61,7 +62,7 @@ def reference_on(path) -> torch.nn.Module:
             continue
         gate, up, down = tensor.dequantized(torch.float32)
         state[f"{name}.gate_up_proj"], state[f"{name}.down_proj"] = torch.cat([gate, up], dim=1), down
-    model = AutoModelForCausalLM.from_config(checkpoint.config(), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config or checkpoint.config(), dtype=torch.float32)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
     return model.eval()

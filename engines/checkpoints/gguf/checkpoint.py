@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import torch
 
-from engines.checkpoints.gguf import deepseek2
+from engines.checkpoints.gguf import deepseek2, routing
 from engines.checkpoints.source import StoredTensor
 from engines.checkpoints.gguf.files import SPLIT_NAME, GGUFFiles
 
@@ -74,6 +74,9 @@ class GGUFCheckpoint:
         self.files = GGUFFiles.open(path)
         self.path = self.files.first
         self.hf_dir = Path(hf_dir) if hf_dir else None
+        # what the metadata lacked of the routing and where it came from (routing.Routing.note), once `config()`
+        # has read it: for the start-up log and /version
+        self.routing_note: str | None = None
         parts = len(self.files.parts)
         # what the checkpoint is, for the start-up log and /version (CheckpointSource.format)
         self.format = (f"GGUF {deepseek2.ARCHITECTURE} ({parts} file{'s' if parts > 1 else ''}"
@@ -104,11 +107,12 @@ class GGUFCheckpoint:
                 del config.quantization_config
             return config
         has_bias = any(n.endswith(".exp_probs_b.bias") for n in self.files.tensors)
-        if has_bias and self._meta("expert_group_count") is None:
-            log.warning("%s has no deepseek2.expert_group_count (written before llama.cpp recorded it): experts are "
-                        "routed without DeepSeek-V3's group limit, as llama.cpp then did; give model_path (the "
-                        "original config) to route with its groups", self.files.first.name)
-        fields = deepseek2.config_dict(self._meta, has_bias, len(self.files.value("tokenizer.ggml.tokens", [])))
+        found = routing.resolve(self._meta, has_bias, self.files.first.name)
+        self.routing_note = found.note(self.files.first.name)
+        if self.routing_note:
+            (log.warning if found.doubtful else log.info)("routing: %s", self.routing_note)
+        fields = deepseek2.config_dict(self._meta, found.fields, len(self.files.value("tokenizer.ggml.tokens", [])),
+                                       self.files.first.name)
         fields["bos_token_id"] = self.files.value("tokenizer.ggml.bos_token_id")
         fields["eos_token_id"] = self.files.value("tokenizer.ggml.eos_token_id")
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
@@ -185,7 +189,8 @@ class GGUFCheckpoint:
                 pair[part[1]] = name
                 if len(pair) == 2:
                     kv_b = deepseek2.kv_b_from_split(self.files.dequantized(pair["attn_k_b"]),
-                                                     self.files.dequantized(pair["attn_v_b"]))
+                                                     self.files.dequantized(pair["attn_v_b"]),
+                                                     int(self._meta("attention.head_count")))
                     yield (f"model.layers.{part[0]}.self_attn.kv_b_proj.weight", torch.from_numpy(kv_b),
                            stored_name(self.files.type_name(pair["attn_k_b"])))
                 continue
