@@ -64,7 +64,9 @@ class ServerProcess:
         self.stop()
 
     def start(self) -> None:
-        env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
+        # the repository first, then whatever the caller's path holds (a device machine's packages live there)
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ, PYTHONPATH=path, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
                    **self.extra_env)
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(self.options.argv(self.port), cwd=REPO, env=env, stdout=self._log,
