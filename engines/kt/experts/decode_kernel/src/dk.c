@@ -184,7 +184,10 @@ static void futex_wake(atomic_uint *addr) { syscall(SYS_futex, (unsigned *)addr,
 
 static void barrier(dk_pool *p, int which) {
     atomic_fetch_add_explicit(&p->arrived[which], 1, memory_order_acq_rel);
-    while (atomic_load_explicit(&p->arrived[which], memory_order_acquire) < p->threads) _mm_pause();
+    int spins = 0;
+    while (atomic_load_explicit(&p->arrived[which], memory_order_acquire) < p->threads)
+        if (++spins < 4096) _mm_pause();
+        else sched_yield(); /* more threads than free cores: let the late one run */
 }
 
 static float bf16f(uint16_t b) {
@@ -286,7 +289,7 @@ static void *worker(void *arg) {
         CPU_SET(p->cpus[me], &set);
         pthread_setaffinity_np(pthread_self(), sizeof set, &set);
     }
-    unsigned seen = atomic_load(&p->generation);
+    unsigned seen = 0; /* the pool starts at generation 0: a call submitted before this thread ran is still seen */
     for (;;) {
         long since = now_ns();
         unsigned g;
