@@ -29,7 +29,7 @@ ARG CUDA_JIT_PACKAGES="cuda-nvcc-13-0 cuda-cudart-dev-13-0 cuda-cccl-13-0"
 FROM ${BASE_IMAGE:-${CUDA_IMAGE}} AS gpu-os
 ARG CUDA_JIT_PACKAGES
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv ${CUDA_JIT_PACKAGES} \
+ && apt-get install -y --no-install-recommends python3 python3-venv gcc libc6-dev ${CUDA_JIT_PACKAGES} \
  && rm -rf /var/lib/apt/lists/*
 
 FROM ${BASE_IMAGE:-${CPU_IMAGE}} AS cpu-os
@@ -42,6 +42,9 @@ ENV PIP_EXTRA_INDEX_URL=${GPU_TORCH_INDEX} \
 
 FROM cpu-os AS cpu-toolchain
 ARG CPU_TORCH_INDEX
+# gcc builds the decode kernel (engines/kt/experts/decode_kernel) in the build stage; the served image takes the
+# built library with the source tree and needs no compiler
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 ENV PIP_EXTRA_INDEX_URL=${CPU_TORCH_INDEX} \
     KTSERVE_EXTRAS=
 

@@ -61,4 +61,10 @@ fi
 "${pip[@]}" install --no-deps "kt-kernel>=0.7"
 "$venv/bin/python" -c "import kt_kernel" >/dev/null 2>&1 || {
   echo "warning: kt-kernel does not load on this CPU; the ktransformers engine will be unavailable" >&2; }
+# ktserve's own decode kernel for the CPU experts (engines/kt/experts/decode_kernel): a few seconds of gcc. Without
+# it the engine runs kt-kernel alone, so a failed build warns and the install goes on.
+if [ -d "$root/engines/kt/experts/decode_kernel" ]; then  # absent in the Dockerfile's first, dependencies-only run
+  (cd "$root" && "$venv/bin/python" -m engines.kt.experts.decode_kernel.build >/dev/null) || {
+    echo "warning: the decode kernel did not build; kt-kernel will serve decode calls" >&2; }
+fi
 echo "$want" > "$stamp"
