@@ -22,7 +22,7 @@ COMMON = ["-O3", "-fPIC", "-std=gnu11", "-Wall", "-Wno-unused-function", "-ffp-c
 UNITS = {  # source -> its own target flags
     "dk.c": [],
     "avx512.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
-    "avx2.c": ["-mavx2", "-mfma"],
+    "avx2.c": ["-mavx2", "-mfma", "-mf16c"],
 }
 LINK = ["-shared", "-lpthread", "-lm"]
 

@@ -102,8 +102,8 @@ static int own_fp8_scales(dk_layer *L) {
         for (int e = 0; e < L->experts; e++) {
             const float *src = mats[i]->s[e];
             for (size_t j = 0; j < n; j++) {
-                p[j] = src[j] * 0x1p120f;
-                if (!isfinite(p[j])) return -2; /* a multiplier of 2^8 or more: not a real checkpoint */
+                p[j] = src[j] * 256.f;
+                if (!isfinite(p[j])) return -2;
             }
             mats[i]->s[e] = p;
             p += n;

@@ -14,7 +14,7 @@ enum { DK_ISA_NONE = 0, DK_ISA_AVX2 = 1, DK_ISA_AVX512 = 2 };
 
 /* One projection of every expert of a layer: rows x cols weights per expert, at per-expert addresses.
  *   MXFP4: w [rows, cols/2] E2M1 pairs (earlier column low), s [rows, cols/32] UE8M0 exponents (uint8)
- *   FP8:   w [rows, cols] e4m3fn, s: the layer's own [ceil(rows/128), ceil(cols/128)] float multipliers x 2^120
+ *   FP8:   w [rows, cols] e4m3fn, s: the layer's own [ceil(rows/128), ceil(cols/128)] float multipliers x 2^8
  *   INT8:  w [rows, cols] int8, s [rows] float (value = q * s)
  *   INT4:  w [rows, cols/2] (q + 8, earlier column low), s [rows, cols/32] bf16 (value = q * s) */
 typedef struct dk_mat {
@@ -27,7 +27,7 @@ typedef struct dk_layer {
     int fmt, experts, hidden, inter;
     float limit; /* SwiGLU clamp: gate <= limit, -limit <= up <= limit; 0: none */
     dk_mat gate, up, down;
-    float *fp8_scales; /* FP8: the multipliers x 2^120, owned by the layer */
+    float *fp8_scales; /* FP8: the multipliers x 2^8, owned by the layer */
 } dk_layer;
 
 /* What one ISA file provides. x / h: the activation rows in `natural_index` order (see there). */

@@ -122,13 +122,14 @@ AI void dequant(const rowref *r, int fmt, int g, V *w) {
         for (int j = 0; j < 2; j++)
             w[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r->w + 32 * g + 16 * j))));
         break;
-    default: { /* FP8 e4m3: exponent and mantissa shifted into a float's, the bias 2^120 is in the multiplier */
+    default: { /* FP8 e4m3 as fp16 bits (value x 2^-8, the 2^8 is in the multiplier): exact, subnormals too,
+                  and no float subnormal ever meets an arithmetic unit (those cost a microcode assist) */
         __m512 s = _mm512_set1_ps(r->sf[g >> 2]);
         for (int j = 0; j < 2; j++) {
-            __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r->w + 32 * g + 16 * j)));
-            __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)), 20),
-                                           _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24));
-            w[j] = _mm512_mul_ps(_mm512_castsi512_ps(bits), s);
+            __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(r->w + 32 * g + 16 * j)));
+            __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x7F)), 7),
+                                        _mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x80)), 8));
+            w[j] = _mm512_mul_ps(_mm512_cvtph_ps(h), s);
         }
         break;
     }
@@ -176,13 +177,13 @@ AI void dequant(const rowref *r, int fmt, int g, V *w) {
         for (int j = 0; j < 4; j++)
             w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(r->w + 32 * g + 8 * j))));
         break;
-    default: {
+    default: { /* FP8 as fp16 bits, as in the AVX-512 half */
         __m256 s = _mm256_set1_ps(r->sf[g >> 2]);
         for (int j = 0; j < 4; j++) {
-            __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(r->w + 32 * g + 8 * j)));
-            __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x7F)), 20),
-                                           _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24));
-            w[j] = _mm256_mul_ps(_mm256_castsi256_ps(bits), s);
+            __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(r->w + 32 * g + 8 * j)));
+            __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x7F)), 7),
+                                     _mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x80)), 8));
+            w[j] = _mm256_mul_ps(_mm256_cvtph_ps(h), s);
         }
         break;
     }
