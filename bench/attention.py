@@ -75,7 +75,7 @@ def engine_config(bench, backend: str, rounds: Rounds):
 
 def contexts_round(url: str, model: str, vocab: int, context: int, rounds: Rounds, time_left: float) -> dict:
     timeout = min(rounds.round_timeout, max(5.0, time_left))
-    cmd = [sys.executable, "-m", "bench.http_client", "--base-url", url, "--model", model,
+    cmd = [sys.executable, "-m", "bench.lib.http_client", "--base-url", url, "--model", model,
            "--levels", str(rounds.clients), "--prompt-tokens", str(context), "--shared-prefix", str(context - TAIL),
            "--max-tokens", str(rounds.tokens), "--vocab", str(vocab), "--round-timeout", str(timeout),
            "--time-left", str(timeout + 10)]
@@ -86,9 +86,9 @@ def contexts_round(url: str, model: str, vocab: int, context: int, rounds: Round
 
 
 def cached_ttft(run, vocab: int) -> dict:
-    from bench.engine_runs import generate
-    from bench.report import fig
-    from bench.shapes import prompt_ids
+    from bench.lib.engine_runs import generate
+    from bench.lib.report import fig
+    from bench.lib.shapes import prompt_ids
 
     prefix = prompt_ids(CACHED_PREFIX, vocab, seed=11)
     tail = CACHED_PROMPT - CACHED_PREFIX
@@ -107,8 +107,8 @@ def cached_ttft(run, vocab: int) -> dict:
 def measure_backend(bench, backend: str, rounds: Rounds, deadline: float, report=lambda entry: None) -> dict:
     """One backend's figures: the cached-prefix TTFT, then a round per context until `deadline`; `report` is
     called with the entry after each. An engine that cannot start (e.g. flashinfer missing) is an `error`."""
-    from bench.engine_runs import EngineRun
-    from bench.http_load import serving
+    from bench.lib.engine_runs import EngineRun
+    from bench.lib.http_load import serving
 
     entry: dict = {}
     try:
@@ -136,7 +136,7 @@ def measure_backend(bench, backend: str, rounds: Rounds, deadline: float, report
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.checkpoint import existing_model
+    from bench.lib.checkpoint import existing_model
     from bench.run import Bench, parse_args as bench_args
 
     args = parse_args(argv)

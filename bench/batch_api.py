@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.report import median, percentile
+from bench.lib.report import median, percentile
 from tests.load.server import ServerOptions, ServerProcess
 
 POLL_S = 0.2

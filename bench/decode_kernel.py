@@ -111,7 +111,7 @@ def child(fmt: str, threads: int, tokens: list[int], kt: bool, pin: bool, budget
           layer_count: int | None) -> None:
     from dataclasses import replace
 
-    from bench.bandwidth import measure_host_bandwidth
+    from bench.lib.bandwidth import measure_host_bandwidth
     from engines.kt.experts import decode_kernel as dk
 
     s = SHAPES[fmt] if not layer_count else replace(SHAPES[fmt], layers=layer_count)
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         child(args.child[0], int(args.child[1]), tokens, args.kt, args.pin, args.budget, args.layers)
         return
-    from bench import sysinfo
+    from bench.lib import sysinfo
     from engines.kt.experts.cpuinfer import default_cpu_threads
 
     threads = [int(t) for t in args.threads.split(",")] if args.threads else [default_cpu_threads()]

@@ -68,10 +68,10 @@ def one_step(acts: list[tuple[float, float, str]], steps: int) -> list[tuple[str
 
 
 def main() -> None:
-    from bench.checkpoint import build_checkpoint, existing_model
+    from bench.lib.checkpoint import build_checkpoint, existing_model
     from bench.decode_profile import _decode
     from bench.run import engine_settings
-    from bench.shapes import V2_LITE_CONFIG
+    from bench.lib.shapes import V2_LITE_CONFIG
     from engines.base import EngineConfig
     from engines.kt.engine import KTEngine
 

@@ -53,7 +53,7 @@ def child(method: str, threads: int, layers: int, calls: int, huge_pages: bool) 
     stack = cold_layers(method, layers, threads)
     pages = "4k"
     if huge_pages:
-        from bench.huge_pages import collapse_anonymous_memory
+        from bench.lib.huge_pages import collapse_anonymous_memory
 
         report = collapse_anonymous_memory()
         print(json.dumps({"huge_pages": report.describe() if report else "not Linux"}), flush=True)

@@ -21,7 +21,7 @@ from typing import Callable
 
 import httpx
 
-from bench.report import median, percentile
+from bench.lib.report import median, percentile
 from tests.load.server import ServerOptions, ServerProcess
 
 BIG_TEXT = "The quick brown fox jumps over the lazy dog. " * 60_000  # 2.7 M characters

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bench.report import fig
+from bench.lib.report import fig
 
 # the acceptance trained MTP layers are reported to reach; the phase projects each drafting run's speed to it
 TRAINED_ACCEPTANCE = 0.9
@@ -59,7 +59,7 @@ def mtp_variant(model_dir: Path, config: dict, kind: str) -> Path:
     extended by the layer's shard (written once per kind)."""
     from safetensors import safe_open
 
-    from bench.checkpoint import tensor_specs
+    from bench.lib.checkpoint import tensor_specs
     from engines.demo_model import mtp_layer_tensors
     from engines.checkpoints.source import checkpoint_files
 
@@ -74,7 +74,7 @@ def mtp_variant(model_dir: Path, config: dict, kind: str) -> Path:
         with safe_open(str(path), framework="pt") as f:
             weights.update({name: f.get_tensor(name) for name in f.keys() if name in wanted})
     layer = mtp_layer_tensors(config, weights, copy_last_layer=True)
-    if kind == "random":  # drawn afresh at the checkpoint's own scales (bench/checkpoint.py)
+    if kind == "random":  # drawn afresh at the checkpoint's own scales (bench/lib/checkpoint.py)
         n, hidden = config["num_hidden_layers"], config["hidden_size"]
         gen = torch.Generator().manual_seed(n)
         for name, shape, init, std in tensor_specs({**config, "num_hidden_layers": n + 1}):
@@ -148,7 +148,7 @@ def measure(bench, deadline: float) -> dict:
     """The `mtp` phase: off, then each kind; bench is the running bench.run.Bench."""
     from dataclasses import replace
 
-    from bench.engine_runs import EngineRun
+    from bench.lib.engine_runs import EngineRun
 
     bench.close_engines()
     p, method = bench.plan, bench.primary
@@ -169,7 +169,7 @@ def measure(bench, deadline: float) -> dict:
 
 
 def _decode(run, kind: str, prompt: int, tokens: int, vocab: int, deadline: float) -> dict:
-    """One greedy batch-1 decode in the started `run` (bench.engine_runs.EngineRun), which it closes; with the
+    """One greedy batch-1 decode in the started `run` (bench.lib.engine_runs.EngineRun), which it closes; with the
     draft tokens verified and kept when `kind` drafts."""
     try:
         run.warm_up(vocab)
@@ -202,7 +202,7 @@ def measure_v4(model_dir: Path, config: dict, threads: int | None, out: Path, de
     """The `mtp` phase on the V4 shape (`python -m bench.run --shape v4-flash --only mtp`): off, then each kind,
     each in a KT engine of its own (the V4 rules: MXFP4 experts in kt-kernel, the rest on the GPU when there is
     one)."""
-    from bench.engine_runs import EngineRun
+    from bench.lib.engine_runs import EngineRun
     from engines.base import EngineConfig
 
     section: dict = {"shape": "v4-flash", "layers": config["num_hidden_layers"], "hidden_size": config["hidden_size"],
@@ -222,7 +222,7 @@ def measure_v4(model_dir: Path, config: dict, threads: int | None, out: Path, de
 
 
 def summary(data: dict) -> list[str]:
-    """One line per run of the phase, for bench.report's table."""
+    """One line per run of the phase, for bench.lib.report's table."""
     section = data.get("mtp") or {}
     lines = []
     for kind in RUNS:

@@ -30,7 +30,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from bench.report import fig  # noqa: E402
+from bench.lib.report import fig  # noqa: E402
 
 GiB = 1024 ** 3
 DECODE_PROMPT, DECODE_TOKENS = 128, 64
@@ -57,7 +57,7 @@ def v3_config(layers: int, experts: int, top_k: int) -> dict:
 def gpu_bytes(config: dict) -> dict[str, int]:
     """Bytes of what the GPUs hold (everything but the routed experts), per part: "head" (embeddings or
     final norm + LM head), "layer.N"."""
-    from bench.checkpoint import tensor_specs
+    from bench.lib.checkpoint import tensor_specs
 
     parts: dict[str, int] = {}
     for name, shape, init, _ in tensor_specs(config):
@@ -176,7 +176,7 @@ class MultiGpuBench:
 
     # ------------------------------------------------------------------------------------ phases
     def prepare(self, deadline: float) -> None:
-        from bench.checkpoint import build_checkpoint, checkpoint_bytes, existing_model
+        from bench.lib.checkpoint import build_checkpoint, checkpoint_bytes, existing_model
 
         params, size = checkpoint_bytes(self.config)
         self.model_dir = model_root(size) / f"v3-{self.args.layers}l-{self.args.experts}e"
@@ -212,7 +212,7 @@ class MultiGpuBench:
                                 "kt_weight_cache": str(self.model_dir.parent / "kt-weight-cache")})
 
     def run_engine(self, label: str, rule_file: str, gpus: int, deadline: float) -> None:
-        from bench.engine_runs import EngineRun, release_memory, ttft_points
+        from bench.lib.engine_runs import EngineRun, release_memory, ttft_points
 
         entry = self.data.setdefault("runs", {}).setdefault(label, {"gpus": gpus, "rule_file": rule_file})
         for i in range(self.gpus):

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from bench.engine_runs import Generation, release_memory
-from bench.report import fig
-from bench.shapes import prompt_ids
-from bench.sysinfo import memory_snapshot, reset_peaks, stdout_to
+from bench.lib.engine_runs import Generation, release_memory
+from bench.lib.report import fig
+from bench.lib.shapes import prompt_ids
+from bench.lib.sysinfo import memory_snapshot, reset_peaks, stdout_to
 
 
 def run_offload(model_dir: Path, model_bytes: int, gpu_memory: str, prompt_len: int, tokens: int, vocab: int,

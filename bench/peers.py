@@ -5,7 +5,7 @@
     python -m bench.peers [bench.run options]              # = python -m bench.run --only baseline,decode,ttft,http,peers
     python -m bench.peers table B/bench.json C/bench.json [--out peers.json]   # one table from several calls
 
-The `peers` phase of bench.run (bench/run.py) builds both engines with CUDA (bench/peer_build.py, trimmed to the
+The `peers` phase of bench.run (bench/run.py) builds both engines with CUDA (bench/lib/peer_build.py, trimmed to the
 GGUF types used), converts the run's random checkpoint to GGUF with llama.cpp's converter (bench/peer_gguf.py),
 quantizes it to Q8_0 and Q4_0 (against ktserve's AMXINT8 and AMXINT4 experts), runs each engine's llama-bench
 (decode: 128 tokens after 512 of context; prefill: 512 / 2,048 / 8,192 tokens) and llama-server under the
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from bench.report import fig
+from bench.lib.report import fig
 
 QUANT_FOR = {"AMXINT8": "Q8_0", "AMXINT4": "Q4_0"}  # ktserve's experts -> the GGUF type of the same bits
 BITS = {"AMXINT8": "INT8", "AMXINT4": "INT4", "Q8_0": "8-bit", "Q4_0": "4-bit"}
@@ -47,7 +47,7 @@ RATIOS = ("decode", "prefill_2048", "prefill_8192", "clients_16", "clients_32")
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SOURCES = REPO / ".peers"
 DEFAULT_WORK = Path("/tmp/ktserve-peers")
-ENGINE_NAMES = ("llama.cpp", "ik_llama.cpp")  # bench/peer_build.py's ENGINES
+ENGINE_NAMES = ("llama.cpp", "ik_llama.cpp")  # bench/lib/peer_build.py's ENGINES
 # GGUF bytes per checkpoint (bf16) byte: Q8_0 34/64, Q4_0 18/64 (blocks of 32 with an f16 scale)
 GGUF_SHARE = {"bf16": 1.0, "Q8_0": 34 / 64, "Q4_0": 18 / 64}
 
@@ -93,9 +93,9 @@ def ktserve_rows(text: str) -> tuple[str, ...]:
 # ------------------------------------------------------------------------------------------------ the phase
 def phase_estimate(bench: Any) -> float:
     """Seconds the phase should take as bench.run's args ask for it: the shape's `peers_parts` (the parts' times
-    measured on one H200 machine, bench/shapes.py) summed over the builds still to finish, each bits' llama-bench
+    measured on one H200 machine, bench/lib/shapes.py) summed over the builds still to finish, each bits' llama-bench
     runs, ktserve rows and server rounds; the shape's `peers` figure where it has no parts."""
-    from bench.peer_build import built
+    from bench.lib.peer_build import built
 
     e = bench.plan.estimates
     parts = e.get("peers_parts")
@@ -120,7 +120,7 @@ def run_peers(bench: Any, deadline: float, save: Callable[[dict], None]) -> dict
     grows, so a run cut short keeps what it measured)."""
     import torch
 
-    from bench.peer_build import binaries, build_all, find_archives, quantizer, unpack
+    from bench.lib.peer_build import binaries, build_all, find_archives, quantizer, unpack
 
     args = bench.args
     methods = [m for m in (bench.primary, *args.methods) if m in QUANT_FOR]
@@ -143,7 +143,7 @@ def run_peers(bench: Any, deadline: float, save: Callable[[dict], None]) -> dict
         raise RuntimeError("no llama-quantize built to make the GGUF files: see peers.build")
     files = section["gguf"] = make_ggufs(bench.model_dir, work, quantize.parent, quants, bench.threads, deadline)
     save(section)
-    from bench.peer_runs import Peer, version_of
+    from bench.lib.peer_runs import Peer, version_of
 
     peers = [Peer(name, path, version_of(path) or "?", bench.threads) for name, path in ready.items()]
     measured: dict[tuple[str, str], dict] = {}
@@ -189,7 +189,7 @@ def make_ggufs(model_dir: Path, work: Path, bin_dir: Path | None, quants: list[s
     """The checkpoint as bf16 GGUF (llama.cpp's converter), then each of `quants` (llama-quantize in `bin_dir`) and
     the other QUANT_FOR files; files already made from this checkpoint are reused, and the bf16 file goes once
     every one of them exists. In the first folder with room: under /tmp, else /dev/shm."""
-    from bench.checkpoint import checkpoint_bytes
+    from bench.lib.checkpoint import checkpoint_bytes
 
     fingerprint = json.loads((model_dir / "bench-model.json").read_text())["fingerprint"]
     size = checkpoint_bytes(json.loads((model_dir / "config.json").read_text()))[1]
@@ -264,7 +264,7 @@ def _run(cmd: list[str], log: Path, deadline: float) -> None:
 
 def measure_bench(peer: Any, gguf: Path, entry: dict, repetitions: int, deadline: float, work: Path,
                   decode_only: bool) -> None:
-    from bench.peer_runs import run_bench
+    from bench.lib.peer_runs import run_bench
 
     for label, cmd in peer.bench_runs(gguf, PREFILL, repetitions):
         if decode_only and not label.startswith("decode"):
@@ -278,7 +278,7 @@ def measure_bench(peer: Any, gguf: Path, entry: dict, repetitions: int, deadline
 
 def measure_server(peer: Any, gguf: Path, entry: dict, bench: Any, level: int, deadline: float, work: Path) -> None:
     """One round of `level` streaming clients against the peer's llama-server with as many slots."""
-    from bench.peer_runs import run_clients, serving
+    from bench.lib.peer_runs import run_clients, serving
 
     plan = bench.plan
     left = deadline - time.perf_counter()
@@ -329,15 +329,15 @@ def measure_ktserve(bench: Any, entry: dict, config_for: Callable[[Any], Any], l
                     min_seconds: float, prompts: bool, clients: bool) -> dict:
     """One ktserve row of the table (`config_for(plan)`: its engine config), measured by the code that measures the
     run's own engine: batch-1 decode as the decode phase measures it, with `prompts` the ttft phase's prompts and
-    with `clients` one round each of CLIENTS streaming clients as the http phase sends them (bench/engine_runs.py,
-    bench/http_load.py). Skipped with the reason when fewer than `min_seconds` are left (a load is not bounded by
+    with `clients` one round each of CLIENTS streaming clients as the http phase sends them (bench/lib/engine_runs.py,
+    bench/lib/http_load.py). Skipped with the reason when fewer than `min_seconds` are left (a load is not bounded by
     the deadline); a failure is recorded in the entry, and the peers' rounds still run."""
     import traceback
     from dataclasses import replace
 
-    from bench.engine_runs import EngineRun, release_memory, ttft_points
-    from bench.http_load import run_clients, serving
-    from bench.sysinfo import memory_snapshot
+    from bench.lib.engine_runs import EngineRun, release_memory, ttft_points
+    from bench.lib.http_load import run_clients, serving
+    from bench.lib.sysinfo import memory_snapshot
 
     plan = replace(bench.plan, http_levels=CLIENTS)  # the engine sized for the rounds it serves here
     left = deadline - time.perf_counter()
@@ -373,7 +373,7 @@ def measure_ktserve(bench: Any, entry: dict, config_for: Callable[[Any], Any], l
 # ------------------------------------------------------------------------------------------------ figures
 def peer_figures(entry: dict) -> dict:
     """decode, prefill_<n>, clients_<n> (tok/s; the best over the engine's runs) and memory of one peer entry."""
-    from bench.peer_runs import classify, merge_memory
+    from bench.lib.peer_runs import classify, merge_memory
 
     best: dict[str, tuple[float, str]] = {}
     for run in entry.get("runs", []):
@@ -398,7 +398,7 @@ def peer_figures(entry: dict) -> dict:
 
 
 def round_figure(rnd: dict) -> dict | None:
-    """The aggregate tok/s of one streaming round (bench/http_client.py): its output_throughput when every request
+    """The aggregate tok/s of one streaming round (bench/lib/http_client.py): its output_throughput when every request
     finished in time; for a round cut at its time limit the partial rate (the tokens streamed by then over the time
     to then, `partial` true), which the table marks and the ratios leave out; None when it has neither."""
     if not rnd.get("timed_out") and (rnd.get("output_throughput") or {}).get("value") is not None:
@@ -409,7 +409,7 @@ def round_figure(rnd: dict) -> dict | None:
 
 def kt_figures(decode: dict | None, points: list[dict], rounds: list[dict], memory: dict | None) -> dict:
     """decode, prefill_<n>, clients_<n>, gpu_memory and host_memory of one ktserve engine from what the decode,
-    ttft and http measurements (bench/engine_runs.py, bench/http_load.py) wrote."""
+    ttft and http measurements (bench/lib/engine_runs.py, bench/lib/http_load.py) wrote."""
     figures = {"decode": (decode or {}).get("decode_throughput", fig(None, "tok/s"))}
     for point in points:
         figures[f"prefill_{point['prompt_tokens']}"] = fig(
@@ -584,10 +584,10 @@ def peers_lines(section: dict) -> list[str]:
 def gguf_main(argv: list[str]) -> int:
     """`python -m bench.peers gguf`: the shape's checkpoint (written unless there), its bf16 GGUF, and once
     a llama-quantize is built (waiting for it up to --budget), the Q8_0 and Q4_0 files."""
-    from bench.checkpoint import build_checkpoint, existing_model
-    from bench.peer_build import quantizer
+    from bench.lib.checkpoint import build_checkpoint, existing_model
+    from bench.lib.peer_build import quantizer
     from bench.run import default_model_dir
-    from bench.shapes import SHAPES
+    from bench.lib.shapes import SHAPES
     from engines.kt.experts.cpuinfer import default_cpu_threads
 
     p = argparse.ArgumentParser(prog="python -m bench.peers gguf")
@@ -649,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("sdists", type=Path, nargs="+", help="the PyPI source archives (pip download --no-binary)")
         p.add_argument("--out", type=Path, default=DEFAULT_SOURCES)
         args = p.parse_args(argv[1:])
-        from bench.peer_build import pack
+        from bench.lib.peer_build import pack
 
         for sdist in args.sdists:
             target = pack(sdist, args.out)
@@ -665,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
                        "(`gguf` below, the compilers at a lower priority), so that the measuring call finds them")
         p.add_argument("--engines", type=engine_list, default=ENGINE_NAMES, help="peers to build (default: both)")
         args = p.parse_args(argv[1:])
-        from bench.peer_build import build_all, find_archives, unpack
+        from bench.lib.peer_build import build_all, find_archives, unpack
 
         archives = find_archives(args.sources, args.engines)
         converter = find_archives(args.sources, ("llama.cpp",))

@@ -31,9 +31,9 @@ def main(argv: list[str] | None = None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from bench.run import default_model_dir
-    from bench.shapes import SHAPES
+    from bench.lib.shapes import SHAPES
 
-    from bench.engine_runs import generate
+    from bench.lib.engine_runs import generate
     from engines.base import EngineConfig
     from engines.kt.engine import KTEngine
 

@@ -52,8 +52,9 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from bench.report import Results, fig, summary_lines, write_plots  # noqa: E402
-from bench.shapes import SHAPES, Plan, Shape  # noqa: E402
+from bench.lib.report import Results, fig, write_plots  # noqa: E402
+from bench.lib.shapes import SHAPES, Plan, Shape  # noqa: E402
+from bench.summary import summary_lines  # noqa: E402
 
 PHASES = ("baseline", "decode", "threads", "avx2", "ttft", "http", "peers", "load", "hf", "offload", "mtp",
           "attention")
@@ -171,7 +172,7 @@ def missing(*modules: str) -> list[str]:
 def default_model_dir(shape: Shape) -> Path:
     """$KTSERVE_BENCH_DIR or /tmp/ktserve-bench, then /<shape>; /dev/shm/ktserve-bench/<shape> when only
     memory has room for the checkpoint (the GPU machines' disks are 64 GiB, their image included)."""
-    from bench.checkpoint import checkpoint_bytes, existing_model
+    from bench.lib.checkpoint import checkpoint_bytes, existing_model
 
     size = checkpoint_bytes(shape.config)[1]
     candidates = [Path(os.environ.get("KTSERVE_BENCH_DIR") or "/tmp/ktserve-bench"), Path("/dev/shm/ktserve-bench")]
@@ -197,7 +198,7 @@ def weight_cache_wired() -> bool:
 
 class Bench:
     def __init__(self, args: argparse.Namespace, started: float):
-        from bench.sysinfo import device_slug, environment
+        from bench.lib.sysinfo import device_slug, environment
         from engines.kt.experts.cpuinfer import default_cpu_threads
 
         self.args, self.started = args, started
@@ -298,7 +299,7 @@ class Bench:
         return self.budget - self.elapsed()
 
     def ceiling(self, method: str) -> float | None:
-        from bench.bandwidth import ceiling_for
+        from bench.lib.bandwidth import ceiling_for
 
         return ceiling_for(self.results.get("cpu_bandwidth"), method)
 
@@ -323,7 +324,7 @@ class Bench:
 
     def kt_engine(self, method: str):
         """The KT engine with `method` experts, loaded (and warmed up) unless it already is."""
-        from bench.engine_runs import EngineRun
+        from bench.lib.engine_runs import EngineRun
 
         if self.kt is not None and self.kt.label == method:
             return self.kt
@@ -352,8 +353,8 @@ class Bench:
     # ------------------------------------------------------------------------------------ phases
     def prepare_model(self, build_needed: bool) -> None:
         """Build the checkpoint (or reuse a matching one) and import the engines' modules."""
-        from bench.checkpoint import build_checkpoint, existing_model
-        from bench.sysinfo import page_cache_state
+        from bench.lib.checkpoint import build_checkpoint, existing_model
+        from bench.lib.sysinfo import page_cache_state
 
         marker = None if build_needed else existing_model(self.model_dir, self.shape.config)
         started = time.perf_counter()
@@ -384,7 +385,7 @@ class Bench:
         """Import what the engines import, so that the first engine's load time is not the imports' time."""
         import importlib
 
-        from bench.sysinfo import stdout_to
+        from bench.lib.sysinfo import stdout_to
 
         started = time.perf_counter()
         model_type = self.shape.config["model_type"]
@@ -401,12 +402,12 @@ class Bench:
         return time.perf_counter() - started
 
     def step_baseline(self, deadline: float) -> None:
-        from bench.bandwidth import measure_cpu_bandwidth
+        from bench.lib.bandwidth import measure_cpu_bandwidth
 
         self.results["cpu_bandwidth"] = measure_cpu_bandwidth(self.shape, self.threads, self.plan.bandwidth_bytes)
 
     def step_decode(self, method: str, deadline: float) -> None:
-        if method != self.primary:  # alone in a fresh process, as a server runs it (bench/child_runs.py)
+        if method != self.primary:  # alone in a fresh process, as a server runs it (bench/lib/child_runs.py)
             entry = self._child_decode(method, self.args.threads, deadline, settings=self.args.settings)
             rate, ceiling = (entry["decode"].get("decode_throughput") or {}).get("value"), self.ceiling(method)
             if rate and ceiling:  # the child measured no bandwidth: this run's baseline's ceiling
@@ -423,7 +424,7 @@ class Bench:
 
     def _child_decode(self, method: str, threads: int | None, deadline: float, env: dict | None = None,
                       settings: dict | None = None) -> dict:
-        from bench.child_runs import child_decode
+        from bench.lib.child_runs import child_decode
 
         self.close_engines()  # the child needs the memory
         return child_decode(shape=self.shape.name, quick=self.args.quick, model_dir=self.model_dir,
@@ -450,7 +451,7 @@ class Bench:
         self.results["avx2"] = {"kt_kernel_cpu_variant": "avx2 (forced with KT_KERNEL_CPU_VARIANT)", **entry}
 
     def step_ttft(self, deadline: float) -> None:
-        from bench.engine_runs import ttft_points
+        from bench.lib.engine_runs import ttft_points
 
         run = self.kt_engine(self.primary)
         points = ttft_points(run, self.plan.ttft_prompts, self.plan.ttft_decode_tokens, self.vocab, deadline)
@@ -460,8 +461,8 @@ class Bench:
                                                 if n not in {p["prompt_tokens"] for p in points}]}
 
     def step_http(self, deadline: float) -> None:
-        from bench.bandwidth import with_decode_ceiling
-        from bench.http_load import run_clients, serving
+        from bench.lib.bandwidth import with_decode_ceiling
+        from bench.lib.http_load import run_clients, serving
 
         run = self.kt_engine(self.primary)
         with serving(run.engine, str(self.model_dir)) as url:
@@ -513,7 +514,7 @@ class Bench:
         self.results["mtp"] = measure(self, deadline)
 
     def step_load(self, deadline: float) -> None:
-        from bench.engine_runs import EngineRun
+        from bench.lib.engine_runs import EngineRun
 
         cold = {m: e.get("load_time") for m, e in (self.results.get("kt") or {}).items()}
         section = {"cold_load_time": cold, "method": self.primary}
@@ -544,7 +545,7 @@ class Bench:
             shutil.rmtree(cache, ignore_errors=True)
 
     def step_hf(self, deadline: float) -> None:
-        from bench.engine_runs import EngineRun
+        from bench.lib.engine_runs import EngineRun
         from engines.base import EngineConfig
 
         self.close_engines()
@@ -566,7 +567,7 @@ class Bench:
             self.results.section("hf_gpu")["host_rss_after_stop"] = run.close()
 
     def step_offload(self, deadline: float) -> None:
-        from bench.checkpoint import checkpoint_bytes
+        from bench.lib.checkpoint import checkpoint_bytes
         from bench.offload import run_offload
 
         self.close_engines()
@@ -575,7 +576,7 @@ class Bench:
             self.plan.offload_prompt, self.plan.offload_tokens, self.vocab, deadline, self.log_path)
 
     def _memory(self) -> dict:
-        from bench.sysinfo import memory_snapshot
+        from bench.lib.sysinfo import memory_snapshot
 
         return memory_snapshot(self.kt.rss_reset if self.kt is not None else True)
 
@@ -591,7 +592,7 @@ class Bench:
             return
         absent = missing(*NEEDS.get(phase, ()))
         if phase == "peers" and not absent:
-            from bench.peer_build import find_archives
+            from bench.lib.peer_build import find_archives
 
             if not find_archives(self.args.peers_sources, self.args.peers_engines):
                 self.results.phase(step, "skipped", 0.0, expected, reason=f"no peer source archives in "
@@ -613,7 +614,7 @@ class Bench:
             else:
                 getattr(self, f"step_{phase}")(deadline)
         except Exception as exc:
-            from bench.engine_runs import release_memory
+            from bench.lib.engine_runs import release_memory
 
             self.close_engines()
             release_memory()
@@ -624,7 +625,7 @@ class Bench:
         self.results.phase(step, "ok", time.perf_counter() - started, expected)
 
     def run(self) -> int:
-        from bench.checkpoint import existing_model
+        from bench.lib.checkpoint import existing_model
 
         build_needed = self.args.rebuild or existing_model(self.model_dir, self.shape.config) is None
         self.print_plan(build_needed)

@@ -56,8 +56,8 @@ class _CallCounter:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from bench.engine_runs import generate
-    from bench.shapes import prompt_ids
+    from bench.lib.engine_runs import generate
+    from bench.lib.shapes import prompt_ids
     from engines.base import EngineConfig
     from engines.kt.engine import KTEngine
 
@@ -112,7 +112,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, help="kt-kernel threads (cpu_infer); default: the engine's")
     p.add_argument("--out", help="also write v4-batch.json into this folder")
     args = p.parse_args()
-    from bench.report import print_and_write
+    from bench.lib.report import print_and_write
 
     print_and_write(run(args), args.out, "v4-batch.json")
     return 0

@@ -146,8 +146,8 @@ def _memory() -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from bench.engine_runs import generate, step_breakdown
-    from bench.shapes import prompt_ids
+    from bench.lib.engine_runs import generate, step_breakdown
+    from bench.lib.shapes import prompt_ids
     from engines.base import EngineConfig
     from engines.kt.engine import KTEngine
     from engines.kt.experts.cpuinfer import default_cpu_threads
@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> dict:
 def read_ceiling(config: dict, threads: int, decode_tok_s: float | None, nbytes: int = 2 << 30) -> dict:
     """Batch-1 decode against the host's read-bandwidth ceiling for the expert bytes a token reads (the issue's
     target: >= 85%); the same figures for all 43 of V4-Flash's layers."""
-    from bench.bandwidth import measure_host_bandwidth
+    from bench.lib.bandwidth import measure_host_bandwidth
 
     bandwidth = measure_host_bandwidth(threads, nbytes)
     read = bandwidth["read_bandwidth"]["value"] * 1e9
@@ -252,7 +252,7 @@ def _streams(detail: str | None) -> bool:
 
 
 def main(args: argparse.Namespace) -> int:
-    from bench.report import print_and_write
+    from bench.lib.report import print_and_write
 
     results = run(args)
     name = ("v4-flash-mtp" if "mtp" in results else

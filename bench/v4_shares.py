@@ -91,7 +91,7 @@ def measure(root, config: dict, share: int, prefill: int, batches: list[int], pr
 
 
 def main() -> int:
-    from bench.report import print_and_write
+    from bench.lib.report import print_and_write
     from bench.v4_flash import _checkpoint
 
     p = argparse.ArgumentParser(prog="python -m bench.v4_shares", description=__doc__.split("\n\n")[0])

@@ -301,9 +301,9 @@ def drafted(root, config: dict, threads: int | None, steps: int) -> dict:
     the profiler: its top kernels and host ops."""
     import asyncio
 
-    from bench.engine_runs import generate
+    from bench.lib.engine_runs import generate
     from bench.mtp import v4_variant
-    from bench.shapes import prompt_ids
+    from bench.lib.shapes import prompt_ids
     from engines.base import EngineConfig
     from engines.kt.engine import KTEngine
     from engines.kt.families.deepseek_v4.caches import SequenceCache
@@ -378,8 +378,8 @@ def engine_decode(engine, vocab: int, tokens: int) -> dict:
     beside the trace's `host_issue_ms` and `step_from_idle_ms`, these say what the engine adds to a step."""
     import asyncio
 
-    from bench.engine_runs import generate
-    from bench.shapes import prompt_ids
+    from bench.lib.engine_runs import generate
+    from bench.lib.shapes import prompt_ids
 
     runner, sampler = engine._runner, engine._sampler
     seconds: dict[str, float] = defaultdict(float)
@@ -428,7 +428,7 @@ def _profiled_generate(engine, prompt: list[int], tokens: int, device: torch.dev
 
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.engine_runs import generate
+    from bench.lib.engine_runs import generate
 
     runner = engine._runner
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -464,7 +464,7 @@ def _profiled_generate(engine, prompt: list[int], tokens: int, device: torch.dev
 
 
 def main() -> int:
-    from bench.report import print_and_write
+    from bench.lib.report import print_and_write
     from bench.v4_flash import _checkpoint
     from engines.base import EngineConfig
     from engines.kt.engine import KTEngine

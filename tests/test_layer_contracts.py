@@ -1,7 +1,7 @@
 """The layers point one way (.importlinter at the repository root): server/ reaches the engines only through
-engines/base.py and never imports torch or numpy, engines/ never import server/, and the ktransformers and
-huggingface engines never import each other. import-linter reads the code, so a violation anywhere (a function-
-level import included) fails here."""
+engines/base.py and never imports torch or numpy, engines/ never import server/, the ktransformers and
+huggingface engines never import each other, and bench.lib (what the benchmarks share) never imports an
+experiment. import-linter reads the code, so a violation anywhere (a function-level import included) fails here."""
 from __future__ import annotations
 
 import subprocess
