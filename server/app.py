@@ -41,6 +41,7 @@ from server.score.serving import ScoreServing
 from server.settings import Settings
 from server.shutdown import Drain, refuse_while_draining
 from server.tokenize.router import router as tokenize_router
+from server.unmatched import unmatched_route
 from server.worker.router import router as worker_router
 
 log = logging.getLogger("ktserve.server")
@@ -118,7 +119,7 @@ def create_app(settings: Settings, engine: Engine, *, load_engine: bool = True) 
     app.state.drain = Drain(settings.graceful_timeout)
     app.state.metrics = Metrics(engine)
     _add_serving(app, settings, engine)
-    install_error_handlers(app, body_gate=require_api_key)
+    install_error_handlers(app, body_gate=require_api_key, unmatched=unmatched_route)
     key_required = [Depends(require_api_key)]
     if settings.api_key:
         app.add_api_route("/openapi.json", app.openapi, include_in_schema=False, dependencies=key_required)

@@ -10,7 +10,7 @@ from typing import Any, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -166,9 +166,11 @@ def unparsable_body(cause: BaseException | None) -> APIError:
     raise cause or RuntimeError("the request body could not be read")  # a bug: answered as one 500
 
 
-def install_error_handlers(app: FastAPI, body_gate: Callable[[Request], None] | None = None) -> None:
+def install_error_handlers(app: FastAPI, body_gate: Callable[[Request], None] | None = None,
+                           unmatched: Callable[[Request], Response | None] | None = None) -> None:
     """`body_gate` (the API-key check) runs before a body's parse error is reported: FastAPI reads the body
-    before it runs a route's dependencies, and a client without the key learns nothing about the body."""
+    before it runs a route's dependencies, and a client without the key learns nothing about the body.
+    `unmatched` (server/unmatched.py) answers a request no route serves, or returns None for the plain 404/405."""
 
     def gated(request: Request, err: APIError) -> JSONResponse:
         if body_gate is not None:
@@ -193,9 +195,8 @@ def install_error_handlers(app: FastAPI, body_gate: Callable[[Request], None] | 
             return gated(request, unparsable_body(exc.__cause__))
         kind = {404: "not_found_error", 405: "invalid_request_error", 401: "authentication_error"}
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-        if (exc.status_code, message) in ((404, "Not Found"), (405, "Method Not Allowed")):
-            from server.unmatched import unmatched_route
-            answer = unmatched_route(request)
+        if unmatched is not None and (exc.status_code, message) in ((404, "Not Found"), (405, "Method Not Allowed")):
+            answer = unmatched(request)
             if answer is not None:
                 return answer
         if exc.status_code == 404 and message == "Not Found":

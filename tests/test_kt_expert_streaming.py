@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engines.kt.experts.streaming import (CPU_EXPERT_BYTES_PER_S, GROUP, INT4_GROUP, RING, ExpertStreamer,
-                                         HostExperts, dequantize_int4, expert_copy_bytes, experts_within,
-                                         split_experts)
+from engines.kt.experts.host_copies import (CPU_EXPERT_BYTES_PER_S, INT4_GROUP, HostExperts, dequantize_int4,
+                                           expert_copy_bytes, experts_within)
+from engines.kt.experts.streaming import GROUP, RING, ExpertStreamer, split_experts
 
 E, I, H, TOP_K = 20, 64, 128, 4  # 20 experts: two full groups of 8 and a partial one
 
@@ -289,7 +289,7 @@ def test_reading_the_first_experts_of_a_layer_gives_those_of_the_whole_layer(dem
 def test_the_budget_gives_each_expert_layer_the_experts_it_holds(demo_model_dir, caplog):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from engines.kt.families.expert_notes import streamed_expert_count
+    from engines.kt.experts.notes import streamed_expert_count
     from engines.kt.options import KTOptions
 
     config = AutoConfig.from_pretrained(demo_model_dir)
@@ -307,7 +307,7 @@ def test_the_budget_gives_each_expert_layer_the_experts_it_holds(demo_model_dir,
 
 
 def test_the_start_up_log_says_what_a_chunk_of_streamed_experts_copies(caplog):
-    from engines.kt.families.expert_notes import StreamedPrefill, log_streamed_experts
+    from engines.kt.experts.notes import StreamedPrefill, log_streamed_experts
     from engines.kt.placement.operators import OperatorOptions
 
     options = OperatorOptions(gpu_prefill_tokens=128)

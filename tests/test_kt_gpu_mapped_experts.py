@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu,
 
 def host_copies(held: int, bits: int = 8, first: int = 0):
     """Pinned `bits`-bit copies of experts [first, held) of layer_weights(0)."""
-    from engines.kt.experts.streaming import HostExperts
+    from engines.kt.experts.host_copies import HostExperts
 
     return HostExperts.quantize(*(w[first:held] for w in layer_weights(0)), bits=bits, work_device="cuda", pin=True)
 
@@ -47,7 +47,7 @@ def test_the_kernels_compute_the_experts_below_the_share_as_the_int8_reference(t
 @pytest.mark.parametrize("resident", [4, 16], ids=["some-in-gpu-memory", "all-in-gpu-memory"])
 @pytest.mark.parametrize("tokens", [1, 128])
 def test_the_kernels_read_experts_in_gpu_memory_and_the_rest_from_host_memory_as_the_int8_reference(tokens, resident):
-    from engines.kt.experts.streaming import HostExperts
+    from engines.kt.experts.host_copies import HostExperts
     from engines.kt.experts.mapped import MappedExperts
 
     whole = host_copies(held=16)
@@ -65,7 +65,7 @@ def test_the_kernels_read_experts_in_gpu_memory_and_the_rest_from_host_memory_as
 def test_the_int4_kernels_compute_the_experts_below_the_share_as_the_int4_reference(tokens, resident):
     """4-bit methods' copies: packed rows (here padded: 128 and 64 weights to blocks of 256) and group scales read
     where they lie, host or GPU memory."""
-    from engines.kt.experts.streaming import HostExperts
+    from engines.kt.experts.host_copies import HostExperts
     from engines.kt.experts.mapped import MappedExperts
 
     whole = host_copies(held=16, bits=4)
@@ -82,7 +82,7 @@ def test_the_int4_kernels_compute_the_experts_below_the_share_as_the_int4_refere
 def test_int4_copies_unpack_on_the_gpu_to_the_weights_torch_unpacks(rows, cols):
     """The ring's chunks scale a group's int4 experts into bf16 with one kernel a matrix: the same bits as
     `dequantize_int4`, every block and group of a row, padded columns left out."""
-    from engines.kt.experts.streaming import _quantize_int4, dequantize_int4
+    from engines.kt.experts.host_copies import _quantize_int4, dequantize_int4
     from engines.kt.experts.mapped import dequantize_int4_into
 
     packed, scale = _quantize_int4(torch.randn(3, rows, cols, device="cuda") * 0.02)
@@ -196,7 +196,7 @@ def test_a_4_bit_layer_computes_the_experts_the_gpu_owns_from_their_int4_copies(
     """AMXINT4: kt-kernel computes the others as it would have (checked against a layer holding every expert, the
     owned ones zeroed: their products vanish), the GPU the owned ones as their int4 copies say."""
     from engines.kt.experts.methods import unavailable_reason
-    from engines.kt.experts.streaming import HostExperts
+    from engines.kt.experts.host_copies import HostExperts
     from engines.kt.experts.cpu import RoutedExpertsCPU
 
     if unavailable_reason("AMXINT4") is not None:

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engines.kt.experts.streaming import ExpertStreamer, ExpertStreamers, HostExperts
+from engines.kt.experts.host_copies import HostExperts
+from engines.kt.experts.streaming import ExpertStreamer, ExpertStreamers
 from engines.kt.experts.mapped import MAX_TOKENS, decode_experts
 from server.settings import load_settings
 

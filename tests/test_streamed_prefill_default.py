@@ -1,7 +1,7 @@
 """Whether prompt chunks stream the routed experts to the GPU when the settings leave it open (kt_gpu_prefill_tokens
 and chunk_size unset): on where the layers' output lies on a GPU and the host holds kt-kernel's experts and a copy
 of each within AUTO_HOST_SHARE of its available memory, in chunks of 8,192 tokens; otherwise off, in chunks of
-2,048, with the reason said (engines/kt/families/expert_notes.py: streamed_prefill)."""
+2,048, with the reason said (engines/kt/experts/notes.py: streamed_prefill)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from engines.kt.experts.streaming import expert_copy_bytes
-from engines.kt.families import expert_notes
-from engines.kt.families.expert_notes import AUTO_HOST_SHARE, AUTO_PREFILL_TOKENS, streamed_prefill
+from engines.kt.experts.host_copies import expert_copy_bytes
+from engines.kt.experts import notes as expert_notes
+from engines.kt.experts.notes import AUTO_HOST_SHARE, AUTO_PREFILL_TOKENS, streamed_prefill
 from engines.kt.options import KTOptions
 
 LAYERS, EXPERTS, HIDDEN, INTER = 3, 8, 256, 128
@@ -153,7 +153,7 @@ def streamer(form: str, held: list[int], nbytes: int, gbps: float) -> SimpleName
 def test_every_family_reports_streamed_prompts_under_the_same_engine_detail_keys(form):
     """/version's details of a streaming engine, whatever the family (both call streaming_details): the threshold,
     each layer's experts with copies (the fewest), what the copies are with the bytes pinned, the copy rate."""
-    from engines.kt.families.expert_notes import StreamedPrefill, streaming_details
+    from engines.kt.experts.notes import StreamedPrefill, streaming_details
 
     options = streamers_of(streamer(form, [8, 6], 2_500_000_000, 55.14), streamer(form, [8], 1_000_000_000, 52.0))
     details = streaming_details(options, StreamedPrefill(128, None, 8192))
@@ -162,7 +162,7 @@ def test_every_family_reports_streamed_prompts_under_the_same_engine_detail_keys
 
 
 def test_where_no_prompt_streams_the_engine_details_say_why_under_the_one_key():
-    from engines.kt.families.expert_notes import StreamedPrefill, streaming_details
+    from engines.kt.experts.notes import StreamedPrefill, streaming_details
 
     off = StreamedPrefill(0, None, 2048, "no GPU in the placement")
     assert streaming_details(streamers_of(), off) == {

@@ -312,7 +312,7 @@ def test_the_mxfp4_kernels_compute_calls_of_every_size_they_take_as_the_float32_
     """Calls of up to MAX_TOKENS tokens (a prompt's tail: experts/mapped.py), the MXFP4 form, clamped as V4's
     experts are: blocks of 64 tokens once read out of range and summed wrongly."""
     from engines.kt.experts.mapped import MappedExperts
-    from engines.kt.experts.streaming import HostExperts
+    from engines.kt.experts.host_copies import HostExperts
     from test_v4_streamed_experts import (E, LIMIT, RELATIVE_TOLERANCE, TOP_K, reference, relative, released_layer,
                                           routing)
 

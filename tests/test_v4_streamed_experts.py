@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from engines.checkpoints import mxfp4
-from engines.kt.experts.streaming import (GROUP, ExpertStreamer, HostExperts, expert_copy_bytes, experts_within,
-                                         split_experts)
+from engines.kt.experts.host_copies import HostExperts, expert_copy_bytes, experts_within
+from engines.kt.experts.streaming import GROUP, ExpertStreamer, split_experts
 from helpers import require_kt_kernel
 from v4_helpers import feeding_plan, load_v4_runner, runner_sequence, stepped_logprobs
 
@@ -211,7 +211,7 @@ def test_decode_calls_read_no_mxfp4_copy_with_kt_gpu_read_experts_0():
 def test_the_start_up_log_says_decode_steps_read_a_share_of_the_mxfp4_copies(caplog):
     from torch import nn
 
-    from engines.kt.families.expert_notes import log_read_experts
+    from engines.kt.experts.notes import log_read_experts
 
     layer = mxfp4_layer(ExpertStreamer(torch.device("cpu"), mapped=DecodeKernels()), held=E, read_experts=E // 2,
                         gpu_device="cuda")  # output on a GPU: the share applies (nothing is allocated there)

@@ -21,7 +21,7 @@ class KTOptions:
     # GPU placements: other threads leave kt-kernel's worker cores (experts/cpuinfer.py)
     kt_isolate_workers: bool = True
     # expert calls this large (chunks, decode batches) stream part to the GPU; 0: off; None: where the host holds the
-    # copies (engines/kt/families/expert_notes.py: streamed_prefill)
+    # copies (engines/kt/experts/notes.py: streamed_prefill)
     kt_gpu_prefill_tokens: int | None = None
     kt_gpu_prefill_memory: float | None = None  # GB of host memory the streamed copies may take; None: every expert
     kt_gpu_read_experts: int | None = None  # experts the GPU reads from host memory (experts/mapped.py); None: auto

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.chat.tool_calls import DeepSeekV3ToolParser, ToolCallDelta
+from server.chat.tool_call_parsing import ToolCallDelta
+from server.chat.tool_calls import DeepSeekV3ToolParser
 from server.reasoning import DeepSeekR1ReasoningParser, ReasoningDelta
 
 

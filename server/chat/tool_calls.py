@@ -15,10 +15,10 @@ Output that breaks the format from some point on is passed through as content fr
 from __future__ import annotations
 
 import json
-import uuid
-from dataclasses import dataclass, field
 
 from engines.base import marker_prefix_tail
+from server.chat.tool_call_parsing import IncrementalToolParser, ToolCall, ToolCallDelta, ToolDelta, new_call_id
+from server.chat.tool_calls_dsml import DsmlToolParser
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
@@ -28,59 +28,6 @@ SEP = "<｜tool▁sep｜>"
 ARGS_OPEN = "```json\n"  # after the name line
 ARGS_CLOSE = "\n```" + CALL_END
 MAX_HEADER_CHARS = 512  # a name line longer than this is not a tool call
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-@dataclass(slots=True)
-class ToolCallDelta:
-    """One streamed piece of a call: the first carries id and name, later ones argument text."""
-
-    index: int
-    id: str | None = None
-    name: str | None = None
-    arguments: str = ""
-
-    def openai(self) -> dict:
-        if self.id is not None:
-            return {"index": self.index, "id": self.id, "type": "function",
-                    "function": {"name": self.name, "arguments": self.arguments}}
-        return {"index": self.index, "function": {"arguments": self.arguments}}
-
-
-@dataclass(slots=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str = ""
-    complete: bool = False
-
-    def openai(self) -> dict:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
-@dataclass(slots=True)
-class ToolDelta:
-    content: str = ""
-    calls: list[ToolCallDelta] = field(default_factory=list)
-
-
-class IncrementalToolParser:
-    """What the tool-call parsers share: text in, a state machine stepping over it until it needs more."""
-
-    _buf: str
-
-    def feed(self, text: str) -> ToolDelta:
-        out = ToolDelta()
-        self._buf += text
-        while self._step(out):
-            pass
-        return out
-
-    def _step(self, out: ToolDelta) -> bool:
-        raise NotImplementedError
 
 
 class DeepSeekV3ToolParser(IncrementalToolParser):
@@ -194,7 +141,5 @@ def tool_parser(markup: str):
     """A fresh parser for a model's tool-call markup: "deepseek_v3" (V3/R1/V3.1), "dsml" (V4) or
     "dsml_function_calls" (V3.2)."""
     if markup in ("dsml", "dsml_function_calls"):
-        from server.chat.tool_calls_dsml import DsmlToolParser
-
         return DsmlToolParser("function_calls" if markup == "dsml_function_calls" else "tool_calls")
     return DeepSeekV3ToolParser()

@@ -21,7 +21,7 @@ import json
 import re
 
 from engines.base import marker_prefix_tail
-from server.chat.tool_calls import IncrementalToolParser, ToolCall, ToolCallDelta, ToolDelta, new_call_id
+from server.chat.tool_call_parsing import IncrementalToolParser, ToolCall, ToolCallDelta, ToolDelta, new_call_id
 
 DSML = "｜DSML｜"
 INVOKE_END = f"</{DSML}invoke>"

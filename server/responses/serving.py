@@ -11,7 +11,7 @@ from fastapi import Request
 from engines.base import InvalidRequestError
 from server.chat.output import ChatDelta
 from server.chat.serving import ChatOptions, ChatPlan, ChatServing
-from server.chat.tool_calls import ToolCallDelta
+from server.chat.tool_call_parsing import ToolCallDelta
 from server.responses.output import OutputBuilder, item_id
 from server.responses.protocol import ResponsesRequest
 from server.serving import ChoiceHandle, Event, StreamError, stream_response, typed_sse

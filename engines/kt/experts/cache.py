@@ -15,12 +15,11 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from engines.kt.experts.streaming import HostExperts
+from engines.kt.experts.host_copies import COPY_TENSORS, HostExperts
 
 FORMAT = 2
 KT_FILES = {"AMXINT8": ("INT8", 8), "AMXINT4": ("INT4", 4)}  # method -> kt-kernel's file prefix, bits
@@ -126,8 +125,6 @@ class LayerCache:
         where there are none), the others in host memory (page-locked when `pin`); None when the file does not
         hold `first_expert` experts of this shape and form."""
         from safetensors import safe_open
-
-        from engines.kt.experts.streaming import COPY_TENSORS, HostExperts
 
         try:
             saved = safe_open(str(self._copies_path()), framework="pt")

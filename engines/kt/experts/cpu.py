@@ -32,7 +32,8 @@ from engines.kt.attention.mla import layer_index
 from engines.kt.experts.cpuinfer import check_thread_count, load_ext, shared_cpu_infer
 from engines.kt.experts.cache import LayerCache
 from engines.kt.experts.deferral import Deferred, ExpertDeferral, check_deferred, split_deferred
-from engines.kt.experts.streaming import ExpertStreamer, HostExperts, copy_bits
+from engines.kt.experts.host_copies import HostExperts, copy_bits
+from engines.kt.experts.streaming import ExpertStreamer
 from engines.kt.experts.mapped import OWNABLE_METHODS, default_read_share, owned_experts, resident_experts
 from engines.kt.experts.mapped import MAX_TOKENS as MAPPED_MAX_TOKENS
 from engines.kt.experts.methods import (CLAMPING_METHODS, METHODS, ExpertsUnsupportedError, check_llamafile_type,

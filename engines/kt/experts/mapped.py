@@ -9,7 +9,7 @@ mapped/): the kernels below read the experts at 46-47 GB/s (50-51 since `down` r
 kt-kernel computing half of a token's experts meanwhile slowed by 9% (0.55 -> 0.60 ms a V2-Lite layer), so both
 sides together read ~90 GB/s where kt-kernel alone reads ~50.
 
-The GPU reads int8 copies of a layer's first experts (`HostExperts`, engines/kt/experts/streaming.py), int4 ones for
+The GPU reads int8 copies of a layer's first experts (`HostExperts`, engines/kt/experts/host_copies.py), int4 ones for
 4-bit methods (the same kernels, compiled apart for that form, unpack them and read their group scales beside them),
 and DeepSeek-V4's MXFP4 experts as released (`HostExperts.mxfp4_of`: compiled apart again, they decode each E2M1 pair
 and its UE8M0 group code, and clamp the SwiGLU inputs at the layer's `swiglu_limit`). By
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from engines.kt.experts.methods import METHODS
-from engines.kt.experts.streaming import (CPU_EXPERT_BYTES_PER_S, INT4_GROUP, HostExperts, copy_bits,
-                                         expert_copy_bytes)
+from engines.kt.experts.host_copies import (CPU_EXPERT_BYTES_PER_S, INT4_GROUP, HostExperts, copy_bits,
+                                           expert_copy_bytes)
 
 log = logging.getLogger("ktserve.engine.kt")
 

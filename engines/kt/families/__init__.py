@@ -3,8 +3,8 @@
 engines/kt/families/base.py says what a family provides. A family listed here loads and runs the model, and
 the engine, runtime and server stay unaware of its internals. The V2/V3 (MLA) generation, every `model_type`
 not listed, is deepseek_mla/'s MLAFamily, whose load path (`load_mla`) V3.2 reuses with its own attention and
-cache. What every family shares sits beside them: dsml_chat.py (V3.2's and V4's chat format) and expert_notes.py
-(the start-up notes on the GPU's share of the routed experts).
+cache. What two families share sits beside them: dsml_chat.py (V3.2's and V4's chat format); the start-up notes on
+the GPU's share of the routed experts, which every family calls, are the core's (engines/kt/experts/notes.py).
 """
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ class LoadContext:
     rules: list  # parsed placement rules (engines/kt/placement/rules.py: load_rules)
     max_model_len: int
     max_concurrent: int
-    chunk_size: int | None  # prefill tokens per step; None: the family's default (expert_notes.streamed_prefill)
+    chunk_size: int | None  # prefill tokens per step; None: the family's default (experts/notes.py: streamed_prefill)
     dtype_setting: str | None  # EngineConfig.dtype
     options: Any  # engines.kt.options.KTOptions
     fold: dict[str, str] = field(default_factory=dict)  # rule devices this machine lacks -> where they run

@@ -16,7 +16,7 @@ from engines.kt.attention.kv_cache import PAGE_TOKENS, LatentKVCache
 from engines.kt.experts.cpu import RoutedExpertsCPU
 from engines.kt.experts.methods import default_method, normalize_method, unavailable_reason
 from engines.kt.families.base import LoadContext, LoadedModel, ModelFamily
-from engines.kt.families.expert_notes import decode_reads, streamed_prefill, streaming_details
+from engines.kt.experts.notes import decode_reads, streamed_prefill, streaming_details
 from engines.kt.loader import load_checkpoint, missing_tensors
 from engines.kt.options import KTOptions
 from engines.kt.placement.operators import OperatorOptions, fuse_rms_norms

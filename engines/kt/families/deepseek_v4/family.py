@@ -40,7 +40,7 @@ class DeepseekV4Family(ModelFamily):
         from engines.kt.engine import expert_methods_for, torch_thread_count
         from engines.kt.families.deepseek_v4.hyper import install_fused_hyper_connections
         from engines.base import DEFAULT_CHUNK_SIZE
-        from engines.kt.families.expert_notes import decode_reads, streamed_prefill, streaming_details
+        from engines.kt.experts.notes import decode_reads, streamed_prefill, streaming_details
         from engines.kt.families.deepseek_v4.loader import load_v4_checkpoint
         from engines.kt.families.deepseek_v4.mtp import V4DraftHead, add_draft_block
         from engines.kt.families.deepseek_v4.runner import V4ModelRunner

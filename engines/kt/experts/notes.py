@@ -16,7 +16,8 @@ from engines.kt.experts.cpu import RoutedExpertsCPU
 from engines.kt.experts.mapped import MAX_TOKENS as MAPPED_MAX_TOKENS
 from engines.kt.experts.mapped import copies_as_precise, triton_available
 from engines.kt.experts.methods import METHODS, memory_available
-from engines.kt.experts.streaming import ExpertStreamer, copy_bits, expert_copy_bytes, experts_within
+from engines.kt.experts.host_copies import copy_bits, expert_copy_bytes, experts_within
+from engines.kt.experts.streaming import ExpertStreamer
 from engines.kt.options import KTOptions
 from engines.kt.placement.operators import OperatorOptions
 
