@@ -149,21 +149,6 @@ def write_model_dir(out_dir: str | Path, config: dict, weights: dict[str, torch.
     return out
 
 
-def demo_writer(arch: str):
-    """The function writing a tiny random model of `arch` (a config.json model_type): (out_dir, seed) -> Path."""
-    if arch == "deepseek_v3":
-        return make_demo_model
-    if arch == "deepseek_v32":
-        from engines.kt.families.deepseek_v32.demo_model import make_demo_model_v32
-
-        return make_demo_model_v32
-    if arch == "deepseek_v4":
-        from engines.demo_model_v4 import make_demo_model_v4
-
-        return make_demo_model_v4
-    raise ValueError(f"arch: no demo model for {arch!r} (deepseek_v3, deepseek_v32, deepseek_v4)")
-
-
 def default_demo_model_dir(mtp: str | None = None) -> Path:
     """Where the shared demo model lives: $KTSERVE_CACHE_DIR (or ~/.cache/ktserve) / demo-model-vN, and the one
     with an MTP layer of kind `mtp` beside it (demo-model-vN-mtp-<kind>)."""

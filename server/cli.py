@@ -113,7 +113,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def make_demo_model(args: argparse.Namespace) -> int:
     if args.format == "gguf":
-        from engines.checkpoints.gguf.writer import write_demo_gguf
+        from engines.demo_models import write_demo_gguf
 
         if args.mtp:
             print("ktserve: --mtp: the GGUF demo model has no multi-token-prediction layer (use --format bf16 or "
@@ -131,7 +131,7 @@ def make_demo_model(args: argparse.Namespace) -> int:
             return 2
         print("\n".join(map(str, files)))
         return 0
-    from engines.demo_model import demo_writer
+    from engines.demo_models import demo_writer
 
     if args.arch != "deepseek_v3" and args.format != "bf16":
         print(f"--format applies to the deepseek_v3 demo; {args.arch} is written in its released layout",

@@ -20,7 +20,7 @@ from ops_support import ServerProcess
 require_kt_kernel()
 
 from engines.checkpoints.gguf import GGUFCheckpoint  # noqa: E402
-from engines.checkpoints.gguf.writer import write_demo_gguf  # noqa: E402
+from engines.demo_models import write_demo_gguf  # noqa: E402
 
 TEXT = ("The history of the river begins in the mountains, where snow melts each spring and feeds a hundred small "
         "streams. They join in the valley, turn the old mills and slow down in the plain.")
@@ -267,7 +267,8 @@ def test_a_layer_s_experts_read_again_come_from_the_gguf_dequantized(q4k_parts):
 
 
 def test_one_picker_opens_a_gguf_file_its_folder_or_gguf_path_and_else_safetensors(q4k_parts, demo_model_dir):
-    from engines.checkpoints.source import SafetensorsSource, open_source
+    from engines.checkpoints.formats import open_source
+    from engines.checkpoints.source import SafetensorsSource
 
     for path in (q4k_parts[0], q4k_parts[0].parent):
         assert isinstance(open_source(path), GGUFCheckpoint)

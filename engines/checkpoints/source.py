@@ -341,20 +341,6 @@ class SafetensorsSource:
         return StoredExperts(prefix, weights[0], weights[1], weights[2], scales, self.block or DEFAULT_BLOCK)
 
 
-def open_source(path: str | Path, gguf_path: str | Path | None = None) -> CheckpointSource:
-    """The checkpoint `path` names, as a source: a GGUF checkpoint (a .gguf file, the first part of a split set, a
-    folder of them; or KTransformers' `gguf_path`, `path` then naming the folder of the original config and
-    tokenizer) as `GGUFCheckpoint`, else the safetensors folder as `SafetensorsSource`. The one place that tells
-    the formats apart."""
-    from engines.checkpoints.gguf import GGUFCheckpoint, is_gguf  # it reads StoredTensor from here
-
-    if gguf_path:
-        return GGUFCheckpoint(gguf_path, hf_dir=path)
-    if is_gguf(path):
-        return GGUFCheckpoint(path)
-    return SafetensorsSource(path)
-
-
 def describe(config: dict, block: tuple[int, int] | None) -> tuple[str, str]:
     """A safetensors checkpoint's format ("safetensors, FP8 e4m3 in 128x128 blocks") and what its projections are
     stored as (FP8, bf16, ...), from its config.json and `quantization_block`."""

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from engines.base import EngineConfig, ModelInfo, engine_options
-from engines.checkpoints.source import SafetensorsSource, open_source
+from engines.checkpoints.formats import open_source
+from engines.checkpoints.source import SafetensorsSource
 from engines.kt.experts.methods import DEFAULT_METHOD
 from engines.kt.families import FAMILIES, family_architectures, family_for
 from engines.kt.families.base import LoadContext, ModelFamily

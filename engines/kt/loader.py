@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from engines.base import CheckpointStorage
-from engines.checkpoints.source import (CheckpointSource, ExpertsLayer, StorageNotes, StoredTensor,
-                                        open_source)
+from engines.checkpoints.formats import open_source
+from engines.checkpoints.source import CheckpointSource, ExpertsLayer, StorageNotes, StoredTensor
 from engines.kt.experts.protocol import RoutedExperts
 
 log = logging.getLogger("ktserve.engine.kt")

@@ -26,7 +26,7 @@ class KTOptions:
     kt_gpu_prefill_memory: float | None = None  # GB of host memory the streamed copies may take; None: every expert
     kt_gpu_read_experts: int | None = None  # experts the GPU reads from host memory (experts/mapped.py); None: auto
     kt_gpu_resident_experts: int = 0  # experts of each MoE layer kept in GPU memory (experts/mapped.py); 0: none
-    gguf_path: str | None = None  # a GGUF checkpoint; model_path then holds config and tokenizer (engines/checkpoints/source.py: open_source)
+    gguf_path: str | None = None  # a GGUF checkpoint; model_path then holds config and tokenizer (engines/checkpoints/formats.py: open_source)
     # which requests run in batch-invariant steps (engines/runtime/batch_invariance.py: POLICIES)
     batch_invariant: str = "scores"
     kt_expert_pad_from: int | None = None  # expert calls this large go padded to kt-kernel's matrix path; 0: never

@@ -50,21 +50,6 @@ def write_gguf(hf_dir: str | Path, out: str | Path, types: dict[str, str] | None
     return writer.format_shard_names(out)
 
 
-def write_demo_gguf(out_dir: str | Path, types: dict[str, str] | None = None, *, split: bool = False,
-                    seed: int = 0, kv_b: str = "split") -> list[Path]:
-    """The demo model (engines/demo_model.py) as `<out_dir>/demo-model-<experts type>.gguf` (two files with
-    `split`); the files written."""
-    import tempfile
-
-    from engines.demo_model import DEMO_SEED, ensure_demo_model, make_demo_model
-
-    name = f"demo-model-{(types or {}).get('experts', 'Q8_0')}.gguf"
-    if seed == DEMO_SEED:
-        return write_gguf(ensure_demo_model(), Path(out_dir) / name, types, split=split, kv_b=kv_b)
-    with tempfile.TemporaryDirectory() as tmp:
-        return write_gguf(make_demo_model(tmp, seed=seed), Path(out_dir) / name, types, split=split, kv_b=kv_b)
-
-
 def _stored(name: str, values: np.ndarray, wanted: str) -> tuple[np.ndarray, str]:
     import gguf
 

@@ -71,7 +71,7 @@ class LoadContext:
     options: Any  # engines.kt.options.KTOptions
     fold: dict[str, str] = field(default_factory=dict)  # rule devices this machine lacks -> where they run
     speculative: Any = None  # engines.runtime.speculative.SpeculativeOptions: whether to draft, and how much
-    source: Any = None  # the checkpoint (engines/checkpoints/source.py: open_source), for families that read it so
+    source: Any = None  # the checkpoint (engines/checkpoints/formats.py: open_source), for families that read it so
 
     def kv_cache_tokens(self) -> int:
         """The positions the KV caches hold in all: kv_cache_tokens as configured, else room for a few
