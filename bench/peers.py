@@ -37,7 +37,7 @@ CLIENTS = (16, 32)
 GGUF_ROW_SECONDS = 150  # the most one ktserve-on-GGUF row may take (load, decode, prefill, two rounds)
 GGUF_ROW_MIN_SECONDS = 90  # and the least it starts with: the load alone is not bounded by the deadline
 # ktserve with every routed expert of a prompt on the CPU, in chunks of 2,048 tokens: its defaults until prompt chunks
-# streamed the experts to the GPU wherever the host holds the copies (README "Speed"), beside the run's own row
+# streamed the experts to the GPU wherever the host holds the copies (docs/performance.md, "Speed history"), beside the run's own row
 CPU_PREFILL = {"kt_gpu_prefill_tokens": 0, "chunk_size": 2048}
 CPU_PREFILL_ROW_NAME = "ktserve (prompts' experts on the CPU)"
 CPU_PREFILL_ROW_SECONDS = 120  # the most that row may take: load (~25-35 s), decode, prompts, rounds

@@ -12,7 +12,7 @@ sequences are prefilled with `--prompt` tokens, then decode steps of each `--bat
 back as the engine runs them (its CUDA graphs where it captured them) after a few unmeasured ones: `batchN_step_ms`
 is their mean wall time, the stream synchronized at both ends.
 
-Tells which share suits a machine: `kt_gpu_read_experts` (README, V4 section) takes what it prints best. Configs
+Tells which share suits a machine: `kt_gpu_read_experts` (docs/models/deepseek-v4.md) takes what it prints best. Configs
 that repeat one share in different places of the list show how much the order and the machine's drift move it.
 Prints one JSON line per config and a last line with all of them (also written to --out/v4-shares.json)."""
 from __future__ import annotations
