@@ -1,5 +1,5 @@
-"""Every piece of code the README and docs/ name exists, so a rename or a move cannot leave them behind. The files are
-parsed with `ast`, never imported. What counts as naming code:
+"""Every piece of code the README, bench/README.md and docs/ name exists, so a rename or a move cannot leave them
+behind. The files are parsed with `ast`, never imported. What counts as naming code:
 
 - a dotted name under a project package (`engines.kt.experts.methods.matrix_tokens`, `python -m bench.run`): its
   longest prefix that is a module file or package must exist, and the rest must be defined there;
@@ -37,7 +37,7 @@ QUALIFIED = re.compile(rf"`({IDENT})\.({IDENT}(?:\.{IDENT})*)`")
 
 
 def documents() -> list[Path]:
-    return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    return [REPO / "README.md", REPO / "bench" / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 
 @functools.cache
