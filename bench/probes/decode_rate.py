@@ -1,7 +1,7 @@
 """Steady decode rate of the KT engine (AMXINT8) at several batch sizes on a V2-Lite-shaped random model, two
 rounds each, so two builds of the code can be alternated on one machine.
 
-    python -m bench.probes.decode_rate --batches 1,16,32 --label before   (bench/results/nvidia-h200-2026-11-26-host/)"""
+    python -m bench.probes.decode_rate --batches 1,16,32 --label before  (bench/results/nvidia-h200-2026-11-26-host/)"""
 from __future__ import annotations
 
 import argparse
