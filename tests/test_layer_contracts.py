@@ -1,7 +1,10 @@
 """The layers point one way (.importlinter at the repository root): server/ reaches the engines only through
 engines/base.py and never imports torch or numpy, engines/ never import server/, the ktransformers and
-huggingface engines never import each other, and bench.lib (what the benchmarks share) never imports an
-experiment. import-linter reads the code, so a violation anywhere (a function-level import included) fails here."""
+huggingface engines never import each other, the ktransformers core imports no model family (it finds them
+through engines/kt/families/__init__.py), the families never import each other but V3.2 building on V2 / V3's,
+engines/checkpoints/ imports no demo model, and bench.lib (what the benchmarks share) never imports an
+experiment (tests/test_import_cycles.py: no import cycles at all). import-linter reads the code, so a violation
+anywhere (a function-level import included) fails here."""
 from __future__ import annotations
 
 import subprocess

@@ -1,7 +1,8 @@
 """The "ktransformers" engine: DeepSeek MoE models with the routed experts on the CPU (kt-kernel) and everything
 else where the placement rules put it, usually one GPU. Every model loads through its family
-(engines/kt/families/: deepseek_mla/ for V2/V3, whose load path V3.2's deepseek_v32/ reuses; deepseek_v4/); this
-module holds what they share: choosing the config, family, rule file and experts methods, and the engine.
+(engines/kt/families/: deepseek_mla/ for V2/V3, whose load path V3.2's deepseek_v32/ reuses; deepseek_v4/), found
+through the registry (engines/kt/families/__init__.py) and never imported here; this module chooses the config,
+family and rule file, and is the engine (engines/kt/build.py: what the families' loads share).
 
 Choosing a rule file: `kt_optimize_rule` when given (a path; a file name, or a path that does not exist,
 is looked up by file name in kt_optimize_rules/); otherwise the CPU-only file on a machine without CUDA,
@@ -22,11 +23,10 @@ import torch
 from engines.base import EngineConfig, ModelInfo, engine_options
 from engines.checkpoints.formats import open_source
 from engines.checkpoints.source import SafetensorsSource
-from engines.kt.experts.methods import DEFAULT_METHOD
-from engines.kt.families import FAMILIES, family_architectures, family_for
+from engines.kt.families import ARCHITECTURES, FAMILIES, family_architectures, family_for, family_for_architecture
 from engines.kt.families.base import LoadContext, ModelFamily
-from engines.kt.families.deepseek_mla.family import SUPPORTED_ARCHITECTURES, MLAFamily
 from engines.kt.options import KTOptions
+from engines.kt.placement.rules import device_folding, load_rules
 from engines.model_files import context_length, eos_token_ids, load_tokenizer, model_id
 from engines.runtime.batch_invariance import check_policy
 from engines.runtime.llm_engine import LLMEngine
@@ -46,24 +46,30 @@ def architecture_config(model_path: Path) -> tuple[Any, str]:
     loads its own config; otherwise the architecture decides, not `model_type`: checkpoints of a served
     architecture under a model type of their own (Kimi-K2's kimi_k2 is a DeepseekV3ForCausalLM) load as that
     architecture, without their remote code."""
-    import transformers
+    import transformers  # heavy (seconds): imported when a model loads, not with this module
 
     path = model_path / "config.json"
     raw = json.loads(path.read_text()) if path.is_file() else {}
     arch = (raw.get("architectures") or ["?"])[0]
     if raw.get("model_type") in FAMILIES:
         return transformers.AutoConfig.from_pretrained(model_path), arch
-    if arch not in SUPPORTED_ARCHITECTURES:
-        served = ", ".join((*SUPPORTED_ARCHITECTURES, *family_architectures()))
+    family = family_for_architecture(arch)
+    if family is None:
+        served = ", ".join(family_architectures())
         raise ValueError(f"model: the ktransformers engine serves {served}; {model_path} is {arch} (use the "
                          f"huggingface engine)")
-    return getattr(transformers, SUPPORTED_ARCHITECTURES[arch]).from_pretrained(model_path), arch
+    return family.read_config(model_path), arch
 
 
 def resolve_rule_file(name: str | None, config: Any, family: ModelFamily | None = None) -> Path:
     """The rule file: `name` as a path, else a shipped file of that name (LLaMA-Factory configs name theirs
     as `examples/kt_optimize_rules/<file>`), else the family's default for this machine and architecture."""
-    name = name or (family or MLAFamily()).default_rule_file(config, _gpu_count())
+    if not name:
+        family = family or family_for(config)
+        if family is None:
+            raise ValueError(f"kt_optimize_rule: no family serves {getattr(config, 'model_type', None)!r} to choose "
+                             "a default rule file for; name one")
+        name = family.default_rule_file(config, _gpu_count())
     for path in (Path(name), RULES_DIR / name, RULES_DIR / Path(name).name):
         if path.is_file():
             return path
@@ -77,8 +83,6 @@ def _gpu_count() -> int:
 
 def _fold_devices(rules: list, rule_file: Path, strict: bool) -> dict[str, str]:
     """The rules' devices this machine lacks -> where they run instead (warned once; an error when strict)."""
-    from engines.kt.placement.rules import device_folding
-
     gpus = _gpu_count()
     fold = device_folding(rules, gpus)
     if fold:
@@ -92,47 +96,6 @@ def _fold_devices(rules: list, rule_file: Path, strict: bool) -> dict[str, str]:
     return fold
 
 
-def expert_methods_for(placement: Any, explicit: str | None, rule_file: Path, config: Any,
-                       default: str = DEFAULT_METHOD, source: Any = None) -> dict[str, Any]:
-    """For each experts method the rules ask for (`default` where a rule names none): the MethodChoice that
-    serves it (logged once each). A GGUF checkpoint's experts (`source`) run as its blocks allow, whatever the
-    rules ask (`choose_gguf_method`)."""
-    from engines.kt.placement.aliases import EXPERT_OPERATORS
-    from engines.kt.experts.methods import (ExpertShape, choose_gguf_method, choose_method, cpu_variant,
-                                           normalize_method)
-
-    layers = [kwargs for rule, kwargs in placement.replacements.values() if rule.replace in EXPERT_OPERATORS]
-    asked = {normalize_method(kwargs.get("method") or default, "method") for kwargs in layers}
-    experts = getattr(config, "n_routed_experts", None) or config.num_experts
-    shape = ExpertShape(config.hidden_size, config.moe_intermediate_size,
-                        len(layers) * experts * 3 * config.hidden_size * config.moe_intermediate_size)
-    if source is not None and source.experts_form == "ggml":
-        choice = choose_gguf_method(set(source.expert_types()), explicit=explicit, shape=shape)
-        choices = dict.fromkeys(sorted(asked), choice)
-    else:
-        choices = {m: choose_method(m, explicit=explicit, source=f"rule file {rule_file.name}", shape=shape)
-                   for m in sorted(asked)}
-    for choice in dict.fromkeys(choices.values()):  # each once (a GGUF's serves every rule)
-        if choice.reason:
-            log.warning("experts: %s (kt-kernel build %s)", choice.reason, cpu_variant())
-        else:
-            log.info("experts: %s on kt-kernel's %s build", choice.method, cpu_variant())
-    return choices
-
-
-def torch_thread_count(cpu_infer: int | None, gpu: bool) -> int:
-    """torch's own CPU thread pool spins (OpenMP keeps idle threads busy ~200 ms) on the cores kt-kernel's
-    workers run on: small torch ops took 10 ms instead of 0.15 ms on the CPU box, and decode steps on the
-    H200 box took a flat 216 ms instead of 34 ms. Without a GPU, torch gets the cores kt-kernel leaves.
-    With every decoder layer on a GPU, the generation thread's CPU work is only sampling, and the cores
-    kt-kernel leaves are taken by that thread and the CUDA thread that runs kt-kernel's stream callbacks;
-    a second torch thread, spinning after every sampling op, would make one busy thread more than there are
-    cores: torch gets 1."""
-    from engines.kt.experts.cpuinfer import physical_cores, resolve_thread_count
-
-    return 1 if gpu else max(1, physical_cores() - resolve_thread_count(cpu_infer))
-
-
 class KTEngine(LLMEngine):
     name = "ktransformers"
 
@@ -141,8 +104,6 @@ class KTEngine(LLMEngine):
         self.options = engine_options(KTOptions, config.settings)
 
     def _load(self) -> tuple[ModelRunner, Any, ModelInfo]:
-        from engines.kt.placement.rules import load_rules
-
         cfg, kt = self.config, self.options
         started = time.perf_counter()
         model_path = Path(cfg.model_path)
@@ -151,13 +112,14 @@ class KTEngine(LLMEngine):
         if gguf is not None:
             config = gguf.config()
             arch = (config.architectures or ["?"])[0]
-            if arch not in SUPPORTED_ARCHITECTURES:
-                raise ValueError(f"model: the ktransformers engine serves {', '.join(SUPPORTED_ARCHITECTURES)} "
+            family = family_for_architecture(arch)  # a GGUF's deepseek2 is V2 / V3 (ARCHITECTURES)
+            if family is None:
+                raise ValueError(f"model: the ktransformers engine serves {', '.join(ARCHITECTURES)} "
                                  f"from GGUF files; {model_path} is {arch}")
-            family, tokenizer = MLAFamily(arch), gguf.tokenizer(cfg.template)
+            tokenizer = gguf.tokenizer(cfg.template)
         else:
             config, arch = architecture_config(model_path)
-            family = family_for(config) or MLAFamily(arch)  # V2 / V3: the MLA generation served by load_mla
+            family = family_for(config, arch)
             tokenizer = load_tokenizer(str(model_path), cfg.template, cfg.trust_remote_code, config)
         max_len = context_length(config, tokenizer, cfg.max_model_len)
         if cfg.max_model_len is None and max_len > DEFAULT_MAX_MODEL_LEN:

@@ -8,6 +8,8 @@ kt-kernel skips them. Work is submitted to the process-wide worker pool (engines
 `submit()` returns at once and the caller can run GPU work before `sync()`. Rows of adapters with expert
 LoRA are handed to `lora` (engines/lora/cpu_experts.py) and computed there. With `n_deferred_experts`, decode
 steps leave each token's lowest-weighted experts running into the next layer (engines/kt/experts/deferral.py).
+Decode-sized calls of a layer whose output stays on the CPU go to our own kernel instead where `decode_kernel`
+(kt_decode_kernel) chose it at load (`decode_calls`; engines/kt/experts/decode_calls.py says when).
 
 As an operator of the placement rules it takes `device` (where its output goes), `method`, `gpu_experts`,
 `threads` and `n_deferred_experts`; engine-wide settings arrive explicitly in `OperatorOptions`
@@ -31,6 +33,7 @@ from engines.checkpoints import mxfp4
 from engines.kt.attention.mla import layer_index
 from engines.kt.experts.cpuinfer import check_thread_count, load_ext, shared_cpu_infer
 from engines.kt.experts.cache import LayerCache
+from engines.kt.experts.decode_calls import DecodeCalls, DecodeKernelPolicy
 from engines.kt.experts.deferral import Deferred, ExpertDeferral, check_deferred, split_deferred
 from engines.kt.experts.host_copies import HostExperts, copy_bits
 from engines.kt.experts.streaming import ExpertStreamer
@@ -105,6 +108,17 @@ class _Pending:
     staged: tuple[torch.Tensor, ...]  # input, ids, weights, output, chunk sizes
     gpu_part: torch.Tensor | None
     deferred: Deferred | None = None  # this call's deferred experts, still running after sync()
+
+
+@dataclass(slots=True)
+class _DecodePending:
+    """A call our decode kernel runs (`decode_calls`): what its workers read and write, the output last."""
+
+    tokens: int
+    device: torch.device
+    dtype: torch.dtype
+    kept: tuple[torch.Tensor, ...]
+    deferred: None = None
 
 
 @dataclass(slots=True)
@@ -211,7 +225,7 @@ class RoutedExpertsCPU(nn.Module):
                  deferral: ExpertDeferral | None = None, streamer: ExpertStreamer | None = None,
                  stream_tokens: int = 0, stream_experts: int | None = None, pad_from: int | None = None,
                  owned_experts: int = 0, read_experts: int | None = 0, resident_experts: int = 0,
-                 swiglu_limit: float = 0.0):
+                 swiglu_limit: float = 0.0, decode_kernel: DecodeKernelPolicy | None = None):
         super().__init__()
         method = str(method).upper()
         _check_config(method, layer_idx=layer_idx, num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
@@ -274,6 +288,9 @@ class RoutedExpertsCPU(nn.Module):
         # the rows a padded call is handed; 0 where this build's kernel has no matrix switch to pad across
         self._matrix_rows = matrix_tokens(self.kernel_experts, top_k) if pads_to_matrix(method) else 0
         self._no_experts: dict[torch.device, torch.Tensor] = {}  # -1 rows that pad a call, per device
+        # whether decode-sized calls go to our kernel (kt_decode_kernel), decided at each load; None: all kt-kernel's
+        self.decode_kernel = decode_kernel
+        self.decode_calls: DecodeCalls | None = None
         self.lora: CPUExpertsLora | None = None  # set while an adapter with expert LoRA on this layer is in
         # where a step's time goes (engines/kt/step_timing.py): blocking calls are timed on the host, and
         # stream-ordered ones with CUDA events once the runner sets `events`
@@ -324,7 +341,8 @@ class RoutedExpertsCPU(nn.Module):
                    stream_experts=options.gpu_prefill_experts, pad_from=options.expert_pad_from,
                    streamer=options.streamers.for_device(torch.device(device)) if streams else None,
                    owned_experts=owned, read_experts=options.gpu_read_experts, resident_experts=resident,
-                   swiglu_limit=float(getattr(config, "swiglu_limit", 0.0) or 0.0))
+                   swiglu_limit=float(getattr(config, "swiglu_limit", 0.0) or 0.0),
+                   decode_kernel=options.decode_kernel)
 
     # ------------------------------------------------------ what expert LoRA needs (engines/lora/cpu_experts.py)
     def sft_kernel(self) -> tuple[type, Any] | None:
@@ -404,7 +422,7 @@ class RoutedExpertsCPU(nn.Module):
             self._keep_streamed_weights(gate, up, down)
             gate, up, down = (t[self.owned:].to("cpu", torch.bfloat16).contiguous() for t in (gate, up, down))
             self._ggml_types = (self.llamafile_type,) * 3
-            self._load_prepared(lambda: self._prepare_weights(gate, up, down), cache_dir)
+            self._load_prepared(lambda: self._prepare_weights(gate, up, down), cache_dir, floats=(gate, up, down))
 
     def load_stored(self, experts: "ExpertsLayer", *, cache_dir: str | os.PathLike | None = None) -> str:
         """Take this layer's experts in the checkpoint's stored form (engines/checkpoints/source.py): FP8 blocks go
@@ -447,6 +465,7 @@ class RoutedExpertsCPU(nn.Module):
             self._build_kernel(tensors)
         else:
             self._build_kernel({}, load_dir=converted.root)
+        self._choose_decode_calls()
         return True
 
     def _check_shapes(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
@@ -459,8 +478,10 @@ class RoutedExpertsCPU(nn.Module):
                 raise ValueError(f"{name} weights of layer {self.layer_idx} must be real float tensors, "
                                  f"got {tensor.dtype} on {tensor.device}")
 
-    def _load_prepared(self, prepare: Any, cache_dir: str | os.PathLike | None) -> None:
-        """Build the kernel from `prepare()` (the method's form), saving it to `cache_dir` when given."""
+    def _load_prepared(self, prepare: Any, cache_dir: str | os.PathLike | None,
+                       floats: tuple[torch.Tensor, ...] | None = None) -> None:
+        """Build the kernel from `prepare()` (the method's form), saving it to `cache_dir` when given; the decode
+        kernel (`decode_calls`) takes the same form, or the bf16 `floats` it was prepared from."""
         cache = self._cache(cache_dir) if cache_dir is not None and METHODS[self.method].cacheable else None
         if cache is not None:
             cache.begin_save()
@@ -468,6 +489,7 @@ class RoutedExpertsCPU(nn.Module):
         if cache is not None and not cache.written_by_kt_kernel:
             cache.save_prepared(prepared)
         self._build_kernel(prepared, save_dir=cache.root if cache and cache.written_by_kt_kernel else None)
+        self._choose_decode_calls(floats=floats, prepared=prepared)
         if cache is not None:
             if self.owned:  # the experts kt-kernel does not hold: the GPU's copies are their only form
                 cache.save_copies(self.streamer.layers[self.layer_idx], self.streamer.resident.get(self.layer_idx))
@@ -496,6 +518,7 @@ class RoutedExpertsCPU(nn.Module):
             prepared[m] = packed[self.owned:].view(torch.uint8).contiguous()
             prepared[f"{m}_scale"] = mxfp4.scales_as_bf16(scale[self.owned:])
         self._build_kernel(prepared)
+        self._choose_decode_calls(packed=weights)  # the released bytes themselves, read in place
         if self.streamer is not None:
             device, first = self.streamer.device, self.resident
 
@@ -526,6 +549,7 @@ class RoutedExpertsCPU(nn.Module):
                                  f"{tensor.dtype}, expected uint8 [{E}, {rows}, row bytes]")
         self._ggml_types = types
         self._build_kernel({m: blocks[m][0] for m in ("gate", "up", "down")})
+        self._choose_decode_calls()
         return True
 
     def load_quantized(self, cache_dir: str | os.PathLike) -> bool:
@@ -551,8 +575,11 @@ class RoutedExpertsCPU(nn.Module):
                 return False
         if cache.written_by_kt_kernel:  # kt-kernel only prints (and reads garbage) for a missing file: checked
             self._build_kernel({}, load_dir=cache.root)
+            self._choose_decode_calls()
         else:
-            self._build_kernel(cache.load_prepared())
+            prepared = cache.load_prepared()
+            self._build_kernel(prepared)
+            self._choose_decode_calls(prepared=prepared)
         if copies is not None:
             resident, host = copies
             self.streamer.register(self.layer_idx, host, self.top_k, read_in_place=self._read_in_place,
@@ -561,6 +588,12 @@ class RoutedExpertsCPU(nn.Module):
             self._keep_streamed_weights(*self.read_base_weights(self.stream_experts))
         log.debug("layer %d: %s experts loaded from %s", self.layer_idx, self.method, cache.dir)
         return True
+
+    def _choose_decode_calls(self, **forms: Any) -> None:
+        """Whether decode-sized calls go to our kernel from now on, given the forms the layer was loaded from."""
+        self.decode_calls = None
+        if self.decode_kernel is not None:
+            self.decode_calls = self.decode_kernel.build(self, **forms)
 
     def _cache(self, cache_dir: str | os.PathLike) -> LayerCache:
         return LayerCache(Path(cache_dir), self.layer_idx, self.method, self.kernel_experts, self.hidden_size,
@@ -704,6 +737,9 @@ class RoutedExpertsCPU(nn.Module):
         immediate_ids, deferred_ids = topk_ids, None
         if self.deferral.active and self.defer_into is not None and 0 < tokens <= self.chunk_tokens:
             immediate_ids, deferred_ids = split_deferred(topk_ids, topk_weights, self.deferred)
+        if (self.decode_calls is not None and self.decode_calls.covers(tokens) and not hidden.is_cuda
+                and not self.deferral.active):
+            return self._submit_decode(hidden, topk_ids, topk_weights, tokens)
         if self._can_use_stream(hidden, tokens):
             streamed = self._streamed_experts(tokens) if deferred_ids is None else 0
             if streamed == self.num_experts and not self.gpu_experts:
@@ -749,6 +785,21 @@ class RoutedExpertsCPU(nn.Module):
                 raise
             self._pending = _Pending(tokens, hidden.device, hidden.dtype, staged, gpu_part, deferred)
 
+    def _submit_decode(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       tokens: int) -> None:
+        """Start a call on our decode kernel (every expert is kt-kernel's: no hot, owned or streamed ones here)."""
+        with self._lock:
+            if self._kernel is None:
+                raise RuntimeError(f"experts of layer {self.layer_idx} have no weights yet; call load_weights")
+            self._check_no_pending()
+            ids = topk_ids.to("cpu", torch.int64)
+            low, high = int(ids.min()), int(ids.max())
+            if high >= self.num_experts or low < -1:
+                raise ValueError(f"topk_ids of layer {self.layer_idx} must lie in -1..{self.num_experts - 1}, "
+                                 f"got {low}..{high}")
+            kept = self.decode_calls.submit(hidden, ids, topk_weights)
+            self._pending = _DecodePending(tokens, hidden.device, hidden.dtype, kept)
+
     def _stage_routing(self, ids: torch.Tensor, weights: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor, tokens: int) -> None:
         """Copy a call's routing into the host buffers kt-kernel reads, checked and in the kernel's terms; rows
@@ -790,6 +841,9 @@ class RoutedExpertsCPU(nn.Module):
                 self.deferral.defer(pending.deferred)
             if isinstance(pending, _GPUPending):
                 return pending.out.to(pending.dtype)
+            if isinstance(pending, _DecodePending):
+                self.decode_calls.wait()
+                return pending.kept[-1].to(pending.device, pending.dtype)
             if isinstance(pending, _StreamPending):
                 return self._sync_on_stream(pending, prior)
             if pending.tokens:

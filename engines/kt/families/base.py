@@ -9,6 +9,8 @@ What a family provides:
 
 * **`model_types` / `architectures`**: the config.json `model_type`s it serves, and the architecture names
   it reports.
+* **`read_config(model_path)`**: the transformers config of a checkpoint the registry found this family for by
+  its architecture (engines/kt/families/__init__.py: ARCHITECTURES), e.g. Kimi-K2's kimi_k2 read as DeepSeek-V3's.
 * **`default_rule_file(config, gpus)`**: the placement rules used when the user names none (a file name in
   kt_optimize_rules/), e.g. `DeepSeek-V4-Flash.yaml` with a GPU and `DeepSeek-V4-CPU.yaml` without.
 * **`build_model(config)`**: the model on the meta device (no memory), as the placement rules expect to see it.
@@ -121,6 +123,11 @@ class ModelFamily(ABC):
     model_types: tuple[str, ...] = ()
     architectures: tuple[str, ...] = ()
     expert_layout: ExpertLayout
+
+    def read_config(self, model_path: Path) -> Any:
+        import transformers  # heavy, and only a load needs it
+
+        return transformers.AutoConfig.from_pretrained(model_path)
 
     @abstractmethod
     def default_rule_file(self, config: Any, gpus: int) -> str: ...

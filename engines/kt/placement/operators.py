@@ -7,7 +7,8 @@ loader). Engine-wide settings reach operators only through `OperatorOptions`, pa
 
 * `MLAAttention`       multi-head latent attention over the paged latent cache (engines/kt/attention/mla.py).
 * `IndexedMLAAttention` MLA with DeepSeek-V3.2's lightning indexer choosing the positions each query attends
-                       to (engines/kt/families/deepseek_v32/attention.py).
+                       to: V3.2's own (engines/kt/families/deepseek_v32/attention.py), which rules name here and
+                       the alias table (aliases.py: OPERATOR_CLASSES) finds there.
 * `MoEWithCPUExperts`  router and shared experts on `device`, routed experts in kt-kernel on the CPU;
                        the CPU work runs while the shared experts run on the GPU.
 * `RoutedExpertsCPU`   only the routed experts (the transformers MoE block around it stays);
@@ -29,10 +30,9 @@ from engines.kt.experts.methods import DEFAULT_METHOD, normalize_method
 from engines.kt.experts.streaming import ExpertStreamers
 from engines.kt.experts.protocol import RoutedExperts
 from engines.kt.experts.cpu import RoutedExpertsCPU, SharedStaging
-from engines.kt.families.deepseek_v32.attention import IndexedMLAAttention
 
-__all__ = ["DecodeBatch", "FusedRMSNorm", "IndexedMLAAttention", "MLAAttention", "MoEWithCPUExperts",
-           "OperatorOptions", "RoutedExpertsCPU", "Span", "StepBatch", "fuse_rms_norms", "layer_index"]
+__all__ = ["DecodeBatch", "FusedRMSNorm", "MLAAttention", "MoEWithCPUExperts", "OperatorOptions", "RoutedExpertsCPU",
+           "Span", "StepBatch", "fuse_rms_norms", "layer_index"]
 
 
 @dataclass(frozen=True, slots=True)

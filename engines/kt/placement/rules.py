@@ -41,8 +41,9 @@ import torch
 import yaml
 from torch import nn
 
-from engines.kt.placement.aliases import (DEFAULT, MATCH_CLASS_ALIASES, MOE_WITH_CPU_EXPERTS, ROUTED_EXPERTS_CPU,
-                                KwargError, normalize_device, resolve_replace_class, translate_kwargs)
+from engines.kt.placement.aliases import (DEFAULT, MATCH_CLASS_ALIASES, MOE_WITH_CPU_EXPERTS, OPERATOR_CLASSES,
+                                          ROUTED_EXPERTS_CPU, KwargError, normalize_device, resolve_replace_class,
+                                          translate_kwargs)
 from engines.kt.experts.methods import ExpertsUnsupportedError
 
 log = logging.getLogger("ktserve.kt.rules")
@@ -391,7 +392,7 @@ def _build(rule: Rule, cls: type, module: nn.Module, path: str, config, options,
 
 def _operator_class(rule: Rule, kwargs: dict, resolver) -> type:
     try:
-        cls = resolver(rule.replace)
+        cls = resolver(OPERATOR_CLASSES.get(rule.replace, rule.replace))
     except (ImportError, AttributeError) as e:
         raise rule.error("replace.class", f"cannot import {rule.replace}: {e}") from None
     accepted = getattr(cls, "KWARGS", None)

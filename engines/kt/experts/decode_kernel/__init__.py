@@ -27,7 +27,7 @@ SPIN_US = 2000  # how long an idle worker spins before it sleeps (a decode step 
 
 _lib: ctypes.CDLL | None = None
 _why: str | None = None
-_load_lock = threading.Lock()
+_load_lock = threading.RLock()  # shared_pool holds it while DecodePool loads the library
 _pool: "DecodePool | None" = None
 
 
@@ -114,6 +114,10 @@ class DecodePool:
     @property
     def handle(self) -> int:
         return self._handle
+
+    def wait(self) -> None:
+        """Wait for the call `DecodeLayer.submit` started (returns at once when none runs)."""
+        self._lib.dk_wait(self._handle)
 
     def close(self) -> None:
         if self._handle:
@@ -221,6 +225,18 @@ class DecodeLayer:
         if rc:
             raise RuntimeError(f"decode kernel call failed ({rc})")
         return out
+
+    def submit(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, pool: DecodePool,
+               out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`forward`'s call started and left running on `pool`; `pool.wait()` ends it. Returns the tensors the
+        workers read and write, which must stay alive until then."""
+        x, ids, weights, out = self._prepare(x, ids, weights, out, out.dtype)
+        rc = self._lib.dk_submit(pool.handle, self._handle, x.shape[0], ids.shape[1], x.data_ptr(),
+                                 int(x.dtype == torch.bfloat16), ids.data_ptr(), weights.data_ptr(), out.data_ptr(),
+                                 int(out.dtype == torch.bfloat16))
+        if rc:
+            raise RuntimeError(f"decode kernel call failed ({rc})")
+        return x, ids, weights, out
 
     def _prepare(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None,
                  out_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

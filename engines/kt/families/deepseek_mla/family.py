@@ -3,6 +3,7 @@ of those architectures under a model type of their own, e.g. Kimi-K2's kimi_k2):
 every `model_type` the registry does not list with, and the base of V3.2's."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +31,13 @@ class MLAFamily(ModelFamily):
     def __init__(self, architecture: str | None = None):
         if architecture is not None:  # the one this checkpoint names, for the model info
             self.architectures = (architecture,)
+
+    def read_config(self, model_path: Path) -> Any:
+        """The config class of the architecture, not of the `model_type`: checkpoints of this architecture under a
+        model type of their own (Kimi-K2's kimi_k2) load without their remote code."""
+        import transformers  # heavy, and only a load needs it
+
+        return getattr(transformers, SUPPORTED_ARCHITECTURES[self.architectures[0]]).from_pretrained(model_path)
 
     def default_rule_file(self, config: Any, gpus: int) -> str:
         if not gpus:

@@ -13,13 +13,15 @@ import torch
 from engines.kt import mtp
 from engines.kt.attention.flashinfer_mla import attention_for
 from engines.kt.attention.kv_cache import PAGE_TOKENS, LatentKVCache
+from engines.kt.build import expert_methods_for, torch_thread_count
 from engines.kt.experts.cpu import RoutedExpertsCPU
 from engines.kt.experts.methods import default_method, normalize_method, unavailable_reason
-from engines.kt.families.base import LoadContext, LoadedModel, ModelFamily
 from engines.kt.experts.notes import decode_reads, streamed_prefill, streaming_details
+from engines.kt.families.base import LoadContext, LoadedModel, ModelFamily
 from engines.kt.loader import load_checkpoint, missing_tensors
 from engines.kt.options import KTOptions
 from engines.kt.placement.operators import OperatorOptions, fuse_rms_norms
+from engines.kt.placement.rules import apply_placement, plan_placement
 from engines.kt.runner import KTModelRunner, device_scope, layer_devices, uses_cpu_experts
 from engines.model_files import resolve_dtype
 
@@ -39,9 +41,6 @@ def load_mla(family: ModelFamily, context: LoadContext, variant: MLAVariant = ML
     """Build `family`'s model on the meta device, place it by the rules, stream the checkpoint in (the engine's
     `context.source`: BF16 or FP8 safetensors, or GGUF) and return the KT runner over it, with the MTP layer as a
     draft head when speculative decoding asks for it: the load path of every MLA generation (V2, V3, V3.2)."""
-    from engines.kt.engine import expert_methods_for, torch_thread_count  # the engine's, shared by every family
-    from engines.kt.placement.rules import apply_placement, plan_placement
-
     kt, config, rule_file, model_path = context.options, context.config, context.rule_file, context.model_path
     draft_layer, no_draft = _draft_layer(context)
     # the MTP layer is read only to draft with; then its copies of the embedding and LM head are not

@@ -23,6 +23,9 @@ from engines.kt.families.deepseek_mla.family import MLAFamily
 from engines.kt.families.deepseek_mla.load import MLAVariant, load_mla
 from engines.kt.families.base import ChatEncoder, LoadContext, LoadedModel
 from engines.kt.families.deepseek_v32.cache import IndexedLatentKVCache
+from engines.kt.families.deepseek_v32.chat import ENCODER_FILE, V32ChatFormat
+from engines.kt.families.dsml_chat import choose_encoder, install
+from engines.model_files import ships_chat_template
 
 VARIANT = MLAVariant(
     make_cache=lambda config, **kwargs: IndexedLatentKVCache(index_dim=config.index_head_dim, **kwargs),
@@ -47,15 +50,9 @@ class DeepseekV32Family(MLAFamily):
         """V3.2's format, which the final release encodes in Python: its `encoding/encoding_dsv32.py` when the user
         allows running the model folder's code (trust_remote_code), else our implementation (chat.py). A folder
         with a jinja chat template and no encoder (V3.2-Exp) is served with its template."""
-        from engines.kt.families.deepseek_v32.chat import ENCODER_FILE, V32ChatFormat
-        from engines.kt.families.dsml_chat import choose_encoder
-        from engines.model_files import ships_chat_template
-
         if not (model_path / "encoding" / ENCODER_FILE).is_file() and ships_chat_template(model_path):
             return None
         return choose_encoder(model_path, allow_checkpoint_code, V32ChatFormat(), ENCODER_FILE, takes_effort=False)
 
     def install_chat_encoder(self, tokenizer: Any, encoder: ChatEncoder) -> None:
-        from engines.kt.families.dsml_chat import install
-
         install(tokenizer, encoder)

@@ -37,7 +37,7 @@ class DeepseekV4Family(ModelFamily):
         return name.removeprefix("mtp.") if names.is_draft(name) else None
 
     def load(self, context: LoadContext) -> LoadedModel:
-        from engines.kt.engine import expert_methods_for, torch_thread_count
+        from engines.kt.build import expert_methods_for, torch_thread_count
         from engines.kt.families.deepseek_v4.hyper import install_fused_hyper_connections
         from engines.base import DEFAULT_CHUNK_SIZE
         from engines.kt.experts.notes import decode_reads, streamed_prefill, streaming_details

@@ -1,0 +1,228 @@
+"""Which calls of a CPU-expert layer our decode kernel computes instead of kt-kernel (`kt_decode_kernel`).
+
+Decode calls (a few rows) read each chosen expert once; our kernel (engines/kt/experts/decode_kernel/) streams the
+weights at the memory's rate where kt-kernel's classes do not (bench/results/nvidia-h200-2026-12-02-decode-kernel:
+14 threads, one layer call, ours against kt-kernel's at 1 / 16 tokens: MXFP4 1.48 / 18.0 ms against 2.20 / 46.8,
+INT8 0.57 / 5.15 against 0.93 / 7.26, INT4 0.52 / 4.47 against 0.75 / 5.16, FP8 6.15 / 46.6 against 6.13 / 57.3).
+The choice is made here, in one place, once per layer at load (`DecodeKernelPolicy.build`), and per call only
+from the call's own row count (`DecodeCalls.covers`), so a row's result never depends on other requests' rows
+beyond what that count already decides (batch-invariant requests run their chunks alone).
+
+What the kernel takes, and from what (the weights kt-kernel was loaded from, at load time):
+- MXFP4: the released E2M1 bytes and UE8M0 exponents, the very tensors kt-kernel was handed (kept alive: kt-kernel's
+  own classes copy theirs); converted layers recover the exponents from kt-kernel's bf16 multipliers (exact);
+- FP8: the e4m3 blocks and their float multipliers kt-kernel was handed;
+- RAWINT4: its int4 groups of 32 with bf16 scales, the kernel's own INT4 form, as they are;
+- AMXINT8 / AMXINT4: quantized from the same bf16 weights, the kernel's way (INT8 per row; INT4 per 32 with bf16
+  scales, finer than kt-kernel's per-row INT4);
+- BF16, LLAMAFILE: not covered (kt-kernel serves).
+Layers whose output goes to a GPU stay on kt-kernel (its stream-ordered path; our `StreamTask` is not yet run on a
+GPU), as do layers with hot experts, experts the GPU owns or streams, deferred experts, and layers loaded from kt-kernel's
+own files (kt_weight_path, kt-kernel's kt_weight_cache), which leave no weights the kernel reads. Rows of adapters with
+expert LoRA reach the base kernel as expert-less rows whichever kernel serves (engines/lora/cpu_experts.py).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engines.kt.experts.methods import memory_available
+
+if TYPE_CHECKING:
+    from engines.kt.experts.cpu import RoutedExpertsCPU
+    from engines.kt.experts.decode_kernel import DecodeLayer, DecodePool
+
+log = logging.getLogger("ktserve.engine.kt")
+
+SETTING = "kt_decode_kernel"
+CHOICES = ("auto", "on", "off")
+# the kernel's format per experts method
+FORMATS = {"MXFP4": "mxfp4", "FP8": "fp8", "RAWINT4": "int4", "AMXINT8": "int8", "AMXINT4": "int4"}
+# calls of up to this many rows go to the kernel: it was at least as fast as kt-kernel at every count measured
+# (1-16 tokens) in every format; beyond 16 nothing was measured, and kt-kernel's matrix kernels take over
+MAX_ROWS = {"mxfp4": 16, "fp8": 16, "int8": 16, "int4": 16}
+MEMORY_SHARE = 0.3  # of the host memory available at the first layer's load, what auto lets the kernel's copies take
+
+
+def check_setting(value: Any) -> str:
+    """The setting as one of CHOICES; ValueError naming the key otherwise."""
+    text = str(value).strip().lower() if value is not None else ""
+    if text not in CHOICES:
+        raise ValueError(f"{SETTING} must be one of {', '.join(CHOICES)}, got {value!r}")
+    return text
+
+
+def kt_worker_cpus() -> list[int] | None:
+    """The CPUs kt-kernel's workers are pinned to (one each; it names them numa_<node>_...), or None."""
+    cpus: set[int] = set()
+    try:
+        tasks = list(os.scandir(f"/proc/{os.getpid()}/task"))
+    except OSError:
+        return None
+    for entry in tasks:
+        try:
+            with open(f"{entry.path}/comm") as f:
+                name = f.read().strip()
+            allowed = os.sched_getaffinity(int(entry.name))
+        except OSError:
+            continue
+        if name.startswith("numa_") and len(allowed) == 1:
+            cpus |= allowed
+    return sorted(cpus) or None
+
+
+@dataclass(slots=True)
+class DecodeCalls:
+    """One layer's experts as the decode kernel reads them, and the calls it takes: at most `max_rows` rows."""
+
+    kernel: "DecodeLayer"
+    pool: "DecodePool"
+    max_rows: int
+    extra_bytes: int  # host memory its weights take beside kt-kernel's
+
+    def covers(self, tokens: int) -> bool:
+        return 0 < tokens <= self.max_rows
+
+    def submit(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Start the call on the kernel's pool; returns what must stay alive until `wait`, the output [T, H]
+        (float32) last."""
+        out = torch.empty(hidden.shape[0], self.kernel.hidden, dtype=torch.float32)
+        return self.kernel.submit(hidden, ids, weights, self.pool, out)
+
+    def wait(self) -> None:
+        self.pool.wait()
+
+    def describe(self) -> str:
+        from engines.kt.experts import decode_kernel
+
+        return f"ktserve {decode_kernel.isa()} for calls <= {self.max_rows} rows"
+
+
+@dataclass(slots=True)
+class DecodeKernelPolicy:
+    """`kt_decode_kernel` for one model's layers (OperatorOptions.decode_kernel): auto, on or off, the memory the
+    kernel's copies have taken so far, and what each layer got (for the engine details)."""
+
+    setting: str = "off"
+    budget: int | None = None  # bytes auto lets the copies take (MEMORY_SHARE of the memory available at first use)
+    charged: int = 0
+    outcomes: dict[int, str] = field(default_factory=dict)  # layer -> "MXFP4" (served) or why not
+
+    def __post_init__(self) -> None:
+        self.setting = check_setting(self.setting)
+
+    def build(self, layer: "RoutedExpertsCPU", *, floats: tuple[torch.Tensor, ...] | None = None,
+              prepared: dict[str, Any] | None = None, packed: dict[str, torch.Tensor] | None = None
+              ) -> DecodeCalls | None:
+        """The decode calls of `layer`, from the forms it was just loaded from, or None (the reason recorded)."""
+        why = self._structural_reason(layer)
+        fmt = FORMATS.get(layer.method)
+        kernel = None
+        if why is None:
+            kernel = _kernel_layer(layer, fmt, floats=floats, prepared=prepared, packed=packed)
+            if kernel is None:
+                why = f"layer loaded from kt-kernel's own files: no {layer.method} weights for the kernel"
+        if why is None:
+            extra = _extra_bytes(kernel, layer)
+            why = self._charge(extra)
+        if why is not None:
+            self.outcomes[layer.layer_idx] = why
+            if self.setting == "on":
+                log.info("layer %d: %s=on, but kt-kernel serves its decode calls: %s", layer.layer_idx, SETTING, why)
+            return None
+        from engines.kt.experts import decode_kernel
+        from engines.kt.experts.cpuinfer import pool_threads
+
+        pool = decode_kernel.shared_pool(pool_threads() or layer.threads or 1, kt_worker_cpus())
+        self.outcomes[layer.layer_idx] = layer.method
+        return DecodeCalls(kernel, pool, MAX_ROWS[fmt], extra)
+
+    def _structural_reason(self, layer: "RoutedExpertsCPU") -> str | None:
+        if self.setting == "off":
+            return f"{SETTING}=off"
+        from engines.kt.experts import decode_kernel
+
+        missing = decode_kernel.unavailable_reason()
+        if missing is not None:
+            if self.setting == "on":
+                raise ValueError(f"{SETTING}=on: {missing}")
+            return missing
+        fmt = FORMATS.get(layer.method)
+        if fmt is None:
+            return f"the kernel does not compute {layer.method} experts"
+        if layer.hidden_size % 32 or layer.intermediate_size % 32:
+            return "sizes not multiples of 32"
+        gpu = [d for d in (layer.out_device, layer.gpu_device) if d is not None and d.type != "cpu"]
+        return ("the layer's output is on a GPU (kt-kernel's stream-ordered path serves)" if gpu else
+                "hot experts are kept (gpu_experts)" if layer.gpu_experts else
+                "the GPU owns or streams some of the experts" if layer.owned or layer.streamer is not None else
+                "experts are deferred (n_deferred_experts)" if layer.deferred else None)
+
+    def _charge(self, extra: int) -> str | None:
+        if self.setting == "auto" and extra:
+            if self.budget is None:
+                available = memory_available()
+                self.budget = int(MEMORY_SHARE * available) if available is not None else 0
+            if self.charged + extra > self.budget:
+                return (f"its copy ({extra / 2**20:.0f} MiB) would take the kernel's copies past {MEMORY_SHARE} of "
+                        f"the host memory available at load ({self.budget / 2**30:.1f} GiB)")
+        self.charged += extra
+        return None
+
+    def details(self) -> dict[str, str]:
+        """What the engine details say: which layers' decode calls the kernel computes, or why none."""
+        if not self.outcomes:
+            return {}
+        served = sorted(layer for layer, what in self.outcomes.items() if what in FORMATS)
+        if not served:
+            reasons = sorted(set(self.outcomes.values()))
+            return {"decode_kernel": f"off ({'; '.join(reasons)}): kt-kernel serves every call"}
+        from engines.kt.experts import decode_kernel
+
+        methods = sorted({self.outcomes[layer] for layer in served})
+        rows = max(MAX_ROWS[FORMATS[m]] for m in methods)
+        text = f"ktserve {decode_kernel.isa()} for calls <= {rows} rows ({', '.join(methods)})"
+        others = len(self.outcomes) - len(served)
+        if others:
+            reasons = sorted({what for what in self.outcomes.values() if what not in FORMATS})
+            text += f"; kt-kernel in {others} of {len(self.outcomes)} layers ({'; '.join(reasons)})"
+        if self.charged:
+            text += f"; {self.charged / 2**30:.2f} GiB of host memory beside kt-kernel's"
+        return {"decode_kernel": text}
+
+
+def _kernel_layer(layer: "RoutedExpertsCPU", fmt: str, *, floats: tuple[torch.Tensor, ...] | None,
+                  prepared: dict[str, Any] | None, packed: dict[str, torch.Tensor] | None) -> "DecodeLayer | None":
+    from engines.kt.experts.decode_kernel import DecodeLayer
+
+    limit = layer.swiglu_limit
+    if fmt == "mxfp4" and packed is not None:
+        return DecodeLayer.mxfp4({k: v.contiguous() for k, v in packed.items()}, swiglu_limit=limit)
+    if fmt == "mxfp4" and prepared is not None and "gate_scale" in prepared:  # converted: bf16 powers of two
+        return DecodeLayer.mxfp4({k: (_ue8m0_of(v) if k.endswith("_scale") else v) for k, v in prepared.items()},
+                                 swiglu_limit=limit)
+    if fmt == "fp8" and prepared is not None and "gate_scale" in prepared:
+        return DecodeLayer.fp8(prepared, swiglu_limit=limit)
+    if layer.method == "RAWINT4" and prepared is not None and "gate_scale" in prepared:
+        tensors = {k: v.contiguous() for k, v in prepared.items()}
+        return DecodeLayer("int4", layer.hidden_size, layer.intermediate_size, tensors, swiglu_limit=limit)
+    if fmt in ("int8", "int4") and floats is not None:
+        return DecodeLayer.quantize(fmt, *floats, swiglu_limit=limit)
+    return None
+
+
+def _ue8m0_of(scales: torch.Tensor) -> torch.Tensor:
+    """bf16 powers of two (mxfp4.scales_as_bf16) -> their UE8M0 exponent codes, exactly (code 0 is a bf16
+    subnormal whose exponent field reads 0 too)."""
+    bits = scales.contiguous().view(torch.int16).to(torch.int32)
+    return ((bits >> 7) & 0xFF).to(torch.uint8).contiguous()
+
+
+def _extra_bytes(kernel: "DecodeLayer", layer: "RoutedExpertsCPU") -> int:
+    """Bytes of the kernel's tensors that kt-kernel does not hold as well (those it reads in place)."""
+    shared = {t.data_ptr() for t in layer._kernel_weights if isinstance(t, torch.Tensor)}
+    return sum(t.nbytes for t in kernel.tensors.values() if t.data_ptr() not in shared)
