@@ -2,7 +2,8 @@
 behind. The files are parsed with `ast`, never imported. What counts as naming code:
 
 - a dotted name under a project package (`engines.kt.experts.methods.matrix_tokens`, `python -m bench.run`): its
-  longest prefix that is a module file or package must exist, and the rest must be defined there;
+  longest prefix that is a module file or package must exist, and the rest must be defined there, unless the code
+  itself spells the whole name as a string it resolves (a rule file's class name in the alias table);
 - a repository path (`engines/kt/runner.py`, `bench/results/<folder>/`, `kt_optimize_rules/DeepSeek-V3.yaml`):
   the file or folder must exist (not a pattern, `isolation-*/` or `{a,b}`, nor a path at a commit, `d1964e9:path`);
 - a backticked name beside a Python file (`` `engines/kt/experts/methods.py`, `LLAMAFILE_IN_PLACE` ``, `` `name` in
@@ -85,9 +86,18 @@ def is_file_name(dotted: str) -> bool:
     return dotted.rsplit(".", 1)[-1] in FILE_SUFFIXES
 
 
+@functools.cache
+def dotted_strings() -> frozenset[str]:
+    """Dotted names the code resolves itself: string constants such as the alias table's rule-file class names."""
+    code = [p for p in python_files() if p.relative_to(REPO).parts[0] != "tests"]
+    return frozenset(node.value for p in code for node in ast.walk(ast.parse(p.read_text(), str(p)))
+                     if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                     and re.fullmatch(rf"{IDENT}(?:\.{IDENT})+", node.value))
+
+
 def dotted_problem(name: str) -> str | None:
-    if is_file_name(name):
-        return None  # bench.json: a file's name
+    if is_file_name(name) or name in dotted_strings():
+        return None  # bench.json: a file's name; a name the code resolves (a rule file's class)
     parts = name.split(".")
     for cut in range(len(parts), 0, -1):
         found = module_file(parts[:cut])
