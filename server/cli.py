@@ -73,6 +73,8 @@ def _cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def serve(args: argparse.Namespace) -> int:
+    # the server stack (uvicorn, FastAPI, the engine registry) is imported by the command that runs it, so
+    # `ktserve make-demo-model` and `ktserve eval` start without it
     import uvicorn
 
     from engines.registry import create_engine
@@ -91,7 +93,8 @@ def serve(args: argparse.Namespace) -> int:
     if settings.model:
         model_path = settings.model
     else:
-        from engines.demo_model import ensure_demo_model
+        from engines.demo_model import ensure_demo_model  # torch: only a server without a model writes the demo
+
         model_path = str(ensure_demo_model())
         settings.served_model_name = settings.served_model_name or DEMO_MODEL_NAME
         log.info("no model given: serving the built-in demo model from %s", model_path)
@@ -113,7 +116,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def make_demo_model(args: argparse.Namespace) -> int:
     if args.format == "gguf":
-        from engines.demo_models import write_demo_gguf
+        from engines.demo_models import write_demo_gguf  # torch and gguf: imported by this command alone
 
         if args.mtp:
             print("ktserve: --mtp: the GGUF demo model has no multi-token-prediction layer (use --format bf16 or "
@@ -131,7 +134,7 @@ def make_demo_model(args: argparse.Namespace) -> int:
             return 2
         print("\n".join(map(str, files)))
         return 0
-    from engines.demo_models import demo_writer
+    from engines.demo_models import demo_writer  # torch: imported by this command alone
 
     if args.arch != "deepseek_v3" and args.format != "bf16":
         print(f"--format applies to the deepseek_v3 demo; {args.arch} is written in its released layout",
@@ -181,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args)
     if args.command == "make-demo-model":
         return make_demo_model(args)
-    from evaluation.cli import run as run_eval
+    from evaluation.cli import run as run_eval  # optional: present when the evaluation extras are installed
+
     return run_eval(args)
 
 

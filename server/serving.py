@@ -17,6 +17,7 @@ from starlette.responses import Response
 from engines.base import (
     Engine, GenerationOutput, GenerationRequest, InvalidRequestError, NotFoundError, RequestHandle, SamplingParams,
 )
+from server.errors import APIError
 from server.tracking import RequestTracker, TrackedHandle
 
 T = TypeVar("T")
@@ -143,8 +144,6 @@ def cancel_all(handles: Sequence[ChoiceHandle]) -> None:
 async def collect(request: Request, tracker: RequestTracker, handles: Sequence[ChoiceHandle],
                   timeout: float | None) -> list[GenerationOutput]:
     """Wait for every choice, cancelling the engine work if the client disconnects or time runs out."""
-    from server.errors import APIError
-
     try:
         outputs = await while_connected(request, tracker, asyncio.gather(*(h.result() for h in handles)), timeout)
     except BaseException:
@@ -162,8 +161,6 @@ async def while_connected(request: Request, tracker: RequestTracker, work: Await
     """The result of `work`, for as long as the client waits for it: 499 once the client has gone (polled
     every DISCONNECT_POLL_SECONDS), 408 past `timeout`. Either way `work` is cancelled, and whatever it
     submitted to the engine should be cancelled by it (or by the caller)."""
-    from server.errors import APIError
-
     task = asyncio.ensure_future(work)
     deadline = None if timeout is None else time.monotonic() + timeout
     try:

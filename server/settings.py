@@ -14,6 +14,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engines.base import EngineConfig
+from engines.registry import available_engines
+from server.reasoning import check_reasoning_parser
 
 log = logging.getLogger("ktserve.settings")
 
@@ -222,14 +224,12 @@ class Settings(BaseModel):
     @field_validator("reasoning_parser")
     @classmethod
     def _known_reasoning_parser(cls, v: str | None) -> str | None:
-        from server.reasoning import check_reasoning_parser
         check_reasoning_parser(v)
         return v
 
     @field_validator("engine")
     @classmethod
     def _known_engine(cls, v: str) -> str:
-        from engines.registry import available_engines
         if v not in available_engines():
             raise ValueError(f"unknown engine {v!r}; known engines: {', '.join(sorted(available_engines()))}")
         return v

@@ -22,6 +22,7 @@ from typing import Any, Iterator, Protocol
 
 import torch
 
+from engines.base import CheckpointStorage
 from engines.checkpoints.fp8 import DEFAULT_BLOCK, dequantize_blocks
 
 log = logging.getLogger("ktserve.checkpoints")
@@ -377,8 +378,6 @@ class StorageNotes:
         self.note(part_of(name), held if held == stored_as else f"{held} from {stored_as}")
 
     def report(self, checkpoint_format: str) -> Any:
-        from engines.base import CheckpointStorage
-
         order = ("experts", "attention", "mlp", "router", "embeddings", "norms", "other")
         parts = tuple((p, " / ".join(sorted(self._notes[p]))) for p in order if self._notes.get(p))
         return CheckpointStorage(checkpoint_format, parts)

@@ -15,6 +15,7 @@ import torch
 
 from engines.base import CheckpointStorage, ModelInfo
 from engines.checkpoints.gguf.files import is_gguf
+from engines.checkpoints.source import SafetensorsSource, describe, dtype_name, quantization_block
 from engines.lora.install import LoraModules
 from engines.lora.modules import AdapterRows
 from engines.runtime.llm_engine import LLMEngine
@@ -78,8 +79,6 @@ def checkpoint_storage(model_path: Path, dtype: torch.dtype) -> tuple[Checkpoint
     weights dequantized to `dtype` (engines/checkpoints: DeepSeek's 128x128 blocks, a partial last block included,
     which transformers' own CPU dequantization spreads differently), its MTP layer left out."""
     from transformers import AutoConfig
-
-    from engines.checkpoints.source import SafetensorsSource, describe, dtype_name, quantization_block
 
     config_path = model_path / "config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}

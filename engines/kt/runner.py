@@ -10,9 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from engines.base import EngineUnavailableError
 from engines.kt.experts.cpuinfer import WorkerIsolation
 from engines.kt.attention.kv_cache import BlockTable, LatentKVCache
 from engines.kt.attention.mla import DecodeBatch, MLAAttention, Span, StepBatch
+from engines.kt.cuda_graphs import DecodeGraphs
 from engines.kt.experts import deferral as expert_deferral
 from engines.kt.drafting import DraftHead, Drafter
 from engines.kt.experts.deferral import ExpertDeferral
@@ -95,8 +97,6 @@ class KTModelRunner(ModelRunner):
 
         A placement over several devices decodes without graphs (logged once): the step's hops between
         GPUs would have to be captured across devices, which is not done here."""
-        from engines.kt.cuda_graphs import DecodeGraphs
-
         if len(self.devices) != 1 or next(iter(self.devices)).type != "cuda":
             where = ", ".join(sorted(str(d) for d in self.devices))
             log.info("kt_use_cuda_graph: decode runs without CUDA graphs, because the non-expert model is "
@@ -335,8 +335,6 @@ class KTModelRunner(ModelRunner):
     def final_hidden_states(self, prompts: list[list[int]], adapter: str | None) -> list[torch.Tensor]:
         """The prompts in as few forwards as the free cache allows (borrowed blocks, freed at once); one prompt a
         forward where scores are batch-invariant (runtime/batch_invariance.py)."""
-        from engines.base import EngineUnavailableError
-
         states: list[torch.Tensor] = []
         together = len(prompts) if not scores_are_invariant(self.batch_invariance) else 1
         while len(states) < len(prompts):

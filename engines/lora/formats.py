@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+from engines.lora import gguf_format, kt_format, kt_manifest, peft_format, value_head
 from engines.lora.adapter import AdapterFormatError, LoraAdapter
 from engines.lora.files import AdapterFiles
 
@@ -33,8 +34,6 @@ def read_adapter(path: str | Path, roots: Sequence[str | Path] = ()) -> LoraAdap
 
 
 def _read(p: Path, files: AdapterFiles) -> LoraAdapter:
-    from engines.lora import gguf_format, kt_format, kt_manifest, peft_format, value_head
-
     if not p.exists():
         raise AdapterFormatError(f"adapter path {str(p)!r} does not exist")
     if not (p.is_file() or p.is_dir()):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from engines.lora.adapter import AdapterFormatError, ExpertLora, LoraAdapter, finite
 from engines.lora.files import AdapterFiles
+from engines.lora.peft_format import adapter_config
 
 FILE = "fused_expert_lora.safetensors"
 _KEY = re.compile(r"^(?:.*\.)?layers\.(?P<layer>\d+)\.(?:mlp\.)?experts\.(?P<proj>gate|up|down)_lora_(?P<ab>[ab])$")
@@ -20,8 +21,6 @@ def read_into(adapter: LoraAdapter, directory: Path, files: AdapterFiles = Adapt
     if not files.has(path):
         return
     from safetensors.torch import load_file
-
-    from engines.lora.peft_format import adapter_config
 
     config = adapter_config(directory, files)
     parts: dict[tuple[int, str], dict[str, tuple[str, object]]] = {}

@@ -25,6 +25,8 @@ from engines.base import (
     DEFAULT_CHUNK_SIZE, Engine, EngineConfig, EngineStats, EngineUnavailableError, GenerationOutput,
     GenerationRequest, Grammar, InvalidRequestError, ModelInfo, RequestHandle, UnsupportedError, engine_options,
 )
+from engines.lora import value_head
+from engines.lora.manager import AdapterManager
 from engines.model_files import parameter_count, weights_size
 from engines.runtime.batch_invariance import solo_groups
 from engines.runtime.detokenizer import IncrementalDetokenizer
@@ -178,9 +180,6 @@ class LLMEngine(Engine):
 
     # ------------------------------------------------------------------------------ adapters and scores
     def _start_adapters(self) -> None:
-        from engines.lora import value_head
-        from engines.lora.manager import AdapterManager
-
         assert self._runner is not None and self._info is not None
         self._value_head = value_head.read(self.config.model_path)
         self._info.has_value_head = self._value_head is not None

@@ -25,9 +25,12 @@ from engines.base import (
     Engine, EngineConfig, EngineStats, EngineUnavailableError, GenerationOutput, GenerationRequest,
     Grammar, ModelInfo, QueueFullError, RequestHandle, UnsupportedError, engine_options,
 )
+from engines.lora.manager import AdapterManager
 from engines.model_files import eos_token_ids, load_tokenizer, model_id
 from engines.runtime.llm_engine import check_length
 from engines.runtime.sampler import TokenText
+from engines.runtime.structured import compiler_for
+from engines.vllm.adapters import VLLMAdapters
 from engines.vllm.requests import OutputStream, check_grammar_supported, sampling_params
 from engines.vllm.settings import VLLMOptions, check_model, cpu_lora_refusal, engine_args
 
@@ -145,8 +148,6 @@ class VLLMEngine(Engine):
     # ------------------------------------------------------------------------------ requests
     def check_grammar(self, grammar: Grammar) -> None:
         """vLLM's own llguidance backend runs the grammar; it is compiled here only to refuse a bad one early."""
-        from engines.runtime.structured import compiler_for
-
         check_grammar_supported(grammar)
         compiler_for(self.tokenizer).compile(grammar)
 
@@ -230,9 +231,6 @@ class VLLMEngine(Engine):
 
     # ------------------------------------------------------------------------------ adapters and scores
     def _start_adapters(self) -> None:
-        from engines.lora.manager import AdapterManager
-        from engines.vllm.adapters import VLLMAdapters
-
         assert self._info is not None
         modules = VLLMAdapters(lambda: self._llm, self._call, self.options.vllm_max_lora_rank)
         self._adapters = AdapterManager(modules, lambda fn: fn(), self._info.id)

@@ -19,6 +19,9 @@ import torch
 from engines.checkpoints.gguf import deepseek2, routing
 from engines.checkpoints.source import StoredTensor
 from engines.checkpoints.gguf.files import SPLIT_NAME, GGUFFiles
+from engines.checkpoints.gguf.tokenizer import build_tokenizer
+from engines.model_files import load_tokenizer
+from engines.templates import builtin_template
 
 log = logging.getLogger("ktserve.checkpoints.gguf")
 DEQUANTIZE_THREADS = max(1, min(8, (os.cpu_count() or 1) - 1))  # experts dequantized at once while converting
@@ -119,15 +122,10 @@ class GGUFCheckpoint:
 
     def tokenizer(self, template: str | None = None) -> Any:
         if self.hf_dir is not None:
-            from engines.model_files import load_tokenizer
-
             return load_tokenizer(str(self.hf_dir), template)
-        from engines.checkpoints.gguf.tokenizer import build_tokenizer
 
         tokenizer = build_tokenizer(self.files.value, str(self.files.first))
         if template:
-            from engines.templates import builtin_template
-
             tokenizer.chat_template = builtin_template(template)
         return tokenizer
 

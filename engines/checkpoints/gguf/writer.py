@@ -15,6 +15,7 @@ import torch
 
 from engines.checkpoints.gguf import deepseek2
 from engines.checkpoints.gguf.quants import quantize
+from engines.checkpoints.gguf.tokenizer import CONTROL, NORMAL, USER_DEFINED
 
 GROUPS = ("experts", "attention", "other")
 WRITABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
@@ -140,8 +141,6 @@ def _write_metadata(writer, config: dict) -> None:
 def _write_tokenizer(writer, hf_dir: Path, config: dict) -> None:
     """The folder's byte-level BPE as llama.cpp's converter writes it: every id's token (added tokens as their
     text), its type, the merges, the split name and the special ids."""
-    from engines.checkpoints.gguf.tokenizer import CONTROL, NORMAL, USER_DEFINED
-
     spec = json.loads((hf_dir / "tokenizer.json").read_text("utf-8"))
     settings = json.loads((hf_dir / "tokenizer_config.json").read_text("utf-8"))
     size = config["vocab_size"]

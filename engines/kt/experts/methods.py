@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from engines.checkpoints.fp8 import quantize_blocks
+from engines.kt.experts.cpuinfer import load_ext
 
 log = logging.getLogger("ktserve.engine.kt")
 
@@ -200,8 +201,6 @@ class ExpertsUnsupportedError(ValueError):
 
 
 def _moe_module() -> Any | None:
-    from engines.kt.experts.cpuinfer import load_ext
-
     try:
         return load_ext().moe
     except ImportError:

@@ -45,6 +45,7 @@ from engines.kt.placement.aliases import (DEFAULT, MATCH_CLASS_ALIASES, MOE_WITH
                                           ROUTED_EXPERTS_CPU, KwargError, normalize_device, resolve_replace_class,
                                           translate_kwargs)
 from engines.kt.experts.methods import ExpertsUnsupportedError
+from engines.kt.placement.operators import OperatorOptions
 
 log = logging.getLogger("ktserve.kt.rules")
 
@@ -366,8 +367,6 @@ def apply_placement(model: nn.Module, placement: Placement, config, options=None
     an error naming the rule. New modules are built under ``torch.device("meta")``: no weights move here; the loader
     streams them in afterwards."""
     if options is None:
-        from engines.kt.placement.operators import OperatorOptions
-
         options = OperatorOptions()
     swaps = []
     for path, (rule, kwargs) in placement.replacements.items():

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from engines.kt.experts.protocol import RoutedExperts
 from engines.kt.families.deepseek_v4.batch import Piece, V4Batch, flat_rows
 from engines.kt.runner import device_scope
 from engines.lora.modules import AdapterRows
@@ -162,8 +163,6 @@ def _copied_into(kept: Any, new: Any) -> Any:
 def step_graphs(model: Any, batch: V4Batch, max_rows: int) -> tuple[V4StepGraphs | None, str]:
     """The captured segments of V4 steps of up to `max_rows` rows, or None and why not (what the engine
     details then say)."""
-    from engines.kt.experts.protocol import RoutedExperts
-
     experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
     held = {m for e in experts for m in e.modules()}
     devices = {t.device for m in model.modules() if m not in held

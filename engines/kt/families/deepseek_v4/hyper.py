@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engines.kt.experts.mapped import triton_available
 from engines.kt.runner import device_scope
 
 log = logging.getLogger("ktserve.engine.kt")
@@ -133,8 +134,6 @@ def install_fused_hyper_connections(model: nn.Module, dtype: torch.dtype, enable
     what the engine details say of it."""
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4HyperConnection,
                                                                        DeepseekV4HyperHead)
-
-    from engines.kt.experts.mapped import triton_available
 
     forwards = {DeepseekV4HyperConnection: fused_connection, DeepseekV4HyperHead: fused_head}
     modules = [m for m in model.modules() if type(m) in forwards]
