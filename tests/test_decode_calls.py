@@ -198,3 +198,16 @@ def test_v4_decode_calls_read_the_released_mxfp4_experts_on_the_kernel(v4_server
         assert "output is on a GPU" in details, details
     else:
         assert details.startswith(f"ktserve {decode_kernel.isa()} for calls <= 16 rows (MXFP4)"), details
+
+
+def test_auto_gives_the_kernel_up_in_every_layer_when_kt_kernel_keeps_some(weights):
+    if "AMXINT8" not in available_methods():
+        pytest.skip("AMXINT8 not supported by this kt-kernel build")
+    policy = DecodeKernelPolicy("auto")
+    layers = [RoutedExpertsCPU(layer_idx=i, num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, method=m,
+                               max_tokens=32, decode_kernel=policy) for i, m in ((1, "AMXINT8"), (2, "BF16"))]
+    for experts in layers:
+        experts.load_weights(*weights)
+    assert layers[0].decode_calls is not None
+    details = policy.finish()["decode_kernel"]
+    assert layers[0].decode_calls is None and "a step must not mix the two" in details, details

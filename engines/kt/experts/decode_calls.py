@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -111,6 +112,7 @@ class DecodeKernelPolicy:
     budget: int | None = None  # bytes auto lets the copies take (MEMORY_SHARE of the memory available at first use)
     charged: int = 0
     outcomes: dict[int, str] = field(default_factory=dict)  # layer -> "MXFP4" (served) or why not
+    layers: list = field(default_factory=list)  # weak references to the layers built, for `finish`
 
     def __post_init__(self) -> None:
         self.setting = check_setting(self.setting)
@@ -119,6 +121,7 @@ class DecodeKernelPolicy:
               prepared: dict[str, Any] | None = None, packed: dict[str, torch.Tensor] | None = None
               ) -> DecodeCalls | None:
         """The decode calls of `layer`, from the forms it was just loaded from, or None (the reason recorded)."""
+        self.layers.append(weakref.ref(layer))
         why = self._structural_reason(layer)
         fmt = FORMATS.get(layer.method)
         kernel = None
@@ -172,6 +175,23 @@ class DecodeKernelPolicy:
                         f"the host memory available at load ({self.budget / 2**30:.1f} GiB)")
         self.charged += extra
         return None
+
+    def finish(self) -> dict[str, str]:
+        """Once the model is loaded: under auto, the kernel serves every CPU-expert layer or none (a step that
+        mixes the two kernels runs ours on cores where kt-kernel's idle workers still spin, ~50 ms after their last
+        task: bench/results/nvidia-h200-2026-12-02-decode-kernel-served); returns what the engine details say."""
+        layers = [layer for ref in self.layers if (layer := ref()) is not None]
+        served = [layer for layer in layers if layer.decode_calls is not None]
+        if self.setting == "auto" and served and len(served) < len(layers):
+            others = sorted({self.outcomes[layer.layer_idx] for layer in layers if layer.decode_calls is None})
+            why = (f"kt-kernel serves {len(layers) - len(served)} of the {len(layers)} layers ({'; '.join(others)}), "
+                   "and a step must not mix the two")
+            for layer in served:
+                layer.decode_calls = None
+                self.outcomes[layer.layer_idx] = why
+            self.charged = 0
+            log.info("%s=auto: off, %s", SETTING, why)
+        return self.details()
 
     def details(self) -> dict[str, str]:
         """What the engine details say: which layers' decode calls the kernel computes, or why none."""

@@ -26,6 +26,7 @@ from torch import nn
 
 from engines.kt.attention.mla import DecodeBatch, MLAAttention, Span, StepBatch, layer_index
 from engines.kt.experts.deferral import ExpertDeferral
+from engines.kt.experts.decode_calls import DecodeKernelPolicy
 from engines.kt.experts.methods import DEFAULT_METHOD, normalize_method
 from engines.kt.experts.streaming import ExpertStreamers
 from engines.kt.experts.protocol import RoutedExperts
@@ -62,6 +63,9 @@ class OperatorOptions:
     gpu_read_experts: int | None = 0
     # how many of each layer's experts (the first ones) the GPU keeps in its own memory (kt_gpu_resident_experts)
     gpu_resident_experts: int = 0
+    # which CPU-expert layers' decode calls our own kernel computes (kt_decode_kernel; experts/decode_calls.py), shared
+    # by the model's layers; None: kt-kernel computes every call (operators built outside the engine)
+    decode_kernel: DecodeKernelPolicy | None = field(default=None, compare=False, repr=False)
 
     # what a rule naming no method asks for (expert_methods.default_method: FP8 for FP8 checkpoints)
     default_method: str = DEFAULT_METHOD

@@ -15,6 +15,7 @@ from engines.kt.attention.flashinfer_mla import attention_for
 from engines.kt.attention.kv_cache import PAGE_TOKENS, LatentKVCache
 from engines.kt.build import expert_methods_for, torch_thread_count
 from engines.kt.experts.cpu import RoutedExpertsCPU
+from engines.kt.experts.decode_calls import DecodeKernelPolicy
 from engines.kt.experts.methods import default_method, normalize_method, unavailable_reason
 from engines.kt.experts.notes import decode_reads, streamed_prefill, streaming_details
 from engines.kt.families.base import LoadContext, LoadedModel, ModelFamily
@@ -62,7 +63,8 @@ def load_mla(family: ModelFamily, context: LoadContext, variant: MLAVariant = ML
                               gpu_prefill_experts=prefill.experts, expert_pad_from=kt.kt_expert_pad_from,
                               # kt-kernel holds every expert of a pre-converted layer: none is the GPU's own
                               gpu_read_experts=0 if converted else kt.kt_gpu_read_experts,
-                              gpu_resident_experts=0 if converted else kt.kt_gpu_resident_experts)
+                              gpu_resident_experts=0 if converted else kt.kt_gpu_resident_experts,
+                              decode_kernel=DecodeKernelPolicy(kt.kt_decode_kernel))
     apply_placement(model, placement, config, options)
     dtype = resolve_dtype(context.dtype_setting, torch.device("cuda" if gpu else "cpu"))
     storage = load_checkpoint(model, source, placement.device_of_param, dtype,
@@ -124,6 +126,7 @@ def load_mla(family: ModelFamily, context: LoadContext, variant: MLAVariant = ML
     details["attention_backend"] = "torch" if flash is None else "flashinfer"
     details.update(streamed)
     details.update(reads)
+    details.update(options.decode_kernel.finish())
     if runner.isolation.spare:
         details["server_thread_cores"] = ",".join(map(str, sorted(runner.isolation.spare)))
     if padded:

@@ -45,6 +45,7 @@ class DeepseekV4Family(ModelFamily):
         from engines.kt.families.deepseek_v4.mtp import V4DraftHead, add_draft_block
         from engines.kt.families.deepseek_v4.runner import V4ModelRunner
         from engines.kt.placement.operators import OperatorOptions, fuse_rms_norms
+        from engines.kt.experts.decode_calls import DecodeKernelPolicy
         from engines.kt.placement.rules import apply_placement, plan_placement
         from engines.base import CheckpointStorage
         from engines.checkpoints.source import dtype_name
@@ -73,7 +74,8 @@ class DeepseekV4Family(ModelFamily):
                                   methods={m: c.method for m, c in choices.items()},
                                   checkpoint=str(context.model_path), gpu_prefill_tokens=prefill.tokens,
                                   gpu_prefill_experts=prefill.experts, gpu_read_experts=kt.kt_gpu_read_experts,
-                                  gpu_resident_experts=kt.kt_gpu_resident_experts)
+                                  gpu_resident_experts=kt.kt_gpu_resident_experts,
+                                  decode_kernel=DecodeKernelPolicy(kt.kt_decode_kernel))
         apply_placement(model, placement, config, options)
         dtype = resolve_dtype(context.dtype_setting, torch.device("cuda" if gpu else "cpu"))
         _build_rotary_tables(model, config, placement.device_of_param)
@@ -94,6 +96,7 @@ class DeepseekV4Family(ModelFamily):
             details.update(choice.describe())
         details.update(streaming_details(options, prefill))
         details.update(decode_reads(model, kt, options))
+        details.update(options.decode_kernel.finish())
         cpu_experts = any(c.method for c in choices.values())
         threads = torch_thread_count(kt.cpu_infer, gpu) if cpu_experts else None
         methods = sorted({c.method for c in choices.values()})
