@@ -90,7 +90,6 @@ class LLMEngine(Engine):
         self._runner, self._tokenizer, self._info = self._load()
         if self.config.chunk_size is None:  # an engine whose load did not choose one
             self.config.chunk_size = DEFAULT_CHUNK_SIZE
-        self._runner.chunk_size = self.config.chunk_size
         self._info.size_bytes = weights_size(self.config.model_path)
         self._info.parameter_count = parameter_count(self.config.model_path)
         self._info.gpu_bytes = self._runner.gpu_bytes()

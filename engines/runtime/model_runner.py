@@ -48,7 +48,6 @@ class ModelRunner(ABC):
     # which requests this runner computes in batch-invariant steps (runtime/batch_invariance.py: POLICIES); "off"
     # for runners that do not (the huggingface runner computes each request alone anyway)
     batch_invariance: str = "off"
-    chunk_size: int = 0  # the scheduler's prefill chunk, set by the engine before the first step
 
     def invariant_for(self, sampling: SamplingParams) -> bool:
         """Whether a request sampled with `sampling` runs in batch-invariant steps (`Sequence.batch_invariant`)."""
