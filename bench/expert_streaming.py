@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int)
     p.add_argument("--held", default="", help="comma-separated counts of experts a budget keeps copies of")
     args = p.parse_args(argv)
-    from engines.kt.experts.streaming import ExpertStreamer, HostExperts
+    from engines.kt.experts.host_copies import HostExperts
+    from engines.kt.experts.streaming import ExpertStreamer
 
     held_counts = [n for n in args.held.split(",") if n]
     if not all(n.isdigit() and int(n) > 0 for n in held_counts):

