@@ -3,9 +3,9 @@
 # Arguments go to pytest (e.g. `scripts/test.sh -k chat`, `scripts/test.sh -m gpu`).
 #
 # A whole-suite run (no test paths or -k/-m selection among the arguments) on a machine where kt-kernel
-# loads a build above avx2 (AMX or AVX-512) then runs the experts, expert-deferral, LoRA and guide-config
-# tests again under the forced avx2 build, the one AMD EPYC Rome/Milan and older Xeons get: both paths are
-# checked wherever CI lands. KTSERVE_TEST_VARIANTS="avx2 avx512_bf16" names other builds to check; ""
+# loads a build above avx2 (AMX or AVX-512) then runs the experts, expert-deferral, LoRA, guide-config and
+# batch-invariance tests again under the forced avx2 build, the one AMD EPYC Rome/Milan and older Xeons get: both
+# paths are checked wherever CI lands. KTSERVE_TEST_VARIANTS="avx2 avx512_bf16" names other builds to check; ""
 # skips the second pass.
 #
 # A whole-suite run also runs the vllm engine's tests (`-m vllm`), in an environment of their own
@@ -66,11 +66,11 @@ variants="${KTSERVE_TEST_VARIANTS-avx2}"
 if [ "$whole_suite" = 1 ] && [ "$loaded" != none ]; then
   for variant in $variants; do
     [ "$variant" = "$loaded" ] && continue
-    echo "== kt-kernel's $variant build (this machine loads $loaded): experts, engine and LoRA tests"
+    echo "== kt-kernel's $variant build (this machine loads $loaded): experts, engine, LoRA and batch-invariance tests"
     # test_kt_expert_methods.py forces avx2 itself (and serves chat under it); the huggingface half of the LoRA
     # tests has no kt-kernel in it, nor do the V3.2 tests other than the two named
     KT_KERNEL_CPU_VARIANT="$variant" "$python" -m pytest "$@" tests/test_kt_experts_cpu.py tests/test_kt_expert_deferral.py \
-      tests/test_lora_outputs.py tests/test_guide_config.py -k "not huggingface" \
+      tests/test_lora_outputs.py tests/test_guide_config.py tests/test_batch_invariance.py -k "not huggingface" \
       tests/test_kt_deepseek_v32.py::test_prompt_logprobs_with_kt_kernel_experts_match_transformers \
       tests/test_kt_deepseek_v32.py::test_streamed_text_equals_the_whole_reply || status=$?
   done

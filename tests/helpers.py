@@ -196,6 +196,8 @@ def poisoned_request(server, poison: int) -> httpx.Response:
                                                    "max_tokens": 4})
 
 
+# the prompt the batch-invariance tests score and complete, alone and beside NEIGHBOUR_PROMPTS
+INVARIANCE_PROMPT = "The quick brown fox jumps over the lazy dog because it was bored of the meadow."
 NEIGHBOUR_PROMPTS = [f"Question: {i}+{i}=? Answer: {2 * i}. Then {i} more carts rolled into the village square, "
                      f"and the miller counted them twice. " * (1 + i % 3) for i in range(15)]
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from conftest import start_server
-from helpers import alone_and_beside, require_kt_kernel
+from helpers import INVARIANCE_PROMPT, alone_and_beside, require_kt_kernel
 
 require_kt_kernel()
 
 from engines.kt.experts.cpu import RoutedExpertsCPU  # noqa: E402
 from engines.kt.experts.methods import available_methods  # noqa: E402
 
-TARGET = "The quick brown fox jumps over the lazy dog because it was bored of the meadow."
+TARGET = INVARIANCE_PROMPT
 
 
 @pytest.fixture(scope="module")

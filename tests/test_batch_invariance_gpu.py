@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from conftest import start_server
-from helpers import alone_and_beside
+from helpers import INVARIANCE_PROMPT, alone_and_beside
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-TARGET = "The quick brown fox jumps over the lazy dog because it was bored of the meadow."
+TARGET = INVARIANCE_PROMPT
 
 
 @pytest.fixture(scope="module")
