@@ -176,6 +176,7 @@ def load_v4_runner(model_dir: Path, max_concurrent: int = 2):
     from transformers import AutoConfig
 
     from engines.kt.engine import RULES_DIR
+    from engines.kt.build import load_model
     from engines.kt.families import family_for
     from engines.kt.families.base import LoadContext
     from engines.kt.options import KTOptions
@@ -186,7 +187,7 @@ def load_v4_runner(model_dir: Path, max_concurrent: int = 2):
     context = LoadContext(model_path=model_dir, config=config, rule_file=rule_file, rules=load_rules(rule_file),
                           max_model_len=1024, max_concurrent=max_concurrent, chunk_size=256, dtype_setting="auto",
                           options=KTOptions(cpu_infer=1))
-    return family_for(config).load(context).runner
+    return load_model(family_for(config), context).runner
 
 
 def runner_sequence(token_ids: list[int], adapter: str | None = None) -> SimpleNamespace:

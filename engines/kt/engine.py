@@ -2,7 +2,8 @@
 else where the placement rules put it, usually one GPU. Every model loads through its family
 (engines/kt/families/: deepseek_mla/ for V2/V3, whose load path V3.2's deepseek_v32/ reuses; deepseek_v4/), found
 through the registry (engines/kt/families/__init__.py) and never imported here; this module chooses the config,
-family and rule file, and is the engine (engines/kt/build.py: what the families' loads share).
+family and rule file, loads the model through the one pipeline every family shares (engines/kt/build.py), and is
+the engine.
 
 Choosing a rule file: `kt_optimize_rule` when given (a path; a file name, or a path that does not exist,
 is looked up by file name in kt_optimize_rules/); otherwise the CPU-only file on a machine without CUDA,
@@ -23,6 +24,7 @@ import torch
 from engines.base import EngineConfig, ModelInfo, engine_options
 from engines.checkpoints.formats import open_source
 from engines.checkpoints.source import SafetensorsSource
+from engines.kt.build import load_model
 from engines.kt.families import ARCHITECTURES, FAMILIES, family_architectures, family_for, family_for_architecture
 from engines.kt.families.base import LoadContext, ModelFamily
 from engines.kt.options import KTOptions
@@ -133,7 +135,7 @@ class KTEngine(LLMEngine):
                               dtype_setting=cfg.dtype, options=kt,
                               fold=_fold_devices(rules, rule_file, kt.kt_strict_placement),
                               speculative=engine_options(SpeculativeOptions, cfg.settings), source=source)
-        loaded = family.load(context)
+        loaded = load_model(family, context)
         loaded.runner.batch_invariance = check_policy(kt.batch_invariant)
         if cfg.chunk_size is None:
             cfg.chunk_size = loaded.chunk_size

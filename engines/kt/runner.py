@@ -19,7 +19,6 @@ from engines.kt.experts import deferral as expert_deferral
 from engines.kt.drafting import DraftHead, Drafter
 from engines.kt.experts.deferral import ExpertDeferral
 from engines.kt.experts.protocol import RoutedExperts
-from engines.kt.placement.operators import MoEWithCPUExperts
 from engines.kt.step_timing import StepTimer
 from engines.lora.install import LoraModules
 from engines.lora.modules import AdapterRows
@@ -416,7 +415,3 @@ def device_scope(device: torch.device):
 def layer_devices(model: nn.Module) -> list[torch.device]:
     """Where each decoder layer computes: the device of its attention's output projection."""
     return [layer.self_attn.o_proj.weight.device for layer in model.model.layers]
-
-
-def uses_cpu_experts(model: nn.Module) -> bool:
-    return any(isinstance(m, (RoutedExperts, MoEWithCPUExperts)) for m in model.modules())

@@ -4,8 +4,8 @@ engines/kt/families/base.py says what a family provides. A family listed here lo
 the engine, runtime and server stay unaware of its internals: the engine imports no family module, only this
 registry. A checkpoint's family is the one its config.json `model_type` names in FAMILIES, else the one serving
 its architecture (ARCHITECTURES: the V2 / V3 (MLA) generation, whatever the model type, e.g. Kimi-K2's kimi_k2
-is a DeepseekV3ForCausalLM; a GGUF file's `deepseek2` checkpoints too). deepseek_mla/'s load path (`load_mla`)
-serves V3.2 as well, with V3.2's own attention and cache. What two families share sits beside them: dsml_chat.py
+is a DeepseekV3ForCausalLM; a GGUF file's `deepseek2` checkpoints too). Every family loads through the core's one
+pipeline (engines/kt/build.py) by its hooks; V3.2's are deepseek_mla/'s with V3.2's own attention and cache. What two families share sits beside them: dsml_chat.py
 (V3.2's and V4's chat format); the start-up notes on the GPU's share of the routed experts, which every family
 calls, are the core's (engines/kt/experts/notes.py).
 """

@@ -20,10 +20,17 @@ What a family provides:
 * **`expert_layout`** (`ExpertLayout`): how the checkpoint stores routed experts: which tensor names, which
   projection is gate / up / down, the stored format ("bf16", "fp8_blocks", "mxfp4") and the kt-kernel
   method that reads that format in place ("" when none does and experts are quantized on load).
-* **`load(context)`** -> `LoadedModel`: build, place, stream the weights, and return the runner — the
-  family's attention and caches live in it (or in hooks it installs in the model). The runner implements
-  `engines.runtime.model_runner.ModelRunner`: the shared scheduler hands it chunks of sequences and takes
-  logits back; it keeps each sequence's cache in `seq.runner_state` and frees it in `release`.
+* **the load's hooks**: every family loads through engines/kt/build.py's one pipeline (`load_model`), which
+  hands each hook the `Build` so far: `draft_layer(context)` (the MTP layer speculative decoding drafts with, or
+  why there is none), `checkpoint_source(context, draft_layer)`, `converted_experts(context)` (kt-kernel's
+  pre-converted experts, where the family reads them), `add_draft_layer(model, config)`, `streamed_chunk` (the
+  prompt chunk where experts stream to the GPU; None: the shared default), `load_weights(build)` (the checkpoint
+  into the placed model; returns what `/version` says of its storage), `finish_model(build)` (what is fused or
+  installed once the weights are in), `take_draft_head(build)`, `make_runner(build)` (the runner over the family's
+  caches, and the context they hold) and `finish_runner(build, runner)` (CUDA graphs, the runner's extras). The
+  runner implements `engines.runtime.model_runner.ModelRunner`: the shared scheduler hands it chunks of
+  sequences and takes logits back; it keeps each sequence's cache in `seq.runner_state` and frees it in
+  `release`. A hook adds what the engine details say of its part to `build.details`.
 * **`chat_encoder(model_path, allow_checkpoint_code)`**: a `ChatEncoder` when the family's conversation
   format is not a jinja chat template (V3.2 and V4 ship Python, `encoding/encoding_dsv32.py`,
   `encoding_dsv4.py`; engines/kt/families/dsml_chat.py), else None (the
@@ -138,8 +145,48 @@ class ModelFamily(ABC):
     @abstractmethod
     def checkpoint_name(self, name: str) -> str | None: ...
 
+    # the prompt chunk where prompt chunks stream the experts to the GPU; None: experts/notes.py's default
+    streamed_chunk: int | None = None
+
+    def draft_layer(self, context: LoadContext) -> tuple[int | None, str | None]:
+        """The index the MTP layer loads at when speculative decoding asks for it, else None and, when it asked,
+        why there is none (the runtime logs it and serves without drafting)."""
+        spec = context.speculative
+        if spec is None or spec.speculative != "mtp":
+            return None, None
+        return None, f"the {self.name} family has no multi-token-prediction draft head"
+
+    def checkpoint_source(self, context: LoadContext, draft_layer: int | None) -> Any:
+        """The checkpoint as this family reads it (the engine's `context.source` by default)."""
+        return context.source
+
+    def converted_experts(self, context: LoadContext) -> tuple[Any, str | None]:
+        """kt-kernel's pre-converted experts (kt_weight_path) where the family reads them, and the experts method
+        every layer must then run; by default none, and kt_method."""
+        return None, context.options.kt_method
+
+    def add_draft_layer(self, model: nn.Module, config: Any) -> None:
+        raise NotImplementedError(f"{type(self).__name__} names a draft layer but cannot add it")
+
     @abstractmethod
-    def load(self, context: LoadContext) -> LoadedModel: ...
+    def load_weights(self, build: Any) -> Any:
+        """Read the checkpoint into `build.model` as placed (`build.placement`, `build.dtype`); returns the
+        engines.base.CheckpointStorage `/version` reports."""
+
+    def finish_model(self, build: Any) -> None:
+        """What the family fuses or installs once the weights are in (the model is in eval mode)."""
+
+    def take_draft_head(self, build: Any) -> Any:
+        """Take the draft layer out of `build.model` as the runner's draft head."""
+        raise NotImplementedError(f"{type(self).__name__} names a draft layer but has no draft head")
+
+    @abstractmethod
+    def make_runner(self, build: Any) -> tuple[Any, int]:
+        """The runner over the family's caches (sized by `build.context`: kv_cache_tokens, max_concurrent), and the
+        context it serves: max_model_len, or less where the caches hold less."""
+
+    def finish_runner(self, build: Any, runner: Any) -> None:
+        """What needs the runner: CUDA graphs and the runner's extras (logged, and said in `build.details`)."""
 
     def chat_encoder(self, model_path: Path, allow_checkpoint_code: bool = False) -> ChatEncoder | None:
         return None

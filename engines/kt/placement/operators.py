@@ -139,3 +139,8 @@ def fuse_rms_norms(model: nn.Module, upcast: bool = False) -> int:
             setattr(parent, child, FusedRMSNorm(module.weight, eps, upcast=upcast))
             swapped += 1
     return swapped
+
+
+def uses_cpu_experts(model: nn.Module) -> bool:
+    """Whether any of the model's routed experts run on the CPU (our operators)."""
+    return any(isinstance(m, (RoutedExperts, MoEWithCPUExperts)) for m in model.modules())

@@ -1,6 +1,6 @@
 """DeepSeek-V3.2 / V3.2-Exp (`model_type: deepseek_v32`) in the KT engine: V3 plus DeepSeek Sparse Attention.
 
-V3.2 loads through V3's path (engines/kt/families/deepseek_mla/load.py: load_mla), so the checkpoint is read as any DeepSeek FP8
+V3.2 loads through V3's hooks (engines/kt/families/deepseek_mla/family.py: MLAFamily), so the checkpoint is read as any DeepSeek FP8
 release is (engines/checkpoints/source.py: FP8 blocks with `weight_scale_inv`, the indexer's `wq_b` and `wk`
 among them, dequantized on their device; the routed experts kept as FP8 blocks where the experts method reads
 them, else converted; the MTP layer skipped unless it drafts). What V3.2 adds is here and in this folder:
@@ -20,17 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from engines.kt.families.deepseek_mla.family import MLAFamily
-from engines.kt.families.deepseek_mla.load import MLAVariant, load_mla
-from engines.kt.families.base import ChatEncoder, LoadContext, LoadedModel
+from engines.kt.families.base import ChatEncoder
 from engines.kt.families.deepseek_v32.cache import IndexedLatentKVCache
 from engines.kt.families.deepseek_v32.chat import ENCODER_FILE, V32ChatFormat
 from engines.kt.families.dsml_chat import choose_encoder, install
 from engines.model_files import ships_chat_template
-
-VARIANT = MLAVariant(
-    make_cache=lambda config, **kwargs: IndexedLatentKVCache(index_dim=config.index_head_dim, **kwargs),
-    flashinfer=False)
-
 
 class DeepseekV32Family(MLAFamily):
     name = "deepseek_v32"
@@ -41,10 +35,14 @@ class DeepseekV32Family(MLAFamily):
     def default_rule_file(self, config: Any, gpus: int) -> str:
         return "DeepSeek-V3.2.yaml" if gpus else "DeepSeek-V3.2-CPU.yaml"
 
-    def load(self, context: LoadContext) -> LoadedModel:
-        loaded = load_mla(self, context, VARIANT)
-        loaded.details["index_topk"] = str(context.config.index_topk)
-        return loaded
+    dense_attention = False  # FlashInfer's paged MLA attends densely
+
+    def make_cache(self, config: Any, **kwargs: Any) -> IndexedLatentKVCache:
+        return IndexedLatentKVCache(index_dim=config.index_head_dim, **kwargs)
+
+    def make_runner(self, build: Any) -> tuple[Any, int]:
+        build.details["index_topk"] = str(build.config.index_topk)
+        return super().make_runner(build)
 
     def chat_encoder(self, model_path: Path, allow_checkpoint_code: bool = False) -> ChatEncoder | None:
         """V3.2's format, which the final release encodes in Python: its `encoding/encoding_dsv32.py` when the user

@@ -8,8 +8,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from engines.kt.families.base import ChatEncoder, ExpertLayout, LoadContext, LoadedModel, ModelFamily
+from engines.base import DEFAULT_CHUNK_SIZE, CheckpointStorage
+from engines.checkpoints.source import dtype_name
+from engines.kt.experts.mapped import MAX_TOKENS as MAPPED_MAX_TOKENS
+from engines.kt.experts.methods import sft_kernel_class
+from engines.kt.families.base import ChatEncoder, ExpertLayout, LoadContext, ModelFamily
 from engines.kt.families.deepseek_v4 import names
+from engines.kt.families.deepseek_v4.budget import CacheBudget, CacheBytes
+from engines.kt.families.deepseek_v4.chat import ENCODER_FILE, V4ChatFormat
+from engines.kt.families.deepseek_v4.hyper import install_fused_hyper_connections
+from engines.kt.families.deepseek_v4.loader import load_v4_checkpoint
+from engines.kt.families.deepseek_v4.mtp import MARKER, V4DraftHead, add_draft_block, has_mtp_layer
+from engines.kt.families.dsml_chat import choose_encoder, install
+from engines.kt.placement.operators import fuse_rms_norms
 
 log = logging.getLogger("ktserve.engine.kt")
 
@@ -36,130 +47,97 @@ class DeepseekV4Family(ModelFamily):
     def draft_names(self, name: str) -> str | None:
         return name.removeprefix("mtp.") if names.is_draft(name) else None
 
-    def load(self, context: LoadContext) -> LoadedModel:
-        from engines.kt.build import expert_methods_for, torch_thread_count
-        from engines.kt.families.deepseek_v4.hyper import install_fused_hyper_connections
-        from engines.base import DEFAULT_CHUNK_SIZE
-        from engines.kt.experts.notes import decode_reads, streamed_prefill, streaming_details
-        from engines.kt.families.deepseek_v4.loader import load_v4_checkpoint
-        from engines.kt.families.deepseek_v4.mtp import V4DraftHead, add_draft_block
-        from engines.kt.families.deepseek_v4.runner import V4ModelRunner
-        from engines.kt.placement.operators import OperatorOptions, fuse_rms_norms
-        from engines.kt.experts.decode_calls import DecodeKernelPolicy
-        from engines.kt.placement.rules import apply_placement, plan_placement
-        from engines.base import CheckpointStorage
-        from engines.checkpoints.source import dtype_name
-        from engines.model_files import resolve_dtype
+    # kt_gpu_prefill_tokens: prompt chunks stream the routed experts to the GPU from copies in host memory (the
+    # released MXFP4 bytes for the MXFP4 method), of the first experts kt_gpu_prefill_memory holds; by default where
+    # the host holds the copies, in chunks of the usual size (longer ones are not measured with V4's attention).
+    # Decode steps read a share of those copies on the GPU (kt_gpu_read_experts); without streaming, the GPU owns
+    # that share instead (kt-kernel no longer holds it), the first kt_gpu_resident_experts of them in its own
+    # memory; by default the measured balance of the two MXFP4 readers (engines/kt/experts/mapped.py)
+    streamed_chunk = DEFAULT_CHUNK_SIZE
 
-        config, kt = context.config, context.options
-        draft_layer, no_draft = _draft_layer(context)
-        model = self.build_model(config)
-        if draft_layer is not None:
-            with torch.device("meta"):
-                add_draft_block(model, config)  # placed and loaded as one more layer, then taken out
-        placement = plan_placement(model, context.rules, default_device="cpu", fold=context.fold)
-        choices = expert_methods_for(placement, kt.kt_method, context.rule_file, config,
-                                     self.expert_layout.native_method)
-        # kt_gpu_prefill_tokens: prompt chunks stream the routed experts to the GPU from copies in host memory (the
-        # released MXFP4 bytes for the MXFP4 method), of the first experts kt_gpu_prefill_memory holds; by default
-        # where the host holds the copies, in chunks of the usual size (longer ones are not measured with V4's
-        # attention)
-        gpu = placement.uses_gpu
-        prefill = streamed_prefill(kt, model, config, {c.method for c in choices.values()}, gpu, context.chunk_size,
-                                   streamed_chunk=DEFAULT_CHUNK_SIZE)
-        # decode steps read a share of those copies on the GPU (kt_gpu_read_experts); without streaming, the GPU
-        # owns that share instead (kt-kernel no longer holds it), the first kt_gpu_resident_experts of them in its
-        # own memory; by default the measured balance of the two MXFP4 readers (engines/kt/experts/mapped.py)
-        options = OperatorOptions(max_tokens=prefill.chunk_size + context.max_concurrent, cpu_threads=kt.cpu_infer,
-                                  methods={m: c.method for m, c in choices.items()},
-                                  checkpoint=str(context.model_path), gpu_prefill_tokens=prefill.tokens,
-                                  gpu_prefill_experts=prefill.experts, gpu_read_experts=kt.kt_gpu_read_experts,
-                                  gpu_resident_experts=kt.kt_gpu_resident_experts,
-                                  decode_kernel=DecodeKernelPolicy(kt.kt_decode_kernel))
-        apply_placement(model, placement, config, options)
-        dtype = resolve_dtype(context.dtype_setting, torch.device("cuda" if gpu else "cpu"))
-        _build_rotary_tables(model, config, placement.device_of_param)
-        load_v4_checkpoint(model, context.model_path, placement.device_of_param, dtype, draft_layer=draft_layer)
-        model.eval()
-        # before the MTP block leaves the model (its hc modules and norms go with it) and before the graphs capture
-        # them: the weighted norms on the GPU as torch's fused rms_norm (three kernels, not eight), scaled in float32
-        norms = fuse_rms_norms(model, upcast=True)
-        hyper = install_fused_hyper_connections(model, dtype, enabled=kt.kt_fused_hyper_connections)
-        head = V4DraftHead.take(model) if draft_layer is not None else None
-        details = {"attention_backend": "torch (transformers' DeepSeek-V4 modules)",
-                   "v4_caches": "per sequence (transformers DynamicCache)",
-                   "v4_steps": "batched: a step's rows together, attention's cached part per sequence",
-                   "hyper_connections": hyper,
-                   "rms_norms": f"{norms} on the GPU fused (torch rms_norm, float32 scale)" if norms
-                   else "transformers' (none on a GPU)"}
-        for choice in choices.values():
-            details.update(choice.describe())
-        details.update(streaming_details(options, prefill))
-        details.update(decode_reads(model, kt, options))
-        details.update(options.decode_kernel.finish())
-        cpu_experts = any(c.method for c in choices.values())
-        threads = torch_thread_count(kt.cpu_infer, gpu) if cpu_experts else None
-        methods = sorted({c.method for c in choices.values()})
+    def draft_layer(self, context: LoadContext) -> tuple[int | None, str | None]:
+        spec, config = context.speculative, context.config
+        if spec is None or spec.speculative != "mtp":
+            return None, None
+        if not has_mtp_layer(context.model_path):
+            return None, (f"{context.model_path.name} has no multi-token-prediction layer ({MARKER} is not in "
+                          "the checkpoint)")
+        return config.num_hidden_layers, None
+
+    def add_draft_layer(self, model: nn.Module, config: Any) -> None:
+        add_draft_block(model, config)
+
+    def load_weights(self, build: Any) -> CheckpointStorage:
+        """The release's FP8 projections dequantized on their device, its MXFP4 experts as kt-kernel reads them;
+        the rotary tables computed."""
+        model, dtype = build.model, build.dtype
+        _build_rotary_tables(model, build.config, build.placement.device_of_param)
+        load_v4_checkpoint(model, build.context.model_path, build.placement.device_of_param, dtype,
+                           draft_layer=build.draft_layer)
+        methods = sorted({c.method for c in build.choices.values()})
         experts = ", ".join(f"{m} in place" if m == self.expert_layout.native_method else f"{m} from MXFP4"
                             for m in methods)
-        storage = CheckpointStorage("safetensors, DeepSeek-V4 release: FP8 e4m3 in 128x128 blocks (UE8M0 scales), "
-                                    "MXFP4 routed experts",
-                                    (("experts", experts), ("the rest", f"{dtype_name(dtype)} from FP8")))
-        details["expert_lora"] = _expert_lora(methods)
-        if head is not None:
-            details["speculative"] = "mtp (mtp.0: sliding-window attention over its own cache per sequence)"
-        budget, max_len = _cache_budget(context, dtype, drafting=head is not None)
-        details["v4_cache_budget"] = (f"{budget.capacity / 2**20:.1f} MiB: {budget.positions} positions among up to "
-                                      f"{context.max_concurrent} sequences (kv_cache_tokens)")
-        runner = V4ModelRunner(model, max_len, budget, context.model_path, head=head, draft_unavailable=no_draft)
-        details["cuda_graphs"] = _capture_graphs(context, runner, gpu, drafting=head is not None,
-                                                  chunk_size=prefill.chunk_size)
-        return LoadedModel(runner=runner, details=details, torch_threads=threads, checkpoint=storage,
-                           max_model_len=max_len, chunk_size=prefill.chunk_size)
+        build.details["expert_lora"] = _expert_lora(methods)
+        return CheckpointStorage("safetensors, DeepSeek-V4 release: FP8 e4m3 in 128x128 blocks (UE8M0 scales), "
+                                 "MXFP4 routed experts",
+                                 (("experts", experts), ("the rest", f"{dtype_name(dtype)} from FP8")))
+
+    def finish_model(self, build: Any) -> None:
+        """Before the MTP block leaves the model (its hc modules and norms go with it) and before the graphs
+        capture them: the weighted norms on the GPU as torch's fused rms_norm (three kernels, not eight), scaled in
+        float32; the fused hyper-connections."""
+        norms = fuse_rms_norms(build.model, upcast=True)
+        hyper = install_fused_hyper_connections(build.model, build.dtype,
+                                                enabled=build.kt.kt_fused_hyper_connections)
+        build.details.update({
+            "attention_backend": "torch (transformers' DeepSeek-V4 modules)",
+            "v4_caches": "per sequence (transformers DynamicCache)",
+            "v4_steps": "batched: a step's rows together, attention's cached part per sequence",
+            "hyper_connections": hyper,
+            "rms_norms": f"{norms} on the GPU fused (torch rms_norm, float32 scale)" if norms
+            else "transformers' (none on a GPU)"})
+
+    def take_draft_head(self, build: Any) -> Any:
+        build.details["speculative"] = "mtp (mtp.0: sliding-window attention over its own cache per sequence)"
+        return V4DraftHead.take(build.model)
+
+    def make_runner(self, build: Any) -> tuple[Any, int]:
+        from engines.kt.families.deepseek_v4.runner import V4ModelRunner  # transformers' V4 modules
+
+        context, head = build.context, build.draft_head
+        budget, max_len = _cache_budget(context, build.dtype, drafting=head is not None)
+        build.details["v4_cache_budget"] = (f"{budget.capacity / 2**20:.1f} MiB: {budget.positions} positions among "
+                                            f"up to {context.max_concurrent} sequences (kv_cache_tokens)")
+        return V4ModelRunner(build.model, max_len, budget, context.model_path, head=head,
+                             draft_unavailable=build.no_draft), max_len
+
+    def finish_runner(self, build: Any, runner: Any) -> None:
+        build.details["cuda_graphs"] = _capture_graphs(build.context, runner, build.gpu,
+                                                       drafting=build.draft_head is not None,
+                                                       chunk_size=build.prefill.chunk_size)
 
     def chat_encoder(self, model_path: Path, allow_checkpoint_code: bool = False) -> ChatEncoder | None:
         """The release's `encoding/encoding_dsv4.py` when the user allows running the model folder's code
         (trust_remote_code), else our implementation of the same format."""
-        from engines.kt.families.deepseek_v4.chat import ENCODER_FILE, V4ChatFormat
-        from engines.kt.families.dsml_chat import choose_encoder
-
         return choose_encoder(model_path, allow_checkpoint_code, V4ChatFormat(), ENCODER_FILE, takes_effort=True)
 
     def install_chat_encoder(self, tokenizer: Any, encoder: ChatEncoder) -> None:
-        from engines.kt.families.dsml_chat import install
-
         install(tokenizer, encoder)
 
 
 def _expert_lora(methods: list[str | None]) -> str:
     """Where routed-expert LoRA runs (engines/lora/cpu_experts.py): kt-kernel's MXFP4 SFT kernel on the released
     experts where every expert layer keeps them, else torch on the LoRA'd rows."""
-    from engines.kt.experts.methods import sft_kernel_class
-
     if methods == ["MXFP4"] and sft_kernel_class("MXFP4") is not None:
         return "kt-kernel MXFP4_SFT_MOE on the LoRA'd rows, base experts as released"
     return "torch on the LoRA'd rows, base experts in bf16"
 
 
-def _draft_layer(context: LoadContext) -> tuple[int | None, str | None]:
-    """The index the MTP layer loads at when speculative decoding asks for it, else None and, when it asked, why
-    there is none (the runtime logs it and serves without drafting)."""
-    from engines.kt.families.deepseek_v4.mtp import MARKER, has_mtp_layer
-
-    spec, config = context.speculative, context.config
-    if spec is None or spec.speculative != "mtp":
-        return None, None
-    if not has_mtp_layer(context.model_path):
-        return None, (f"{context.model_path.name} has no multi-token-prediction layer ({MARKER} is not in the "
-                      "checkpoint)")
-    return config.num_hidden_layers, None
-
-
 def _capture_graphs(context: LoadContext, runner: Any, gpu: bool, drafting: bool, chunk_size: int) -> str:
     """Capture the row-wise segments of V4 steps in CUDA graphs where they can be (graphs.py); what the engine
     details say of it."""
-    from engines.kt.experts.mapped import MAX_TOKENS as MAPPED_MAX_TOKENS
-    from engines.kt.families.deepseek_v4.graphs import step_graphs
+    from engines.kt.families.deepseek_v4.graphs import step_graphs  # transformers' V4 modules
+
 
     if not context.options.kt_use_cuda_graph:
         return "none: kt_use_cuda_graph is off"
@@ -179,8 +157,6 @@ def _cache_budget(context: LoadContext, dtype: torch.dtype, drafting: bool) -> t
     """The bytes V4's caches may hold, sized as the V3 runner sizes its KV pool (kv_cache_tokens positions among
     max_concurrent sequences), and the context served: no longer than those positions, nor than one sequence's
     caches reach within the bytes."""
-    from engines.kt.families.deepseek_v4.budget import CacheBudget, CacheBytes
-
     positions, max_len = context.kv_cache_tokens(), context.max_model_len
     budget = CacheBudget.sized(CacheBytes.of(context.config, dtype, draft_head=drafting), positions, max_len,
                                context.max_concurrent)
