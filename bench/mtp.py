@@ -82,7 +82,7 @@ def mtp_variant(model_dir: Path, config: dict, kind: str) -> Path:
                 layer[name] = (torch.randn(shape, generator=gen) * std).to(torch.bfloat16)
         layer[f"model.layers.{n}.eh_proj.weight"] = (torch.randn(hidden, 2 * hidden, generator=gen)
                                                     / (2 * hidden) ** 0.5).to(torch.bfloat16)
-    # the copies of the embedding and LM head serving never reads (engines/kt/mtp.py): left out to save disk
+    # the copies of the embedding and LM head serving never reads (engines/kt/families/deepseek_mla/mtp.py): left out to save disk
     layer = {name: t.contiguous() for name, t in layer.items() if not name.endswith(("embed_tokens.weight",
                                                                                       "shared_head.head.weight"))}
     return _add_shard(out, index, layer, {**config, "num_nextn_predict_layers": 1})

@@ -6,7 +6,7 @@ the last of its `length` positions.
 `expand`        the cached latents times kv_b (both backends' torch part for prefill: torch only)
 `sdpa_mask`     scaled_dot_product_attention on [heads, n, d] tensors with a [n, length] boolean causal mask
                 (what the torch backend did before: the unfused math kernel)
-`sdpa_causal`   engines.kt.attention.mla.causal_sdpa, what the torch backend does now: float32 like the math
+`sdpa_causal`   engines.kt.families.deepseek_mla.attention.causal_sdpa, what the torch backend does now: float32 like the math
                 kernel, but 4-d tensors and a lower-right causal bias, so the fused kernels run it; on the
                 CPU the values are padded to the key width (its flash kernel wants one head width)
 `sdpa_causal_padded`  causal_sdpa's float32 call with the values padded on any device (on the GPU what
@@ -55,7 +55,7 @@ def _time(fn: Callable[[], object], device: torch.device, repeats: int) -> float
 def measure(n: int, length: int, device: torch.device, repeats: int) -> dict:
     from torch.nn.attention.bias import causal_lower_right
 
-    from engines.kt.attention.mla import causal_sdpa
+    from engines.kt.families.deepseek_mla.attention import causal_sdpa
 
     g = torch.Generator(device="cpu").manual_seed(0)
 
@@ -96,7 +96,7 @@ def measure(n: int, length: int, device: torch.device, repeats: int) -> dict:
 
 def _flashinfer(n, length, latent, k_pe, q_nope, kv_b, q_pe, device, repeats) -> float | str:
     try:
-        from engines.kt.attention.flashinfer_mla import FlashInferMLA, MLAShape
+        from engines.kt.families.deepseek_mla.flashinfer import FlashInferMLA, MLAShape
         flash = FlashInferMLA(MLAShape(HEADS, LATENT, ROPE, BLOCK, SCALE, torch.bfloat16, torch.bfloat16))
         paged = flash.eager(device)
     except ImportError as exc:

@@ -226,7 +226,7 @@ def mtp_layer_tensors(config: dict, weights: dict[str, torch.Tensor], seed: int 
     (`weights`: the main model's tensors). The decoder layer and eh_proj are drawn from `seed`; with
     `copy_last_layer` the decoder layer is a copy of the model's last one and eh_proj passes the embedding of the
     next token through, so the draft follows the model's own path closely and is accepted far more often than a
-    random one (engines/kt/mtp.py says how the layer computes)."""
+    random one (engines/kt/families/deepseek_mla/mtp.py says how the layer computes)."""
     gen = torch.Generator().manual_seed(seed)
     normal, linear = _draws(gen)
     hidden, index = config["hidden_size"], config["num_hidden_layers"]

@@ -4,7 +4,7 @@ behind. The files are parsed with `ast`, never imported. What counts as naming c
 - a dotted name under a project package (`engines.kt.experts.methods.matrix_tokens`, `python -m bench.run`): its
   longest prefix that is a module file or package must exist, and the rest must be defined there, unless the code
   itself spells the whole name as a string it resolves (a rule file's class name in the alias table);
-- a repository path (`engines/kt/runner.py`, `bench/results/<folder>/`, `kt_optimize_rules/DeepSeek-V3.yaml`):
+- a repository path (`engines/kt/families/deepseek_mla/runner.py`, `bench/results/<folder>/`, `kt_optimize_rules/DeepSeek-V3.yaml`):
   the file or folder must exist (not a pattern, `isolation-*/` or `{a,b}`, nor a path at a commit, `d1964e9:path`);
 - a backticked name beside a Python file (`` `engines/kt/experts/methods.py`, `LLAMAFILE_IN_PLACE` ``, `` `name` in
   `file.py` ``, `` `file.py`'s `name` ``, `` `file.py: name` ``): the file, taken from the repository root or as

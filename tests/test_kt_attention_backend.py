@@ -51,14 +51,14 @@ def test_an_unknown_attention_backend_names_the_key():
 
 
 def test_auto_chooses_torch_without_a_gpu_and_says_why():
-    from engines.kt.attention.flashinfer_mla import choose_backend
+    from engines.kt.families.deepseek_mla.flashinfer import choose_backend
 
     backend, why = choose_backend("auto", [torch.device("cpu")], 512, 64)
     assert backend == "torch" and "CPU" in why
 
 
 def test_flashinfer_asked_for_where_it_cannot_run_is_an_error_naming_the_key():
-    from engines.kt.attention.flashinfer_mla import choose_backend
+    from engines.kt.families.deepseek_mla.flashinfer import choose_backend
 
     with pytest.raises(ValueError, match="attention_backend: flashinfer cannot run here"):
         choose_backend("flashinfer", [torch.device("cpu")], 512, 64)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.kt.attention.kv_cache import BlockTable, LatentKVCache
+from engines.kt.families.deepseek_mla.kv_cache import BlockTable, LatentKVCache
 
 PAGE = 4
 

@@ -1,4 +1,4 @@
-"""engines.kt.attention.mla.causal_sdpa, the torch backend's attention over a prompt chunk: the last n of L
+"""engines.kt.families.deepseek_mla.attention.causal_sdpa, the torch backend's attention over a prompt chunk: the last n of L
 positions attend over all L causally, in float32 like torch's math kernel, through the fused kernels."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engines.kt.attention.mla import causal_sdpa
+from engines.kt.families.deepseek_mla.attention import causal_sdpa
 
 HEADS, QK, V = 4, 48, 32  # the demo model's MLA: nope 32 + rope 16, values 32
 

@@ -321,7 +321,7 @@ def test_the_start_up_log_says_what_a_chunk_of_streamed_experts_copies(caplog):
 
 
 def test_decode_graphs_stop_below_the_batch_that_streams_its_experts():
-    from engines.kt.runner import graph_max_batch
+    from engines.kt.families.deepseek_mla.runner import graph_max_batch
 
     assert graph_max_batch(32, 0) == 32  # streaming off: every batch replays a graph
     assert graph_max_batch(32, 128) == 32  # no decode step is that large

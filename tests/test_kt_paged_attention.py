@@ -64,7 +64,7 @@ def runner(demo_model_dir, tmp_path_factory, reference_model):
 @pytest.fixture
 def flash(runner, monkeypatch):
     """FlashInfer attention for the runner's model, with the reference kernel installed as FlashInfer."""
-    from engines.kt.attention.flashinfer_mla import FlashInferMLA, MLAShape
+    from engines.kt.families.deepseek_mla.flashinfer import FlashInferMLA, MLAShape
 
     package, mla = types.ModuleType("flashinfer"), types.ModuleType("flashinfer.mla")
     mla.BatchMLAPagedAttentionWrapper = ReferenceMLAWrapper
@@ -79,7 +79,7 @@ def flash(runner, monkeypatch):
 @pytest.fixture
 def tables(runner):
     """Three sequences' cache pages, room for 200 positions each, released afterwards."""
-    from engines.kt.attention.kv_cache import BlockTable
+    from engines.kt.families.deepseek_mla.kv_cache import BlockTable
 
     made = [BlockTable() for _ in range(3)]
     for table in made:
@@ -118,7 +118,7 @@ def test_a_mixed_step_attends_through_the_paged_kernel_as_through_torch(runner, 
 
 
 def test_a_decode_step_attends_through_the_paged_kernel_as_through_torch(runner, flash, tables):
-    from engines.kt.attention.mla import DecodeBatch
+    from engines.kt.families.deepseek_mla.attention import DecodeBatch
 
     attend(runner, None, [(t, 0, length, None) for t, length in zip(tables, (5, 70, 150))], hidden(225, 2))
     lengths = [6, 71, 151]

@@ -29,6 +29,7 @@ from engines.kt.experts.cpuinfer import physical_cores, resolve_thread_count
 from engines.kt.experts.decode_calls import DecodeKernelPolicy
 from engines.kt.experts.methods import (DEFAULT_METHOD, ExpertShape, choose_gguf_method, choose_method, cpu_variant,
                                        default_method, normalize_method)
+from engines.kt.layers import attention_devices
 from engines.kt.experts.notes import StreamedPrefill, decode_reads, streamed_prefill, streaming_details
 from engines.kt.families.base import LoadContext, LoadedModel, ModelFamily
 from engines.kt.placement.aliases import EXPERT_OPERATORS
@@ -129,11 +130,6 @@ def load_model(family: ModelFamily, context: LoadContext) -> LoadedModel:
     details.update(b.options.decode_kernel.finish())
     return LoadedModel(runner, details=details, torch_threads=threads, checkpoint=checkpoint,
                        max_model_len=max_len, chunk_size=b.prefill.chunk_size)
-
-
-def attention_devices(model: torch.nn.Module) -> list[torch.device]:
-    """Where each decoder layer's attention computes (transformers' `model.model.layers[i].self_attn`)."""
-    return [next(layer.self_attn.parameters()).device for layer in model.model.layers]
 
 
 def expert_methods_for(placement: Any, explicit: str | None, rule_file: Path, config: Any,

@@ -1,7 +1,7 @@
 """The KT runner's half of speculative decoding: a model family's draft head run over the positions each step
 computed, and the tokens it proposes (engines/runtime/speculative.py has the family-agnostic half).
 
-A family provides the head (`DraftHead`; DeepSeek-V3's MTP layer: engines/kt/mtp.py). The head computes, at
+A family provides the head (`DraftHead`; DeepSeek-V3's MTP layer: engines/kt/families/deepseek_mla/mtp.py). The head computes, at
 position i, from the main model's final hidden state h_i and the token t_{i+1} that follows it, its own state
 there — writing its KV cache at i — and from that the logits of t_{i+2}. So it can only run at a position once
 t_{i+1} is known: the `Drafter` keeps the final hidden states a step computed for each sequence until the
@@ -16,14 +16,13 @@ from typing import Any, Protocol
 
 import torch
 
-from engines.kt.attention.mla import StepBatch
 from engines.runtime.sequence import Sequence
 
 
 class DraftHead(Protocol):
     layer: int  # its layer of the latent KV cache
 
-    def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, batch: Any) -> torch.Tensor:
         """The head's states at the batch's positions [T, H] from the main model's final hidden states there (or
         the head's own from the position before) [T, H] and the token after each position [T]."""
 
@@ -34,7 +33,7 @@ class DraftHead(Protocol):
 class Drafter:
     def __init__(self, head: DraftHead, runner: Any):
         self.head = head
-        self.runner = runner  # engines.kt.runner.KTModelRunner: draft_batch()
+        self.runner = runner  # engines.kt.families.deepseek_mla.runner.KTModelRunner: draft_batch()
         self._hidden: dict[str, tuple[int, torch.Tensor]] = {}  # seq id -> (first position, final hidden states)
 
     def keep(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:

@@ -3,7 +3,7 @@ all in one step, and every proposal it would have produced itself is kept.
 
 The logic here knows no model family. A runner that can draft (`ModelRunner.drafts`) proposes tokens with
 `propose()` after each step, from what the step computed (DeepSeek's multi-token-prediction layer in the KT
-engine: engines/kt/drafting.py and engines/kt/mtp.py). The next step feeds a drafted sequence's last token and
+engine: engines/kt/drafting.py and engines/kt/families/deepseek_mla/mtp.py). The next step feeds a drafted sequence's last token and
 its draft (`ScheduledChunk.draft`) and gets logits at each of those positions; `Speculator.pick` then keeps the
 longest run of the draft that verification accepts plus one token of the model's own, so a step yields 1 to
 depth + 1 tokens. Positions of rejected draft tokens hold KV that no sequence counts as computed: the next step

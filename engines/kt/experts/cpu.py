@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.checkpoints import mxfp4
-from engines.kt.attention.mla import layer_index
 from engines.kt.experts.cpuinfer import check_thread_count, load_ext, shared_cpu_infer
 from engines.kt.experts.cache import LayerCache
+from engines.kt.layers import layer_index
 from engines.kt.experts.decode_calls import DecodeCalls, DecodeKernelPolicy
 from engines.kt.experts.deferral import Deferred, ExpertDeferral, check_deferred, split_deferred
 from engines.kt.experts.host_copies import HostExperts, copy_bits

@@ -29,7 +29,8 @@ OPERATORS = frozenset({MLA_ATTENTION, INDEXED_MLA_ATTENTION, MOE_WITH_CPU_EXPERT
 EXPERT_OPERATORS = frozenset({MOE_WITH_CPU_EXPERTS, ROUTED_EXPERTS_CPU})
 # operators a family implements, by the name rule files give them -> where the class lives (the others live in
 # engines/kt/placement/operators.py, as named): placement imports no family
-OPERATOR_CLASSES = {INDEXED_MLA_ATTENTION: "engines.kt.families.deepseek_v32.attention.IndexedMLAAttention"}
+OPERATOR_CLASSES = {MLA_ATTENTION: "engines.kt.families.deepseek_mla.attention.MLAAttention",
+                    INDEXED_MLA_ATTENTION: "engines.kt.families.deepseek_v32.attention.IndexedMLAAttention"}
 
 # kt-kernel weight formats, as our operators spell them.
 METHODS = frozenset({"AMXINT8", "AMXINT4", "BF16", "LLAMAFILE", "FP8", "MXFP4"})

@@ -5,10 +5,11 @@ Each operator class has `KWARGS` (what a rule may pass) and `from_module(module,
 **kwargs)`, which builds it from the module it replaces (on the meta device; weights arrive later from the
 loader). Engine-wide settings reach operators only through `OperatorOptions`, passed explicitly at injection.
 
-* `MLAAttention`       multi-head latent attention over the paged latent cache (engines/kt/attention/mla.py).
+* `MLAAttention`       multi-head latent attention over the paged latent cache: V2 / V3's own
+                       (engines/kt/families/deepseek_mla/attention.py), which rules name here and the alias table
+                       (aliases.py: OPERATOR_CLASSES) finds there.
 * `IndexedMLAAttention` MLA with DeepSeek-V3.2's lightning indexer choosing the positions each query attends
-                       to: V3.2's own (engines/kt/families/deepseek_v32/attention.py), which rules name here and
-                       the alias table (aliases.py: OPERATOR_CLASSES) finds there.
+                       to: V3.2's own (engines/kt/families/deepseek_v32/attention.py), named and found the same way.
 * `MoEWithCPUExperts`  router and shared experts on `device`, routed experts in kt-kernel on the CPU;
                        the CPU work runs while the shared experts run on the GPU.
 * `RoutedExpertsCPU`   only the routed experts (the transformers MoE block around it stays);
@@ -24,7 +25,6 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from engines.kt.attention.mla import DecodeBatch, MLAAttention, Span, StepBatch, layer_index
 from engines.kt.experts.deferral import ExpertDeferral
 from engines.kt.experts.decode_calls import DecodeKernelPolicy
 from engines.kt.experts.methods import DEFAULT_METHOD, normalize_method
@@ -32,8 +32,8 @@ from engines.kt.experts.streaming import ExpertStreamers
 from engines.kt.experts.protocol import RoutedExperts
 from engines.kt.experts.cpu import RoutedExpertsCPU, SharedStaging
 
-__all__ = ["DecodeBatch", "FusedRMSNorm", "MLAAttention", "MoEWithCPUExperts", "OperatorOptions", "RoutedExpertsCPU",
-           "Span", "StepBatch", "fuse_rms_norms", "layer_index"]
+__all__ = ["FusedRMSNorm", "MoEWithCPUExperts", "OperatorOptions", "RoutedExpertsCPU", "fuse_rms_norms",
+           "uses_cpu_experts"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import yaml
@@ -87,6 +88,12 @@ def import_dotted(path: str) -> object:
             obj = getattr(obj, attr)
         return obj
     raise ImportError(f"cannot import {path!r}")
+
+
+def resolve_operator(name: str) -> object:
+    """The operator class a rule names: a family's through the alias table (aliases.py: OPERATOR_CLASSES), which
+    keeps placement from importing any family; the others as named."""
+    return import_dotted(OPERATOR_CLASSES.get(name, name))
 
 
 @dataclass
@@ -359,7 +366,7 @@ def plan_placement(model: nn.Module, rules: list[Rule], default_device: str = "c
 
 
 def apply_placement(model: nn.Module, placement: Placement, config, options=None,
-                    operator_resolver=import_dotted) -> None:
+                    operator_resolver: Callable[[str], object] | None = None) -> None:
     """Swap in the planned operators, each built with ``from_module(module, path, config, options, **kwargs)``
     (``options``: engines.kt.placement.operators.OperatorOptions; its defaults when None). Every operator is resolved
     and its kwargs checked against its ``KWARGS`` before the first swap, so an unknown operator or kwarg leaves
@@ -391,7 +398,7 @@ def _build(rule: Rule, cls: type, module: nn.Module, path: str, config, options,
 
 def _operator_class(rule: Rule, kwargs: dict, resolver) -> type:
     try:
-        cls = resolver(OPERATOR_CLASSES.get(rule.replace, rule.replace))
+        cls = (resolver or resolve_operator)(rule.replace)
     except (ImportError, AttributeError) as e:
         raise rule.error("replace.class", f"cannot import {rule.replace}: {e}") from None
     accepted = getattr(cls, "KWARGS", None)

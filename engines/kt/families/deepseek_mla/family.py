@@ -10,15 +10,16 @@ from typing import Any
 import torch
 
 from engines.checkpoints.source import PER_EXPERT
-from engines.kt import mtp
-from engines.kt.attention.flashinfer_mla import attention_for
-from engines.kt.attention.kv_cache import PAGE_TOKENS, LatentKVCache
+from engines.kt.families.deepseek_mla import mtp
+from engines.kt.families.deepseek_mla.flashinfer import attention_for
+from engines.kt.families.deepseek_mla.kv_cache import PAGE_TOKENS, LatentKVCache
 from engines.kt.experts.cpu import RoutedExpertsCPU
 from engines.kt.families.base import ExpertLayout, LoadContext, ModelFamily
 from engines.kt.families.deepseek_mla import load
 from engines.kt.loader import load_checkpoint
 from engines.kt.placement.operators import fuse_rms_norms, uses_cpu_experts
-from engines.kt.runner import KTModelRunner, device_scope, layer_devices
+from engines.kt.families.deepseek_mla.runner import KTModelRunner
+from engines.kt.layers import device_scope, layer_devices
 
 log = logging.getLogger("ktserve.engine.kt")
 

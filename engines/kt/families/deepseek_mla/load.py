@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from engines.kt import mtp
+from engines.kt.families.deepseek_mla import mtp
 from engines.kt.families.base import LoadContext, ModelFamily
 from engines.kt.experts.methods import normalize_method, unavailable_reason
 from engines.kt.loader import missing_tensors

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engines.kt.attention.mla import DecodeBatch, MLAAttention, Span, StepBatch, layer_index
+from engines.kt.families.deepseek_mla.attention import DecodeBatch, MLAAttention, Span, StepBatch
+from engines.kt.layers import layer_index
 
 
 class IndexedMLAAttention(MLAAttention):

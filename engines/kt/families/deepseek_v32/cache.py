@@ -2,13 +2,13 @@
 
 The indexer keys live in the same slots as the latents: one block table per sequence addresses both, so
 admission, chunked prefill, prefix sharing and release need nothing beyond what the latent cache does
-(engines/kt/attention/kv_cache.py), and a reused prefix page brings its indexer keys with it (both are functions of
+(engines/kt/families/deepseek_mla/kv_cache.py), and a reused prefix page brings its indexer keys with it (both are functions of
 the same tokens)."""
 from __future__ import annotations
 
 import torch
 
-from engines.kt.attention.kv_cache import LatentKVCache
+from engines.kt.families.deepseek_mla.kv_cache import LatentKVCache
 
 
 class IndexedLatentKVCache(LatentKVCache):

@@ -8,7 +8,7 @@ them, else converted; the MTP layer skipped unless it drafts). What V3.2 adds is
   the rule files name as engines.kt.placement.operators.IndexedMLAAttention);
 - the cache: the latent cache plus the indexer's keys in the same slots (cache.py);
 - FlashInfer's paged MLA computes dense attention, so V3.2 attends in torch;
-- its MTP layer drafts as V3's does (`speculative: mtp`, engines/kt/mtp.py): a V3.2 decoder layer with its own
+- its MTP layer drafts as V3's does (`speculative: mtp`, engines/kt/families/deepseek_mla/mtp.py): a V3.2 decoder layer with its own
   indexer, placed and loaded as one more layer, attending over its own layer of the indexed cache;
 - the conversation format, encoded in Python as the release does (chat.py; engines/kt/families/dsml_chat.py:
   what it shares with V4's);

@@ -28,7 +28,7 @@ import torch
 
 from engines.kt.experts.protocol import RoutedExperts
 from engines.kt.families.deepseek_v4.batch import Piece, V4Batch, flat_rows
-from engines.kt.runner import device_scope
+from engines.kt.layers import device_scope
 from engines.lora.modules import AdapterRows
 
 log = logging.getLogger("ktserve.engine.kt")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.kt.experts.mapped import triton_available
-from engines.kt.runner import device_scope
+from engines.kt.layers import device_scope
 
 log = logging.getLogger("ktserve.engine.kt")
 

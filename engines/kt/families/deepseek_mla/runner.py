@@ -12,9 +12,10 @@ from torch import nn
 
 from engines.base import EngineUnavailableError
 from engines.kt.experts.cpuinfer import WorkerIsolation
-from engines.kt.attention.kv_cache import BlockTable, LatentKVCache
-from engines.kt.attention.mla import DecodeBatch, MLAAttention, Span, StepBatch
-from engines.kt.cuda_graphs import DecodeGraphs
+from engines.kt.families.deepseek_mla.kv_cache import BlockTable, LatentKVCache
+from engines.kt.families.deepseek_mla.attention import DecodeBatch, MLAAttention, Span, StepBatch
+from engines.kt.families.deepseek_mla.graphs import DecodeGraphs
+from engines.kt.layers import device_scope
 from engines.kt.experts import deferral as expert_deferral
 from engines.kt.drafting import DraftHead, Drafter
 from engines.kt.experts.deferral import ExpertDeferral
@@ -43,7 +44,7 @@ class KTModelRunner(ModelRunner):
                  max_model_len: int, flash: Any = None, draft_head: DraftHead | None = None,
                  draft_unavailable: str | None = None):
         self.model = model
-        self.flash = flash  # engines.kt.attention.flashinfer_mla.FlashInferMLA when FlashInfer attends; None: torch
+        self.flash = flash  # engines.kt.families.deepseek_mla.flashinfer.FlashInferMLA when FlashInfer attends; None: torch
         self.inner = model.model
         self.layers = list(self.inner.layers)
         self.layer_devices = layer_devices
@@ -407,11 +408,3 @@ class KTModelRunner(ModelRunner):
         self.layers = []
         self.isolation.restore()
 
-
-def device_scope(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def layer_devices(model: nn.Module) -> list[torch.device]:
-    """Where each decoder layer computes: the device of its attention's output projection."""
-    return [layer.self_attn.o_proj.weight.device for layer in model.model.layers]

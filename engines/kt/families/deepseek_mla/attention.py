@@ -15,18 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from engines.kt.attention.kv_cache import LatentKVCache
+from engines.kt.families.deepseek_mla.kv_cache import LatentKVCache
+from engines.kt.layers import layer_index
 from engines.lora.modules import LoraLinear
-
-_LAYER = re.compile(r"layers\.(\d+)(\.|$)")
-
-
-def layer_index(name: str) -> int:
-    match = _LAYER.search(name)
-    if match is None:
-        raise ValueError(f"cannot tell the layer index of module {name!r}")
-    return int(match.group(1))
-
 
 # --------------------------------------------------------------------------------------- step metadata
 @dataclass(slots=True)
@@ -50,7 +41,7 @@ class StepBatch:
     positions: torch.Tensor  # [T] on the CPU
     cache: LatentKVCache
     rotary: nn.Module
-    flash: Any = None  # engines.kt.attention.flashinfer_mla.FlashInferMLA when FlashInfer attends; None: torch
+    flash: Any = None  # engines.kt.families.deepseek_mla.flashinfer.FlashInferMLA when FlashInfer attends; None: torch
     _on_device: dict[tuple[str, str], Any] = field(default_factory=dict)
 
     def on(self, device: torch.device, key: str, make: Callable[[], Any]) -> Any:
@@ -78,7 +69,7 @@ class DecodeBatch:
     mask: torch.Tensor  # [B, L] bool
     cache: LatentKVCache
     rotary: nn.Module
-    paged: Any = None  # a planned engines.kt.attention.flashinfer_mla.PagedMLA when FlashInfer attends; None: torch
+    paged: Any = None  # a planned engines.kt.families.deepseek_mla.flashinfer.PagedMLA when FlashInfer attends; None: torch
     _rope: Any = None
 
     def rope(self, x: torch.Tensor) -> Any:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.kt.attention.block_pool import BlockPool, BlockTable, extend_hashes
+from engines.kt.cache.block_pool import BlockPool, BlockTable, extend_hashes
 
 __all__ = ["BlockTable", "LatentKVCache", "PAGE_TOKENS"]
 

@@ -28,7 +28,7 @@ class DecodeGraphs:
         self.forward = forward
         self.device = device
         self.cache = cache
-        self.attention = attention  # engines.kt.attention.flashinfer_mla.FlashInferMLA, or None: torch gathers
+        self.attention = attention  # engines.kt.families.deepseek_mla.flashinfer.FlashInferMLA, or None: torch gathers
         self.batch_sizes = sorted({b for b in BATCH_BUCKETS if b < max_batch} | {max_batch})
         self.context_sizes = [1] if attention else sorted({c for c in CONTEXT_BUCKETS if c < max_len} | {max_len})
         self.max_pages = cache.blocks_for(max_len)

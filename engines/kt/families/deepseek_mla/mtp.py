@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engines.kt.attention.mla import MLAAttention, StepBatch
+from engines.kt.families.deepseek_mla.attention import MLAAttention, StepBatch
 from engines.checkpoints.source import tensor_names
 
 # the MTP layer's copies of the main model's embedding and LM head: the main model's own serve instead

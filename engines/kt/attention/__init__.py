@@ -1,1 +1,0 @@
-"""Attention and its caches: MLA over the paged latent cache, its block pool, and FlashInfer."""
