@@ -163,6 +163,7 @@ class _StreamPending:
     stream: "torch.cuda.Stream"
     gpu_part: torch.Tensor | None
     deferred: Deferred | None = None
+    ours: Any = None  # the decode kernel's StreamTask where it computes the call, else kt-kernel's task
 
 
 @dataclass(slots=True)
@@ -291,6 +292,8 @@ class RoutedExpertsCPU(nn.Module):
         # whether decode-sized calls go to our kernel (kt_decode_kernel), decided at each load; None: all kt-kernel's
         self.decode_kernel = decode_kernel
         self.decode_calls: DecodeCalls | None = None
+        # the decode kernel's stream tasks, one per buffer set and row count (captured graphs replay them)
+        self._decode_tasks: dict[tuple[int, int], tuple[_StreamBuffers, Any]] = {}
         self.lora: CPUExpertsLora | None = None  # set while an adapter with expert LoRA on this layer is in
         # where a step's time goes (engines/kt/step_timing.py): blocking calls are timed on the host, and
         # stream-ordered ones with CUDA events once the runner sets `events`
@@ -951,15 +954,19 @@ class RoutedExpertsCPU(nn.Module):
             b = self._stream_buffers(hidden.device, "main" if deferred_ids is None else f"layer{parity}")
             stream = torch.cuda.current_stream(hidden.device)
             b.x[:tokens].copy_(hidden, non_blocking=True)
-            # kt-kernel reads the token count through a pointer when the stream reaches the task, so each
+            # our decode kernel takes the call where it covers it (no deferral, no streamed share: those calls
+            # are kt-kernel's), every row as it is: no padding to kt-kernel's matrix path
+            ours = (self.decode_calls is not None and deferred_ids is None and not streamed
+                    and self.decode_calls.covers(tokens))
+            # the kernels read the token count through a pointer when the stream reaches the task, so each
             # count has its own never-changing pinned cell (captured CUDA graphs replay these pointers).
-            rows = self._kernel_tokens(tokens)
+            rows = tokens if ours else self._kernel_tokens(tokens)
             size = b.sizes.get(rows)
             if size is None:
                 size = b.sizes[rows] = torch.full((1,), rows, dtype=torch.int32, pin_memory=True)
             if self.events is not None:
                 self.events.record("submitted", stream)
-            self._stream_task(stream, b, b, size, immediate_ids, topk_weights, tokens, rows)
+            task = self._stream_task(stream, b, b, size, immediate_ids, topk_weights, tokens, rows, ours)
             deferred = None
             if deferred_ids is not None:
                 d = self._stream_buffers(hidden.device, f"deferred{parity}", with_input=False)
@@ -973,13 +980,15 @@ class RoutedExpertsCPU(nn.Module):
                 gpu_part = part if gpu_part is None else gpu_part + part
             elif mapped:  # no hot experts here (`mapped_experts`): the routing goes as it is
                 gpu_part = self.streamer.mapped.compute(self.layer_idx, hidden, topk_ids, topk_weights, mapped)
-            self._pending = _StreamPending(tokens, b, hidden.dtype, stream, gpu_part, deferred)
+            self._pending = _StreamPending(tokens, b, hidden.dtype, stream, gpu_part, deferred, task)
 
     def _stream_task(self, stream: "torch.cuda.Stream", inputs: _StreamBuffers, task: _StreamBuffers,
                      size: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, tokens: int,
-                     rows: int) -> None:
+                     rows: int, ours: bool = False) -> Any:
         """Queue on `stream`: copy the ids and weights into `task`'s buffers, then the kernel over the input
-        staged in `inputs`, writing `task.out`; `rows` (`size`'s count) >= `tokens`: padded (`matrix_tokens`)."""
+        staged in `inputs`, writing `task.out`; `rows` (`size`'s count) >= `tokens`: padded (`matrix_tokens`).
+        `ours`: our decode kernel computes it (returns its StreamTask, which the wait queues too), else kt-kernel
+        (None)."""
         task.ids[:tokens].copy_(self._without_hot_experts(topk_ids) if self.gpu_experts else topk_ids,
                                 non_blocking=True)
         task.weights[:tokens].copy_(topk_weights, non_blocking=True)
@@ -989,9 +998,18 @@ class RoutedExpertsCPU(nn.Module):
                 none = self._no_experts[topk_ids.device] = torch.full(
                     (self.chunk_tokens, self.top_k), -1, dtype=torch.int64, device=topk_ids.device)
             task.ids[tokens:rows].copy_(none[:rows - tokens], non_blocking=True)
+        if ours:
+            key = (id(task), rows)
+            made = self._decode_tasks.get(key)
+            if made is None or made[0] is not task:
+                made = self._decode_tasks[key] = (task, self.decode_calls.stream_task(
+                    size, self.top_k, inputs.x, task.ids, task.weights, task.out))
+            made[1].launch(stream.cuda_stream)
+            return made[1]
         self._pool.submit_with_cuda_stream(stream.cuda_stream, self._kernel.forward_task(
             size.data_ptr(), self.top_k, task.ids.data_ptr(), task.weights.data_ptr(), inputs.x.data_ptr(),
             task.out.data_ptr(), False))
+        return None
 
     def padded_tokens(self) -> range:
         """The token counts of a call that go padded to kt-kernel's matrix path (empty: none)."""
@@ -1016,7 +1034,10 @@ class RoutedExpertsCPU(nn.Module):
         b = pending.buffers
         if self.events is not None:
             self.events.record("waiting", pending.stream)
-        self._pool.sync_with_cuda_stream(pending.stream.cuda_stream, 0 if pending.deferred is None else 1)
+        if pending.ours is not None:
+            pending.ours.launch_wait(pending.stream.cuda_stream)
+        else:
+            self._pool.sync_with_cuda_stream(pending.stream.cuda_stream, 0 if pending.deferred is None else 1)
         if self.events is not None:
             self.events.record("done", pending.stream)
         out = self._out_device[:pending.tokens]

@@ -16,10 +16,13 @@ What the kernel takes, and from what (the weights kt-kernel was loaded from, at 
 - AMXINT8 / AMXINT4: quantized from the same bf16 weights, the kernel's way (INT8 per row; INT4 per 32 with bf16
   scales, finer than kt-kernel's per-row INT4);
 - BF16, LLAMAFILE: not covered (kt-kernel serves).
-Layers whose output goes to a GPU stay on kt-kernel (its stream-ordered path; our `StreamTask` is not yet run on a
-GPU), as do layers with hot experts, experts the GPU owns or streams, deferred experts, and layers loaded from kt-kernel's
-own files (kt_weight_path, kt-kernel's kt_weight_cache), which leave no weights the kernel reads. Rows of adapters with
-expert LoRA reach the base kernel as expert-less rows whichever kernel serves (engines/lora/cpu_experts.py).
+Layers whose output goes to a GPU queue the kernel on the CUDA stream as kt-kernel's calls are queued (cpu.py's
+stream-ordered path: `StreamTask`'s two host functions, which captured decode graphs replay); the share of a decode
+call's experts the GPU reads from their host copies (kt_gpu_read_experts) reaches the kernel as -1 ids, and prompt
+chunks that stream experts stay kt-kernel's. Layers with hot experts, experts the GPU owns (kt-kernel holds the others,
+renumbered), deferred experts, and layers loaded from kt-kernel's own files (kt_weight_path, kt-kernel's
+kt_weight_cache), which leave no weights the kernel reads, stay on kt-kernel. Rows of adapters with expert LoRA reach
+the base kernel as expert-less rows whichever kernel serves (engines/lora/cpu_experts.py).
 """
 from __future__ import annotations
 
@@ -97,6 +100,12 @@ class DecodeCalls:
     def wait(self) -> None:
         self.pool.wait()
 
+    def stream_task(self, tokens: torch.Tensor, top_k: int, x: torch.Tensor, ids: torch.Tensor,
+                    weights: torch.Tensor, out: torch.Tensor) -> Any:
+        """A call over fixed pinned buffers, started and awaited from a CUDA stream (decode_kernel.StreamTask):
+        the row count read from the int32 cell `tokens` when the stream reaches it."""
+        return self.kernel.task(self.pool, tokens, top_k, x, ids, weights, out)
+
     def describe(self) -> str:
         from engines.kt.experts import decode_kernel
 
@@ -159,10 +168,11 @@ class DecodeKernelPolicy:
             return f"the kernel does not compute {layer.method} experts"
         if layer.hidden_size % 32 or layer.intermediate_size % 32:
             return "sizes not multiples of 32"
-        gpu = [d for d in (layer.out_device, layer.gpu_device) if d is not None and d.type != "cpu"]
-        return ("the layer's output is on a GPU (kt-kernel's stream-ordered path serves)" if gpu else
-                "hot experts are kept (gpu_experts)" if layer.gpu_experts else
-                "the GPU owns or streams some of the experts" if layer.owned or layer.streamer is not None else
+        # a layer whose output is on a GPU queues the kernel on the CUDA stream (cpu.py: the stream-ordered
+        # path); where the GPU reads a share of each decode call's experts from their host copies, the kernel
+        # skips that share as kt-kernel does (its ids -1), and prompt chunks that stream experts are kt-kernel's
+        return ("hot experts are kept (gpu_experts)" if layer.gpu_experts else
+                "the GPU owns some of the experts (kt-kernel holds the others, renumbered)" if layer.owned else
                 "experts are deferred (n_deferred_experts)" if layer.deferred else None)
 
     def _charge(self, extra: int) -> str | None:
