@@ -114,7 +114,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="run the KT engine's decode without CUDA graphs (kt_use_cuda_graph off)")
     p.add_argument("--chunk-size", type=int, metavar="N",
                    help="the engines' prefill chunk size in tokens (default: the server's, 2048, or 8192 where "
-                        "prompt chunks stream the experts to the GPU)")
+                        "prompt chunks stream the experts to the GPU; 2048 for v4-flash either way)")
     p.add_argument("--gpu-prefill-tokens", type=int, metavar="N",
                    help="the KT engine's kt_gpu_prefill_tokens: prompt chunks of N tokens or more compute part of "
                         "the experts on the GPU from streamed weights; 0: off (default: the server's, on where the "
@@ -145,6 +145,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--client-top-p: {args.client_top_p} is not in (0, 1]")
     if args.http_max_tokens is not None and args.http_max_tokens < 1:
         p.error(f"--http-max-tokens: {args.http_max_tokens} is not a positive number of tokens")
+    if args.chunk_size is not None and args.chunk_size < 1:
+        p.error(f"--chunk-size: {args.chunk_size} is not a positive number of tokens")
     if args.v4_phases is not None:
         from bench.v4_flash import select_phases
 

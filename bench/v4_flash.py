@@ -589,7 +589,8 @@ def run(args: argparse.Namespace) -> dict:
     threads = args.threads or default_cpu_threads()
     engine = KTEngine(EngineConfig(model_path=str(root), model_name="bench-v4-flash", max_concurrent=max(sizes.levels),
                                    max_model_len=sizes.max_model_len(),
-                                   chunk_size=2048,
+                                   # --chunk-size N: prompt chunks of N tokens (None: the engine's default)
+                                   chunk_size=getattr(args, "chunk_size", None),
                                    settings={"kt_use_cuda_graph": getattr(args, "cuda_graph", True),
                                              **({"cpu_infer": args.threads} if args.threads else {}),
                                              # --gpu-prefill-tokens N: prompt chunks stream the experts to the GPU

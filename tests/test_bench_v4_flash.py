@@ -25,15 +25,16 @@ def test_phases_are_picked_by_name_or_group_and_run_in_the_schedules_order():
         select_phases("decode,ctx64k")
 
 
-@pytest.mark.parametrize("argv, message", [(["--v4-phases", "decode,bogus"], "--v4-phases: unknown phase(s) bogus")])
-def test_bench_run_refuses_v4_phases_it_does_not_know(argv, message, capsys):
+@pytest.mark.parametrize("argv, message", [(["--v4-phases", "decode,bogus"], "--v4-phases: unknown phase(s) bogus"),
+                                           (["--chunk-size", "0"], "--chunk-size: 0 is not a positive number")])
+def test_bench_run_refuses_v4_phases_it_does_not_know_and_chunks_of_no_tokens(argv, message, capsys):
     from bench.run import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--shape", "v4-flash", *argv])
     assert message in capsys.readouterr().err
-    args = parse_args(["--shape", "v4-flash", "--v4-phases", "cached,decode"])
-    assert args.v4_phases == ("decode", "cached")
+    args = parse_args(["--shape", "v4-flash", "--v4-phases", "cached,decode", "--chunk-size", "16384"])
+    assert args.v4_phases == ("decode", "cached") and args.chunk_size == 16384
 
 
 def test_a_prefill_is_expected_linearly_or_on_the_curve_through_the_two_longest_prompts():
