@@ -342,8 +342,11 @@ class V4Phases:
                 try:
                     self.measure(name, entry)
                 except Exception as exc:  # an engine error (e.g. out of GPU memory) fails this phase only
+                    from bench.lib.engine_runs import release_memory
+
                     tail = traceback.format_exc().strip().splitlines()[-4:]
                     entry = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}", "traceback": tail}
+                    release_memory()  # what the failed request left, for the phases after it
             entry["seconds"] = time.perf_counter() - started
             entry["expected_s"] = expected
             phases[name] = entry
