@@ -535,7 +535,8 @@ class V4Phases:
         if name.startswith("ctx"):
             c = r["contexts"][name.removeprefix("ctx")]
             return (f"{c['prompt_tokens']} tokens: TTFT {f(c['ttft_s'], '.2f')} s ({f(c['ttft_s_43_layers'], '.1f')} s "
-                    f"at 43 layers), TPOT {f(c['tpot_ms'], '.1f')} ms over {c['decoded_tokens']} tokens")
+                    f"at 43 layers), TPOT {f(c['tpot_ms'], '.1f')} ms over {c['decoded_tokens']} tokens"
+                    + (", stopped early: the budget ended" if c.get("stopped_early") else ""))
         if name == "clients":
             return ", ".join(f"{c['clients']}: {f(c['decode_tok_s_total'], '.1f')} tok/s "
                              f"(x{f(c.get('ratio_to_batch1'), '.2f')})" for c in r["clients"]) or "no level ran"
