@@ -91,6 +91,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shape", choices=sorted([*SHAPES, "v4-flash"]), default="v2-lite",
                    help="v4-flash: DeepSeek-V4-Flash's shape in its released layout (bench/v4_flash.py)")
     p.add_argument("--v4-layers", type=int, help="v4-flash: layers to build (default: as many as disk and memory hold)")
+    p.add_argument("--v4-phases", metavar="P,P",
+                   help="v4-flash: comma-separated phases to run, of: decode, ceiling, ctx1k, ctx2k, ctx8k, clients, "
+                        "ctx32k, cached, ctx128k (the order they run in), or the groups ttft (ctx2k-ctx128k), tpot "
+                        "(ctx1k, ctx8k-ctx128k), contexts (every ctx); default: all")
     p.add_argument("--only", help=f"comma-separated phases to run, of: {','.join(PHASES)} (default: all)")
     p.add_argument("--quick", action="store_true", help="fewer tokens, prompt lengths and concurrency levels")
     p.add_argument("--model-dir", type=Path, help="where the random checkpoint lives (default: "
@@ -110,7 +114,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="run the KT engine's decode without CUDA graphs (kt_use_cuda_graph off)")
     p.add_argument("--chunk-size", type=int, metavar="N",
                    help="the engines' prefill chunk size in tokens (default: the server's, 2048, or 8192 where "
-                        "prompt chunks stream the experts to the GPU)")
+                        "prompt chunks stream the experts to the GPU; 2048 for v4-flash either way)")
     p.add_argument("--gpu-prefill-tokens", type=int, metavar="N",
                    help="the KT engine's kt_gpu_prefill_tokens: prompt chunks of N tokens or more compute part of "
                         "the experts on the GPU from streamed weights; 0: off (default: the server's, on where the "
@@ -141,6 +145,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--client-top-p: {args.client_top_p} is not in (0, 1]")
     if args.http_max_tokens is not None and args.http_max_tokens < 1:
         p.error(f"--http-max-tokens: {args.http_max_tokens} is not a positive number of tokens")
+    if args.chunk_size is not None and args.chunk_size < 1:
+        p.error(f"--chunk-size: {args.chunk_size} is not a positive number of tokens")
+    if args.v4_phases is not None:
+        from bench.v4_flash import select_phases
+
+        try:
+            args.v4_phases = select_phases(args.v4_phases)
+        except ValueError as exc:
+            p.error(f"--v4-phases: {exc}")
     args.phases = PHASES if not args.only else tuple(x.strip() for x in args.only.split(",") if x.strip())
     unknown = sorted(set(args.phases) - set(PHASES))
     if unknown:

@@ -26,6 +26,7 @@ class Generation:
     submitted: float
     token_times: list[float] = field(default_factory=list)
     stopped_early: bool = False
+    cached_tokens: int = 0  # prompt tokens the engine says its prefix cache served (GenerationOutput.cached_tokens)
     stats: list[EngineStats] = field(default_factory=list)  # engine counters as each token arrived
     gc_pauses: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end, generation)
 
@@ -123,6 +124,7 @@ async def generate(engine: Engine, prompt: list[int], max_tokens: int, deadline:
     with GCPauses(run.gc_pauses):
         async for out in handle:
             now = time.perf_counter()
+            run.cached_tokens = max(run.cached_tokens, out.cached_tokens)
             if out.token_ids:
                 run.token_times.extend([now] * len(out.token_ids))
                 run.stats.extend([engine.stats()] * len(out.token_ids))
