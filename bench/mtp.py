@@ -60,7 +60,7 @@ def mtp_variant(model_dir: Path, config: dict, kind: str) -> Path:
     from safetensors import safe_open
 
     from bench.lib.checkpoint import tensor_specs
-    from engines.demo_model import mtp_layer_tensors
+    from engines.kt.families.deepseek_mla.demo_model import mtp_layer_tensors
     from engines.checkpoints.source import checkpoint_files
 
     out, index = _linked_copy(model_dir, kind)
@@ -91,13 +91,13 @@ def mtp_variant(model_dir: Path, config: dict, kind: str) -> Path:
 def v4_variant(model_dir: Path, config: dict, kind: str) -> Path:
     """A V4 checkpoint in the released layout (bench/v4_flash.py) with its MTP layer (`mtp.0.*`) of `kind`, as
     `mtp_variant` does for V3: random (experts as random packed MXFP4, as the benchmark's layers), or the last
-    layer copied with e_proj passing the next token's embedding through (engines/demo_model_v4.py:
+    layer copied with e_proj passing the next token's embedding through (engines/kt/families/deepseek_v4/demo_model.py:
     copy_last_layer_as_mtp)."""
     from safetensors import safe_open
 
     from bench.v4_flash import RandomExpertsV4
     from engines.checkpoints.source import checkpoint_files
-    from engines.demo_model_v4 import copy_last_layer_as_mtp
+    from engines.kt.families.deepseek_v4.demo_model import copy_last_layer_as_mtp
 
     out, index = _linked_copy(model_dir, kind)
     if out is None:

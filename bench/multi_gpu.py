@@ -42,7 +42,7 @@ ESTIMATES = {"build": 60, "first_load": 60, "cached_load": 30, "decode": 15, "tt
 def v3_config(layers: int, experts: int, top_k: int) -> dict:
     """DeepSeek-V3's config at its real widths, with `layers` layers (the first dense) and `experts` routed
     experts, `top_k` of them per token (one routing group)."""
-    from engines.demo_model import demo_config
+    from engines.kt.families.deepseek_mla.demo_model import demo_config
 
     return demo_config(
         vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,

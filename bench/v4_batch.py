@@ -1,7 +1,7 @@
 """`python -m bench.v4_batch`: aggregate decode speed of a small DeepSeek-V4 at 1 / 4 / 8 concurrent sequences
 on the CPU, the KT engine as the server runs it (CPU rule file: MXFP4 experts in kt-kernel, the rest in torch).
 
-The model is the demo V4 (engines/demo_model_v4.py: released layout, FP8 + UE8M0 projections, MXFP4 experts, each
+The model is the demo V4 (engines/kt/families/deepseek_v4/demo_model.py: released layout, FP8 + UE8M0 projections, MXFP4 experts, each
 attention kind) widened to a small V4 shape: hidden 1024, 64 routed experts top-6 of width 512, 16 heads of 128,
 a sliding window of 64. Written once under --model-dir (default /tmp/ktserve-bench/v4-small) and reused while its
 config matches. Each level runs its sequences concurrently, greedy, `--tokens` each after a `--prompt`-token
@@ -28,7 +28,7 @@ SMALL_V4 = dict(hidden_size=1024, moe_intermediate_size=512, num_hidden_layers=4
 
 
 def small_model(root: Path, layers: int) -> Path:
-    from engines.demo_model_v4 import make_demo_model_v4
+    from engines.kt.families.deepseek_v4.demo_model import make_demo_model_v4
 
     config = {**SMALL_V4, "num_hidden_layers": layers,
               "compress_ratios": (SMALL_V4["compress_ratios"] * layers)[:layers]}

@@ -40,7 +40,7 @@ FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4]  # 43 layers: V4-Flash's schedule (t
 
 
 def flash_config(layers: int) -> dict:
-    from engines.demo_model_v4 import demo_config_v4
+    from engines.kt.families.deepseek_v4.demo_model import demo_config_v4
 
     return demo_config_v4(hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=layers,
                           num_attention_heads=64, head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8,
@@ -75,7 +75,7 @@ class RandomExpertsV4:
     """V4Weights with the routed experts drawn as random packed bytes, written shard by shard (one per layer)."""
 
     def __init__(self, config: dict, out: Path):
-        from engines.demo_model_v4 import V4Weights
+        from engines.kt.families.deepseek_v4.demo_model import V4Weights
 
         self.config, self.out = config, out
         self.weights = V4Weights(config, seed=0)
@@ -109,12 +109,12 @@ class RandomExpertsV4:
         self.weights.out = {}
 
     def write(self) -> None:
-        from engines.demo_model import _write_json, _write_tokenizer
+        from engines.checkpoints.model_dir import write_json, write_tokenizer
 
         c, w = self.config, self.weights
         self.out.mkdir(parents=True, exist_ok=True)
-        _write_json(self.out / "config.json", c)
-        _write_tokenizer(self.out)
+        write_json(self.out / "config.json", c)
+        write_tokenizer(self.out)
         hidden, vocab = c["hidden_size"], c["vocab_size"]
         w.plain("embed.weight", w.normal(vocab, hidden, std=1.0), torch.bfloat16)
         w.plain("norm.weight", torch.ones(hidden))
@@ -124,14 +124,14 @@ class RandomExpertsV4:
         for i in range(c["num_hidden_layers"]):
             w.block(f"layers.{i}", i)
             self._flush(f"model-layer-{i:03d}.safetensors")
-        _write_json(self.out / "model.safetensors.index.json", {"metadata": {}, "weight_map": self.map})
+        write_json(self.out / "model.safetensors.index.json", {"metadata": {}, "weight_map": self.map})
 
 
 def _checkpoint(args: argparse.Namespace) -> tuple[Path, dict, float]:
     """The benchmark checkpoint (written unless one of the same config is there), its config, the seconds writing
     it took. `--quick`: the tiny demo V4's dimensions on Flash's schedule of attention kinds, 4 layers (a CPU check
     of the phases, not a measurement)."""
-    from engines.demo_model_v4 import demo_config_v4
+    from engines.kt.families.deepseek_v4.demo_model import demo_config_v4
 
     name = "v4-flash-quick" if args.quick else "v4-flash"
     root = Path(args.model_dir) if args.model_dir else Path("/tmp/ktserve-bench") / name

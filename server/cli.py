@@ -10,12 +10,12 @@ from typing import Any
 
 from pydantic.fields import FieldInfo
 
+from engines.demo_model import DEMO_ARCHS, demo_writer, ensure_demo_model, write_demo_gguf
 from server.settings import ENV_VARS, KEY_ALIASES, Settings
 
 log = logging.getLogger("ktserve")
 
 DEMO_MODEL_NAME = "ktserve-demo"
-DEMO_ARCHS = ("deepseek_v3", "deepseek_v32", "deepseek_v4")
 
 
 class _Pairs(argparse.Action):
@@ -93,8 +93,6 @@ def serve(args: argparse.Namespace) -> int:
     if settings.model:
         model_path = settings.model
     else:
-        from engines.demo_model import ensure_demo_model  # torch: only a server without a model writes the demo
-
         model_path = str(ensure_demo_model())
         settings.served_model_name = settings.served_model_name or DEMO_MODEL_NAME
         log.info("no model given: serving the built-in demo model from %s", model_path)
@@ -116,8 +114,6 @@ def serve(args: argparse.Namespace) -> int:
 
 def make_demo_model(args: argparse.Namespace) -> int:
     if args.format == "gguf":
-        from engines.demo_models import write_demo_gguf  # torch and gguf: imported by this command alone
-
         if args.mtp:
             print("ktserve: --mtp: the GGUF demo model has no multi-token-prediction layer (use --format bf16 or "
                   "fp8)", file=sys.stderr)
@@ -134,8 +130,6 @@ def make_demo_model(args: argparse.Namespace) -> int:
             return 2
         print("\n".join(map(str, files)))
         return 0
-    from engines.demo_models import demo_writer  # torch: imported by this command alone
-
     if args.arch != "deepseek_v3" and args.format != "bf16":
         print(f"--format applies to the deepseek_v3 demo; {args.arch} is written in its released layout",
               file=sys.stderr)

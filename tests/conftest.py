@@ -126,8 +126,8 @@ def demo_model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def v4_model_dir(tmp_path_factory) -> Path:
-    """A tiny random DeepSeek-V4 in the released layout (engines/demo_model_v4.py)."""
-    from engines.demo_model_v4 import make_demo_model_v4
+    """A tiny random DeepSeek-V4 in the released layout (engines/kt/families/deepseek_v4/demo_model.py)."""
+    from engines.kt.families.deepseek_v4.demo_model import make_demo_model_v4
 
     return make_demo_model_v4(tmp_path_factory.mktemp("v4") / "tiny-v4")
 

@@ -20,7 +20,7 @@ require_kt_kernel()
 
 from engines.checkpoints.fp8 import dequantize_blocks  # noqa: E402
 from engines.checkpoints.source import SafetensorsSource  # noqa: E402
-from engines.demo_model import make_demo_model  # noqa: E402
+from engines.kt.families.deepseek_mla.demo_model import make_demo_model  # noqa: E402
 from engines.kt.experts import methods as expert_methods  # noqa: E402
 from engines.kt.experts.cpu import RoutedExpertsCPU  # noqa: E402
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-import engines.demo_model as demo_model
-from engines.demo_model import (DEMO_MODEL_NAME, DEMO_SEED, default_demo_model_dir, demo_config, ensure_demo_model,
-                                make_demo_model)
+import engines.kt.families.deepseek_mla.demo_model as demo_model
+from engines.kt.families.deepseek_mla.demo_model import (DEMO_MODEL_NAME, DEMO_SEED, default_demo_model_dir, demo_config,
+                                                         ensure_demo_model, make_demo_model)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from ops_support import ServerProcess
 require_kt_kernel()
 
 from engines.checkpoints.gguf import GGUFCheckpoint  # noqa: E402
-from engines.demo_models import write_demo_gguf  # noqa: E402
+from engines.demo_model import write_demo_gguf  # noqa: E402
 
 TEXT = ("The history of the river begins in the mountains, where snow melts each spring and feeds a hundred small "
         "streams. They join in the valley, turn the old mills and slow down in the plain.")

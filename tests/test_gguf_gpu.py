@@ -22,7 +22,7 @@ GPU_MEDIAN_LOGPROB_DIFF = 0.1
 
 @pytest.fixture(scope="module")
 def gguf_on_gpu(tmp_path_factory):
-    from engines.demo_models import write_demo_gguf
+    from engines.demo_model import write_demo_gguf
 
     parts = write_demo_gguf(tmp_path_factory.mktemp("gguf-gpu"), {"experts": "Q4_K"}, split=True)
     running = start_server(parts[0], engine="ktransformers")

@@ -164,7 +164,7 @@ def test_kv_b_is_rebuilt_from_split_halves_flattened_as_ik_llama_cpp_writes_them
 
 def test_the_demo_model_s_entry_among_the_releases_is_its_config():
     from engines.checkpoints.gguf.routing import RELEASES, ROUTING_KEYS
-    from engines.demo_model import demo_config
+    from engines.kt.families.deepseek_mla.demo_model import demo_config
 
     [demo] = [r for r in RELEASES if r.name == "ktserve's demo model"]
     config = demo_config()

@@ -33,7 +33,7 @@ PREFILL_MAX_LOGPROB_DIFF = 2.5
 
 @pytest.fixture(scope="module")
 def mla_model(tmp_path_factory):
-    from engines.demo_model import make_demo_model
+    from engines.kt.families.deepseek_mla.demo_model import make_demo_model
 
     return make_demo_model(tmp_path_factory.mktemp("mla-512-64"), **MLA_SHAPE)
 

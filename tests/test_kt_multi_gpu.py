@@ -52,7 +52,7 @@ needs_four_gpus = pytest.mark.skipif(gpu_count() < 4, reason="needs 4 CUDA devic
 def demo_meta_model():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from engines.demo_model import demo_config
+    from engines.kt.families.deepseek_mla.demo_model import demo_config
 
     config = AutoConfig.for_model(**{k: v for k, v in demo_config().items() if k != "architectures"})
     with torch.device("meta"):

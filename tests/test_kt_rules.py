@@ -41,7 +41,7 @@ def v2_model(layers: int, q_lora_rank: int | None) -> nn.Module:
 
 
 def v4_model(layers: int) -> nn.Module:
-    from engines.demo_model_v4 import demo_config_v4
+    from engines.kt.families.deepseek_v4.demo_model import demo_config_v4
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     fields = {k: v for k, v in demo_config_v4(num_hidden_layers=layers, vocab_size=1024,

@@ -147,7 +147,7 @@ def test_v4_drafting_on_the_gpu_gives_the_replies_without_it(v4_gpu, tmp_path_fa
     """`speculative: mtp` with the MTP layer a copy of the last layer (its main weights are the plain demo's):
     greedy replies equal the non-drafting server's, alone and three at once (the draft and check rows share the
     batched step; rejected drafts go back through the sequence cache's mark)."""
-    from engines.demo_model_v4 import make_demo_model_v4
+    from engines.kt.families.deepseek_v4.demo_model import make_demo_model_v4
     from engines.kt.families.deepseek_v4.hyper import is_fused
     from helpers import completions_together
 

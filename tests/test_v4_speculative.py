@@ -1,5 +1,5 @@
 """Speculative decoding with DeepSeek-V4's multi-token-prediction layer (`speculative: mtp`): the tiny V4 in the
-released layout, its MTP layer a copy of the last layer (engines/demo_model_v4.py: its drafts are accepted often
+released layout, its MTP layer a copy of the last layer (engines/kt/families/deepseek_v4/demo_model.py: its drafts are accepted often
 enough for both paths, a step keeping its draft and one taking rejected positions back out of the V4 cache), its
 main weights the same as the plain V4 server's, whose replies it must give. The first prompt runs past position
 128 while decoding, where the heavily compressed layer closes its first window."""
@@ -21,7 +21,7 @@ TOKENS = 12
 
 @pytest.fixture(scope="module")
 def drafting(tmp_path_factory):
-    from engines.demo_model_v4 import make_demo_model_v4
+    from engines.kt.families.deepseek_v4.demo_model import make_demo_model_v4
 
     model = make_demo_model_v4(tmp_path_factory.mktemp("v4-mtp") / "tiny-v4-mtp", mtp="last-layer")
     running = start_server(model, engine="ktransformers", cpu_infer=1, speculative="mtp",
@@ -79,7 +79,7 @@ def test_v4_metrics_report_drafted_and_accepted_tokens(drafting):
 
 
 def test_v4_checkpoint_without_an_mtp_layer_says_so_and_serves(tmp_path_factory, caplog):
-    from engines.demo_model_v4 import make_demo_model_v4
+    from engines.kt.families.deepseek_v4.demo_model import make_demo_model_v4
 
     model = make_demo_model_v4(tmp_path_factory.mktemp("v4-no-mtp") / "tiny-v4-no-mtp", mtp=None)
     with caplog.at_level(logging.WARNING, logger="ktserve.engine"):

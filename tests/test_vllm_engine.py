@@ -27,7 +27,7 @@ LOGPROB_TOLERANCE = 1e-3
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from engines.demo_model import make_demo_model
+    from engines.kt.families.deepseek_mla.demo_model import make_demo_model
 
     return make_demo_model(tmp_path_factory.mktemp("vllm-demo"), kv_lora_rank=512, qk_rope_head_dim=64)
 

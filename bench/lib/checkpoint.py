@@ -22,6 +22,8 @@ from typing import Iterator
 
 import torch
 
+from engines.checkpoints.model_dir import write_json, write_tokenizer
+
 BUILDER_VERSION = 1
 MARKER = "bench-model.json"
 _SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
@@ -206,26 +208,21 @@ def build_checkpoint(out: Path, config: dict, *, shard_bytes: int, writers: int 
             f.result()
     weight_map = {tensor: name for name, specs in zip(names, shards) for spec in specs
                   for tensor in (spec[0], spec[0] + "_scale_inv")[:2 if spec[2] == "fp8" else 1]}
-    _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
-    _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", {"bos_token_id": config["bos_token_id"],
+    write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    write_json(out / "config.json", config)
+    write_json(out / "generation_config.json", {"bos_token_id": config["bos_token_id"],
                                                  "eos_token_id": config["eos_token_id"]})
-    from engines.demo_model import _write_tokenizer  # the demo model's tokenizer files, written one way
 
-    _write_tokenizer(out)
+    write_tokenizer(out)
     elapsed = time.perf_counter() - started
     write_wall = max(e for _, e in write_spans) - min(s for s, _ in write_spans)
     cost = {"params": params, "bytes": total, "shards": len(shards), "init_device": str(dev), "writers": writers,
             "build_s": elapsed, "draw_s": draw_s, "to_host_s": copy_s, "write_wall_s": write_wall,
             "write_GBps": total / write_wall / 1e9, "fingerprint": _fingerprint(config)}
-    _write_json(out / MARKER, cost)
+    write_json(out / MARKER, cost)
     # Flush the dirty pages now: their writeback otherwise runs during the first measurements and competes
     # with the CPU experts for memory bandwidth (seen on the H200 box: decode ran at half speed for a minute).
     flush_started = time.perf_counter()
     os.sync()
     cost["flush_s"] = time.perf_counter() - flush_started
     return cost
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")

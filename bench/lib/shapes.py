@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 
-from engines.demo_model import FP8_QUANTIZATION
+from engines.checkpoints.model_dir import FP8_QUANTIZATION
 
 V2_LITE_CONFIG = {
     "architectures": ["DeepseekV2ForCausalLM"],

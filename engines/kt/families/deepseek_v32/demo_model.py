@@ -23,8 +23,10 @@ from pathlib import Path
 
 import torch
 
-from engines.demo_model import (DEMO_SEED, _draws, _layer_weights, _random_weights, demo_config, fp8_release,
-                                mtp_layer_tensors, write_model_dir)
+from engines.checkpoints.model_dir import fp8_release, write_model_dir
+from engines.demo_model import DEMO_SEED
+from engines.kt.families.deepseek_mla.demo_model import (_draws, _layer_weights, _random_weights, demo_config,
+                                                         mtp_layer_tensors)
 
 INDEX_TOPK = 64
 # projections DeepSeek ships in FP8 (the last name component before `.weight`)

@@ -20,7 +20,8 @@ import torch
 
 from engines.checkpoints import mxfp4
 from engines.checkpoints.fp8 import quantize_blocks
-from engines.demo_model import DEMO_SEED, write_model_dir
+from engines.checkpoints.model_dir import write_model_dir
+from engines.demo_model import DEMO_SEED
 from engines.kt.families.deepseek_v4.names import draft_layer_name
 
 # Gains as in the V3 demo (engines/demo_model.py explains them): sublayers add a fraction of the stream.
