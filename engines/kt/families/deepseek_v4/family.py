@@ -111,7 +111,9 @@ class DeepseekV4Family(ModelFamily):
         budget, max_len = _cache_budget(context, dtype, drafting=head is not None)
         details["v4_cache_budget"] = (f"{budget.capacity / 2**20:.1f} MiB: {budget.positions} positions among up to "
                                       f"{context.max_concurrent} sequences (kv_cache_tokens)")
-        runner = V4ModelRunner(model, max_len, budget, context.model_path, head=head, draft_unavailable=no_draft)
+        runner = V4ModelRunner(model, max_len, budget, context.model_path, head=head, draft_unavailable=no_draft,
+                               prefix_cache=kt.prefix_cache)
+        details["v4_prefix_cache"] = _prefix_cache_state(kt.prefix_cache, drafting=head is not None)
         details["cuda_graphs"] = _capture_graphs(context, runner, gpu, drafting=head is not None,
                                                   chunk_size=prefill.chunk_size)
         return LoadedModel(runner=runner, details=details, torch_threads=threads, checkpoint=storage,
@@ -139,6 +141,18 @@ def _expert_lora(methods: list[str | None]) -> str:
     if methods == ["MXFP4"] and sft_kernel_class("MXFP4") is not None:
         return "kt-kernel MXFP4_SFT_MOE on the LoRA'd rows, base experts as released"
     return "torch on the LoRA'd rows, base experts in bf16"
+
+
+def _prefix_cache_state(enabled: bool, drafting: bool) -> str:
+    """What /version's details say of V4's prefix cache (prefixes.py)."""
+    from engines.kt.families.deepseek_v4.prefixes import PAGE
+
+    if not enabled:
+        return "off: prefix_cache is off"
+    if drafting:
+        return "off: the MTP head drafts (its own caches are not kept with a prefix)"
+    return (f"on: whole cache states at {PAGE}-position page boundaries (a prompt's last one and the end of what it "
+            "shares with a prompt seen before), within the cache budget, least recently used dropped first")
 
 
 def _draft_layer(context: LoadContext) -> tuple[int | None, str | None]:
