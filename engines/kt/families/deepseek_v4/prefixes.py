@@ -10,17 +10,19 @@ chain hash of its 128-token pages (the V2/V3 pool's hashing, engines/kt/attentio
 covers the tokens before it and the adapter), so a state is found only for the very tokens and adapter it holds.
 
 Which boundaries a prompt keeps, and why not every one: each state costs its sliding windows whatever its length
-(127 keys a layer: ~5.6 MB for V4-Flash in bf16) plus its entries (~6.7 KB a position), and states of one prompt
-share no memory once the sequence grows (the layers replace their tensors), so keeping every boundary would cost a
-long prompt far more than its own cache. A prompt keeps (`PrefixPlan.cuts`):
-- its **last** boundary before its last token: a repeated prompt, the other choices of an `n` > 1 request, the next
-  turn of a chat (whose prompt starts with this one's) start there;
+(127 keys a layer and the CSA overlap slices: ~6.2 MB for V4-Flash in bf16, by budget.py's `CacheBytes`) plus its
+entries (~6.9 KB a position), and states of one prompt share no memory once the sequence grows (the layers replace
+their tensors), so keeping every boundary would cost a long prompt far more than its own cache. A prompt keeps
+(`PrefixPlan.cuts`):
+- its **last** boundary before its last token: a repeated prompt, the other choices of an `n` > 1 request, a chat's
+  next turn (where its rendering starts with this prompt's tokens) start there;
 - the **end of the prefix it shares with a prompt seen before**, to the page (the page hashes of recent prompts
   are remembered, `seen`): the second request with a new system prompt keeps the state at the system prompt's
   last full page, and every later one starts there.
 The scheduler cuts a prompt chunk at each of these positions (`ModelRunner.prefill_end`), so the state there is
-the one a step ended with; a run that starts from the last boundary then computes its tail in the same chunk a
-cold run does.
+the one a step ended with (one step more for a prompt past a page boundary); the same prompt again, started from
+the state its first run kept, then computes its tail in the same chunk, over the same cache, as that run did: the
+same bits.
 
 States are charged their tensors' bytes against the V4 cache budget (budget.py) and dropped least recently used
 first before a sequence is refused room. A state in use costs nothing more: the borrowing sequence's cache refers
