@@ -246,3 +246,40 @@ def test_a_v4_sequence_started_from_a_kept_state_computes_what_the_one_that_kept
     for seq in (first, second):
         runner.release(seq)
     runner.prefixes.reclaim(runner.budget.cached)
+
+
+def test_a_failed_step_of_a_v4_sequence_started_from_a_kept_state_runs_again_to_what_a_clean_run_gives(
+        runner, monkeypatch):
+    """The first step after the borrowed positions fails midway (the first layers' attention already extended the
+    cache): the rerun starts from the borrowed state, which the failure left as it was."""
+    from engines.runtime.model_runner import ScheduledChunk
+
+    first = admitted(runner, ids(52))
+    feed(runner, first, LENGTH)
+    before = [t.clone() for t in stored_tensors(runner)]
+
+    def tail(fault: bool) -> torch.Tensor:
+        seq = admitted(runner, ids(52))
+        chunk = [ScheduledChunk(seq=seq, start=seq.num_computed, end=LENGTH, all_logits=True)]
+        if fault:
+            forward = runner.model.model.layers[2].mlp.gate.forward
+            calls = []
+
+            def failing(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == 1:
+                    raise RuntimeError("injected fault")
+                return forward(*args, **kwargs)
+
+            with monkeypatch.context() as patch:
+                patch.setattr(runner.model.model.layers[2].mlp.gate, "forward", failing)
+                with pytest.raises(RuntimeError, match="injected fault"):
+                    runner.execute(chunk)
+        logits = runner.execute(chunk)[0]
+        runner.release(seq)
+        return logits
+
+    assert torch.equal(tail(fault=True), tail(fault=False))
+    assert all(torch.equal(a, b) for a, b in zip(before, stored_tensors(runner)))
+    runner.release(first)
+    runner.prefixes.reclaim(runner.budget.cached)

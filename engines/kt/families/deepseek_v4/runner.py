@@ -155,9 +155,9 @@ class V4ModelRunner(ModelRunner):
         self.prefixes.touch(plan)
         if not self.budget.admit(seq.id, len(seq.token_ids)):
             return None
-        cache = self._state(seq)
-        self.prefixes.admitted(plan, state, cache.cache)
-        cache.computed, cache.prefix = plan.borrowed, plan
+        held = self._state(seq)
+        self.prefixes.admitted(plan, state, held.cache)
+        held.computed, held.prefix = plan.borrowed, plan
         return plan.borrowed
 
     def prefill_end(self, seq: Sequence, end: int) -> int:
