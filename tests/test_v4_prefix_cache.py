@@ -185,6 +185,27 @@ def test_v4_stored_prefixes_under_a_small_budget_are_dropped_oldest_first_and_re
         running.stop()
 
 
+def test_stored_v4_prefixes_are_dropped_only_for_a_request_they_make_room_for(v4_model_dir):
+    from transformers import AutoConfig
+
+    from engines.kt.families.deepseek_v4.budget import CacheBudget, CacheBytes
+
+    sizes = CacheBytes.of(AutoConfig.from_pretrained(v4_model_dir), torch.float32)
+    budget = CacheBudget(sizes, capacity=3 * sizes.at(LENGTH), positions=3 * LENGTH)
+    asked: list[int] = []
+
+    def reclaim(nbytes: int) -> None:
+        asked.append(nbytes)
+        budget.drop_prefix(budget.cached)
+
+    budget.reclaim = reclaim
+    assert budget.hold_prefix(sizes.at(LENGTH)) and budget.hold_prefix(sizes.at(LENGTH))
+    assert sizes.at(20 * LENGTH) > budget.capacity
+    assert not budget.admit("too long", 20 * LENGTH) and asked == []  # it would not fit with both dropped
+    assert budget.admit("fits", 2 * LENGTH) and len(asked) == 1
+    assert budget.used + budget.cached <= budget.capacity
+
+
 # ------------------------------------------------------------------------------------------------ the runner
 @pytest.fixture(scope="module")
 def runner(v4_model_dir):

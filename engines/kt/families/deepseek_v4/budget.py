@@ -163,7 +163,10 @@ class CacheBudget:
         self.cached -= nbytes
 
     def _room(self, nbytes: int) -> bool:
-        """Whether `nbytes` more fit, once stored prefixes are reclaimed as far as it takes."""
+        """Whether `nbytes` more fit, once stored prefixes are reclaimed as far as it takes (none is, where they
+        would not fit with every one of them dropped)."""
+        if self.used + nbytes > self.capacity:
+            return False
         over = self.used + self.cached + nbytes - self.capacity
         if over > 0 and self.cached and self.reclaim is not None:
             self.reclaim(over)
