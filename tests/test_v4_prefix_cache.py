@@ -185,6 +185,26 @@ def test_v4_stored_prefixes_under_a_small_budget_are_dropped_oldest_first_and_re
         running.stop()
 
 
+def test_v4_requests_started_from_a_kept_state_and_preempted_give_their_solo_output(v4_model_dir):
+    # room for two 300-token prompts, not for both past ~360 positions: the newest is preempted as they decode
+    running = start_server(v4_model_dir, engine="ktransformers", cpu_infer=1, kv_cache_tokens=500,
+                           max_model_len=1024, max_concurrent=2)
+    try:
+        def text_and_cached(prompt):
+            reply = running.openai().completions.create(model=running.engine.info.id, prompt=prompt, max_tokens=70,
+                                                        temperature=0)
+            return reply.choices[0].text, cached(reply)
+
+        solo, _ = text_and_cached(ids(70))
+        before = running.engine.stats().preemptions
+        with ThreadPoolExecutor(3) as pool:
+            together = list(pool.map(text_and_cached, [ids(70)] * 3))
+        assert running.engine.stats().preemptions > before
+        assert together == [(solo, 2 * PAGE)] * 3
+    finally:
+        running.stop()
+
+
 def test_stored_v4_prefixes_are_dropped_only_for_a_request_they_make_room_for(v4_model_dir):
     from transformers import AutoConfig
 
