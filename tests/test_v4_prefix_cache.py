@@ -136,6 +136,17 @@ def test_the_choices_of_one_v4_request_compute_their_shared_prompt_once(v4_serve
     assert v4_server.engine.stats().cached_prompt_tokens - before == 2 * last_page(LENGTH)
 
 
+def test_a_batch_of_v4_prompts_sharing_a_preamble_computes_it_twice_at_most(v4_server):
+    """The first prompt keeps only its own last page; the second, parting from it after the preamble, keeps the
+    preamble's last page, and the others wait for it."""
+    preamble = ids(10, 2 * PAGE + 40)
+    before = v4_server.engine.stats().cached_prompt_tokens
+    reply = v4_server.openai().completions.create(model=v4_server.engine.info.id, max_tokens=2, temperature=0,
+                                                  prompt=[preamble + ids(100 + i, 100) for i in range(4)])
+    assert len(reply.choices) == 4
+    assert v4_server.engine.stats().cached_prompt_tokens - before == 2 * (2 * PAGE)
+
+
 def test_v4_metrics_count_prompt_tokens_and_cached_ones(v4_server):
     def counters() -> tuple[float, float]:
         text = httpx.get(v4_server.url + "/metrics", timeout=10).text
