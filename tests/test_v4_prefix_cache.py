@@ -82,6 +82,20 @@ def test_chat_usage_reports_the_cached_tokens_of_a_repeated_v4_conversation(v4_s
     assert second.choices[0].message.content == first.choices[0].message.content
 
 
+def test_the_next_turn_of_a_v4_chat_starts_from_the_state_the_previous_turn_kept(v4_server):
+    messages = [{"role": "user", "content": "Keep this in mind. " + "The lamp on the pier burns until dawn. " * 30}]
+
+    def chat():
+        return v4_server.openai().chat.completions.create(model=v4_server.engine.info.id, messages=messages,
+                                                          temperature=0, max_tokens=6)
+
+    first = chat()
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And then?"}]
+    second = chat()
+    assert cached(second) == last_page(first.usage.prompt_tokens) >= 2 * PAGE
+
+
 def test_a_shared_v4_preamble_is_kept_where_two_prompts_part_and_reused_by_the_next(v4_server):
     preamble = ids(3, 2 * PAGE + 40)  # the prompts part after 296 tokens: kept at 256
     complete(v4_server, preamble + ids(30, 100))
