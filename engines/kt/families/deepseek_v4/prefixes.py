@@ -42,7 +42,7 @@ from engines.kt.families.deepseek_v4.budget import CacheBudget
 from engines.kt.families.deepseek_v4.caches import restore, snapshot, snapshot_bytes
 
 PAGE = 128  # positions of a page: the HCA compress rate (CSA's 4 divides it)
-SEEN_PAGES = 1 << 16  # page hashes of recent prompts remembered to find shared prefixes (16 bytes each)
+SEEN_PAGES = 1 << 16  # page hashes of recent prompts remembered to find shared prefixes (a 16-byte hash each)
 
 
 @dataclass(slots=True)
@@ -76,11 +76,6 @@ class PrefixStore:
 
     def __len__(self) -> int:
         return len(self._states)
-
-    @property
-    def positions(self) -> list[int]:
-        """Each stored state's position, least recently used first."""
-        return [s.position for s in self._states.values()]
 
     def plan(self, tokens: list[int], root: str) -> tuple[PrefixPlan, _State | None]:
         """The plan for a sequence of `tokens` under the prefix key `root` (the adapter's), and the stored state of
