@@ -78,6 +78,15 @@ def test_v4_metrics_report_drafted_and_accepted_tokens(drafting):
     assert "ktserve_spec_decode_acceptance_ratio" in text
 
 
+def test_v4_drafting_serves_without_a_prefix_cache(drafting):
+    """The draft head's own caches are not kept with a prefix (engines/kt/families/deepseek_v4/prefixes.py), so a
+    repeated prompt is computed again."""
+    assert drafting.engine.info.details["v4_prefix_cache"].startswith("off: the MTP head drafts")
+    complete(drafting, PROMPTS[0])
+    assert complete(drafting, PROMPTS[0]).usage.prompt_tokens_details.cached_tokens == 0
+    assert len(drafting.engine._runner.prefixes) == 0
+
+
 def test_v4_checkpoint_without_an_mtp_layer_says_so_and_serves(tmp_path_factory, caplog):
     from engines.kt.families.deepseek_v4.demo_model import make_demo_model_v4
 

@@ -108,6 +108,12 @@ class ModelRunner(ABC):
         whose cache is unbounded always has room."""
         return True
 
+    def prefill_end(self, seq: Sequence, end: int) -> int:
+        """Where a prompt chunk of `seq` from `seq.num_computed` that the scheduler would end at `end` ends: `end`,
+        or a position before it (past `seq.num_computed`) where the runner keeps the cache's state for its prefix
+        cache (DeepSeek-V4's, whose states are whole caches at one position). The next chunk starts there."""
+        return end
+
     def prefix_in_flight(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
         """Whether one of `prefilling` (admitted, its prompt not all computed) is computing leading pages of
         `seq`'s prompt that the prefix cache does not hold yet; `seq` then waits for them instead of computing

@@ -5,8 +5,9 @@ token budget (`chunk_size`) on prompts: continuing chunked prefills first, then 
 (by priority, then arrival: `GenerationRequest.priority`) while fewer than `max_running` generate and the
 runner has KV room for them. A waiting request whose prompt starts with pages a running one is still
 computing waits for them, keeping its place and its slot, and is admitted once they are cached (the other
-choices of an n > 1 request, a batch sharing a preamble). The scheduler never touches a tensor; the runner
-decides whether a sequence fits.
+choices of an n > 1 request, a batch sharing a preamble). A runner may end a prompt chunk early, where it keeps
+the cache's state for its prefix cache (`ModelRunner.prefill_end`: DeepSeek-V4's page boundaries). The scheduler
+never touches a tensor; the runner decides whether a sequence fits.
 
 KV room goes by use, not by reservation: a request is admitted with room for the tokens it holds (the runner
 keeps a small margin free), and each step first makes room for every running sequence's next positions,
@@ -147,8 +148,9 @@ class Scheduler:
                 return 0
         else:
             n = min(remaining, budget)
-        chunks.append(self._chunk(seq, seq.num_computed + n))
-        return n
+        end = self._runner.prefill_end(seq, seq.num_computed + n)  # a position whose cache state the runner keeps
+        chunks.append(self._chunk(seq, end))
+        return end - seq.num_computed
 
     @staticmethod
     def _chunk(seq: Sequence, end: int) -> ScheduledChunk:

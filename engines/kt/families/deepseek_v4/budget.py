@@ -19,6 +19,11 @@ The runner charges a sequence what its positions cost (`CacheBytes.at`) when it 
 and refuses room past the capacity: the scheduler then keeps a request waiting or preempts the newest. The
 memory behind the tensors is what their sizes say (caches.py copies out the views a prompt chunk leaves).
 
+The prefix cache's stored states (prefixes.py) are held in the same bytes, each charged the bytes of its own
+tensors; they are reclaimable: before a sequence is refused room (admitted or growing), the least recently used
+stored prefixes are dropped until it fits. `usage` counts the sequences' bytes alone, as the paged pool of V2/V3
+counts cached pages nobody holds as free.
+
 Not charged, as they come and go within a step or are a fixed fraction of what is: a draft's few positions past
 the accepted ones (taken back by the next step), the mark each step keeps (caches.py: the window and buffers as
 they were before the step, not the compressed entries), and the throwaway caches of embeddings and reward scores
@@ -26,7 +31,7 @@ they were before the step, not the compressed entries), and the throwaway caches
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -108,8 +113,12 @@ class CacheBudget:
         self.capacity = capacity  # bytes
         self.positions = positions  # what the capacity was sized for (kv_cache_tokens): kv_usage's unit
         self.margin = capacity // 100  # left free at admission for running sequences to grow (vLLM's watermark)
-        self.used = 0
+        self.used = 0  # bytes the sequences hold
         self._held: dict[str, int] = {}
+        self.cached = 0  # bytes of the stored prefixes (prefixes.py), reclaimable
+        # drops stored prefixes, least recently used first, until at least the bytes asked for are freed or none
+        # is left (prefixes.py: PrefixStore.reclaim); None: nothing to reclaim
+        self.reclaim: Callable[[int], None] | None = None
 
     @classmethod
     def sized(cls, sizes: CacheBytes, positions: int, max_len: int, sequences: int) -> "CacheBudget":
@@ -123,7 +132,7 @@ class CacheBudget:
         """Charge a new sequence for `positions`, leaving the margin free when others run; False: no room."""
         need = self.sizes.at(positions)
         margin = self.margin if self._held else 0
-        if self.used + need + margin > self.capacity:
+        if not self._room(need + margin):
             return False
         self._held[seq_id] = need
         self.used += need
@@ -133,7 +142,7 @@ class CacheBudget:
         """Charge an admitted sequence for `positions`; False, nothing charged, past the capacity."""
         held = self._held[seq_id]
         need = max(held, self.sizes.at(positions))
-        if self.used - held + need > self.capacity:
+        if not self._room(need - held):
             return False
         self._held[seq_id] = need
         self.used += need - held
@@ -141,6 +150,27 @@ class CacheBudget:
 
     def release(self, seq_id: str) -> None:
         self.used -= self._held.pop(seq_id, 0)
+
+    def hold_prefix(self, nbytes: int) -> bool:
+        """Charge a stored prefix of `nbytes`, reclaiming older ones for it; False, nothing charged, where it does
+        not fit beside what the sequences hold."""
+        if not self._room(nbytes):
+            return False
+        self.cached += nbytes
+        return True
+
+    def drop_prefix(self, nbytes: int) -> None:
+        self.cached -= nbytes
+
+    def _room(self, nbytes: int) -> bool:
+        """Whether `nbytes` more fit, once stored prefixes are reclaimed as far as it takes (none is, where they
+        would not fit with every one of them dropped)."""
+        if self.used + nbytes > self.capacity:
+            return False
+        over = self.used + self.cached + nbytes - self.capacity
+        if over > 0 and self.cached and self.reclaim is not None:
+            self.reclaim(over)
+        return self.used + self.cached + nbytes <= self.capacity
 
     def usage(self) -> tuple[int, int]:
         """(used, total) in positions: the bytes held as a share of the `positions` the capacity holds."""

@@ -18,7 +18,16 @@ accepted: nothing to do.
 A mark is cheap: the cache layers replace their tensors rather than write into them, so it keeps references to
 the small ones (the sliding window, the compressor buffers and overlap slices) and only the lengths of the
 compressed entries, which grow by concatenation and are cut back to those lengths. The draft head keeps its own
-cache the same way (mtp.py)."""
+cache the same way (mtp.py).
+
+The prefix cache (prefixes.py) keeps a whole cache's state the same way, by reference: `snapshot` copies each
+layer's attributes and dicts (the layers assign into their dicts: `buffer_kv`, `entry_count`, ...) and refers to
+their tensors, which no later step writes into. Checked against transformers 5.24: `DynamicSlidingWindowLayer.update`
+and `DeepseekV4HCACache.update` replace the window with a slice of a concatenation, `store_compression_weights`
+the buffers with slices of one, `update_compressor_states` the entries with a concatenation,
+`update_overlap_state` the overlap slices with clones; the compressors and the indexer write only into tensors of
+their own (`new_kv`, `new_gate`), batch.py's `csa_row` into a new bias. So a copy made from a snapshot
+(`restore`) shares its tensors until its own steps replace them: copy-on-write without copying."""
 from __future__ import annotations
 
 from typing import Any
@@ -80,6 +89,49 @@ def _compact_layer(layer: Any) -> None:
             state[key] = compact(value)
 
 
+def snapshot(cache: Any) -> list[tuple[type, dict[str, Any]]]:
+    """The cache's state now, which its later steps cannot change: per layer, its class and attributes (dicts
+    copied, tensors referred to; a tensor that is a view of a larger storage copied out, so the snapshot holds
+    only its own bytes)."""
+    copies: dict[int, torch.Tensor] = {}
+
+    def own(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() <= t.nbytes:
+            return t
+        if id(t) not in copies:  # keys and values are one tensor: they stay one
+            copies[id(t)] = t.clone()
+        return copies[id(t)]
+
+    return [(type(layer), {key: {name: own(t) for name, t in value.items()} if isinstance(value, dict) else own(value)
+                           for key, value in vars(layer).items()})
+            for layer in cache.layers]
+
+
+def restore(cache: Any, layers: list[tuple[type, dict[str, Any]]]) -> None:
+    """Put a `snapshot`'s state into `cache` (a fresh cache of the same model): its layers then refer to the
+    snapshot's tensors, and their steps replace them rather than write into them."""
+    if len(cache.layers) != len(layers):
+        raise ValueError(f"a snapshot of {len(layers)} cache layers cannot go into a cache of {len(cache.layers)}")
+    for layer, (kind, state) in zip(cache.layers, layers):
+        if type(layer) is not kind:
+            raise ValueError(f"a snapshot of a {kind.__name__} cannot go into a {type(layer).__name__}")
+        current = vars(layer)
+        current.clear()
+        current.update({key: dict(value) if isinstance(value, dict) else value for key, value in state.items()})
+
+
+def snapshot_bytes(layers: list[tuple[type, dict[str, Any]]]) -> int:
+    """The memory behind a snapshot's tensors: each storage once."""
+    storages: dict[int, int] = {}
+    for _, state in layers:
+        for value in state.values():
+            for t in value.values() if isinstance(value, dict) else [value]:
+                if isinstance(t, torch.Tensor):
+                    storage = t.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 class StepRecord:
     """What one step put into a cache, per layer, to replay a prefix of it: the keys [1, heads, rows, dim] it
     appended and the compressor (with its inputs) it ran."""
@@ -104,6 +156,7 @@ class SequenceCache:
         self._mark: tuple[int, list[dict[str, Any]]] | None = None  # (position, each layer's state there)
         self.record: StepRecord | None = None  # what the step since the mark put in, while it records
         self._done: StepRecord | None = None  # the record of the finished step since the mark
+        self.prefix: Any = None  # prefixes.py: the sequence's PrefixPlan where the prefix cache serves it
 
     @property
     def marked(self) -> int | None:

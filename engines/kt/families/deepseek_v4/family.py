@@ -19,6 +19,7 @@ from engines.kt.families.deepseek_v4.chat import ENCODER_FILE, V4ChatFormat
 from engines.kt.families.deepseek_v4.hyper import install_fused_hyper_connections
 from engines.kt.families.deepseek_v4.loader import load_v4_checkpoint
 from engines.kt.families.deepseek_v4.mtp import MARKER, V4DraftHead, add_draft_block, has_mtp_layer
+from engines.kt.families.deepseek_v4.prefixes import PAGE
 from engines.kt.families.dsml_chat import choose_encoder, install
 from engines.kt.placement.operators import fuse_rms_norms
 
@@ -108,8 +109,9 @@ class DeepseekV4Family(ModelFamily):
         budget, max_len = _cache_budget(context, build.dtype, drafting=head is not None)
         build.details["v4_cache_budget"] = (f"{budget.capacity / 2**20:.1f} MiB: {budget.positions} positions among "
                                             f"up to {context.max_concurrent} sequences (kv_cache_tokens)")
+        build.details["v4_prefix_cache"] = _prefix_cache_state(build.kt.prefix_cache, drafting=head is not None)
         return V4ModelRunner(build.model, max_len, budget, context.model_path, head=head,
-                             draft_unavailable=build.no_draft), max_len
+                             draft_unavailable=build.no_draft, prefix_cache=build.kt.prefix_cache), max_len
 
     def finish_runner(self, build: Any, runner: Any) -> None:
         build.details["cuda_graphs"] = _capture_graphs(build.context, runner, build.gpu,
@@ -131,6 +133,16 @@ def _expert_lora(methods: list[str | None]) -> str:
     if methods == ["MXFP4"] and sft_kernel_class("MXFP4") is not None:
         return "kt-kernel MXFP4_SFT_MOE on the LoRA'd rows, base experts as released"
     return "torch on the LoRA'd rows, base experts in bf16"
+
+
+def _prefix_cache_state(enabled: bool, drafting: bool) -> str:
+    """What /version's details say of V4's prefix cache (prefixes.py)."""
+    if not enabled:
+        return "off: prefix_cache is off"
+    if drafting:
+        return "off: the MTP head drafts (its own caches are not kept with a prefix)"
+    return (f"on: whole cache states at {PAGE}-position page boundaries (a prompt's last one and the end of what it "
+            "shares with a prompt seen before), within the cache budget, least recently used dropped first")
 
 
 def _capture_graphs(context: LoadContext, runner: Any, gpu: bool, drafting: bool, chunk_size: int) -> str:

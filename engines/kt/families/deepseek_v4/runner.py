@@ -16,6 +16,11 @@ cache): a sequence is charged what its positions hold when admitted and as it gr
 and room past the budget is refused, so the scheduler keeps requests waiting or preempts the newest (its cache is
 dropped and recomputed when readmitted); freed when the request ends.
 
+Prefix caching (prefixes.py): a prompt's cache state is kept at page boundaries (multiples of 128 positions) where
+the scheduler cuts its chunks (`prefill_end`), keyed by the chain hash of its tokens and adapter; a later prompt
+that starts with one is admitted with a copy of that state (`admit` returns the positions it holds) and computes
+the rest. Off with `prefix_cache: false`, and while the MTP head drafts.
+
 LoRA adapters (PEFT, KT-SFT's fused expert LoRA and manifest) go through the shared `LoraModules`: each row of a
 step uses its request's adapter (`AdapterRows` over the step's rows), so requests with different adapters or
 none share a step.
@@ -38,6 +43,7 @@ from engines.kt.experts.protocol import RoutedExperts
 from engines.kt.families.deepseek_v4.batch import Piece, V4Batch
 from engines.kt.families.deepseek_v4.budget import CacheBudget
 from engines.kt.families.deepseek_v4.caches import SequenceCache
+from engines.kt.families.deepseek_v4.prefixes import PrefixPlan, PrefixStore
 from engines.lora.install import LoraModules
 from engines.lora.modules import AdapterRows
 from engines.runtime.batch_invariance import scores_are_invariant
@@ -49,7 +55,7 @@ class V4ModelRunner(ModelRunner):
     chunked_prefill = True
 
     def __init__(self, model: nn.Module, max_model_len: int, budget: CacheBudget, checkpoint: Path | None = None,
-                 head: Any = None, draft_unavailable: str | None = None):
+                 head: Any = None, draft_unavailable: str | None = None, prefix_cache: bool = True):
         from transformers.cache_utils import DynamicCache
 
         self.model = model
@@ -69,6 +75,8 @@ class V4ModelRunner(ModelRunner):
         self.drafter = Drafter(head, head) if head is not None else None
         self.drafts, self.draft_unavailable = head is not None, draft_unavailable
         self.graphs = None  # graphs.py: V4StepGraphs, the row-wise segments of the steps that fit them
+        # the draft head's own caches are not kept with a prefix: no prefix cache while it drafts
+        self.prefixes = PrefixStore(budget, enabled=prefix_cache and head is None)
 
     def _state(self, seq: Sequence) -> SequenceCache:
         if seq.runner_state is None:
@@ -97,6 +105,9 @@ class V4ModelRunner(ModelRunner):
         row = 0
         for chunk, piece, state in zip(chunks, pieces, states):
             state.commit(piece.end)
+            plan = state.prefix
+            if plan is not None and not chunk.draft and chunk.end in plan.cuts:
+                self.prefixes.keep(plan, chunk.end, state.cache)
             if self.drafter is not None:  # the streams at every fed position, for the draft head after the step
                 self.drafter.keep(chunk.seq, chunk.start, streams[row:row + piece.end - piece.start])
             row += piece.end - piece.start
@@ -128,8 +139,41 @@ class V4ModelRunner(ModelRunner):
             return super().propose(seqs, depths)
         return self.drafter.propose(seqs, depths)
 
+    def _prefix_key(self, adapter: str | None) -> str:
+        """What besides the tokens decides a cache state: the adapter, as installed (engines/kt/runner.py alike)."""
+        return "" if adapter is None else f"{adapter}\0{self.lora.installs.get(adapter, 0)}"
+
+    def _plans(self, seq: Sequence) -> bool:
+        """Whether `seq` borrows and keeps prefixes: not with prompt logprobs (computed whole, always the same
+        bits: runtime/batch_invariance.py), nor without a prefix cache."""
+        return self.prefixes.enabled and getattr(seq, "prompt_logprobs", None) is None
+
     def admit(self, seq: Sequence) -> int | None:
-        return 0 if self.budget.admit(seq.id, len(seq.token_ids)) else None
+        if not self._plans(seq):
+            return 0 if self.budget.admit(seq.id, len(seq.token_ids)) else None
+        plan, state = self.prefixes.plan(seq.token_ids, self._prefix_key(seq.request.adapter))
+        self.prefixes.touch(plan)
+        if not self.budget.admit(seq.id, len(seq.token_ids)):
+            return None
+        held = self._state(seq)
+        self.prefixes.admitted(plan, state, held.cache)
+        held.computed, held.prefix = plan.borrowed, plan
+        return plan.borrowed
+
+    def prefill_end(self, seq: Sequence, end: int) -> int:
+        state = seq.runner_state
+        plan = None if state is None else state.prefix  # type: ignore[attr-defined]
+        if plan is not None:
+            return next((cut for cut in plan.cuts if seq.num_computed < cut < end), end)
+        return end
+
+    def prefix_in_flight(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
+        if not self._plans(seq):
+            return False
+        plan, _ = self.prefixes.plan(seq.token_ids, self._prefix_key(seq.request.adapter))
+        leaders: list[tuple[PrefixPlan, int]] = [(s.runner_state.prefix, s.num_computed) for s in prefilling
+                                                 if s.runner_state is not None and s.runner_state.prefix is not None]
+        return self.prefixes.in_flight(plan, leaders)
 
     def grow(self, seq: Sequence, num_positions: int) -> bool:
         return self.budget.grow(seq.id, num_positions)
