@@ -37,7 +37,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.kt.attention.block_pool import extend_hashes
+from engines.kt.cache.block_pool import extend_hashes
 from engines.kt.families.deepseek_v4.budget import CacheBudget
 from engines.kt.families.deepseek_v4.caches import restore, snapshot, snapshot_bytes
 
