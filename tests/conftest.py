@@ -142,7 +142,7 @@ def v4_adapter_root(tmp_path_factory) -> Path:
 def v4_server(v4_model_dir, v4_adapter_root) -> Iterator[RunningServer]:
     """The tiny V4 served by the ktransformers engine on the CPU (MXFP4 experts), thinking parsed, runtime
     adapter loading from `v4_adapter_root`."""
-    from helpers import require_kt_kernel
+    from tests.helpers import require_kt_kernel
 
     require_kt_kernel()
     running = start_server(v4_model_dir, engine="ktransformers", cpu_infer=1, reasoning_parser="deepseek_r1",
@@ -191,7 +191,7 @@ PROBE_MAX_CONCURRENT, PROBE_MAX_QUEUE = 2, 4
 
 @pytest.fixture(scope="session")
 def adapter_root(tmp_path_factory, reference_model):
-    from lora_helpers import make_peft_adapter
+    from tests.lora_helpers import make_peft_adapter
 
     root = tmp_path_factory.mktemp("probe-adapters")
     make_peft_adapter(reference_model, "attn", root / "good")

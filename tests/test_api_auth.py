@@ -4,7 +4,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from conftest import start_server
+from tests.conftest import start_server
 
 KEY = "sk-test-4c0ffee"
 

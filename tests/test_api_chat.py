@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import logprob_tolerance, chat_prompt_ids, forward_logprobs, greedy_reference
+from tests.helpers import logprob_tolerance, chat_prompt_ids, forward_logprobs, greedy_reference
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three rivers."}]
 

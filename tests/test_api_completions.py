@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import logprob_tolerance, forward_logprobs, greedy_reference
+from tests.helpers import logprob_tolerance, forward_logprobs, greedy_reference
 
 PROMPT = "The capital of France is"
 

@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
-from conftest import start_server
-from helpers import chat_prompt_ids, greedy_reference, with_peak_running
+from tests.conftest import start_server
+from tests.helpers import chat_prompt_ids, greedy_reference, with_peak_running
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ import ollama
 import openai
 import pytest
 
-from conftest import start_server
-from helpers import chat_prompt_ids
-from lora_helpers import make_peft_adapter
+from tests.conftest import start_server
+from tests.helpers import chat_prompt_ids
+from tests.lora_helpers import make_peft_adapter
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from starlette.routing import Route, WebSocketRoute
 
-from conftest import start_server
+from tests.conftest import start_server
 from tests.load.server import ServerOptions, ServerProcess
 
 KEY = "sk-ktserve-7f3a9c1e5b2d8046"

@@ -11,10 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import start_server
-from helpers import assert_error
-from lora_helpers import write_value_head
-from scripted_engine import scripted_server
+from tests.conftest import start_server
+from tests.helpers import assert_error
+from tests.lora_helpers import write_value_head
+from tests.scripted_engine import scripted_server
 
 FINISHED = ("completed", "failed", "cancelled", "expired")
 KEY = "sk-batch-5e1f0a"

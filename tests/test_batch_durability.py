@@ -11,7 +11,7 @@ from pathlib import Path
 
 import openai
 
-from test_batch_api import submit, wait_for
+from .test_batch_api import submit, wait_for
 from tests.load.server import ServerOptions, ServerProcess
 
 LINES = 30

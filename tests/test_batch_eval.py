@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
-from conftest import start_server
-from test_eval_live import DATA, eval_command
+from tests.conftest import start_server
+from .test_eval_live import DATA, eval_command
 
 
 @pytest.fixture(scope="module")

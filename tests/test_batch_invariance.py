@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import start_server
-from helpers import INVARIANCE_PROMPT, alone_and_beside, require_kt_kernel
+from tests.conftest import start_server
+from tests.helpers import INVARIANCE_PROMPT, alone_and_beside, require_kt_kernel
 
 require_kt_kernel()
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import start_server
-from helpers import INVARIANCE_PROMPT, alone_and_beside
+from tests.conftest import start_server
+from tests.helpers import INVARIANCE_PROMPT, alone_and_beside
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -172,7 +172,7 @@ def _row(name: str, bits: str, **values: float) -> dict:
 def test_ktserve_on_the_peers_gguf_file_gets_its_own_row_measured_like_its_safetensors_run(tmp_path):
     """ktserve serves the GGUF file itself (tiny shape, on this CPU): its row has a decode rate, a prefill rate per
     ttft prompt and the 16- and 32-client aggregates, and its ratio to the best peer at those bits."""
-    from helpers import require_kt_kernel
+    from tests.helpers import require_kt_kernel
 
     require_kt_kernel()
     pytest.importorskip("openai")
@@ -413,7 +413,7 @@ def test_ktserve_streams_prompts_by_default_and_its_cpu_prefill_row_measures_eac
     has a decode rate, a prefill rate per ttft prompt and both client rounds."""
     import time
 
-    from helpers import require_kt_kernel
+    from tests.helpers import require_kt_kernel
 
     require_kt_kernel()
     from bench.lib.checkpoint import build_checkpoint

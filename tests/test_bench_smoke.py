@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import require_kt_kernel
+from tests.helpers import require_kt_kernel
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE_TIMEOUT = 90

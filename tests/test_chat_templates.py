@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engines.templates import builtin_template
-from scripted_engine import ECHO, scripted_server
+from tests.scripted_engine import ECHO, scripted_server
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ECHO}]
 

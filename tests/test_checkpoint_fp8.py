@@ -13,8 +13,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import start_server
-from helpers import forward_logprobs, require_kt_kernel
+from tests.conftest import start_server
+from tests.helpers import forward_logprobs, require_kt_kernel
 
 require_kt_kernel()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import require_kt_kernel
+from tests.helpers import require_kt_kernel
 
 require_kt_kernel()
 
@@ -138,7 +138,7 @@ def test_a_bad_value_is_refused_naming_the_setting():
 
 # ------------------------------------------------------------------------------------------- the engine
 def _serve(demo_model_dir, setting: str, **overrides):
-    from conftest import start_server
+    from tests.conftest import start_server
     from engines.kt.experts.methods import best_method
 
     # the CPU-only rules, so that a GPU machine too serves the layers' output on the CPU, where the kernel serves
@@ -192,7 +192,7 @@ def test_logprobs_with_the_kernel_agree_with_kt_kernels(served):
 
 
 def test_v4_decode_calls_read_the_released_mxfp4_experts_on_the_kernel(v4_model_dir):
-    from conftest import start_server
+    from tests.conftest import start_server
 
     running = start_server(v4_model_dir, engine="ktransformers", cpu_infer=1, kt_decode_kernel="auto",
                            kt_optimize_rule="DeepSeek-V4-CPU.yaml")

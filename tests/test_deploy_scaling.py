@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_deploy_files import compose, hadolint_binary
+from .test_deploy_files import compose, hadolint_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 KUBERNETES = ROOT / "deploy" / "kubernetes"

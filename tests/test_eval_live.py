@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import start_server
-from helpers import forward_logprobs
+from tests.conftest import start_server
+from tests.helpers import forward_logprobs
 
 DATA = Path(__file__).parent / "data" / "eval"
 GENERATION_METRICS = {"bleu-1", "bleu-2", "bleu-3", "bleu-4", "rouge-1", "rouge-2", "rouge-l"}

@@ -13,9 +13,9 @@ import httpx
 import pytest
 import torch
 
-from conftest import start_server
-from helpers import forward_logprobs, require_kt_kernel
-from ops_support import ServerProcess
+from tests.conftest import start_server
+from tests.helpers import forward_logprobs, require_kt_kernel
+from tests.ops_support import ServerProcess
 
 require_kt_kernel()
 

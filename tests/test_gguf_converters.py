@@ -11,13 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import start_server
-from gguf_converters import CONVERTERS, convert, converter_tree
-from helpers import require_kt_kernel
+from tests.conftest import start_server
+from .gguf_converters import CONVERTERS, convert, converter_tree
+from tests.helpers import require_kt_kernel
 
 require_kt_kernel()
 
-from test_gguf_checkpoint import check_logprobs, logprob_diffs, reference_on  # noqa: E402
+from .test_gguf_checkpoint import check_logprobs, logprob_diffs, reference_on  # noqa: E402
 
 OUTTYPES = ("bf16", "q8_0")
 # A lossless file's experts run on kt-kernel's BF16 method, as the safetensors original's do with kt_method BF16:

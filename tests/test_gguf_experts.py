@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import require_kt_kernel
-from ops_support import REPO, child_pythonpath
+from tests.helpers import require_kt_kernel
+from tests.ops_support import REPO, child_pythonpath
 
 require_kt_kernel()
 
@@ -71,7 +71,7 @@ def kernel_error(kind: str, tokens: int) -> float | None:
 def kernel_errors(env: dict[str, str]) -> tuple[str, dict]:
     """(the build, {type: [error at 1 token, at 24 tokens] or None}) from a child process with `env` (another
     kt-kernel build)."""
-    code = ("import json, sys\nsys.path.insert(0, 'tests')\nfrom test_gguf_experts import TYPES, kernel_error\n"
+    code = ("import json\nfrom tests.test_gguf_experts import TYPES, kernel_error\n"
             "from engines.kt.experts.methods import cpu_variant\n"
             "errors = {k: kernel_error(k, 1) for k in TYPES}\n"
             "print(json.dumps([cpu_variant(), {k: None if e is None else [e, kernel_error(k, 24)] "

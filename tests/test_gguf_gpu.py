@@ -9,8 +9,8 @@ import statistics
 import pytest
 import torch
 
-from conftest import start_server
-from test_gguf_checkpoint import logprob_diffs, reference_on
+from tests.conftest import start_server
+from .test_gguf_checkpoint import logprob_diffs, reference_on
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import start_server_from_config
-from helpers import forward_logprobs, require_kt_kernel
-from lora_helpers import make_peft_adapter, write_fused_expert_lora
+from tests.conftest import start_server_from_config
+from tests.helpers import forward_logprobs, require_kt_kernel
+from tests.lora_helpers import make_peft_adapter, write_fused_expert_lora
 
 require_kt_kernel()
 

@@ -23,8 +23,8 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation.modes import GenerationMode
 
-from conftest import start_server
-from helpers import assert_error
+from tests.conftest import start_server
+from tests.helpers import assert_error
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

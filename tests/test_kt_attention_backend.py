@@ -7,10 +7,10 @@ import logging
 import pytest
 import torch
 
-from conftest import start_server
+from tests.conftest import start_server
 from engines.base import engine_options
 from engines.kt.options import KTOptions
-from helpers import require_kt_kernel
+from tests.helpers import require_kt_kernel
 from server.cli import _cli_overrides, _serve_parser, main
 from server.settings import SettingsError, load_settings
 

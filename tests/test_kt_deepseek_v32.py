@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import start_server
-from helpers import (RIVER_TEXT, completion_text, completions_together, greedy_reference, logprob_diffs,
+from tests.conftest import start_server
+from tests.helpers import (RIVER_TEXT, completion_text, completions_together, greedy_reference, logprob_diffs,
                      prompt_of_length, require_kt_kernel)
 
 require_kt_kernel()
@@ -141,7 +141,7 @@ def test_version_says_the_fp8_release_and_how_the_indexer_and_experts_are_held(k
 def test_chats_are_rendered_in_v32_s_own_format_tools_and_thinking_included(kt_v32, v32_tokenizer):
     from engines.kt.families.deepseek_v32.chat import V32ChatFormat
 
-    from test_v32_chat import CONVERSATIONS, WEATHER
+    from .test_v32_chat import CONVERSATIONS, WEATHER
 
     body = {"messages": CONVERSATIONS[2], "tools": [WEATHER], "chat_template_kwargs": {"thinking": True}}
     with kt_v32.http() as http:

@@ -14,8 +14,8 @@ import json
 
 import pytest
 
-from conftest import start_server
-from helpers import RIVER_TEXT, prompt_of_length, require_kt_kernel
+from tests.conftest import start_server
+from tests.helpers import RIVER_TEXT, prompt_of_length, require_kt_kernel
 
 require_kt_kernel()
 

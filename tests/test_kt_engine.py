@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import start_server
-from helpers import require_kt_kernel, chat_prompt_ids, forward_logprobs, greedy_reference
+from tests.conftest import start_server
+from tests.helpers import require_kt_kernel, chat_prompt_ids, forward_logprobs, greedy_reference
 
 require_kt_kernel()
 

@@ -10,15 +10,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import start_server
-from helpers import require_kt_kernel
+from tests.conftest import start_server
+from tests.helpers import require_kt_kernel
 
 require_kt_kernel()
 
 from engines.kt.experts.deferral import (  # noqa: E402
     ExpertDeferral, check_deferred, link, max_batch, split_deferred)
 from engines.kt.experts.cpu import RoutedExpertsCPU, SharedStaging  # noqa: E402
-from test_kt_experts_cpu import (  # noqa: E402,F401 (weights: the fixture)
+from .test_kt_experts_cpu import (  # noqa: E402,F401 (weights: the fixture)
     E, H, I, K, MAX_TOKENS, TOLERANCE, reference, rel_err, routing, weights)
 
 DEFERRED = 2

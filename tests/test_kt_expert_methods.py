@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from helpers import require_kt_kernel
-from ops_support import ServerProcess, child_pythonpath
+from tests.helpers import require_kt_kernel
+from tests.ops_support import ServerProcess, child_pythonpath
 
 require_kt_kernel()
 

@@ -220,7 +220,7 @@ def test_copies_of_fewer_experts_than_a_group_make_the_groups_that_small():
 
 
 def test_a_layer_loaded_from_the_weight_cache_streams_the_checkpoint_weights(demo_model_dir, tmp_path):
-    from helpers import require_kt_kernel
+    from tests.helpers import require_kt_kernel
 
     require_kt_kernel()
     from engines.kt.experts.methods import best_method
@@ -244,7 +244,7 @@ def test_a_layer_loaded_from_the_weight_cache_streams_the_checkpoint_weights(dem
 
 @pytest.mark.parametrize("source", ["checkpoint", "weight cache"])
 def test_a_layer_with_a_budget_registers_copies_of_its_first_experts_only(demo_model_dir, tmp_path, source):
-    from helpers import require_kt_kernel
+    from tests.helpers import require_kt_kernel
 
     require_kt_kernel()
     from engines.kt.experts.methods import best_method

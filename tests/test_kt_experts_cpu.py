@@ -17,8 +17,8 @@ import threading
 
 import pytest
 
-from helpers import require_kt_kernel
-from ops_support import child_pythonpath
+from tests.helpers import require_kt_kernel
+from tests.ops_support import child_pythonpath
 import torch
 import torch.nn.functional as F
 

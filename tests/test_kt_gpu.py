@@ -10,8 +10,9 @@ import time
 import pytest
 import torch
 
-from conftest import start_server
-from helpers import GPU_MEDIAN_LOGPROB_DIFF, GPU_MIN_TOP1_AGREEMENT, chat_prompt_ids, forward_logprobs, greedy_reference
+from tests.conftest import start_server
+from tests.helpers import (GPU_MEDIAN_LOGPROB_DIFF, GPU_MIN_TOP1_AGREEMENT, chat_prompt_ids, forward_logprobs,
+                           greedy_reference)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

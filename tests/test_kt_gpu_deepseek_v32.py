@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import start_server
-from helpers import (RIVER_TEXT, completion_text, completions_together, logprob_diffs, prompt_of_length,
+from tests.conftest import start_server
+from tests.helpers import (RIVER_TEXT, completion_text, completions_together, logprob_diffs, prompt_of_length,
                      require_kt_kernel)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

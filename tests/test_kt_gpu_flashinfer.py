@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from conftest import start_server
-from lora_helpers import make_peft_adapter
+from tests.conftest import start_server
+from tests.lora_helpers import make_peft_adapter
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

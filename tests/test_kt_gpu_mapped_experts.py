@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engines.kt.experts.mapped import MAX_TOKENS
-from test_kt_expert_streaming import E, H, I, TOP_K, assert_close, layer_weights, reference, routing
+from .test_kt_expert_streaming import E, H, I, TOP_K, assert_close, layer_weights, reference, routing
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -219,8 +219,8 @@ def serve_demo(model_dir, **settings) -> tuple[str, list[float], list[float]]:
     a few hundred tokens (one chunk: the GPU's experts streamed through the ring) and of 16 greedy decode steps
     (replayed from CUDA graphs: the GPU's experts read by the mapped kernels). No duplicate copies stream
     (kt_gpu_prefill_tokens=0): the experts the GPU computes are the ones it owns."""
-    from conftest import start_server
-    from test_kt_gpu import TEXT
+    from tests.conftest import start_server
+    from .test_kt_gpu import TEXT
 
     running = start_server(model_dir, engine="ktransformers", **{"kt_gpu_prefill_tokens": 0, **settings})
     try:
@@ -241,7 +241,7 @@ def median_diff(a: list[float], b: list[float]) -> float:
 
 
 def test_int8_servers_whose_gpu_owns_experts_agree_with_kt_kernel_alone(demo_model_dir):
-    from test_kt_gpu import GPU_MEDIAN_LOGPROB_DIFF
+    from .test_kt_gpu import GPU_MEDIAN_LOGPROB_DIFF
 
     off, prompt_alone, decode_alone = serve_demo(demo_model_dir, kt_method="AMXINT8", kt_gpu_read_experts=0)
     assert off == "0/0"

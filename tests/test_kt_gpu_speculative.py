@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from conftest import start_server
-from helpers import require_kt_kernel
+from tests.conftest import start_server
+from tests.helpers import require_kt_kernel
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

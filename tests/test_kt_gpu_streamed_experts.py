@@ -9,9 +9,9 @@ import httpx
 import pytest
 import torch
 
-from conftest import start_server
-from helpers import forward_logprobs
-from test_kt_gpu import GPU_MEDIAN_LOGPROB_DIFF, GPU_MIN_TOP1_AGREEMENT, TEXT
+from tests.conftest import start_server
+from tests.helpers import forward_logprobs
+from .test_kt_gpu import GPU_MEDIAN_LOGPROB_DIFF, GPU_MIN_TOP1_AGREEMENT, TEXT
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

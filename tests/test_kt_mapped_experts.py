@@ -65,7 +65,7 @@ def test_no_mapped_share_without_the_setting_a_registered_layer_or_with_hot_expe
 
 
 def test_streamers_read_copies_in_place_only_on_cuda_devices():
-    from test_kt_expert_streaming import E, TOP_K, layer_weights
+    from .test_kt_expert_streaming import E, TOP_K, layer_weights
 
     streamer = ExpertStreamers().for_device(torch.device("cpu"))
     streamer.register(0, HostExperts.quantize(*layer_weights(0)), TOP_K, read_in_place=True)
@@ -111,7 +111,7 @@ def test_without_triton_the_gpu_owns_no_expert(monkeypatch):
 
 def owned_layer(owned: int, method: str = "BF16", **kwargs):
     from engines.kt.experts.cpu import RoutedExpertsCPU
-    from test_kt_expert_streaming import E, H, I, TOP_K
+    from .test_kt_expert_streaming import E, H, I, TOP_K
 
     kwargs.setdefault("streamer", ExpertStreamer(torch.device("cpu")))
     return RoutedExpertsCPU(layer_idx=5, num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I,
@@ -121,7 +121,7 @@ def owned_layer(owned: int, method: str = "BF16", **kwargs):
 
 def test_a_layer_whose_first_experts_the_gpu_owns_equals_kt_kernel_computing_all():
     from engines.kt.experts.cpu import RoutedExpertsCPU
-    from test_kt_expert_streaming import E, H, I, TOP_K, assert_close, layer_weights, routing
+    from .test_kt_expert_streaming import E, H, I, TOP_K, assert_close, layer_weights, routing
 
     owned = owned_layer(7)
     owned.load_weights(*layer_weights(0))
@@ -136,7 +136,7 @@ def test_a_layer_whose_first_experts_the_gpu_owns_equals_kt_kernel_computing_all
 @pytest.mark.parametrize("resident", [3, 7], ids=["some", "all"])
 def test_owned_experts_kept_in_gpu_memory_compute_what_kt_kernel_computing_all_does(resident):
     from engines.kt.experts.cpu import RoutedExpertsCPU
-    from test_kt_expert_streaming import E, H, I, TOP_K, assert_close, layer_weights, routing
+    from .test_kt_expert_streaming import E, H, I, TOP_K, assert_close, layer_weights, routing
 
     owned = owned_layer(7, resident_experts=resident)  # the CPU stands in for GPU memory here
     owned.load_weights(*layer_weights(0))
@@ -151,7 +151,7 @@ def test_owned_experts_kept_in_gpu_memory_compute_what_kt_kernel_computing_all_d
 
 def test_a_streamer_whose_experts_all_lie_in_gpu_memory_builds_no_copy_ring():
     """The ring's buffers (three groups of experts) would take GPU memory that nothing fills."""
-    from test_kt_expert_streaming import layer_weights, routing
+    from .test_kt_expert_streaming import layer_weights, routing
 
     owned = owned_layer(7, resident_experts=7)
     owned.load_weights(*layer_weights(0))
@@ -194,7 +194,7 @@ def test_the_resident_setting_defaults_to_no_experts_and_reads_its_environment_v
 
 
 def test_routing_past_the_models_experts_is_refused_in_the_models_numbering():
-    from test_kt_expert_streaming import E, layer_weights, routing
+    from .test_kt_expert_streaming import E, layer_weights, routing
 
     layer = owned_layer(7)
     layer.load_weights(*layer_weights(0))
@@ -261,7 +261,7 @@ def test_the_gpu_side_of_a_4_bit_layer_holds_int4_copies_and_of_others_int8():
 def test_cached_copies_of_the_other_width_are_not_read(tmp_path):
     """A cache written when 4-bit layers' copies were int8 (or the other way round) is quantized again."""
     from engines.kt.experts.cache import LayerCache
-    from test_kt_expert_streaming import layer_weights
+    from .test_kt_expert_streaming import layer_weights
 
     cache = LayerCache(tmp_path, 5, "AMXINT4", 13, hidden_size=128, intermediate_size=64, first_expert=7)
     int4 = HostExperts.quantize(*(w[:7] for w in layer_weights(0)), bits=4)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import start_server
+from tests.conftest import start_server
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "tests/data/kt_rules"

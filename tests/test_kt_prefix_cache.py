@@ -8,9 +8,9 @@ import json
 import httpx
 import pytest
 
-from conftest import start_server
-from helpers import require_kt_kernel
-from lora_helpers import make_peft_adapter
+from tests.conftest import start_server
+from tests.helpers import require_kt_kernel
+from tests.lora_helpers import make_peft_adapter
 
 require_kt_kernel()
 

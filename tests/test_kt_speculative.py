@@ -14,8 +14,8 @@ import logging
 import pytest
 import torch
 
-from conftest import start_server
-from helpers import require_kt_kernel
+from tests.conftest import start_server
+from tests.helpers import require_kt_kernel
 
 require_kt_kernel()
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import start_server
-from helpers import require_kt_kernel
+from tests.conftest import start_server
+from tests.helpers import require_kt_kernel
 
 require_kt_kernel()
 

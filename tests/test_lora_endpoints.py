@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import start_server
-from lora_helpers import make_peft_adapter
+from tests.conftest import start_server
+from tests.lora_helpers import make_peft_adapter
 
 KEY = "sk-test"
 

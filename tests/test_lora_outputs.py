@@ -17,9 +17,9 @@ import asyncio
 import pytest
 import torch
 
-from conftest import start_server
-from helpers import require_kt_kernel, forward_logprobs, greedy_reference
-from lora_helpers import make_peft_adapter, write_fused_expert_lora, write_gguf_lora
+from tests.conftest import start_server
+from tests.helpers import require_kt_kernel, forward_logprobs, greedy_reference
+from tests.lora_helpers import make_peft_adapter, write_fused_expert_lora, write_gguf_lora
 
 PROMPT = "The river flows through the valley and"
 HF_MAX_LOGPROB_DIFF = 1e-3

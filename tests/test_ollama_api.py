@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from scripted_engine import scripted_server
+from tests.scripted_engine import scripted_server
 from server.chat.tool_calls import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
 
 USER = [{"role": "user", "content": "Hello there, friend"}]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ops_support import HeldLoadEngine, ThreadedServer, metric_samples, sample
+from tests.ops_support import HeldLoadEngine, ThreadedServer, metric_samples, sample
 from server.app import create_app
 from server.settings import Settings
 

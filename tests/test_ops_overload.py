@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from conftest import start_server
+from tests.conftest import start_server
 
 LONG = {"prompt": "Tell a long story", "max_tokens": 96, "ignore_eos": True}  # outlasts the burst
 SHORT = {"prompt": "Hi", "max_tokens": 4, "ignore_eos": True}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ops_support import HeldLoadEngine, ThreadedServer, wait_for
+from tests.ops_support import HeldLoadEngine, ThreadedServer, wait_for
 from server.app import create_app
 from server.settings import Settings
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from ops_support import ServerProcess, ThreadedServer, metric_samples, sample, sse_data, wait_for
+from tests.ops_support import ServerProcess, ThreadedServer, metric_samples, sample, sse_data, wait_for
 
 KEY = "sk-shutdown-7d41c9"
 WRONG_KEY = "sk-not-this-one-2b8e"

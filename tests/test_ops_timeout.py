@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from conftest import start_server
-from ops_support import sse_data
+from tests.conftest import start_server
+from tests.ops_support import sse_data
 
 ENDLESS = {"messages": [{"role": "user", "content": "Go on forever."}], "max_tokens": 3000, "ignore_eos": True}
 

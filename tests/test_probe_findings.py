@@ -12,11 +12,11 @@ import threading
 import httpx
 import pytest
 
-from conftest import PROBE_KEY as KEY
-from conftest import PROBE_MAX_CONCURRENT as MAX_CONCURRENT
-from conftest import PROBE_MAX_QUEUE as MAX_QUEUE
-from helpers import assert_error
-from lora_helpers import adapter_variant
+from tests.conftest import PROBE_KEY as KEY
+from tests.conftest import PROBE_MAX_CONCURRENT as MAX_CONCURRENT
+from tests.conftest import PROBE_MAX_QUEUE as MAX_QUEUE
+from tests.helpers import assert_error
+from tests.lora_helpers import adapter_variant
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT = "/v1/chat/completions"
@@ -205,7 +205,7 @@ def test_an_unknown_route_with_the_key_is_404(probe):
 
 
 def test_health_while_draining_is_503_and_closes_the_connection():
-    from ops_support import HeldLoadEngine, ThreadedServer
+    from tests.ops_support import HeldLoadEngine, ThreadedServer
     from server.app import create_app
     from server.settings import load_settings
 
@@ -283,7 +283,7 @@ def test_native_stdout_is_captured_at_the_descriptor_and_logged_at_debug(capfd, 
 
 def test_what_native_code_prints_while_the_engine_loads_goes_to_the_log(capfd, caplog):
     """The app wraps the engine's start: kt-kernel's C++ lines ("CPUInfer[...]: Hello") land in the log."""
-    from ops_support import HeldLoadEngine, ThreadedServer, wait_for
+    from tests.ops_support import HeldLoadEngine, ThreadedServer, wait_for
     from server.app import create_app
     from server.settings import load_settings
 
@@ -311,7 +311,7 @@ def test_a_request_still_running_when_the_drain_ends_gets_an_openai_503(caplog):
     with no traceback, never uvicorn's plain-text 500."""
     import signal
 
-    from ops_support import HeldLoadEngine, ThreadedServer, wait_for
+    from tests.ops_support import HeldLoadEngine, ThreadedServer, wait_for
     from server.app import create_app
     from server.settings import load_settings
     from server.shutdown import DrainingServer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripted_engine import ECHO, scripted_server
+from tests.scripted_engine import ECHO, scripted_server
 
 THOUGHT = "<think>\nThe user wants a greeting.</think>\n\nHello!"
 

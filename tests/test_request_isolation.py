@@ -10,8 +10,8 @@ import logging
 import httpx
 import pytest
 
-from conftest import start_server
-from helpers import (chat_prompt_ids, failing_steps, greedy_reference, poisoned_request, require_kt_kernel,
+from tests.conftest import start_server
+from tests.helpers import (chat_prompt_ids, failing_steps, greedy_reference, poisoned_request, require_kt_kernel,
                      run_beside_a_stream, stream_chat, with_peak_running)
 
 require_kt_kernel()

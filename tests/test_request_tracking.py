@@ -99,7 +99,7 @@ def test_a_failure_that_reads_like_a_shutdown_is_still_a_failure():
 
 
 def test_an_engine_that_stops_ends_its_requests_in_flight_as_shut_down(demo_model_dir):
-    from scripted_engine import ScriptedEngine
+    from tests.scripted_engine import ScriptedEngine
 
     engine = ScriptedEngine(EngineConfig(model_path=str(demo_model_dir)))
     engine.start()

@@ -9,7 +9,7 @@ import json
 import openai
 import pytest
 
-from scripted_engine import ECHO, scripted_server
+from tests.scripted_engine import ECHO, scripted_server
 from server.chat.tool_calls import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather",

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from ops_support import ServerProcess, free_port, metric_samples, sample, wait_for
+from tests.ops_support import ServerProcess, free_port, metric_samples, sample, wait_for
 
 pytest.importorskip("sglang_router", reason="sglang-router is not installed (pip install -e '.[test]')")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 
 from engines.base import EngineConfig, GenerationRequest, SamplingParams
-from scripted_engine import ScriptedEngine
+from tests.scripted_engine import ScriptedEngine
 
 SCRIPTS = ["one two three four five six", "alpha beta gamma delta", "red green blue"]
 

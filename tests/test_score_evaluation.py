@@ -6,11 +6,11 @@ import shutil
 
 import pytest
 
-from helpers import require_kt_kernel
+from tests.helpers import require_kt_kernel
 import torch
 
-from conftest import start_server
-from lora_helpers import make_peft_adapter, write_value_head
+from tests.conftest import start_server
+from tests.lora_helpers import make_peft_adapter, write_value_head
 
 MESSAGES = ["The answer is 42.", "I do not know, sorry."]
 

@@ -15,9 +15,9 @@ from dataclasses import replace
 import httpx
 import pytest
 
-from conftest import PROBE_KEY
-from helpers import assert_error, forward_logprobs
-from lora_helpers import adapter_variant
+from tests.conftest import PROBE_KEY
+from tests.helpers import assert_error, forward_logprobs
+from tests.lora_helpers import adapter_variant
 
 AUTH = {"Authorization": f"Bearer {PROBE_KEY}"}
 CHAT = "/v1/chat/completions"

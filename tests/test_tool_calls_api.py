@@ -7,7 +7,7 @@ import json
 import jsonschema
 import pytest
 
-from scripted_engine import ECHO, scripted_server
+from tests.scripted_engine import ECHO, scripted_server
 from server.chat.tool_calls import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
 
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo"]},

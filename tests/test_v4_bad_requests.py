@@ -8,7 +8,7 @@ import json
 import openai
 import pytest
 
-from helpers import assert_error
+from tests.helpers import assert_error
 
 CHAT = "/v1/chat/completions"
 HI = [{"role": "user", "content": "Hi"}]

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import failing_steps, poisoned_request, require_kt_kernel, run_beside_a_stream, stream_chat
-from v4_helpers import (batched_vs_solo, feeding_plan, load_v4_runner, max_next_token_diff, runner_sequence,
+from tests.helpers import failing_steps, poisoned_request, require_kt_kernel, run_beside_a_stream, stream_chat
+from .v4_helpers import (batched_vs_solo, feeding_plan, load_v4_runner, max_next_token_diff, runner_sequence,
                         stepped_logprobs)
-from v4_lora_helpers import make_kt_sft_v4_adapter
+from .v4_lora_helpers import make_kt_sft_v4_adapter
 
 require_kt_kernel()
 

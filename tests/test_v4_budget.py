@@ -11,8 +11,8 @@ import openai
 import pytest
 import torch
 
-from conftest import start_server
-from v4_helpers import runner_sequence
+from tests.conftest import start_server
+from .v4_helpers import runner_sequence
 
 # kv_cache_tokens among max_concurrent 2: 258 KiB for the tiny V4 (most of a short sequence's share is its heavily
 # compressed layer's buffer of up to 127 positions): room for two 40-token prompts, not for two sequences past ~50

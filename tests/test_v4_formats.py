@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from engines.checkpoints import mxfp4
-from helpers import require_kt_kernel
-from v4_helpers import shard_tensors
+from tests.helpers import require_kt_kernel
+from .v4_helpers import shard_tensors
 
 
 def test_mxfp4_round_trips_values_it_can_represent():

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import start_server
-from helpers import GPU_MEDIAN_LOGPROB_DIFF
-from v4_helpers import reference_logprobs, v4_reference_model
+from tests.conftest import start_server
+from tests.helpers import GPU_MEDIAN_LOGPROB_DIFF
+from .v4_helpers import reference_logprobs, v4_reference_model
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -99,7 +99,7 @@ def test_v4_steps_are_captured_in_piecewise_cuda_graphs(v4_gpu):
 
 
 def test_v4_decodes_the_same_with_cuda_graphs_on_and_off(v4_model_dir, v4_gpu):
-    from helpers import completions_together
+    from tests.helpers import completions_together
 
     graphs = v4_gpu.engine._runner.graphs
     replayed = graphs.replayed
@@ -116,7 +116,7 @@ def test_v4_decodes_the_same_with_cuda_graphs_on_and_off(v4_model_dir, v4_gpu):
 
 
 def test_v4_prompts_decoded_together_from_cuda_graphs_match_their_solo_runs(v4_gpu):
-    from helpers import completions_together
+    from tests.helpers import completions_together
 
     alone = [completions_together(v4_gpu, [p], max_tokens=12, ignore_eos=True)[0] for p in PROMPTS]
     together = completions_together(v4_gpu, PROMPTS, max_tokens=12, ignore_eos=True)
@@ -149,7 +149,7 @@ def test_v4_drafting_on_the_gpu_gives_the_replies_without_it(v4_gpu, tmp_path_fa
     batched step; rejected drafts go back through the sequence cache's mark)."""
     from engines.demo_model_v4 import make_demo_model_v4
     from engines.kt.families.deepseek_v4.hyper import is_fused
-    from helpers import completions_together
+    from tests.helpers import completions_together
 
     model = make_demo_model_v4(tmp_path_factory.mktemp("v4-gpu-mtp") / "tiny-v4-mtp", mtp="last-layer")
     drafting = start_server(model, engine="ktransformers", speculative="mtp", speculative_adaptive=False,
@@ -257,7 +257,7 @@ def test_a_v4_layer_streaming_its_mxfp4_experts_to_the_gpu_equals_kt_kernel_alon
     expert dequantized on the GPU, against the same layer all in kt-kernel (tests/test_v4_streamed_experts.py's
     layer: 20 experts, groups of 8)."""
     from engines.kt.experts.streaming import ExpertStreamer
-    from test_v4_streamed_experts import E, RELATIVE_TOLERANCE, mxfp4_layer, relative, released_layer, routing
+    from .test_v4_streamed_experts import E, RELATIVE_TOLERANCE, mxfp4_layer, relative, released_layer, routing
 
     packed, _ = released_layer()
     alone = mxfp4_layer()
@@ -285,7 +285,7 @@ def test_a_v4_decode_call_reading_part_of_its_mxfp4_copies_on_the_gpu_equals_kt_
     pinned MXFP4 copies through PCIe with V4's clamp, and the rest in kt-kernel: the sum is kt-kernel's alone, and
     the kernels' part is the float32 reference's over those experts."""
     from engines.kt.experts.streaming import ExpertStreamer
-    from test_v4_streamed_experts import (E, RELATIVE_TOLERANCE, mxfp4_layer, reference, relative, released_layer,
+    from .test_v4_streamed_experts import (E, RELATIVE_TOLERANCE, mxfp4_layer, reference, relative, released_layer,
                                           routing)
 
     packed, dense = released_layer()
@@ -313,7 +313,7 @@ def test_the_mxfp4_kernels_compute_calls_of_every_size_they_take_as_the_float32_
     experts are: blocks of 64 tokens once read out of range and summed wrongly."""
     from engines.kt.experts.mapped import MappedExperts
     from engines.kt.experts.host_copies import HostExperts
-    from test_v4_streamed_experts import (E, LIMIT, RELATIVE_TOLERANCE, TOP_K, reference, relative, released_layer,
+    from .test_v4_streamed_experts import (E, LIMIT, RELATIVE_TOLERANCE, TOP_K, reference, relative, released_layer,
                                           routing)
 
     packed, dense = released_layer()
@@ -344,7 +344,7 @@ def test_v4_decode_steps_reading_the_streamed_mxfp4_copies_keep_the_greedy_token
 def assert_greedy_of_kt_kernel_alone(server, plain_server, what: str) -> None:
     """`server`'s greedy reply (CUDA graphs) is `plain_server`'s, every expert in kt-kernel, or parts where the
     plain server's top two were within the tolerance of MXFP4 products rounded another way (a near tie)."""
-    from test_v4_streamed_experts import V4_STREAMED_LOGPROB_TOLERANCE
+    from .test_v4_streamed_experts import V4_STREAMED_LOGPROB_TOLERANCE
 
     ids = plain_server.engine.tokenizer.encode(TEXT)
 

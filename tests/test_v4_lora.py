@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_error
-from v4_helpers import reference_logprobs, v4_reference_model
-from v4_lora_helpers import V4_LORA_MEDIAN_TOLERANCE, V4_LORA_TOLERANCE, make_kt_sft_v4_adapter, merged_reference
+from tests.helpers import assert_error
+from .v4_helpers import reference_logprobs, v4_reference_model
+from .v4_lora_helpers import V4_LORA_MEDIAN_TOLERANCE, V4_LORA_TOLERANCE, make_kt_sft_v4_adapter, merged_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = ("The old lighthouse keeper counted the ships that passed each night, writing their names in a "
@@ -124,7 +124,7 @@ def test_kt_sft_manifest_refuses_an_adapter_file_changed_after_training(v4_serve
 
 def test_kt_sft_v4_adapter_on_the_avx2_build_matches_the_merged_reference(v4_model_dir, kt_adapters):
     """kt-kernel's avx2 build in a child process: prompt chunks then decode steps, with adapter v4-a."""
-    env = {**os.environ, "KT_KERNEL_CPU_VARIANT": "avx2", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    env = {**os.environ, "KT_KERNEL_CPU_VARIANT": "avx2", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-m", "tests.v4_helpers", str(v4_model_dir), "36",
                           str(kt_adapters / "v4-a")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -159,7 +159,7 @@ def test_the_mxfp4_sft_kernel_keeps_none_of_the_released_bytes_it_was_loaded_fro
     backend frees the bytes it re-read (engines/lora/cpu_experts.py); with no LoRA it computes what the layer's
     MXFP4 kernel does."""
     from engines.lora.cpu_experts import SFTKernelBackend
-    from test_v4_streamed_experts import RELATIVE_TOLERANCE, mxfp4_layer, relative, released_layer, routing
+    from .test_v4_streamed_experts import RELATIVE_TOLERANCE, mxfp4_layer, relative, released_layer, routing
 
     packed, _ = released_layer()
     layer = mxfp4_layer()
@@ -182,7 +182,7 @@ def test_the_mxfp4_sft_kernel_computes_lora_d_rows_as_float32_torch_does_up_to_i
     rows): per-row relative difference median 0.44% / max 0.52% on the avx512_bf16 build, 0.32% / 0.38% on avx2;
     the LoRA itself moves the rows by 87% (median)."""
     from engines.lora.cpu_experts import SFTKernelBackend, TorchBackend
-    from test_v4_streamed_experts import E, H, I, mxfp4_layer, released_layer, routing
+    from .test_v4_streamed_experts import E, H, I, mxfp4_layer, released_layer, routing
 
     packed, dense = released_layer()
     layer = mxfp4_layer()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from v4_helpers import (V4_LOGPROB_TOLERANCE, V4_NEAR_TIE_TOLERANCE, Choices, diffs_off_and_on_ties,
+from .v4_helpers import (V4_LOGPROB_TOLERANCE, V4_NEAR_TIE_TOLERANCE, Choices, diffs_off_and_on_ties,
                         flipped_near_ties, reference_logprobs, v4_reference_model)
 
 ROOT = Path(__file__).resolve().parents[1]

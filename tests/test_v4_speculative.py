@@ -9,8 +9,8 @@ import logging
 
 import pytest
 
-from conftest import start_server
-from helpers import completions_together, require_kt_kernel
+from tests.conftest import start_server
+from tests.helpers import completions_together, require_kt_kernel
 
 require_kt_kernel()
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import require_kt_kernel
-from v4_helpers import feeding_plan, load_v4_runner, max_next_token_diff, runner_sequence, stepped_logprobs
+from tests.helpers import require_kt_kernel
+from .v4_helpers import feeding_plan, load_v4_runner, max_next_token_diff, runner_sequence, stepped_logprobs
 
 require_kt_kernel()
 

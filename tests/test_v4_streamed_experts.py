@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from engines.checkpoints import mxfp4
 from engines.kt.experts.host_copies import HostExperts, expert_copy_bytes, experts_within
 from engines.kt.experts.streaming import GROUP, ExpertStreamer, split_experts
-from helpers import require_kt_kernel
-from v4_helpers import feeding_plan, load_v4_runner, runner_sequence, stepped_logprobs
+from tests.helpers import require_kt_kernel
+from .v4_helpers import feeding_plan, load_v4_runner, runner_sequence, stepped_logprobs
 
 E, H, I, TOP_K, LIMIT = 20, 256, 128, 4, 1.0  # 20 experts: groups of 8; a clamp that acts on most rows
 HELD = GROUP + 3  # the streamer's share of a layer: a whole group and three experts of the next

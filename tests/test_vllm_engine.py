@@ -12,8 +12,8 @@ import httpx
 import jsonschema
 import pytest
 
-from conftest import start_server
-from helpers import forward_logprobs, greedy_reference
+from tests.conftest import start_server
+from tests.helpers import forward_logprobs, greedy_reference
 
 # vLLM starts three processes that each import it: minutes on two busy cores
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -44,7 +44,7 @@ def reference(model_dir):
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("conftest.SERVER_START_TIMEOUT", START_TIMEOUT)
+        patch.setattr("tests.conftest.SERVER_START_TIMEOUT", START_TIMEOUT)
         running = start_server(model_dir, engine="vllm", adapter_roots=[str(tmp_path_factory.mktemp("adapters"))])
     yield running
     running.stop()
@@ -121,7 +121,7 @@ def test_json_schema_output_validates(server):
 
 def test_a_named_tool_choice_makes_the_model_call_that_function(server):
     # the forced call is a Lark grammar with token-id terminals, run by vLLM's llguidance backend
-    from test_tool_calls_api import TOOLS, WEATHER_PARAMS
+    from .test_tool_calls_api import TOOLS, WEATHER_PARAMS
 
     choice = server.openai().chat.completions.create(
         model=server.engine.info.id, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS,

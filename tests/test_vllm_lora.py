@@ -11,9 +11,9 @@ import shutil
 
 import pytest
 
-from conftest import start_server
-from helpers import greedy_reference
-from lora_helpers import make_peft_adapter
+from tests.conftest import start_server
+from tests.helpers import greedy_reference
+from tests.lora_helpers import make_peft_adapter
 
 # vLLM starts three processes that each import it: minutes on two busy cores
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -58,7 +58,7 @@ def adapters(llama, tmp_path_factory):
 def server(llama, adapters):
     root, made = adapters
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("conftest.SERVER_START_TIMEOUT", START_TIMEOUT)
+        patch.setattr("tests.conftest.SERVER_START_TIMEOUT", START_TIMEOUT)
         running = start_server(llama[0], engine="vllm", adapters={"first": str(made["first"][0])},
                                adapter_roots=[str(root)])
     yield running
@@ -101,7 +101,7 @@ def test_an_adapter_loaded_at_run_time_serves_and_unloads(server, adapters):
 
 
 def test_an_adapter_vllm_cannot_read_is_a_400_and_the_server_goes_on(server, adapters):
-    from lora_helpers import write_value_head
+    from tests.lora_helpers import write_value_head
 
     head_only = adapters[0] / "head-only"
     head_only.mkdir(exist_ok=True)

@@ -9,9 +9,9 @@ from typing import Iterator
 import httpx
 import pytest
 
-from conftest import start_server
-from lora_helpers import make_peft_adapter
-from ops_support import wait_for
+from tests.conftest import start_server
+from tests.lora_helpers import make_peft_adapter
+from tests.ops_support import wait_for
 
 KEY = "sk-worker-81d3aa"
 AUTH = {"Authorization": f"Bearer {KEY}"}

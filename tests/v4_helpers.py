@@ -277,7 +277,7 @@ if __name__ == "__main__":  # run in a child process under another kt-kernel bui
     if adapter is None:
         reference = reference_logprobs(v4_reference_model(directory), ids)
     else:
-        from v4_lora_helpers import merged_reference
+        from .v4_lora_helpers import merged_reference
 
         reference = reference_logprobs(merged_reference(directory, adapter), ids)
     print(json.dumps({"variant": kt_kernel.__cpu_variant__, "max_diff": max_next_token_diff(served, reference, ids),

@@ -108,7 +108,7 @@ def merged_reference(model_dir: Path, adapter_dir: Path):
     W += (alpha / r) B A on every linear, and per routed expert on gate / up / down."""
     from safetensors.torch import load_file
 
-    from v4_helpers import v4_reference_model
+    from .v4_helpers import v4_reference_model
 
     model = v4_reference_model(model_dir)
     scale = ALPHA / RANK
