@@ -134,7 +134,8 @@ def v4_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def v4_adapter_root(tmp_path_factory) -> Path:
-    """Where the V4 server may load adapters from at run time (tests/test_v4_lora.py writes them there)."""
+    """Where the V4 server may load adapters from at run time (tests/engines/kt/families/deepseek_v4/test_v4_lora.py
+    writes them there)."""
     return tmp_path_factory.mktemp("v4-adapters")
 
 
@@ -184,7 +185,7 @@ def server(request, demo_model_dir) -> Iterator[RunningServer]:
 
 
 # The probe server: an API key, an adapter root holding one good PEFT adapter, a 64-token context and a
-# small engine (tests/test_probe_findings.py, tests/test_second_probe_findings.py).
+# small engine (tests/server/test_probe_findings.py, tests/server/test_second_probe_findings.py).
 PROBE_KEY = "sk-probe-3c9d1e"
 PROBE_MAX_CONCURRENT, PROBE_MAX_QUEUE = 2, 4
 

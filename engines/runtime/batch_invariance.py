@@ -18,8 +18,8 @@ of its own instead:
   that computed them gave. A request that borrows is computed as the same request served alone with the same
   pages cached: its numbers follow the cache's history, not its batch. Prompt logprobs (echo, scoring, lm-eval's
   loglikelihood) never borrow, so they are the same bits every time; `prefix_cache: false` makes every request so.
-kt-kernel's CPU kernels compute a row alike at every call size (tests/test_batch_invariance.py measures it per
-method), so the experts would not need the split; the rest of the model does.
+kt-kernel's CPU kernels compute a row alike at every call size (tests/engines/runtime/test_batch_invariance.py measures
+it per method), so the experts would not need the split; the rest of the model does.
 
 The cost is the batching those requests give up: their decode steps read the weights once per request. Which
 requests pay it is the `batch_invariant` setting (`POLICIES`): by default those whose numbers are compared
