@@ -12,9 +12,9 @@ import threading
 import httpx
 import pytest
 
-from tests.conftest import PROBE_KEY as KEY
-from tests.conftest import PROBE_MAX_CONCURRENT as MAX_CONCURRENT
-from tests.conftest import PROBE_MAX_QUEUE as MAX_QUEUE
+from .conftest import PROBE_KEY as KEY
+from .conftest import PROBE_MAX_CONCURRENT as MAX_CONCURRENT
+from .conftest import PROBE_MAX_QUEUE as MAX_QUEUE
 from tests.helpers import assert_error
 from tests.lora_helpers import adapter_variant
 

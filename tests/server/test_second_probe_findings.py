@@ -15,7 +15,7 @@ from dataclasses import replace
 import httpx
 import pytest
 
-from tests.conftest import PROBE_KEY
+from .conftest import PROBE_KEY
 from tests.helpers import assert_error, forward_logprobs
 from tests.lora_helpers import adapter_variant
 
