@@ -26,7 +26,7 @@ from tests.load.server import ServerOptions, ServerProcess
 
 BIG_TEXT = "The quick brown fox jumps over the lazy dog. " * 60_000  # 2.7 M characters
 
-# name -> (path, body); bodies are the probe's of 2026-11-28 (tests/test_second_probe_findings.py)
+# name -> (path, body); bodies are the probe's of 2026-11-28 (tests/server/test_second_probe_findings.py)
 SCENARIOS: dict[str, tuple[str, Callable[[str], dict]]] = {
     "tokenize": ("/tokenize", lambda model: {"prompt": BIG_TEXT, "return_token_strs": True}),
     "detokenize": ("/detokenize", lambda model: {"tokens": [1000 + i % 5000 for i in range(1_000_000)]}),

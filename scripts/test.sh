@@ -69,10 +69,12 @@ if [ "$whole_suite" = 1 ] && [ "$loaded" != none ]; then
     echo "== kt-kernel's $variant build (this machine loads $loaded): experts, engine, LoRA and batch-invariance tests"
     # test_kt_expert_methods.py forces avx2 itself (and serves chat under it); the huggingface half of the LoRA
     # tests has no kt-kernel in it, nor do the V3.2 tests other than the two named
-    KT_KERNEL_CPU_VARIANT="$variant" "$python" -m pytest "$@" tests/test_kt_experts_cpu.py tests/test_kt_expert_deferral.py \
-      tests/test_lora_outputs.py tests/test_guide_config.py tests/test_batch_invariance.py -k "not huggingface" \
-      tests/test_kt_deepseek_v32.py::test_prompt_logprobs_with_kt_kernel_experts_match_transformers \
-      tests/test_kt_deepseek_v32.py::test_streamed_text_equals_the_whole_reply || status=$?
+    KT_KERNEL_CPU_VARIANT="$variant" "$python" -m pytest "$@" \
+      tests/engines/kt/experts/test_kt_experts_cpu.py tests/engines/kt/experts/test_kt_expert_deferral.py \
+      tests/engines/lora/test_lora_outputs.py tests/engines/lora/test_guide_config.py \
+      tests/engines/runtime/test_batch_invariance.py -k "not huggingface" \
+      tests/engines/kt/families/deepseek_v32/test_kt_deepseek_v32.py::test_prompt_logprobs_with_kt_kernel_experts_match_transformers \
+      tests/engines/kt/families/deepseek_v32/test_kt_deepseek_v32.py::test_streamed_text_equals_the_whole_reply || status=$?
   done
 fi
 

@@ -134,7 +134,8 @@ def v4_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def v4_adapter_root(tmp_path_factory) -> Path:
-    """Where the V4 server may load adapters from at run time (tests/test_v4_lora.py writes them there)."""
+    """Where the V4 server may load adapters from at run time (tests/engines/kt/families/deepseek_v4/test_v4_lora.py
+    writes them there)."""
     return tmp_path_factory.mktemp("v4-adapters")
 
 
@@ -142,7 +143,7 @@ def v4_adapter_root(tmp_path_factory) -> Path:
 def v4_server(v4_model_dir, v4_adapter_root) -> Iterator[RunningServer]:
     """The tiny V4 served by the ktransformers engine on the CPU (MXFP4 experts), thinking parsed, runtime
     adapter loading from `v4_adapter_root`."""
-    from helpers import require_kt_kernel
+    from tests.helpers import require_kt_kernel
 
     require_kt_kernel()
     running = start_server(v4_model_dir, engine="ktransformers", cpu_infer=1, reasoning_parser="deepseek_r1",
@@ -181,67 +182,3 @@ def server(request, demo_model_dir) -> Iterator[RunningServer]:
     running = start_server(demo_model_dir, **ENGINE_SETTINGS[request.param])
     yield running
     running.stop()
-
-
-# The probe server: an API key, an adapter root holding one good PEFT adapter, a 64-token context and a
-# small engine (tests/test_probe_findings.py, tests/test_second_probe_findings.py).
-PROBE_KEY = "sk-probe-3c9d1e"
-PROBE_MAX_CONCURRENT, PROBE_MAX_QUEUE = 2, 4
-
-
-@pytest.fixture(scope="session")
-def adapter_root(tmp_path_factory, reference_model):
-    from lora_helpers import make_peft_adapter
-
-    root = tmp_path_factory.mktemp("probe-adapters")
-    make_peft_adapter(reference_model, "attn", root / "good")
-    return root
-
-
-@pytest.fixture(scope="session")
-def probe(demo_model_dir, adapter_root) -> Iterator[RunningServer]:
-    running = start_server(demo_model_dir, api_key=PROBE_KEY, adapter_roots=[str(adapter_root)], max_model_len=64,
-                           max_concurrent=PROBE_MAX_CONCURRENT, max_queue=PROBE_MAX_QUEUE)
-    yield running
-    running.stop()
-
-
-@pytest.fixture(scope="session")
-def v32_dir(tmp_path_factory) -> Path:
-    """The tiny DeepSeek-V3.2 in its released layout, written as a user writes it: `ktserve make-demo-model DIR
-    --arch deepseek_v32`."""
-    from server.cli import main
-
-    out = tmp_path_factory.mktemp("v32")
-    assert main(["make-demo-model", str(out), "--arch", "deepseek_v32"]) == 0
-    return out
-
-
-@pytest.fixture(scope="session")
-def v32_reference(v32_dir, tmp_path_factory):
-    """transformers' DeepseekV32ForCausalLM in float32 on the dequantized weights (the MTP layer left out)."""
-    import json
-    import shutil
-
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
-    from engines.checkpoints.source import SafetensorsSource
-
-    out = tmp_path_factory.mktemp("v32-dequantized")
-    config = json.loads((v32_dir / "config.json").read_text())
-    config.pop("quantization_config")
-    (out / "config.json").write_text(json.dumps(config))
-    weights = SafetensorsSource(v32_dir, config["num_hidden_layers"]).state_dict(torch.float32)
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(v32_dir / name, out / name)
-    return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="session")
-def v32_tokenizer(v32_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(v32_dir)

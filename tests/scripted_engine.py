@@ -70,7 +70,7 @@ class ScriptedEngine(LLMEngine):
 @contextmanager
 def scripted_server(model_dir: Any, **settings: Any) -> Iterator[Any]:
     """A real server (conftest.start_server) around a ScriptedEngine reading `model_dir`'s tokenizer."""
-    from conftest import start_server
+    from tests.conftest import start_server
 
     BUILTIN_ENGINES["scripted"] = f"{__name__}:ScriptedEngine"
     try:

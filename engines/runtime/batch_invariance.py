@@ -22,8 +22,8 @@ of its own instead:
   prefixes.py): the same request again, started from the state its first run kept, computes its tail in the chunk
   and over the cache its first run did, so a batch-invariant one gets the same bits (where the chunk size is a
   multiple of its 128-position pages).
-kt-kernel's CPU kernels compute a row alike at every call size (tests/test_batch_invariance.py measures it per
-method), so the experts would not need the split; the rest of the model does.
+kt-kernel's CPU kernels compute a row alike at every call size (tests/engines/runtime/test_batch_invariance.py
+measures it per method), so the experts would not need the split; the rest of the model does.
 
 The cost is the batching those requests give up: their decode steps read the weights once per request. Which
 requests pay it is the `batch_invariant` setting (`POLICIES`): by default those whose numbers are compared

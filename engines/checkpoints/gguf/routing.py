@@ -67,8 +67,9 @@ RELEASES = (
     Release("DeepSeek-V2-Lite / Coder-V2-Lite", _shape(27, 2048, 64, 6, 16, 1), False,
             _routing(1, 1, 1.0, False, "softmax")),
     Release("Kimi-K2", _shape(61, 7168, 384, 8, 64, 1), True, _routing(1, 1, 2.827, True, "sigmoid")),
-    # engines/demo_model.py's (which users convert with llama.cpp's tools too; tests/test_gguf_routing.py checks
-    # this against its config, which cannot be imported here: it reaches the ktransformers engine's families)
+    # engines/demo_model.py's (which users convert with llama.cpp's tools too;
+    # tests/engines/checkpoints/test_gguf_routing.py checks this against its config, which cannot be imported here: it
+    # reaches the ktransformers engine's families)
     Release("ktserve's demo model", _shape(4, 256, 16, 4, 4, 1), True, _routing(4, 2, 2.5, True, "sigmoid"),
             "config (engines/demo_model.py)"),
 )

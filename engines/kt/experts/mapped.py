@@ -51,8 +51,8 @@ MAX_TOKENS = 128
 # MXFP4 copies go through the kernels this many tokens at a time. Triton 3.6's build of their form for blocks of
 # 64 tokens and more reads out of range (H200 machine, 2026-11-28: compute-sanitizer reports "Out-of-range shared
 # or local address" in gate_up, sums off by 1e3 at V4's tiny dimensions, an illegal access at V4-Flash's), while
-# blocks of 16 and 32 match the float32 reference (tests/test_v4_gpu.py). A call of 64 or 128 tokens (a prompt's
-# tail) then reads the experts two or four times; decode steps of up to 32 sequences, once.
+# blocks of 16 and 32 match the float32 reference (tests/engines/kt/families/deepseek_v4/test_v4_gpu.py). A call of 64
+# or 128 tokens (a prompt's tail) then reads the experts two or four times; decode steps of up to 32 sequences, once.
 MXFP4_TOKENS = 32
 # The kernels' read rate, alone, H100 machine, 2026-11-26: 50.3-51.0 GB/s for each kernel at 1 and 16 tokens
 # (bench/results/nvidia-h100-2026-11-26-fork/tune/; a host-issued copy read 53.9-54.3 GB/s on such machines). Every
@@ -98,7 +98,7 @@ def default_read_share(method: str, num_experts: int, held: int, hidden: int, in
 # in bench/results/nvidia-h100-2026-11-26-mapped/, avx512_bf16 and avx2 builds); the avx512_bf16 build's RAWINT4
 # class crashed the process for some counts (33 experts of 256 x 256; 12, 13 and 20 of 128 x 64), and LLAMAFILE
 # has no stream path. MXFP4 (DeepSeek-V4's released experts, whose copies are the released bytes) computed 13 and
-# 9 of 20 experts of 256 x 128 on both builds (tests/test_v4_streamed_experts.py).
+# 9 of 20 experts of 256 x 128 on both builds (tests/engines/kt/families/deepseek_v4/test_v4_streamed_experts.py).
 OWNABLE_METHODS = frozenset({"AMXINT8", "AMXINT4", "BF16", "FP8", "MXFP4"})
 
 

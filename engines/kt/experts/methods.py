@@ -97,7 +97,7 @@ MEMORY_HEADROOM = 0.9  # of MemAvailable the routed experts may take
 # The kt-kernel classes that keep reading the weight tensors they were given, for as long as they live; every other
 # class quantizes or packs them into buffers of its own while loading, after which those tensors may be freed.
 # Checked with kt-kernel 0.7.2 by zeroing the tensors after the load and computing again (the avx512_bf16 and
-# avx2 builds; the amx build's classes are those of the avx512 ones): tests/test_kt_experts_cpu.py.
+# avx2 builds; the amx build's classes are those of the avx512 ones): tests/engines/kt/experts/test_kt_experts_cpu.py.
 READS_IN_PLACE = frozenset({"AVX2RawInt4_MOE", "MOE"})
 
 
@@ -174,8 +174,8 @@ LLAMAFILE_TYPES = ("Q8_0", "BF16")
 _BF16_BLOCK_VARIANTS = ("amx", "avx512_bf16")  # the avx2 build aborts with "llamafile not supported"
 _EVERY_BUILD = ("amx", "avx512_bf16", "avx512_vbmi", "avx512_vnni", "avx512_base", "avx2")
 # The ggml types of GGUF routed experts (ffn_*_exps) the llamafile kernel computes in place, and on which builds.
-# Measured with kt-kernel 0.7.2 against the gguf package's dequantize (tests/test_gguf_experts.py; 8 experts,
-# top-2, H=256, I=512, 1 and 24 tokens): the kernel quantizes activations to 8 bits, so its output differs by
+# Measured with kt-kernel 0.7.2 against the gguf package's dequantize (tests/engines/checkpoints/test_gguf_experts.py; 8
+# experts, top-2, H=256, I=512, 1 and 24 tokens): the kernel quantizes activations to 8 bits, so its output differs by
 # 1.2% (Q8_0, Q4_0, Q5_0) and 1.6-2.2% (Q4_K, Q5_K, Q6_K) relative to the dequantized weights on the
 # avx512_bf16, avx512_vbmi, avx512_vnni, avx512_base and avx2 builds; BF16 by 0.2% on avx512_bf16, while the
 # other avx512 builds return garbage (135%) and avx2 aborts. IQ4_XS gave 2.7-7.1% on every build, more than

@@ -63,8 +63,9 @@ def is_fp8(name: str) -> bool:
 def random_bf16_weights(config: dict, seed: int, copy_last_layer: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor under its released name, before FP8 quantization: the V3 demo's decoder and MTP layer, then
     every layer's indexer, drawn on from the MTP layer's decoder layer (seed + 1). The test figures
-    (docs/models/deepseek-v32.md, tests/test_kt_deepseek_v32.py) were measured on these bytes: past index_topk a
-    near tie in the indexer's scores decides which positions attend, so other draws give other figures."""
+    (docs/models/deepseek-v32.md, tests/engines/kt/families/deepseek_v32/test_kt_deepseek_v32.py) were measured on these
+    bytes: past index_topk a near tie in the indexer's scores decides which positions attend, so other draws give other
+    figures."""
     weights = _random_weights(config, seed)
     weights.update(mtp_layer_tensors(config, weights, seed + 1, copy_last_layer))
     gen = torch.Generator().manual_seed(seed + 1)

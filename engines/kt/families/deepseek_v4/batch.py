@@ -236,7 +236,7 @@ def csa_row(compressor: nn.Module, x: torch.Tensor, q_residual: torch.Tensor, po
     row's projections join both buffers of the cache layer `state`, the compressed entries stay as they are, and the
     indexer scores them only where there are more than it keeps (otherwise it keeps them all: no bias). A row after
     every earlier position of its sequence may see every entry, so none is masked as in its future. The module's
-    entries, bias values and cache state (tests/test_v4_attention.py)."""
+    entries, bias values and cache state (tests/engines/kt/families/deepseek_v4/test_v4_attention.py)."""
     indexer = compressor.indexer
     state.store_compression_weights("compressor", compressor.kv_proj(x), compressor.gate_proj(x))
     state.store_compression_weights("indexer", indexer.kv_proj(x), indexer.gate_proj(x))
