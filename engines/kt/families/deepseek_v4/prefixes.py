@@ -6,7 +6,7 @@ a multiple of `PAGE` = 128 positions, the heavily compressed layers' window, its
 sparse layers' 4. There every compressor has closed its windows (its buffers are empty), so the state is the
 sliding window's last 127 keys per layer, the compressed entries (and the indexer's keys) up to there, and the
 CSA layers' overlap slices: what a cold run holds at that position, nothing half-done. A state is keyed by the
-chain hash of its 128-token pages (the V2/V3 pool's hashing, engines/kt/attention/block_pool.py: every page's hash
+chain hash of its 128-token pages (the V2/V3 pool's hashing, engines/kt/cache/block_pool.py: every page's hash
 covers the tokens before it and the adapter), so a state is found only for the very tokens and adapter it holds.
 
 Which boundaries a prompt keeps, and why not every one: each state costs its sliding windows whatever its length

@@ -2,14 +2,14 @@
 (engines/kt/experts/cpu.py's stream-ordered path, decode_kernel.StreamTask) as kt-kernel's are queued, in eager
 steps and in captured CUDA graphs; the GPU machine runs these (`pytest -m gpu`).
 
-Tolerances as tests/test_decode_calls.py's (the kernel against kt-kernel on the same layer, relative error of the
+Tolerances as tests/engines/kt/experts/test_decode_calls.py's (the kernel against kt-kernel on the same layer, relative error of the
 norms: both read the released MXFP4 bytes; INT8 is quantized per row both ways)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from helpers import require_kt_kernel
+from tests.helpers import require_kt_kernel
 
 pytestmark = pytest.mark.gpu
 require_kt_kernel()
@@ -112,7 +112,7 @@ def served(demo_model_dir, tokenizer):
     """The demo model on the GPU (its default rules: experts on the CPU, their output on the GPU), kernel on and
     off: prompt logprobs in chunks of 8 tokens, a greedy completion's logprobs (decode steps, from CUDA graphs)
     and /version's details."""
-    from conftest import start_server
+    from tests.conftest import start_server
 
     text = ("The river begins in the mountains, where snow melts each spring and feeds a hundred small streams. "
             "They join in the valley, turn the old mills and slow down in the plain. ") * 2
@@ -143,7 +143,7 @@ def test_logprobs_from_the_gpu_path_agree_with_kt_kernels(served):
     # two 8-bit quantizations of the same experts under the GPU's bf16 layers: measured on the H200 machine
     # (2026-12-02) median 0.031, largest 1.23 over ~60 positions of logprobs around -40 (the CPU path, float32
     # layers: 0.025 / 0.088); the demo architecture's bf16 logits move by units at a few positions whenever an
-    # input moves by rounding (tests/test_kt_gpu_flashinfer.py: largest 1.73 between two forms of one attention),
+    # input moves by rounding (tests/engines/kt/test_kt_gpu_flashinfer.py: largest 1.73 between two forms of one attention),
     # while a wrong row or expert moves the median by whole units
     ours, theirs = served["on"][0], served["off"][0]
     diffs = sorted(abs(a - b) for a, b in zip(ours, theirs))

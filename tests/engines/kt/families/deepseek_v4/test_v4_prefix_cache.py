@@ -11,10 +11,10 @@ import httpx
 import pytest
 import torch
 
-from conftest import start_server
-from helpers import require_kt_kernel
-from v4_helpers import V4_LOGPROB_TOLERANCE, load_v4_runner, runner_sequence
-from v4_lora_helpers import make_kt_sft_v4_adapter
+from tests.conftest import start_server
+from tests.helpers import require_kt_kernel
+from .v4_helpers import V4_LOGPROB_TOLERANCE, load_v4_runner, runner_sequence
+from .v4_lora_helpers import make_kt_sft_v4_adapter
 
 require_kt_kernel()
 
