@@ -287,37 +287,50 @@ AI int int_path(int fmt) { return INT_PATH && (fmt == DK_MXFP4 || fmt == DK_INT4
  *   int32 start[DK_WIDTH]: lane 4j + l = -off x the sum of the 8 q's lane 4j + l multiplies (lo and hi
  *         bytes 16j + 4l .. 16j + 4l + 3), where off is the format's weight offset (MXFP4 12, INT4 8)
  *   float scale[DK_WIDTH]: lane 4j + l = the group's scale (MXFP4: halved)
- * Groups past the row's end are all zero. */
+ * Groups past the row's end are all zero. A group of values v: amax = max |v| (NaN if one is), and where
+ * 0 < amax < inf, q = rint(v * (127 / amax)) and the scale amax / 127; else q = 0 and the scale 0 (amax 0) or
+ * NaN, which the products then carry. */
 AI void quantize_group(const float *v, int fmt, uint8_t *chunk, int j) {
-    float amax = 0.f;
-    for (int i = 0; i < 32; i++) {
-        float a = fabsf(v[i]);
-        amax = (a > amax || a != a) ? a : amax; /* a NaN is kept, and makes the scale NaN */
+    /* AVX2 ops only (every half has them), computing the definition above: rounding by
+     * cvtps2dq is to nearest even under the workers' MXCSR, as rintf */
+    __m256 x[4], m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int i = 0; i < 4; i++) {
+        x[i] = _mm256_loadu_ps(v + 8 * i);
+        m = _mm256_max_ps(m, _mm256_and_ps(x[i], abs));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(x[i], x[i], _CMP_UNORD_Q));
     }
-    int8_t q[32];
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    float amax = _mm_movemask_ps(_mm_or_ps(_mm256_castps256_ps128(nan), _mm256_extractf128_ps(nan, 1))) ? (float)NAN
+                                                                                                       : _mm_cvtss_f32(h);
+    __m256i q[4];
     float d;
-    if (amax > 0.f && amax <= 3.4028234e38f) {
-        float inv = 127.f / amax;
-        for (int i = 0; i < 32; i++) q[i] = (int8_t)(int)rintf(v[i] * inv);
+    if (amax > 0.f && amax <= 3.4028234e38f) { /* a NaN fails both */
+        __m256 inv = _mm256_set1_ps(127.f / amax);
+        for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], inv));
         d = amax / 127.f;
     } else { /* all zero, or not finite: the group's products come out 0 x NaN */
-        memset(q, 0, 32);
-        d = amax > 0.f ? (float)NAN : 0.f;
+        for (int i = 0; i < 4; i++) q[i] = _mm256_setzero_si256();
+        d = amax == 0.f ? 0.f : (float)NAN;
     }
     if (fmt == DK_MXFP4) d *= 0.5f;
     int off = fmt == DK_MXFP4 ? 12 : 8;
-    int8_t *lo = (int8_t *)chunk + 16 * j, *hi = (int8_t *)chunk + 16 * GPC + 16 * j;
-    int32_t start[4];
-    float scale[4];
-    for (int b = 0; b < 16; b++) { lo[b] = q[2 * b]; hi[b] = q[2 * b + 1]; }
-    for (int l = 0; l < 4; l++) {
-        int sum = 0;
-        for (int b = 4 * l; b < 4 * l + 4; b++) sum += q[2 * b] + q[2 * b + 1];
-        start[l] = -off * sum;
-        scale[l] = d;
-    }
-    memcpy(chunk + 32 * GPC + 16 * j, start, 16);
-    memcpy(chunk + 32 * GPC + 4 * DK_WIDTH + 16 * j, scale, 16);
+    /* the 32 q's as bytes in order, then even ones (low nibbles' columns) to lo, odd ones to hi */
+    __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi16(_mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8),
+                                                            _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8)),
+                                         0xD8);
+    w = _mm256_shuffle_epi8(w, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                                0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    w = _mm256_permute4x64_epi64(w, 0xD8);
+    _mm_storeu_si128((__m128i *)(chunk + 16 * j), _mm256_castsi256_si128(w));
+    _mm_storeu_si128((__m128i *)(chunk + 16 * GPC + 16 * j), _mm256_extracti128_si256(w, 1));
+    /* lane l of the group multiplies q[8l .. 8l + 7]: start = -off x their sum */
+    __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(q[0], q[1]), _mm256_hadd_epi32(q[2], q[3]));
+    __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    _mm_storeu_si128((__m128i *)(chunk + 32 * GPC + 16 * j), _mm_mullo_epi32(sum, _mm_set1_epi32(-off)));
+    _mm_storeu_ps((float *)(chunk + 32 * GPC + 4 * DK_WIDTH + 16 * j), _mm_set1_ps(d));
 }
 
 AI void zero_group(uint8_t *chunk, int j) {
@@ -482,7 +495,15 @@ static void prepare(int fmt, const void *src, int bf16, int k, void *dst) {
     int groups = k / 32;
     for (int g = 0; g < groups; g++) {
         float v[32];
-        for (int i = 0; i < 32; i++) v[i] = load_one(src, bf16, 32 * g + i);
+        if (bf16) {
+            const uint16_t *s16 = (const uint16_t *)src + 32 * g;
+            for (int i = 0; i < 32; i++) {
+                uint32_t u = (uint32_t)s16[i] << 16;
+                memcpy(v + i, &u, 4);
+            }
+        } else {
+            memcpy(v, (const float *)src + 32 * g, sizeof v);
+        }
         quantize_group(v, fmt, d + (size_t)CHUNK_BYTES * (g / GPC), g % GPC);
     }
     for (int g = groups; g % GPC; g++) zero_group(d + (size_t)CHUNK_BYTES * (g / GPC), g % GPC);
