@@ -14,7 +14,10 @@ the same child process after ours (MXFP4: AMXFP4_KGroup_MOE; INT8: AMXInt8_MOE; 
 AMXFP8_MOE on the amx build), each driven from Python as the CPU-only engine drives it.
 
 Each (format, threads) pair runs in a child process (kt-kernel's pool is process-wide). Prints one JSON line
-per measurement and a summary object last; with --out, writes decode_kernel.json there."""
+per measurement and a summary object last; with --out, writes decode_kernel.json there. Our rows name the
+kernel's vector half in `impl` and `isa` (avx512-vnni, avx512, avx2-vnni, avx2; KTSERVE_DECODE_KERNEL_ISA picks
+another) and in `dot_products` whether it took the format's dot products on int8-quantized activations ("int8":
+MXFP4 and INT4 on the integer path) or in float."""
 from __future__ import annotations
 
 import argparse
@@ -130,12 +133,12 @@ def child(fmt: str, threads: int, tokens: list[int], kt: bool, pin: bool, budget
     pool = dk.DecodePool(threads, cpus)
     rows = []
 
-    def report(impl: str, n: int, calls: list, sec: float, per_expert: int = expert_bytes) -> None:
+    def report(impl: str, n: int, calls: list, sec: float, per_expert: int = expert_bytes, **more) -> None:
         distinct = sum(len({int(e) for e in ids.flatten()}) for _, ids, _ in calls) / len(calls)
         gbps = distinct * per_expert / sec / 1e9
         row = {"format": fmt, "impl": impl, "threads": threads, "tokens": n, "experts_read": round(distinct, 2),
                "MB_per_expert": round(per_expert / 1e6, 3),
-               "ms_per_call": round(sec * 1e3, 4), "GB_s": round(gbps, 1), "of_read": round(gbps / read, 3)}
+               "ms_per_call": round(sec * 1e3, 4), "GB_s": round(gbps, 1), "of_read": round(gbps / read, 3), **more}
         rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -143,7 +146,8 @@ def child(fmt: str, threads: int, tokens: list[int], kt: bool, pin: bool, budget
     out = torch.empty(max(tokens), s.hidden, dtype=torch.bfloat16)
     for n in tokens:
         sec = _time(lambda layer, x, ids, w: layer.forward(x, ids, w, pool, out=out[:x.shape[0]]), layers, work[n])
-        report(f"ktserve {dk.isa()}", n, work[n], sec)
+        report(f"ktserve {dk.isa()}", n, work[n], sec, isa=dk.isa(),
+               dot_products="int8" if dk.quantizes_activations(fmt) else "float")
     pool.close()
     del layers
     if kt:

@@ -4,6 +4,8 @@ Decode calls (a few rows) read each chosen expert once; our kernel (engines/kt/e
 weights at the memory's rate where kt-kernel's classes do not (bench/results/nvidia-h200-2026-12-02-decode-kernel:
 14 threads, one layer call, ours against kt-kernel's at 1 / 16 tokens: MXFP4 1.48 / 18.0 ms against 2.20 / 46.8,
 INT8 0.57 / 5.15 against 0.93 / 7.26, INT4 0.52 / 4.47 against 0.75 / 5.16, FP8 6.15 / 46.6 against 6.13 / 57.3).
+Those are the kernel's float dot products; MXFP4 and INT4 have since taken theirs on int8-rounded activations where
+the CPU has AVX512-VNNI, AVX-VNNI or AVX2 (the decode kernel's docstring), not yet measured on that host.
 The choice is made here, in one place, once per layer at load (`DecodeKernelPolicy.build`), and per call only
 from the call's own row count (`DecodeCalls.covers`), so a row's result never depends on other requests' rows
 beyond what that count already decides (batch-invariant requests run their chunks alone).

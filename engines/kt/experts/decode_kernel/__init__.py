@@ -6,9 +6,18 @@ down, the weighted sum), reading the weights in place: MXFP4 (V4's E2M1 + UE8M0 
 blocks with float multipliers (V3/R1), and INT8 (per-row scales) / INT4 (bf16 scales per 32) quantized at load.
 A row's result is bit-identical whatever else is in the call and whatever the thread count (src/dk.c says how).
 
-The C library is built by build.py (AVX-512 and AVX2 halves, one chosen at run time;
-KTSERVE_DECODE_KERNEL_ISA=avx2 forces the AVX2 one). Where it cannot be built or loaded, `unavailable_reason()`
-says why and callers keep kt-kernel."""
+MXFP4 and INT4 take their dot products in integers where the CPU has them (AVX512-VNNI, AVX-VNNI, or AVX2's
+byte multiply-adds): each row's activations, and its SwiGLU output, are quantized once per call to int8 in groups
+of 32 with a float scale each, the four-bit codes become bytes by a table, and one float FMA per group scales the
+exact int32 sums (src/isa_impl.h; `quantizes_activations` says where). The four-bit formats were bound by their
+per-weight float work, not by memory (bench/results/nvidia-h200-2026-12-02-decode-kernel); the int8
+activations add their rounding, at most half a step (amax / 254 of the group) per element. FP8 and INT8 stay in
+float.
+
+The C library is built by build.py (halves avx512-vnni, avx512, avx2-vnni, avx2, the best the CPU has chosen at
+run time; KTSERVE_DECODE_KERNEL_ISA names another: avx2 forces the plain AVX2 one, avx512 the AVX-512 one without
+VNNI, which computes every format in float). Where it cannot be built or loaded, `unavailable_reason()` says why
+and callers keep kt-kernel."""
 from __future__ import annotations
 
 import ctypes
@@ -37,6 +46,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dk_isa_name.restype = ctypes.c_char_p
     lib.dk_force_isa.argtypes = [ctypes.c_char_p]
     lib.dk_force_isa.restype = i
+    lib.dk_quantizes_activations.argtypes = [i]
+    lib.dk_quantizes_activations.restype = i
     lib.dk_layer_create.argtypes = [i, i, i, i, p, f]
     lib.dk_layer_create.restype = p
     lib.dk_layer_destroy.argtypes = [p]
@@ -82,17 +93,28 @@ def unavailable_reason() -> str | None:
     return _why
 
 
+ISAS = ("avx512-vnni", "avx512", "avx2-vnni", "avx2")  # the vector halves, best first
+
+
 def isa() -> str:
-    """"avx512", "avx2" or "none": the vector half this process runs."""
+    """One of ISAS, or "none": the vector half this process runs."""
     lib = library()
     return lib.dk_isa_name().decode() if lib is not None else "none"
 
 
 def force_isa(name: str) -> bool:
-    """Run the `name` half ("avx512", "avx2") from now on, if this CPU has it (tests of both paths in one
-    process; never while a call runs). False where it cannot."""
+    """Run the `name` half (one of ISAS) from now on, if this CPU has it (tests of every path in one process;
+    never while a call runs). False where it cannot."""
     lib = library()
     return lib is not None and bool(lib.dk_force_isa(name.encode()))
+
+
+def quantizes_activations(fmt: str) -> bool:
+    """Whether the half this process runs takes `fmt`'s dot products in int8: activations (and the SwiGLU
+    output) quantized per row in groups of 32, symmetric, scale amax / 127 (src/isa_impl.h, the integer path:
+    MXFP4 and INT4 on avx512-vnni, avx2-vnni and avx2). False: float dot products."""
+    lib = library()
+    return lib is not None and lib.dk_quantizes_activations(FORMATS[fmt]) == 1
 
 
 class DecodePool:

@@ -1,9 +1,10 @@
 """Builds the decode kernel's shared library with the C compiler: `python -m engines.kt.experts.decode_kernel.build`.
 
-Plain C and a ctypes library, so a fresh clone needs only Python and gcc (no Python headers, no C++ compiler,
-no torch headers). One library holds both vector halves, each file compiled with its own target flags
-(never -march=native), so the same build runs on AMX and AVX-512 Xeons and on AVX2-only CPUs; the dispatcher
-picks a half at run time. The library's name carries a hash of the sources and flags: a changed source builds
+Plain C and a ctypes library, so a fresh clone needs only Python and gcc (gcc 11 or later for AVX-VNNI; no
+Python headers, no C++ compiler, no torch headers). One library holds every vector half (AVX-512 with and
+without VNNI, AVX2 with and without AVX-VNNI), each file compiled with its own target flags (never
+-march=native), so the same build runs on AMX and AVX-512 Xeons and on AVX2-only CPUs; the dispatcher picks a
+half at run time from cpuid. The library's name carries a hash of the sources and flags: a changed source builds
 anew, and processes never load a stale one. scripts/install.sh runs this; a process that finds no library
 builds it on first use (a few seconds), and where that fails the engine keeps kt-kernel."""
 from __future__ import annotations
@@ -19,10 +20,14 @@ from pathlib import Path
 SRC = Path(__file__).parent / "src"
 COMMON = ["-O3", "-fPIC", "-std=gnu11", "-Wall", "-Wno-unused-function", "-ffp-contract=off",
           "-fno-strict-aliasing"]
-UNITS = {  # source -> its own target flags
+AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+UNITS = {  # source -> its own target flags (dk.c runs a unit's code only where cpuid reports its features)
     "dk.c": [],
-    "avx512.c": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
-    "avx2.c": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512vnni.c": [*AVX512, "-mavx512vnni"],
+    "avx512.c": AVX512,
+    "avx2vnni.c": [*AVX2, "-mavxvnni"],
+    "avx2.c": AVX2,
 }
 LINK = ["-shared", "-lpthread", "-lm"]
 

@@ -1,9 +1,11 @@
 /* The decode kernel's dispatcher: ISA choice, layers, the worker pool and the phases of a call.
- * Built without ISA flags; avx512.c / avx2.c hold the vector code, chosen once at run time.
+ * Built without ISA flags; avx512vnni.c, avx512.c, avx2vnni.c and avx2.c hold the vector code, one half
+ * chosen once at run time from what cpuid reports.
  *
  * A call runs three phases on every worker, separated by barriers:
- *   0  convert the rows' activations to float (in the order the ISA's dot products read them)
- *   1  gate/up + SwiGLU: items are (expert, 16 intermediate rows), taken from a shared counter
+ *   0  the rows' activations into the form the ISA's dot products read (float in their order, or int8 groups)
+ *   1  gate/up + SwiGLU: items are (expert, 16 intermediate rows; 32 where the half quantizes activations,
+ *      so that an item ends with a whole group of the down projection's input), from a shared counter
  *   2  down: items are (expert, 32 hidden rows), each expert's output kept per (row, slot)
  *   3  the weighted sum over each row's slots in slot order, split over hidden columns
  * Which worker computes an item never changes what it computes, so results do not depend on the thread
@@ -24,7 +26,6 @@
 #include <immintrin.h>
 #include "dk.h"
 
-#define GATEUP_ROWS 16
 #define DOWN_ROWS 32
 #define SUM_COLS 256
 #define MAX_R 256 /* rows one ISA call takes (isa_impl.h: MAXR) */
@@ -46,19 +47,48 @@ static int cpu_has_avx2(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
+/* the halves, best first; a CPU runs the first one it has */
+static const struct {
+    const char *name;
+    const dk_isa_ops *ops;
+    int isa;
+} HALVES[] = {
+    {"avx512-vnni", &dk_ops_avx512_vnni, DK_ISA_AVX512_VNNI},
+    {"avx512", &dk_ops_avx512, DK_ISA_AVX512},
+    {"avx2-vnni", &dk_ops_avx2_vnni, DK_ISA_AVX2_VNNI},
+    {"avx2", &dk_ops_avx2, DK_ISA_AVX2},
+};
+#define HALF_COUNT 4
+
+static int cpu_has_half(int i) {
+    switch (i) {
+    case 0: return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
+    case 1: return cpu_has_avx512();
+    case 2: return cpu_has_avx2() && __builtin_cpu_supports("avxvnni");
+    case 3: return cpu_has_avx2();
+    default: return 0;
+    }
+}
+
 static void choose_isa(void) {
     if (chosen_isa) return;
     for (int e = 0; e < 256; e++) dk_e8m0[e] = ldexpf(1.f, e - 127);
+    /* KTSERVE_DECODE_KERNEL_ISA names the best half to use (a lesser one where the CPU lacks it), or none */
     const char *want = getenv("KTSERVE_DECODE_KERNEL_ISA");
-    int avx512 = cpu_has_avx512(), avx2 = cpu_has_avx2();
-    if (want && !strcmp(want, "avx2")) avx512 = 0;
-    if (want && !strcmp(want, "none")) avx512 = avx2 = 0;
-    if (avx512) { chosen = &dk_ops_avx512; chosen_isa = DK_ISA_AVX512; }
-    else if (avx2) { chosen = &dk_ops_avx2; chosen_isa = DK_ISA_AVX2; }
-    else chosen_isa = -1;
+    int first = 0;
+    if (want && !strcmp(want, "none")) first = HALF_COUNT;
+    for (int i = 0; want && i < HALF_COUNT; i++)
+        if (!strcmp(want, HALVES[i].name)) first = i;
+    chosen_isa = -1;
+    for (int i = first; i < HALF_COUNT; i++)
+        if (cpu_has_half(i)) {
+            chosen = HALVES[i].ops;
+            chosen_isa = HALVES[i].isa;
+            break;
+        }
 }
 
-/* DK_ISA_AVX512, DK_ISA_AVX2, or 0 where this CPU has neither (or KTSERVE_DECODE_KERNEL_ISA=none) */
+/* DK_ISA_*, or 0 where this CPU has no half (or KTSERVE_DECODE_KERNEL_ISA=none) */
 int dk_isa(void) {
     choose_isa();
     return chosen_isa > 0 ? chosen_isa : 0;
@@ -66,15 +96,22 @@ int dk_isa(void) {
 
 const char *dk_isa_name(void) { return dk_isa() ? chosen->name : "none"; }
 
-/* Switch to another half ("avx512", "avx2") where this CPU has it, for tests of both in one process; only
- * while no call runs. Returns the ISA now chosen (0: none). */
+/* Switch to the half `name` ("avx512-vnni", "avx512", "avx2-vnni", "avx2") where this CPU has it, for tests of
+ * each in one process; only while no call runs. Returns the ISA now chosen (0: none, the choice unchanged). */
 int dk_force_isa(const char *name) {
     choose_isa();
-    if (!strcmp(name, "avx512") && cpu_has_avx512()) { chosen = &dk_ops_avx512; chosen_isa = DK_ISA_AVX512; }
-    else if (!strcmp(name, "avx2") && cpu_has_avx2()) { chosen = &dk_ops_avx2; chosen_isa = DK_ISA_AVX2; }
-    else return 0;
-    return chosen_isa;
+    for (int i = 0; i < HALF_COUNT; i++)
+        if (!strcmp(name, HALVES[i].name) && cpu_has_half(i)) {
+            chosen = HALVES[i].ops;
+            chosen_isa = HALVES[i].isa;
+            return chosen_isa;
+        }
+    return 0;
 }
+
+/* 1 where the chosen half quantizes the activations of format fmt to int8 (MXFP4 / INT4 on the integer
+ * path: isa_impl.h), 0 where it computes in float, -1 without a half */
+int dk_quantizes_activations(int fmt) { return dk_isa() ? chosen->quantizes_activations(fmt) : -1; }
 
 /* ------------------------------------------------------------------------------------------ layers */
 static int dup_ptrs(dk_mat *m, const int64_t *w, const int64_t *s, int experts, int rows, int cols) {
@@ -150,8 +187,9 @@ typedef struct dk_call {
     int *pair_start; /* [used + 1] into pair_row / pair_slot */
     int *pair_row, *pair_slot;
     int *pair_of;    /* [tokens * top_k]: the pair index of (row, slot), -1 none */
-    float *xf;       /* [tokens, hidden] */
-    float *h;        /* [pairs, inter] */
+    uint8_t *xf;     /* [tokens] activation rows in the ISA's form, x_stride bytes each */
+    uint8_t *h;      /* [pairs] SwiGLU outputs in the ISA's form, h_stride bytes each */
+    size_t x_stride, h_stride;
     float *y;        /* [pairs, hidden] */
     atomic_int next[4];
 } dk_call;
@@ -190,13 +228,6 @@ static void barrier(dk_pool *p, int which) {
         else sched_yield(); /* more threads than free cores: let the late one run */
 }
 
-static float bf16f(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 static uint16_t to_bf16(float f) { /* round to nearest even, as torch does */
     uint32_t u;
     memcpy(&u, &f, 4);
@@ -209,30 +240,25 @@ static void run_call(dk_pool *p, int me) {
     const dk_layer *L = c->L;
     const dk_isa_ops *ops = chosen;
     int H = L->hidden, I = L->inter, T = c->tokens, K = c->top_k;
-    /* 0: activations to float, permuted */
-    for (int t = me; t < T; t += p->threads) {
-        float *dst = c->xf + (size_t)t * H;
-        if (c->x_bf16) {
-            const uint16_t *src = (const uint16_t *)c->x + (size_t)t * H;
-            for (int i = 0; i < H; i++) dst[i] = bf16f(src[ops->natural_index(L->fmt, i)]);
-        } else {
-            const float *src = (const float *)c->x + (size_t)t * H;
-            for (int i = 0; i < H; i++) dst[i] = src[ops->natural_index(L->fmt, i)];
-        }
-    }
+    /* 0: activations into the ISA's form */
+    for (int t = me; t < T; t += p->threads)
+        ops->prepare(L->fmt, (const uint8_t *)c->x + (size_t)t * H * (c->x_bf16 ? 2 : 4), c->x_bf16, H,
+                     c->xf + c->x_stride * t);
     barrier(p, 0);
     /* 1: gate/up */
-    int per_expert = (I + GATEUP_ROWS - 1) / GATEUP_ROWS, items = c->used * per_expert;
-    const float *xs[MAX_R];
-    float *hs[MAX_R];
+    int rows = ops->gateup_rows(L->fmt);
+    int per_expert = (I + rows - 1) / rows, items = c->used * per_expert;
+    const void *xs[MAX_R];
+    void *hs[MAX_R];
+    float *ys[MAX_R];
     for (int it; (it = atomic_fetch_add_explicit(&c->next[1], 1, memory_order_relaxed)) < items;) {
         int u = it % c->used, chunk = it / c->used; /* neighbouring items on different experts */
-        int i0 = chunk * GATEUP_ROWS, i1 = i0 + GATEUP_ROWS < I ? i0 + GATEUP_ROWS : I;
+        int i0 = chunk * rows, i1 = i0 + rows < I ? i0 + rows : I;
         for (int q0 = c->pair_start[u]; q0 < c->pair_start[u + 1]; q0 += MAX_R) {
             int R = c->pair_start[u + 1] - q0 < MAX_R ? c->pair_start[u + 1] - q0 : MAX_R;
             for (int r = 0; r < R; r++) {
-                xs[r] = c->xf + (size_t)c->pair_row[q0 + r] * H;
-                hs[r] = c->h + (size_t)(q0 + r) * I;
+                xs[r] = c->xf + c->x_stride * c->pair_row[q0 + r];
+                hs[r] = c->h + c->h_stride * (q0 + r);
             }
             ops->gateup(L, c->expert[u], i0, i1, xs, R, hs);
         }
@@ -247,10 +273,10 @@ static void run_call(dk_pool *p, int me) {
         for (int q0 = c->pair_start[u]; q0 < c->pair_start[u + 1]; q0 += MAX_R) {
             int R = c->pair_start[u + 1] - q0 < MAX_R ? c->pair_start[u + 1] - q0 : MAX_R;
             for (int r = 0; r < R; r++) {
-                xs[r] = c->h + (size_t)(q0 + r) * I;
-                hs[r] = c->y + (size_t)(q0 + r) * H;
+                xs[r] = c->h + c->h_stride * (q0 + r);
+                ys[r] = c->y + (size_t)(q0 + r) * H;
             }
-            ops->down(L, c->expert[u], n0, n1, xs, R, hs);
+            ops->down(L, c->expert[u], n0, n1, xs, R, ys);
         }
     }
     barrier(p, 2);
@@ -348,12 +374,13 @@ void dk_pool_destroy(dk_pool *p) {
     free(p->tid); free(p->cpus); free(p);
 }
 
-static int grow_floats(float **buf, size_t *cap, size_t need) {
-    if (need <= *cap && *buf) return 0;
-    free(*buf);
-    *buf = aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);
-    *cap = *buf ? need : 0;
-    return *buf ? 0 : -1;
+static int grow_bytes(void *buf, size_t *cap, size_t need) {
+    void **b = buf;
+    if (need <= *cap && *b) return 0;
+    free(*b);
+    *b = aligned_alloc(64, (need + 63) / 64 * 64);
+    *cap = *b ? need : 0;
+    return *b ? 0 : -1;
 }
 
 static int grow(dk_pool *p, size_t tokens, size_t pairs, const dk_layer *L) {
@@ -371,8 +398,11 @@ static int grow(dk_pool *p, size_t tokens, size_t pairs, const dk_layer *L) {
             return -1;
         }
     }
-    return grow_floats(&c->xf, &p->cap_x, tokens * L->hidden) || grow_floats(&c->h, &p->cap_h, pairs * L->inter) ||
-           grow_floats(&c->y, &p->cap_y, pairs * L->hidden);
+    /* row strides: multiples of 64 bytes (the forms are whole chunks or 32-column floats), rows stay aligned */
+    c->x_stride = chosen->act_bytes(L->fmt, L->hidden);
+    c->h_stride = chosen->act_bytes(L->fmt, L->inter);
+    return grow_bytes(&c->xf, &p->cap_x, tokens * c->x_stride) || grow_bytes(&c->h, &p->cap_h, pairs * c->h_stride) ||
+           grow_bytes(&c->y, &p->cap_y, pairs * L->hidden * sizeof(float));
 }
 
 /* Start a call and return: 0, or -1 while the previous call runs, -2 without memory, -3 for bad sizes.

@@ -7,10 +7,12 @@
  * slot order, and work is split over experts and output rows, never over a reduction. */
 #ifndef KTSERVE_DK_H
 #define KTSERVE_DK_H
+#include <stddef.h>
 #include <stdint.h>
 
 enum { DK_MXFP4 = 0, DK_FP8 = 1, DK_INT8 = 2, DK_INT4 = 3 };
-enum { DK_ISA_NONE = 0, DK_ISA_AVX2 = 1, DK_ISA_AVX512 = 2 };
+/* the halves, best first where the CPU has several (dk.c: choose_isa) */
+enum { DK_ISA_NONE = 0, DK_ISA_AVX2 = 1, DK_ISA_AVX512 = 2, DK_ISA_AVX2_VNNI = 3, DK_ISA_AVX512_VNNI = 4 };
 
 /* One projection of every expert of a layer: rows x cols weights per expert, at per-expert addresses.
  *   MXFP4: w [rows, cols/2] E2M1 pairs (earlier column low), s [rows, cols/32] UE8M0 exponents (uint8)
@@ -30,18 +32,23 @@ typedef struct dk_layer {
     float *fp8_scales; /* FP8: the multipliers x 2^8, owned by the layer */
 } dk_layer;
 
-/* What one ISA file provides. x / h: the activation rows in `natural_index` order (see there). */
+/* What one ISA file provides. x / h: activation rows in the form `prepare` makes (see isa_impl.h: float in
+ * `natural_index` order, or the integer path's int8 groups), act_bytes(fmt, cols) bytes a row. */
 typedef struct dk_isa_ops {
     const char *name;
-    /* h[r][pos(i)] = swiglu(gate_i . x[r], up_i . x[r]) for rows i in [i0, i1) of expert e, r < R */
-    void (*gateup)(const dk_layer *L, int e, int i0, int i1, const float *const *x, int R, float *const *h);
+    /* h[r] gets swiglu(gate_i . x[r], up_i . x[r]) for rows i in [i0, i1) of expert e, r < R, in the form
+     * down reads; i0, i1 are multiples of gateup_rows(fmt) (i1 may be inter) */
+    void (*gateup)(const dk_layer *L, int e, int i0, int i1, const void *const *x, int R, void *const *h);
     /* y[r][n] = down_n . h[r] for rows n in [n0, n1) of expert e, r < R */
-    void (*down)(const dk_layer *L, int e, int n0, int n1, const float *const *h, int R, float *const *y);
-    /* the natural column whose value a dot product meets at position p of its activation vector */
-    int (*natural_index)(int fmt, int p);
+    void (*down)(const dk_layer *L, int e, int n0, int n1, const void *const *h, int R, float *const *y);
+    /* one activation row, cols bf16 (bf16 != 0) or float values, into dst (act_bytes(fmt, cols) bytes) */
+    void (*prepare)(int fmt, const void *src, int bf16, int cols, void *dst);
+    size_t (*act_bytes)(int fmt, int cols);
+    int (*gateup_rows)(int fmt);
+    /* 1 where the format's dot products take int8-quantized activations (the integer path) */
+    int (*quantizes_activations)(int fmt);
 } dk_isa_ops;
 
-extern const dk_isa_ops dk_ops_avx512;
-extern const dk_isa_ops dk_ops_avx2;
+extern const dk_isa_ops dk_ops_avx512_vnni, dk_ops_avx512, dk_ops_avx2_vnni, dk_ops_avx2;
 extern float dk_e8m0[256]; /* 2^(e - 127) */
 #endif

@@ -1,11 +1,26 @@
-/* The per-ISA half of the decode kernel, included once by avx512.c and once by avx2.c, each compiled with
- * its own target flags. Only intrinsics and libm here (no inline library code that another file could
- * share), and everything static but the ops table, so no AVX-512 instruction leaks into code the AVX2 path
- * runs.
+/* The per-ISA half of the decode kernel, included by avx512vnni.c, avx512.c, avx2vnni.c and avx2.c, each
+ * compiled with its own target flags (DK_WIDTH: 16 or 8 floats a vector; DK_VNNI: the unit may use VPDPBUSD,
+ * AVX512-VNNI or AVX-VNNI). Only intrinsics and libm here (no inline library code that another file could
+ * share), and everything static but the ops table, so no instruction of one half leaks into code another
+ * half runs.
  *
- * A group is 32 consecutive weights of a row. Dequantizing one gives NV vectors of exact fp32 weights (FP8:
- * times its block multiplier, rounded once), in the order `natural_index` gives; a row's dot product keeps
- * one accumulator per vector position, in group order, and ends in a fixed reduction tree. */
+ * A group is 32 consecutive weights of a row. Two ways to take a dot product with it:
+ *
+ * - float (FP8 and INT8 everywhere; every format on the AVX-512 half without VNNI): dequantizing a group
+ *   gives NV vectors of exact fp32 weights (FP8: times its block multiplier, rounded once), in the order
+ *   `natural_index` gives; a row's dot product keeps one accumulator per vector position, in group order,
+ *   and ends in a fixed reduction tree.
+ *
+ * - integer (MXFP4 and INT4 on avx512-vnni, avx2-vnni and avx2): each activation row is quantized once per
+ *   call to int8 per group, symmetric, q = rint(x * 127 / amax), the group's scale amax / 127 (for the down
+ *   projection, the SwiGLU output likewise, one group per gate/up item). A weight nibble becomes an unsigned
+ *   byte by a table (MXFP4: 2 x E2M1 + 12, in 0..24, exact; INT4: the stored q + 8 itself), so
+ *   u8 x s8 products summed four at a time (VPDPBUSD, or PMADDUBSW + PMADDWD on AVX2) give
+ *   sum (w + off) * q exactly in int32; the offset's part, off x sum q, is the row's own and is subtracted
+ *   by starting the accumulator at its negative. One float FMA per group and row then adds
+ *   int_sum x weight scale x activation scale (MXFP4's weight scale is 2^(e - 127) / 2, the half put in
+ *   the activation scale). Integer sums are exact and the float ones run in a fixed order, so a row's
+ *   result depends on its own activations only, as in the float path. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -24,8 +39,6 @@ typedef __m512 V;
 #define vset1(a) _mm512_set1_ps(a)
 #define vload(p) _mm512_loadu_ps(p)
 AI float vsum(V a, V b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
-#define ISA_NAME "avx512"
-#define OPS dk_ops_avx512
 #else
 typedef __m256 V;
 #define NV 4
@@ -42,8 +55,6 @@ AI float vsum4(V a, V b, V c, V d) {
     q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
     return _mm_cvtss_f32(q);
 }
-#define ISA_NAME "avx2"
-#define OPS dk_ops_avx2
 #endif
 
 static const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
@@ -258,9 +269,252 @@ AI float swiglu(float g, float u, float limit) {
     return g / (1.f + expf(-g)) * u;
 }
 
+/* ------------------------------------------------------------------------------- the integer path */
+#if DK_WIDTH == 16
+#define INT_PATH DK_VNNI /* AVX-512 without VNNI keeps the float path */
+#else
+#define INT_PATH 1
+#endif
+#define GPC (DK_WIDTH / 4)                   /* groups one weight load holds: 4 int32 lanes a group */
+#define CHUNK_COLS (32 * GPC)
+#define CHUNK_BYTES (32 * GPC + 8 * DK_WIDTH) /* an activation row's form, per chunk of CHUNK_COLS columns */
+
+AI int int_path(int fmt) { return INT_PATH && (fmt == DK_MXFP4 || fmt == DK_INT4); }
+
+/* An activation row in the integer path's form, chunk after chunk; chunk c holds groups GPC*c + j, j < GPC:
+ *   int8  lo[16 * GPC]: lo[16j + b] = q of column 32(GPC c + j) + 2b (the columns low nibbles hold)
+ *   int8  hi[16 * GPC]: hi[16j + b] = q of column 32(GPC c + j) + 2b + 1 (high nibbles)
+ *   int32 start[DK_WIDTH]: lane 4j + l = -off x the sum of the 8 q's lane 4j + l multiplies (lo and hi
+ *         bytes 16j + 4l .. 16j + 4l + 3), where off is the format's weight offset (MXFP4 12, INT4 8)
+ *   float scale[DK_WIDTH]: lane 4j + l = the group's scale (MXFP4: halved)
+ * Groups past the row's end are all zero. A group of values v: amax = max |v| (NaN if one is), and where
+ * 0 < amax < inf, q = rint(v * (127 / amax)) and the scale amax / 127; else q = 0 and the scale 0 (amax 0) or
+ * NaN, which the products then carry. */
+AI void quantize_group(const float *v, int fmt, uint8_t *chunk, int j) {
+    /* AVX2 ops only (every half has them), computing the definition above: rounding by
+     * cvtps2dq is to nearest even under the workers' MXCSR, as rintf */
+    __m256 x[4], m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int i = 0; i < 4; i++) {
+        x[i] = _mm256_loadu_ps(v + 8 * i);
+        m = _mm256_max_ps(m, _mm256_and_ps(x[i], abs));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(x[i], x[i], _CMP_UNORD_Q));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    float amax = _mm_movemask_ps(_mm_or_ps(_mm256_castps256_ps128(nan), _mm256_extractf128_ps(nan, 1))) ? (float)NAN
+                                                                                                       : _mm_cvtss_f32(h);
+    __m256i q[4];
+    float d;
+    if (amax > 0.f && amax <= 3.4028234e38f) { /* a NaN fails both */
+        __m256 inv = _mm256_set1_ps(127.f / amax);
+        for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], inv));
+        d = amax / 127.f;
+    } else { /* all zero, or not finite: the group's products come out 0 x NaN */
+        for (int i = 0; i < 4; i++) q[i] = _mm256_setzero_si256();
+        d = amax == 0.f ? 0.f : (float)NAN;
+    }
+    if (fmt == DK_MXFP4) d *= 0.5f;
+    int off = fmt == DK_MXFP4 ? 12 : 8;
+    /* the 32 q's as bytes in order, then even ones (low nibbles' columns) to lo, odd ones to hi */
+    __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi16(_mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8),
+                                                            _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8)),
+                                         0xD8);
+    w = _mm256_shuffle_epi8(w, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                                0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    w = _mm256_permute4x64_epi64(w, 0xD8);
+    _mm_storeu_si128((__m128i *)(chunk + 16 * j), _mm256_castsi256_si128(w));
+    _mm_storeu_si128((__m128i *)(chunk + 16 * GPC + 16 * j), _mm256_extracti128_si256(w, 1));
+    /* lane l of the group multiplies q[8l .. 8l + 7]: start = -off x their sum */
+    __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(q[0], q[1]), _mm256_hadd_epi32(q[2], q[3]));
+    __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    _mm_storeu_si128((__m128i *)(chunk + 32 * GPC + 16 * j), _mm_mullo_epi32(sum, _mm_set1_epi32(-off)));
+    _mm_storeu_ps((float *)(chunk + 32 * GPC + 4 * DK_WIDTH + 16 * j), _mm_set1_ps(d));
+}
+
+AI void zero_group(uint8_t *chunk, int j) {
+    memset(chunk + 16 * j, 0, 16);
+    memset(chunk + 16 * GPC + 16 * j, 0, 16);
+    memset(chunk + 32 * GPC + 16 * j, 0, 16);
+    memset(chunk + 32 * GPC + 4 * DK_WIDTH + 16 * j, 0, 16);
+}
+
+#if DK_WIDTH == 16
+typedef __m512i VI;
+#define iload(p) _mm512_loadu_si512((const void *)(p))
+#define iand(a, b) _mm512_and_si512(a, b)
+#define isrl4(a) _mm512_srli_epi16(a, 4)
+#define ishuf(t, a) _mm512_shuffle_epi8(t, a)
+#define iset1_8(a) _mm512_set1_epi8(a)
+#define icvt(a) _mm512_cvtepi32_ps(a)
+#define ibcast16(p) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p)))
+AI VI idot(VI acc, VI wlo, VI whi, const uint8_t *lo, const uint8_t *hi) {
+#if DK_VNNI
+    acc = _mm512_dpbusd_epi32(acc, wlo, iload(lo));
+    return _mm512_dpbusd_epi32(acc, whi, iload(hi));
+#else /* not used: without VNNI this half keeps the float path (INT_PATH 0) */
+    __m512i p = _mm512_add_epi16(_mm512_maddubs_epi16(wlo, iload(lo)), _mm512_maddubs_epi16(whi, iload(hi)));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
+#endif
+}
+AI float hsum(V a) { return _mm512_reduce_add_ps(a); }
+#else
+typedef __m256i VI;
+#define iload(p) _mm256_loadu_si256((const __m256i *)(p))
+#define iand(a, b) _mm256_and_si256(a, b)
+#define isrl4(a) _mm256_srli_epi16(a, 4)
+#define ishuf(t, a) _mm256_shuffle_epi8(t, a)
+#define iset1_8(a) _mm256_set1_epi8(a)
+#define icvt(a) _mm256_cvtepi32_ps(a)
+#define ibcast16(p) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))
+AI VI idot(VI acc, VI wlo, VI whi, const uint8_t *lo, const uint8_t *hi) {
+#if DK_VNNI
+    acc = _mm256_dpbusd_avx_epi32(acc, wlo, iload(lo));
+    return _mm256_dpbusd_avx_epi32(acc, whi, iload(hi));
+#else /* byte pairs to int16 (at most 2 x 24 x 127, and twice that summed: no saturation), then to int32 */
+    __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(wlo, iload(lo)), _mm256_maddubs_epi16(whi, iload(hi)));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
+}
+AI float hsum(V a) {
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
+    return _mm_cvtss_f32(q);
+}
+#endif
+
+static const uint8_t MXFP4_U8[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0}; /* 2 E2M1 + 12 */
+
+/* Chunk c of a weight row: its ng (<= GPC) groups' low and high nibbles as unsigned bytes, and per int32
+ * lane its group's scale (zero past ng, where the weight bytes are zero too). */
+AI void weight_chunk(const rowref *r, int fmt, int c, int ng, VI *lo, VI *hi, V *ws) {
+    const uint8_t *p = r->w + 16 * GPC * c;
+    VI b;
+#if DK_WIDTH == 16
+    b = ng == GPC ? iload(p) : _mm512_maskz_loadu_epi8((1ULL << (16 * ng)) - 1, p);
+#else
+    b = ng == GPC ? iload(p) : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p));
+#endif
+    VI m = iset1_8(0x0F);
+    *lo = iand(b, m);
+    *hi = iand(isrl4(b), m);
+    if (fmt == DK_MXFP4) {
+        VI t = ibcast16(MXFP4_U8);
+        *lo = ishuf(t, *lo);
+        *hi = ishuf(t, *hi);
+        uint32_t e = 0; /* exponents 2^(e - 127) as float bits e << 23: e = 0 gives 0, not 2^-127 */
+        memcpy(&e, r->s8 + GPC * c, ng == GPC ? GPC : ng);
+        __m128i v = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)e), _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+#if DK_WIDTH == 16
+        *ws = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(v), 23));
+#else
+        *ws = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu8_epi32(v), 23));
+#endif
+    } else { /* INT4: bf16 scales, one per group */
+        uint64_t s = 0;
+        memcpy(&s, r->s16 + GPC * c, 2 * (ng == GPC ? GPC : ng));
+        __m128i v = _mm_cvtsi64_si128((long long)s);
+#if DK_WIDTH == 16
+        __m512i t = _mm512_castsi128_si512(_mm_cvtepu16_epi32(v));
+        t = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), t);
+        *ws = _mm512_castsi512_ps(_mm512_slli_epi32(t, 16));
+#else
+        v = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3));
+        *ws = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+#endif
+    }
+}
+
+#if DK_WIDTH == 16
+#define IRT 4
+#else
+#define IRT 2
+#endif
+
+/* One chunk of rows a, b against `rt` activation rows in the integer form. */
+AI void ichunk(const rowref *a, const rowref *b, int fmt, int c, int ng, const uint8_t *const *x, int rt,
+               V *fa, V *fb) {
+    VI alo, ahi, blo, bhi;
+    V aws, bws;
+    weight_chunk(a, fmt, c, ng, &alo, &ahi, &aws);
+    weight_chunk(b, fmt, c, ng, &blo, &bhi, &bws);
+    for (int r = 0; r < rt; r++) {
+        const uint8_t *ch = x[r] + (size_t)CHUNK_BYTES * c;
+        VI start = iload(ch + 32 * GPC);
+        V xs = vload((const float *)(ch + 32 * GPC + 4 * DK_WIDTH));
+        fa[r] = vfma(icvt(idot(start, alo, ahi, ch, ch + 16 * GPC)), vmul(aws, xs), fa[r]);
+        fb[r] = vfma(icvt(idot(start, blo, bhi, ch, ch + 16 * GPC)), vmul(bws, xs), fb[r]);
+    }
+}
+
+AI void idot2(const rowref *a, const rowref *b, int fmt, int k, const uint8_t *const *x, int rt, float *oa,
+              float *ob) {
+    V fa[IRT], fb[IRT];
+    for (int r = 0; r < rt; r++) fa[r] = fb[r] = vzero();
+    int full = k / CHUNK_COLS, tail = (k % CHUNK_COLS) / 32;
+    for (int c = 0; c < full; c++) ichunk(a, b, fmt, c, GPC, x, rt, fa, fb);
+    if (tail) ichunk(a, b, fmt, full, tail, x, rt, fa, fb);
+    for (int r = 0; r < rt; r++) {
+        oa[r] = hsum(fa[r]);
+        ob[r] = hsum(fb[r]);
+    }
+}
+
+AI void idot2_rows(const rowref *a, const rowref *b, int fmt, int k, const uint8_t *const *x, int R, float *oa,
+                   float *ob) {
+    int r0 = 0;
+    for (; r0 + IRT <= R; r0 += IRT) idot2(a, b, fmt, k, x + r0, IRT, oa + r0, ob + r0);
+    switch (R - r0) {
+    case 1: idot2(a, b, fmt, k, x + r0, 1, oa + r0, ob + r0); break;
+#if IRT > 2
+    case 2: idot2(a, b, fmt, k, x + r0, 2, oa + r0, ob + r0); break;
+    case 3: idot2(a, b, fmt, k, x + r0, 3, oa + r0, ob + r0); break;
+#endif
+    default: break;
+    }
+}
+
+static size_t act_bytes(int fmt, int k) {
+    return int_path(fmt) ? (size_t)(k + CHUNK_COLS - 1) / CHUNK_COLS * CHUNK_BYTES : (size_t)k * sizeof(float);
+}
+
+AI float load_one(const void *src, int bf16, int i) {
+    return bf16 ? bf16_to_float(((const uint16_t *)src)[i]) : ((const float *)src)[i];
+}
+
+/* One activation row (k bf16 or float values) into the form the dot products read. */
+static void prepare(int fmt, const void *src, int bf16, int k, void *dst) {
+    if (!int_path(fmt)) {
+        float *d = dst;
+        for (int i = 0; i < k; i++) d[i] = load_one(src, bf16, natural_index(fmt, i));
+        return;
+    }
+    uint8_t *d = dst;
+    int groups = k / 32;
+    for (int g = 0; g < groups; g++) {
+        float v[32];
+        if (bf16) {
+            const uint16_t *s16 = (const uint16_t *)src + 32 * g;
+            for (int i = 0; i < 32; i++) {
+                uint32_t u = (uint32_t)s16[i] << 16;
+                memcpy(v + i, &u, 4);
+            }
+        } else {
+            memcpy(v, (const float *)src + 32 * g, sizeof v);
+        }
+        quantize_group(v, fmt, d + (size_t)CHUNK_BYTES * (g / GPC), g % GPC);
+    }
+    for (int g = groups; g % GPC; g++) zero_group(d + (size_t)CHUNK_BYTES * (g / GPC), g % GPC);
+}
+
+static int gateup_rows(int fmt) { return int_path(fmt) ? 32 : 16; }
+
+/* ------------------------------------------------------------------------------- gate/up and down */
 #define MAXR 256
-static void gateup_fmt(const dk_layer *L, int fmt, int e, int i0, int i1, const float *const *x, int R,
-                       float *const *h) {
+static void gateup_float(const dk_layer *L, int fmt, int e, int i0, int i1, const float *const *x, int R,
+                         float *const *h) {
     float g[MAXR], u[MAXR];
     int k = L->hidden;
     for (int i = i0; i < i1; i++) {
@@ -276,38 +530,75 @@ static void gateup_fmt(const dk_layer *L, int fmt, int e, int i0, int i1, const 
     }
 }
 
-static void down_fmt(const dk_layer *L, int fmt, int e, int n0, int n1, const float *const *h, int R,
-                     float *const *y) {
-    float ya[MAXR], yb[MAXR];
-    int k = L->inter;
-    for (int n = n0; n < n1; n += 2) {
-        int m = n + 1 < n1 ? n + 1 : n; /* an odd row count computes its last row twice */
-        rowref a = row_of(L, &L->down, e, n, fmt), b = row_of(L, &L->down, e, m, fmt);
-        for (int d = 2; d < 4; d++)
-            if (n + d < L->hidden) {
-                rowref p = row_of(L, &L->down, e, n + d, fmt);
-                prefetch_row(&p, fmt, k);
-            }
-        dot2_rows(&a, &b, fmt, k, h, R, ya, yb);
-        for (int r = 0; r < R; r++) {
-            y[r][n] = ya[r];
-            y[r][m] = yb[r];
+/* i0 a multiple of 32 and i1 = i0 + 32 (gateup_rows; the sizes are multiples of 32): the item ends with one
+ * whole group of each row's SwiGLU output, quantized here */
+static void gateup_int(const dk_layer *L, int fmt, int e, int i0, int i1, const uint8_t *const *x, int R,
+                       uint8_t *const *h) {
+    float g[MAXR], u[MAXR], hv[MAXR][32];
+    int k = L->hidden;
+    for (int i = i0; i < i1; i++) {
+        rowref a = row_of(L, &L->gate, e, i, fmt), b = row_of(L, &L->up, e, i, fmt);
+        if (i + 2 < L->inter) {
+            rowref pa = row_of(L, &L->gate, e, i + 2, fmt), pb = row_of(L, &L->up, e, i + 2, fmt);
+            prefetch_row(&pa, fmt, k);
+            prefetch_row(&pb, fmt, k);
         }
+        idot2_rows(&a, &b, fmt, k, x, R, g, u);
+        for (int r = 0; r < R; r++) hv[r][i - i0] = swiglu(g[r], u[r], L->limit);
     }
+    int grp = i0 / 32, groups = L->inter / 32;
+    for (int r = 0; r < R; r++) {
+        quantize_group(hv[r], fmt, h[r] + (size_t)CHUNK_BYTES * (grp / GPC), grp % GPC);
+        if (grp == groups - 1)
+            for (int gg = groups; gg % GPC; gg++) zero_group(h[r] + (size_t)CHUNK_BYTES * (gg / GPC), gg % GPC);
+    }
+}
+
+/* rows [n0, n1) of expert e's down projection; DOT: dot2_rows (float) or idot2_rows (the integer path) */
+#define DOWN_BODY(DOT, XT)                                                                                      \
+    float ya[MAXR], yb[MAXR];                                                                                  \
+    int k = L->inter;                                                                                          \
+    for (int n = n0; n < n1; n += 2) {                                                                         \
+        int m = n + 1 < n1 ? n + 1 : n; /* an odd row count computes its last row twice */                     \
+        rowref a = row_of(L, &L->down, e, n, fmt), b = row_of(L, &L->down, e, m, fmt);                         \
+        for (int d = 2; d < 4; d++)                                                                            \
+            if (n + d < L->hidden) {                                                                           \
+                rowref p = row_of(L, &L->down, e, n + d, fmt);                                                 \
+                prefetch_row(&p, fmt, k);                                                                      \
+            }                                                                                                  \
+        DOT(&a, &b, fmt, k, (XT)h, R, ya, yb);                                                                 \
+        for (int r = 0; r < R; r++) {                                                                          \
+            y[r][n] = ya[r];                                                                                   \
+            y[r][m] = yb[r];                                                                                   \
+        }                                                                                                      \
+    }
+static void down_float(const dk_layer *L, int fmt, int e, int n0, int n1, const void *const *h, int R,
+                       float *const *y) { DOWN_BODY(dot2_rows, const float *const *) }
+static void down_int(const dk_layer *L, int fmt, int e, int n0, int n1, const void *const *h, int R,
+                     float *const *y) { DOWN_BODY(idot2_rows, const uint8_t *const *) }
+
+AI void gateup_fmt(const dk_layer *L, int fmt, int e, int i0, int i1, const void *const *x, int R, void *const *h) {
+    if (int_path(fmt)) gateup_int(L, fmt, e, i0, i1, (const uint8_t *const *)x, R, (uint8_t *const *)h);
+    else gateup_float(L, fmt, e, i0, i1, (const float *const *)x, R, (float *const *)h);
+}
+
+AI void down_fmt(const dk_layer *L, int fmt, int e, int n0, int n1, const void *const *h, int R, float *const *y) {
+    if (int_path(fmt)) down_int(L, fmt, e, n0, n1, h, R, y);
+    else down_float(L, fmt, e, n0, n1, h, R, y);
 }
 
 /* One specialization per format, so that the format is a constant inside the loops. */
 #define SPECIALIZE(NAME, FMT)                                                                                   \
-    static void gateup_##NAME(const dk_layer *L, int e, int i0, int i1, const float *const *x, int R,          \
-                              float *const *h) { gateup_fmt(L, FMT, e, i0, i1, x, R, h); }                     \
-    static void down_##NAME(const dk_layer *L, int e, int n0, int n1, const float *const *h, int R,            \
+    static void gateup_##NAME(const dk_layer *L, int e, int i0, int i1, const void *const *x, int R,           \
+                              void *const *h) { gateup_fmt(L, FMT, e, i0, i1, x, R, h); }                      \
+    static void down_##NAME(const dk_layer *L, int e, int n0, int n1, const void *const *h, int R,             \
                             float *const *y) { down_fmt(L, FMT, e, n0, n1, h, R, y); }
 SPECIALIZE(mxfp4, DK_MXFP4)
 SPECIALIZE(fp8, DK_FP8)
 SPECIALIZE(int8, DK_INT8)
 SPECIALIZE(int4, DK_INT4)
 
-static void gateup(const dk_layer *L, int e, int i0, int i1, const float *const *x, int R, float *const *h) {
+static void gateup(const dk_layer *L, int e, int i0, int i1, const void *const *x, int R, void *const *h) {
     switch (L->fmt) {
     case DK_MXFP4: gateup_mxfp4(L, e, i0, i1, x, R, h); break;
     case DK_FP8: gateup_fp8(L, e, i0, i1, x, R, h); break;
@@ -316,7 +607,7 @@ static void gateup(const dk_layer *L, int e, int i0, int i1, const float *const 
     }
 }
 
-static void down(const dk_layer *L, int e, int n0, int n1, const float *const *h, int R, float *const *y) {
+static void down(const dk_layer *L, int e, int n0, int n1, const void *const *h, int R, float *const *y) {
     switch (L->fmt) {
     case DK_MXFP4: down_mxfp4(L, e, n0, n1, h, R, y); break;
     case DK_FP8: down_fp8(L, e, n0, n1, h, R, y); break;
@@ -325,4 +616,6 @@ static void down(const dk_layer *L, int e, int n0, int n1, const float *const *h
     }
 }
 
-const dk_isa_ops OPS = {ISA_NAME, gateup, down, natural_index};
+static int quantizes_activations(int fmt) { return int_path(fmt); }
+
+const dk_isa_ops OPS = {ISA_NAME, gateup, down, prepare, act_bytes, gateup_rows, quantizes_activations};
