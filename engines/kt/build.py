@@ -117,6 +117,8 @@ def load_model(family: ModelFamily, context: LoadContext) -> LoadedModel:
     if uses_cpu_experts(b.model):  # set before the runner's warm-up and graph capture, and recorded by the engine
         threads = torch_thread_count(kt.cpu_infer, all(d.type == "cuda" for d in attention_devices(b.model)))
         torch.set_num_threads(threads)
+    # which layers' decode calls our kernel computes, settled before the GPU's share of them is said and read
+    kernel = b.options.decode_kernel.finish()
     reads = decode_reads(b.model, kt, b.options)  # before any graph capture, which replays the read kernels
 
     runner, max_len = family.make_runner(b)
@@ -127,7 +129,7 @@ def load_model(family: ModelFamily, context: LoadContext) -> LoadedModel:
         details.update(choice.describe())
     details.update(streaming_details(b.options, b.prefill))
     details.update(reads)
-    details.update(b.options.decode_kernel.finish())
+    details.update(kernel)
     return LoadedModel(runner, details=details, torch_threads=threads, checkpoint=checkpoint,
                        max_model_len=max_len, chunk_size=b.prefill.chunk_size)
 

@@ -280,6 +280,7 @@ class RoutedExpertsCPU(nn.Module):
         self._mapped_share = (min(read_experts, self.stream_experts) if read_experts is not None
                               else default_read_share(method, num_experts, self.stream_experts, hidden_size,
                                                       intermediate_size))
+        self._share_is_default = read_experts is None
         # whether decode calls read this layer's copies on the GPU where they lie, host or GPU memory (mapped_experts)
         self._read_in_place = bool(self.owned or self._mapped_share)
         # calls of `pad_from` tokens or more that kt-kernel would compute on its per-token vector path are padded
@@ -933,6 +934,12 @@ class RoutedExpertsCPU(nn.Module):
             return self.owned
         if (mapped is None or self.layer_idx not in mapped.layers or not 0 < tokens <= MAPPED_MAX_TOKENS
                 or self.gpu_experts or self.deferral.active):
+            return 0
+        if self.decode_calls is not None and self._share_is_default:
+            # our decode kernel reads the experts at the host memory's own rate, and the GPU's reads over PCIe
+            # come from that same memory: by default it reads them all (V4-Flash's shape, 4 layers, H200 host,
+            # 2026-12-02: batch-1 TPOT 7.7 ms reading none on the GPU, 8.1 ms reading the 144 of 256 balanced
+            # against kt-kernel's rate, 8.3 ms with kt-kernel; bench/results/nvidia-h200-2026-12-02-v4-decode-kernel)
             return 0
         return self._mapped_share
 
