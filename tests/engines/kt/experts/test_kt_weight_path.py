@@ -120,4 +120,4 @@ def test_kt_weight_path_on_a_build_without_its_method_is_refused_naming_it(tmp_p
     options = mla_load.KTOptions(kt_weight_path=str(tmp_path))
     config = type("Config", (), {"hidden_size": SIZE, "moe_intermediate_size": SIZE})
     with pytest.raises(ValueError, match=r"kt_weight_path .* holds AMXINT8 experts, but kt-kernel's avx2 build"):
-        mla_load._converted_experts(options, config)
+        mla_load.converted_experts(options, config)
