@@ -142,7 +142,7 @@ class DecodePool:
         self._lib.dk_wait(self._handle)
 
     def close(self) -> None:
-        if self._handle:
+        if getattr(self, "_handle", None):  # a constructor that raised left none
             self._lib.dk_pool_destroy(self._handle)
             self._handle = None
 
