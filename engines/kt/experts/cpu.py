@@ -176,6 +176,15 @@ class _GPUPending:
     deferred: None = None
 
 
+def _copy_as_packed(host: HostExperts, intermediate: int) -> dict[str, torch.Tensor]:
+    """A layer's MXFP4 copies (gate and up side by side, HostExperts.mxfp4_of) as the released tensors' names:
+    views, one contiguous block per expert."""
+    I = intermediate
+    return {"gate": host.gate_up[:, :I], "up": host.gate_up[:, I:], "down": host.down,
+            "gate_scale": host.gate_up_scale[:, :I], "up_scale": host.gate_up_scale[:, I:],
+            "down_scale": host.down_scale}
+
+
 def _quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     packed, exponents = mxfp4.quantize(weight)
     return packed, mxfp4.scales_as_bf16(exponents)
@@ -522,7 +531,7 @@ class RoutedExpertsCPU(nn.Module):
             prepared[m] = packed[self.owned:].view(torch.uint8).contiguous()
             prepared[f"{m}_scale"] = mxfp4.scales_as_bf16(scale[self.owned:])
         self._build_kernel(prepared)
-        self._choose_decode_calls(packed=weights)  # the released bytes themselves, read in place
+        host = None
         if self.streamer is not None:
             device, first = self.streamer.device, self.resident
 
@@ -530,9 +539,13 @@ class RoutedExpertsCPU(nn.Module):
                 return HostExperts.mxfp4_of({name: tensor[start:stop] for name, tensor in weights.items()}, pin=pin)
 
             resident = copies(0, first).to(device) if first else None
-            self.streamer.register(self.layer_idx, copies(first, self.stream_experts, pin=device.type == "cuda"),
-                                   self.top_k, read_in_place=self._read_in_place, resident=resident,
-                                   limit=self.swiglu_limit)
+            host = copies(first, self.stream_experts, pin=device.type == "cuda")
+            self.streamer.register(self.layer_idx, host, self.top_k, read_in_place=self._read_in_place,
+                                   resident=resident, limit=self.swiglu_limit)
+        # the released bytes, read in place: the streamer's copy of them where it holds every expert in host memory
+        # (kt-kernel's MXFP4 class keeps a copy of its own, so the released tensors need not stay alive beside it)
+        whole = host is not None and self.resident == 0 and host.held == self.num_experts
+        self._choose_decode_calls(packed=_copy_as_packed(host, self.intermediate_size) if whole else weights)
 
     def load_ggml(self, blocks: dict[str, tuple[torch.Tensor, str]]) -> bool:
         """Take this layer's experts as a GGUF file stores them, read in place by the LLAMAFILE kernel:

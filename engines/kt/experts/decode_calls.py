@@ -232,8 +232,9 @@ def _kernel_layer(layer: "RoutedExpertsCPU", fmt: str, *, floats: tuple[torch.Te
     from engines.kt.experts.decode_kernel import DecodeLayer
 
     limit = layer.swiglu_limit
-    if fmt == "mxfp4" and packed is not None:
-        return DecodeLayer.mxfp4({k: v.contiguous() for k, v in packed.items()}, swiglu_limit=limit)
+    if fmt == "mxfp4" and packed is not None:  # each expert's block as it lies (a streamer's copy: views)
+        return DecodeLayer.mxfp4({k: v if v[0].is_contiguous() else v.contiguous() for k, v in packed.items()},
+                                 swiglu_limit=limit)
     if fmt == "mxfp4" and prepared is not None and "gate_scale" in prepared:  # converted: bf16 powers of two
         return DecodeLayer.mxfp4({k: (_ue8m0_of(v) if k.endswith("_scale") else v) for k, v in prepared.items()},
                                  swiglu_limit=limit)
@@ -256,5 +257,9 @@ def _ue8m0_of(scales: torch.Tensor) -> torch.Tensor:
 
 def _extra_bytes(kernel: "DecodeLayer", layer: "RoutedExpertsCPU") -> int:
     """Bytes of the kernel's tensors that kt-kernel does not hold as well (those it reads in place)."""
-    shared = {t.data_ptr() for t in layer._kernel_weights if isinstance(t, torch.Tensor)}
-    return sum(t.nbytes for t in kernel.tensors.values() if t.data_ptr() not in shared)
+    shared = {t.untyped_storage().data_ptr() for t in layer._kernel_weights if isinstance(t, torch.Tensor)}
+    streamer = layer.streamer
+    host = streamer.layers.get(layer.layer_idx) if streamer is not None else None
+    if host is not None:  # the GPU side's copies, which the kernel may read too (cpu.py: load_packed)
+        shared |= {t.untyped_storage().data_ptr() for t in host.tensors()}
+    return sum(t.nbytes for t in kernel.tensors.values() if t.untyped_storage().data_ptr() not in shared)

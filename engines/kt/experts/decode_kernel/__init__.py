@@ -162,9 +162,11 @@ def shared_pool(threads: int, cpus: list[int] | None = None) -> DecodePool:
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
+    """`t` as bytes; the kernel takes a pointer per expert, so each expert's block must be contiguous (views of a
+    larger copy, e.g. gate and up side by side, are read where they lie)."""
     t = t if t.dtype == torch.uint8 else t.view(torch.uint8)
-    if not t.is_contiguous() or t.device.type != "cpu":
-        raise ValueError("decode kernel weights must be contiguous CPU tensors")
+    if t.device.type != "cpu" or not t[0].is_contiguous():
+        raise ValueError("decode kernel weights must be CPU tensors, each expert's block contiguous")
     return t
 
 

@@ -113,6 +113,31 @@ def test_released_mxfp4_bytes_are_read_as_they_are(weights):
     assert rel(ours(hidden, ids, w), layer("MXFP4", weights, "off")(hidden, ids, w)) < AGREEMENT["MXFP4"]
 
 
+def test_released_mxfp4_bytes_a_streamer_copies_are_read_from_its_copy_and_cost_no_memory(weights):
+    from engines.kt.experts.streaming import ExpertStreamer
+
+    if "MXFP4" not in available_methods():
+        pytest.skip("MXFP4 not supported by this kt-kernel build")
+    packed: dict[str, torch.Tensor] = {}
+    for m, t in zip(("gate", "up", "down"), weights):
+        parts = [mxfp4.quantize(e) for e in t]
+        packed[m], packed[f"{m}_scale"] = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    # a CPU streamer stands in for a GPU's: prompt chunks would stream every expert, so it copies them all
+    streamer = ExpertStreamer(torch.device("cpu"))
+    ours = RoutedExpertsCPU(layer_idx=0, num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, method="MXFP4",
+                            max_tokens=32, streamer=streamer, stream_tokens=32,
+                            decode_kernel=DecodeKernelPolicy("auto"))
+    ours.load_packed(packed)
+    copy = streamer.layers[0]
+    kernel = ours.decode_calls.kernel.tensors
+    assert kernel["gate"].untyped_storage().data_ptr() == copy.gate_up.untyped_storage().data_ptr()
+    assert kernel["down_scale"].untyped_storage().data_ptr() == copy.down_scale.untyped_storage().data_ptr()
+    assert ours.decode_calls.extra_bytes == 0
+    assert "host memory beside" not in ours.decode_kernel.details()["decode_kernel"]
+    hidden, ids, w = routing(3)
+    assert rel(ours(hidden, ids, w), layer("MXFP4", weights, "off")(hidden, ids, w)) < AGREEMENT["MXFP4"]
+
+
 def test_auto_leaves_layers_whose_copy_passes_the_memory_budget_on_kt_kernel(weights):
     experts = layer("AMXINT8", weights, budget=1000)
     assert experts.decode_calls is None
