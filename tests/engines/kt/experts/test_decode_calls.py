@@ -55,6 +55,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def released_mxfp4(weights) -> dict[str, torch.Tensor]:
+    """The layer's experts as V4 releases them: E2M1 pairs and UE8M0 scales per 32."""
+    packed: dict[str, torch.Tensor] = {}
+    for m, t in zip(("gate", "up", "down"), weights):
+        parts = [mxfp4.quantize(e) for e in t]
+        packed[m], packed[f"{m}_scale"] = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    return packed
+
+
 def submitted(experts: RoutedExpertsCPU, tokens: int) -> type:
     experts.submit(*routing(tokens))
     kind = type(experts._pending)
@@ -101,10 +110,7 @@ def test_a_row_gives_the_same_bits_alone_and_among_other_rows(weights):
 def test_released_mxfp4_bytes_are_read_as_they_are(weights):
     if "MXFP4" not in available_methods():
         pytest.skip("MXFP4 not supported by this kt-kernel build")
-    packed: dict[str, torch.Tensor] = {}
-    for m, t in zip(("gate", "up", "down"), weights):
-        parts = [mxfp4.quantize(e) for e in t]
-        packed[m], packed[f"{m}_scale"] = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    packed = released_mxfp4(weights)
     ours = RoutedExpertsCPU(layer_idx=0, num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, method="MXFP4",
                             max_tokens=32, decode_kernel=DecodeKernelPolicy("auto"))
     ours.load_packed(packed)
@@ -118,10 +124,7 @@ def test_released_mxfp4_bytes_a_streamer_copies_are_read_from_its_copy_and_cost_
 
     if "MXFP4" not in available_methods():
         pytest.skip("MXFP4 not supported by this kt-kernel build")
-    packed: dict[str, torch.Tensor] = {}
-    for m, t in zip(("gate", "up", "down"), weights):
-        parts = [mxfp4.quantize(e) for e in t]
-        packed[m], packed[f"{m}_scale"] = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    packed = released_mxfp4(weights)
     # a CPU streamer stands in for a GPU's: prompt chunks would stream every expert, so it copies them all
     streamer = ExpertStreamer(torch.device("cpu"))
     ours = RoutedExpertsCPU(layer_idx=0, num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, method="MXFP4",

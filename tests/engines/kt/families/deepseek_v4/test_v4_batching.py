@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from tests.helpers import failing_steps, poisoned_request, require_kt_kernel, run_beside_a_stream, stream_chat
-from .v4_helpers import (batched_vs_solo, feeding_plan, load_v4_runner, max_next_token_diff, runner_sequence,
-                        stepped_logprobs)
+from .v4_helpers import (batched_vs_solo, fail_once, feeding_plan, load_v4_runner, max_next_token_diff,
+                         runner_sequence, stepped_logprobs)
 from .v4_lora_helpers import make_kt_sft_v4_adapter
 
 require_kt_kernel()
@@ -91,20 +91,6 @@ def test_v4_sequences_with_different_adapters_in_one_step_each_match_their_solo_
             runner.lora.remove(name)
 
 
-def _fail_once(module, monkeypatch):
-    """`module` raises at its next call, then works again."""
-    forward = module.forward
-    calls = []
-
-    def failing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("injected fault")
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(module, "forward", failing)
-
-
 def test_a_v4_step_that_fails_midway_runs_again_to_what_a_clean_run_gives(runner, prompts, monkeypatch):
     from engines.runtime.model_runner import ScheduledChunk
 
@@ -115,7 +101,7 @@ def test_a_v4_step_that_fails_midway_runs_again_to_what_a_clean_run_gives(runner
         second = [ScheduledChunk(seq=s, start=20, end=30, all_logits=True) for s in sequences]
         if fault:  # the third layer's MoE fails: the first two layers' attention already extended both caches
             with monkeypatch.context() as patch:
-                _fail_once(runner.model.model.layers[2].mlp.gate, patch)
+                fail_once(runner.model.model.layers[2].mlp.gate, patch)
                 with pytest.raises(RuntimeError, match="injected fault"):
                     runner.execute(second)
         return [logits.cpu() for logits in runner.execute(second)]

@@ -13,7 +13,7 @@ import torch
 
 from tests.conftest import start_server
 from tests.helpers import require_kt_kernel
-from .v4_helpers import V4_LOGPROB_TOLERANCE, load_v4_runner, runner_sequence
+from .v4_helpers import V4_LOGPROB_TOLERANCE, fail_once, load_v4_runner, runner_sequence
 from .v4_lora_helpers import make_kt_sft_v4_adapter
 
 require_kt_kernel()
@@ -328,17 +328,8 @@ def test_a_failed_step_of_a_v4_sequence_started_from_a_kept_state_runs_again_to_
         seq = admitted(runner, ids(52))
         chunk = [ScheduledChunk(seq=seq, start=seq.num_computed, end=LENGTH, all_logits=True)]
         if fault:
-            forward = runner.model.model.layers[2].mlp.gate.forward
-            calls = []
-
-            def failing(*args, **kwargs):
-                calls.append(1)
-                if len(calls) == 1:
-                    raise RuntimeError("injected fault")
-                return forward(*args, **kwargs)
-
             with monkeypatch.context() as patch:
-                patch.setattr(runner.model.model.layers[2].mlp.gate, "forward", failing)
+                fail_once(runner.model.model.layers[2].mlp.gate, patch)
                 with pytest.raises(RuntimeError, match="injected fault"):
                     runner.execute(chunk)
         logits = runner.execute(chunk)[0]

@@ -283,3 +283,17 @@ if __name__ == "__main__":  # run in a child process under another kt-kernel bui
         reference = reference_logprobs(merged_reference(directory, adapter), ids)
     print(json.dumps({"variant": kt_kernel.__cpu_variant__, "max_diff": max_next_token_diff(served, reference, ids),
                       "top1_agree": float((served.argmax(-1) == reference.argmax(-1)).float().mean())}))
+
+
+def fail_once(module, monkeypatch):
+    """`module` raises at its next call, then works again."""
+    forward = module.forward
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected fault")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(module, "forward", failing)
