@@ -545,6 +545,22 @@ class V4Phases:
                 f"{c['cached_tokens']} cached tokens")
 
 
+def cache_mib_per_sequence(config: dict, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """What one sequence's V4 caches hold at 1k / 32k / 128k positions, in MiB, for `config`'s layers and for all
+    43 of V4-Flash's: the runner's own accounting (engines/kt/families/deepseek_v4/budget.py: CacheBytes, exact for
+    transformers' cache layers), which the budget charges and the caches allocate."""
+    from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
+
+    from engines.kt.families.deepseek_v4.budget import CacheBytes
+
+    out = {}
+    for name, shape in (("layers", config), ("43_layers", flash_config(FLASH_LAYERS))):
+        fields = {k: v for k, v in shape.items() if k not in ("architectures", "model_type")}
+        sizes = CacheBytes.of(DeepseekV4Config(**fields), dtype)
+        out[name] = {label: sizes.at(p) / 2**20 for label, p in (("1k", 1024), ("32k", 32768), ("128k", 131072))}
+    return out
+
+
 def _memory() -> dict:
     import resource
 
@@ -612,6 +628,7 @@ def run(args: argparse.Namespace) -> dict:
                      "kt_gpu_prefill_tokens": engine.info.details.get("gpu_prefill_tokens"),
                      "chunk_size": engine.config.chunk_size, "max_model_len": engine.info.max_model_len,
                      "max_concurrent": engine.config.max_concurrent, "engine_details": dict(engine.info.details),
+                     "cache_mib_per_sequence": cache_mib_per_sequence(config),
                      "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     if args.quick:
         results["note"] = (f"--quick: the tiny demo V4 with prompts {QUICK_DIVISOR} times shorter than the names "

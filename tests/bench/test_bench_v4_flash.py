@@ -226,3 +226,20 @@ def test_results_are_replaced_whole_in_the_out_folder(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v4-flash-streamed.json", "v4-flash.json"]
     assert json.loads((tmp_path / "v4-flash-streamed.json").read_text())["phases"] == {"decode": {}}
     write_results({"shape": "v4-flash"}, None)  # no folder: nothing written
+
+
+def test_v4_flash_caches_per_128k_tokens_are_what_the_architecture_implies():
+    from bench.v4_flash import cache_mib_per_sequence, flash_config
+
+    config = flash_config(4)
+    sizes = cache_mib_per_sequence(config)
+    # counted from V4-Flash's layout alone: per CSA layer one entry of head_dim keys and one of index_head_dim
+    # indexer keys per 4 positions, per HCA layer one of head_dim per 128, per layer the window's last 127 keys
+    # (two tensors on the two plain sliding-window layers), bf16
+    full = flash_config(43)
+    p, e, d, di = 131072, 2, full["head_dim"], full["index_head_dim"]
+    ratios = full["compress_ratios"]
+    implied = (sum(p // 4 * (d + di) for r in ratios if r == 4) + sum(p // 128 * d for r in ratios if r == 128)
+               + 127 * d * (len(ratios) + ratios.count(0))) * e / 2**20
+    assert abs(sizes["43_layers"]["128k"] - implied) / implied < 0.05, (sizes["43_layers"]["128k"], implied)
+    assert sizes["layers"]["1k"] < sizes["layers"]["32k"] < sizes["layers"]["128k"]
