@@ -49,6 +49,11 @@ class LoraModules:
     def targets(self) -> ModelTargets:
         return describe(self.model, self.hidden_size)
 
+    def prefix_key(self, adapter: str | None) -> str:
+        """What besides the tokens decides a prefix cache's pages or states: the adapter, as installed (a LoRA
+        anywhere changes the residual stream, hence every later layer's cache; one loaded again is another)."""
+        return "" if adapter is None else f"{adapter}\0{self.installs.get(adapter, 0)}"
+
     # --------------------------------------------------------------------------- any thread
     def prepare(self, adapter: LoraAdapter) -> PreparedAdapter:
         if adapter.binding is not None:

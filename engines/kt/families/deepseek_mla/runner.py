@@ -146,16 +146,11 @@ class KTModelRunner(ModelRunner):
             seq.runner_state = BlockTable()
         return seq.runner_state  # type: ignore[return-value]
 
-    def _prefix_key(self, adapter: str | None) -> str:
-        """What besides the tokens decides a page's latents: the adapter, as installed (a LoRA anywhere
-        changes the residual stream, hence every later layer's latents)."""
-        return "" if adapter is None else f"{adapter}\0{self.lora.installs.get(adapter, 0)}"
-
     def admit(self, seq: Sequence) -> int | None:
         # prompt logprobs need logits at every prompt position, so those prompts are computed whole
         # the growth margin is for sequences already running: one alone may fill the whole cache
         margin = self.cache.growth_margin if self.kv_usage()[0] else 0
-        return self.cache.admit(self._table(seq), seq.token_ids, self._prefix_key(seq.request.adapter),
+        return self.cache.admit(self._table(seq), seq.token_ids, self.lora.prefix_key(seq.request.adapter),
                                 reuse=seq.prompt_logprobs is None, margin=margin)
 
     def grow(self, seq: Sequence, num_positions: int) -> bool:
@@ -164,9 +159,9 @@ class KTModelRunner(ModelRunner):
     def prefix_in_flight(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
         if seq.prompt_logprobs is not None:  # computed whole, whatever is cached
             return False
-        root = self._prefix_key(seq.request.adapter)
+        root = self.lora.prefix_key(seq.request.adapter)
         leaders = [(self._table(s), s.token_ids, s.num_computed) for s in prefilling  # their tokens: the prompt
-                   if self._prefix_key(s.request.adapter) == root]
+                   if self.lora.prefix_key(s.request.adapter) == root]
         return self.cache.in_flight(self._table(seq), seq.token_ids, root, leaders)
 
     def release(self, seq: Sequence) -> None:
@@ -227,7 +222,7 @@ class KTModelRunner(ModelRunner):
         # offered up to chunk.end: draft tokens' positions hold KV only once verification accepts them
         for chunk in chunks:  # their pages now hold the fed positions: full ones can serve later requests
             self.cache.offer(self._table(chunk.seq), chunk.seq.token_ids, chunk.end,
-                             self._prefix_key(chunk.seq.request.adapter))
+                             self.lora.prefix_key(chunk.seq.request.adapter))
         return logits
 
     def step_batch(self, pieces: list[tuple]) -> StepBatch:

@@ -139,10 +139,6 @@ class V4ModelRunner(ModelRunner):
             return super().propose(seqs, depths)
         return self.drafter.propose(seqs, depths)
 
-    def _prefix_key(self, adapter: str | None) -> str:
-        """What besides the tokens decides a cache state: the adapter, as installed (engines/kt/runner.py alike)."""
-        return "" if adapter is None else f"{adapter}\0{self.lora.installs.get(adapter, 0)}"
-
     def _plans(self, seq: Sequence) -> bool:
         """Whether `seq` borrows and keeps prefixes: not with prompt logprobs (computed whole, always the same
         bits: runtime/batch_invariance.py), nor without a prefix cache."""
@@ -151,7 +147,7 @@ class V4ModelRunner(ModelRunner):
     def admit(self, seq: Sequence) -> int | None:
         if not self._plans(seq):
             return 0 if self.budget.admit(seq.id, len(seq.token_ids)) else None
-        plan, state = self.prefixes.plan(seq.token_ids, self._prefix_key(seq.request.adapter))
+        plan, state = self.prefixes.plan(seq.token_ids, self.lora.prefix_key(seq.request.adapter))
         self.prefixes.touch(plan)
         if not self.budget.admit(seq.id, len(seq.token_ids)):
             return None
@@ -168,11 +164,11 @@ class V4ModelRunner(ModelRunner):
         return end
 
     def prefix_in_flight(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
-        if not self._plans(seq):
-            return False
-        plan, _ = self.prefixes.plan(seq.token_ids, self._prefix_key(seq.request.adapter))
         leaders: list[tuple[PrefixPlan, int]] = [(s.runner_state.prefix, s.num_computed) for s in prefilling
                                                  if s.runner_state is not None and s.runner_state.prefix is not None]
+        if not leaders or not self._plans(seq):  # no prompt in flight keeps states: nothing to hash the prompt for
+            return False
+        plan, _ = self.prefixes.plan(seq.token_ids, self.lora.prefix_key(seq.request.adapter))
         return self.prefixes.in_flight(plan, leaders)
 
     def grow(self, seq: Sequence, num_positions: int) -> bool:
