@@ -48,6 +48,7 @@ class Piece:
     cache: Any  # transformers' DynamicCache of V4 cache layers
     adapter: str | None
     record: Any = None  # caches.py: StepRecord to note what the piece puts into the cache (a verified draft)
+    paged: Any = None  # paged.py: PagedSequence, where the piece is one decode row over the paged caches
 
 
 class Attending(NamedTuple):
@@ -86,6 +87,18 @@ class _Segment:
     record: Any
 
 
+@dataclass(slots=True)
+class Cached:
+    """What a step's cached attention needs: a segment per piece over transformers' cache layers, and the decode
+    rows over the paged caches (paged.py: their DecodeStep, their rows in the step and those rows' adapters)."""
+
+    segments: list[_Segment]
+    rows: int
+    paged: Any = None
+    paged_rows: torch.Tensor | None = None  # None: every row of the step, in order
+    paged_adapters: AdapterRows | None = None
+
+
 class V4Batch:
     """Runs steps of many sequences through a placed `DeepseekV4ForCausalLM`'s layers."""
 
@@ -95,6 +108,7 @@ class V4Batch:
         self.layers = list(self.inner.layers)
         self.lora = lora
         self.embed_device = self.inner.embed_tokens.weight.device
+        self.paged = None  # paged.py: PagedDecode, where decode rows attend over paged caches
 
     def hidden_streams(self, pieces: list[Piece]) -> torch.Tensor:
         """The last layer's hyper-connection streams of every piece's rows, in piece order: [rows, hc, hidden]."""
@@ -128,20 +142,32 @@ class V4Batch:
         return embeds.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
 
     def segments(self, pieces: list[Piece], spans: list[tuple[str | None, int, int]], embeds: torch.Tensor,
-                 positions: torch.Tensor) -> list[_Segment]:
+                 positions: torch.Tensor) -> Cached:
         """What each piece's cached attention needs: its rows, positions and sliding-window mask (None for one
-        row: the cache keeps the window's other positions, so a decode token sees every key it holds)."""
+        row: the cache keeps the window's other positions, so a decode token sees every key it holds); the
+        decode rows over paged caches together."""
         from transformers.masking_utils import create_sliding_window_causal_mask
 
         segments = []
+        paged = [(p, first, adapter) for p, (adapter, first, _) in zip(pieces, spans) if p.paged is not None]
+        cached = Cached(segments, sum(n for _, _, n in spans))
+        if paged:
+            cached.paged = self.paged.step([p.paged for p, _, _ in paged], [p.start for p, _, _ in paged],
+                                           embeds.device)
+            rows = [first for _, first, _ in paged]
+            if rows != list(range(cached.rows)):
+                cached.paged_rows = torch.tensor(rows).to(embeds.device, non_blocking=True)
+            cached.paged_adapters = AdapterRows([(adapter, i, 1) for i, (_, _, adapter) in enumerate(paged)])
         for p, (adapter, first, n) in zip(pieces, spans):
+            if p.paged is not None:
+                continue
             cut = slice(first, first + n)
             mask = None if n == 1 else create_sliding_window_causal_mask(
                 config=self.config, inputs_embeds=embeds[:, cut], attention_mask=None, cache=p.cache,
                 position_ids=positions[:, cut])
             segments.append(_Segment(row=first, n=n, cache=p.cache, positions=positions[:, cut], mask=mask,
                                      rows=AdapterRows.uniform(adapter), record=p.record))
-        return segments
+        return cached
 
     def before_attention(self, layer: nn.Module, hidden: torch.Tensor, rope: dict) -> Attending:
         """A layer's work on every row up to its cached attention: the hyper-connection, the norm and
@@ -158,14 +184,29 @@ class V4Batch:
         kv = apply_rotary_pos_emb(kv, cos, sin)
         return Attending(post, comb, x, q, kv, q_residual[None])
 
-    def cached_attention(self, attn: nn.Module, a: Attending, segments: list[_Segment]) -> torch.Tensor:
-        """Each sequence's rows of `a` through its cache, in order: [1, rows, heads, head_dim]."""
+    def cached_attention(self, attn: nn.Module, a: Attending, cached: Cached) -> torch.Tensor:
+        """Each sequence's rows of `a` through its cache, in order: [1, rows, heads, head_dim]. The decode rows
+        over paged caches attend together, the other pieces one after another."""
         out = []
-        for s in segments:
+        for s in cached.segments:
             cut = slice(s.row, s.row + s.n)
             with self.lora.step(s.rows):
                 out.append(self._cached(attn, a.q[:, :, cut], a.kv[:, :, cut], a.x[:, cut], a.q_residual[:, cut], s))
-        return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+        if cached.paged is None:
+            return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+        at = cached.paged_rows
+        q, kv, x, q_residual = ((a.q, a.kv, a.x, a.q_residual) if at is None else
+                                (a.q.index_select(2, at), a.kv.index_select(2, at), a.x.index_select(1, at),
+                                 a.q_residual.index_select(1, at)))
+        with self.lora.step(cached.paged_adapters):
+            paged = self.paged.attend(attn.layer_idx, cached.paged, q, kv, x, q_residual)
+        if at is None:
+            return paged
+        whole = paged.new_empty(1, cached.rows, *paged.shape[2:])
+        whole.index_copy_(1, at, paged)
+        for s, part in zip(cached.segments, out):
+            whole[:, s.row:s.row + s.n] = part
+        return whole
 
     def after_attention(self, layer: nn.Module, hidden: torch.Tensor, a: Attending, attended: torch.Tensor,
                         rope: dict, ids: torch.Tensor) -> torch.Tensor:

@@ -148,15 +148,29 @@ class StepRecord:
 
 
 class SequenceCache:
-    """A sequence's V4 cache and how far it holds: positions [0, computed)."""
+    """A sequence's V4 cache and how far it holds: positions [0, computed).
+
+    Until its first decode step the cache is transformers' (`cache`); then it may move into the paged caches
+    (`adopt`: paged.py), which its decode rows write and read from then on (`paged`; `cache` None). A paged
+    decode step run again writes the same places (paged.py), so its mark is only a position."""
 
     def __init__(self, cache: Any):
         self.cache = cache
         self.computed = 0
-        self._mark: tuple[int, list[dict[str, Any]]] | None = None  # (position, each layer's state there)
+        self._mark: tuple[int, list[dict[str, Any]] | None] | None = None  # (position, each layer's state there)
         self.record: StepRecord | None = None  # what the step since the mark put in, while it records
         self._done: StepRecord | None = None  # the record of the finished step since the mark
         self.prefix: Any = None  # prefixes.py: the sequence's PrefixPlan where the prefix cache serves it
+        self.paged: Any = None  # paged.py: the sequence's PagedSequence once its cache moved there
+
+    def adopt(self, pools: Any) -> None:
+        """Move the cache into `pools` (paged.py: PagedDecode), marked where it is."""
+        from engines.kt.families.deepseek_v4.paged import keep_until_collected
+
+        self.paged = pools.adopt(self.cache, self.computed)
+        keep_until_collected(self, pools, self.paged)
+        self.cache = None
+        self._mark, self._done, self.record = (self.computed, None), None, None
 
     @property
     def marked(self) -> int | None:
@@ -166,6 +180,8 @@ class SequenceCache:
         """Before a step feeds positions from `start`: the cache taken back to `start` if it holds more (a rerun,
         or the accepted length of a verified draft), then marked there. `record`: the step feeds a draft, keep
         what it puts in. Call it in the sequence's LoRA scope (a replay runs the compressors)."""
+        if self.paged is not None and record:
+            raise RuntimeError("a V4 cache in the paged caches takes decode rows only, not a draft to verify")
         if start != self.computed:
             self.to(start)
         self.mark()
@@ -186,13 +202,15 @@ class SequenceCache:
 
     def mark(self) -> None:
         """Mark where the cache is now (`computed`): what `rollback` goes back to."""
-        self._mark = (self.computed, [_mark_layer(layer) for layer in self.cache.layers])
+        layers = None if self.paged is not None else [_mark_layer(layer) for layer in self.cache.layers]
+        self._mark = (self.computed, layers)
         self._done = None
 
     def commit(self, end: int) -> None:
         """The step ran: the cache holds [0, end). The mark stays, for a rerun of this step or a shorter one."""
-        for layer in self.cache.layers:
-            _compact_layer(layer)
+        if self.paged is None:
+            for layer in self.cache.layers:
+                _compact_layer(layer)
         self.computed = end
         self._done, self.record = self.record, None
 
@@ -202,6 +220,7 @@ class SequenceCache:
         if self._mark is None:
             return
         position, layers = self._mark
-        for layer, state in zip(self.cache.layers, layers):
-            _restore_layer(layer, state)
+        if layers is not None:
+            for layer, state in zip(self.cache.layers, layers):
+                _restore_layer(layer, state)
         self.computed = position

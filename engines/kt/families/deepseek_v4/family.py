@@ -92,8 +92,6 @@ class DeepseekV4Family(ModelFamily):
                                                 enabled=build.kt.kt_fused_hyper_connections)
         build.details.update({
             "attention_backend": "torch (transformers' DeepSeek-V4 modules)",
-            "v4_caches": "per sequence (transformers DynamicCache)",
-            "v4_steps": "batched: a step's rows together, attention's cached part per sequence",
             "hyper_connections": hyper,
             "rms_norms": f"{norms} on the GPU fused (torch rms_norm, float32 scale)" if norms
             else "transformers' (none on a GPU)"})
@@ -110,6 +108,7 @@ class DeepseekV4Family(ModelFamily):
         build.details["v4_cache_budget"] = (f"{budget.capacity / 2**20:.1f} MiB: {budget.positions} positions among "
                                             f"up to {context.max_concurrent} sequences (kv_cache_tokens)")
         build.details["v4_prefix_cache"] = _prefix_cache_state(build.kt.prefix_cache, drafting=head is not None)
+        build.details.update(_cache_layout(drafting=head is not None))
         return V4ModelRunner(build.model, max_len, budget, context.model_path, head=head,
                              draft_unavailable=build.no_draft, prefix_cache=build.kt.prefix_cache), max_len
 
@@ -125,6 +124,19 @@ class DeepseekV4Family(ModelFamily):
 
     def install_chat_encoder(self, tokenizer: Any, encoder: ChatEncoder) -> None:
         install(tokenizer, encoder)
+
+
+def _cache_layout(drafting: bool) -> dict[str, str]:
+    """What /version's details say of where V4's caches live and how a step's attention reads them."""
+    from engines.kt.families.deepseek_v4.paged import PAGE as ENTRIES  # transformers' V4 modules
+
+    if drafting:  # a verified draft takes its sequence's cache back: transformers' cache layers throughout
+        return {"v4_caches": "per sequence (transformers DynamicCache; not paged while the MTP head drafts)",
+                "v4_steps": "batched: a step's rows together, attention's cached part per sequence"}
+    return {"v4_caches": f"prompts per sequence (transformers DynamicCache), then decode rows over paged caches "
+                         f"(a slot per sequence, pages of {ENTRIES} compressed entries)",
+            "v4_steps": "batched: a step's rows together; decode rows' cached attention together, a prompt "
+                        "chunk's per sequence"}
 
 
 def _expert_lora(methods: list[str | None]) -> str:

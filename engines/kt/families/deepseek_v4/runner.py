@@ -43,6 +43,7 @@ from engines.kt.experts.protocol import RoutedExperts
 from engines.kt.families.deepseek_v4.batch import Piece, V4Batch
 from engines.kt.families.deepseek_v4.budget import CacheBudget
 from engines.kt.families.deepseek_v4.caches import SequenceCache
+from engines.kt.families.deepseek_v4.paged import PagedDecode
 from engines.kt.families.deepseek_v4.prefixes import PrefixPlan, PrefixStore
 from engines.lora.install import LoraModules
 from engines.lora.modules import AdapterRows
@@ -55,7 +56,8 @@ class V4ModelRunner(ModelRunner):
     chunked_prefill = True
 
     def __init__(self, model: nn.Module, max_model_len: int, budget: CacheBudget, checkpoint: Path | None = None,
-                 head: Any = None, draft_unavailable: str | None = None, prefix_cache: bool = True):
+                 head: Any = None, draft_unavailable: str | None = None, prefix_cache: bool = True,
+                 paged_decode: bool = True):
         from transformers.cache_utils import DynamicCache
 
         self.model = model
@@ -77,6 +79,9 @@ class V4ModelRunner(ModelRunner):
         self.graphs = None  # graphs.py: V4StepGraphs, the row-wise segments of the steps that fit them
         # the draft head's own caches are not kept with a prefix: no prefix cache while it drafts
         self.prefixes = PrefixStore(budget, enabled=prefix_cache and head is None)
+        # decode rows over paged caches, all sequences of a step at once (paged.py); a drafted chunk verifies
+        # several rows over transformers' caches, so not while the head drafts
+        self.paged = self.batch.paged = PagedDecode(model) if head is None and paged_decode else None
 
     def _state(self, seq: Sequence) -> SequenceCache:
         if seq.runner_state is None:
@@ -90,8 +95,16 @@ class V4ModelRunner(ModelRunner):
         for chunk, state in zip(chunks, states):
             with self.lora.context.step(AdapterRows.uniform(chunk.seq.request.adapter)):
                 state.begin(chunk.start, record=bool(chunk.draft))
+            # a decode row: one position past the prompt (a prompt's positions may still come many to a step)
+            decoding = (chunk.num_tokens == 1 and not chunk.draft
+                        and chunk.start >= max(1, getattr(chunk.seq, "num_prompt_tokens", 0)))
+            if state.paged is None and decoding and self.paged is not None:
+                state.adopt(self.paged)
+            elif state.paged is not None and not decoding:
+                raise RuntimeError(f"sequence {chunk.seq.id}'s V4 cache is paged: it takes decode rows, not "
+                                   f"positions {chunk.start}-{chunk.end + len(chunk.draft)}")
         pieces = [Piece(c.seq.token_ids + list(c.draft) if c.draft else c.seq.token_ids, c.start,
-                        c.end + len(c.draft), s.cache, c.seq.request.adapter, s.record)
+                        c.end + len(c.draft), s.cache, c.seq.request.adapter, s.record, s.paged)
                   for c, s in zip(chunks, states)]
         try:
             fits = self.graphs is not None and self.graphs.fits(pieces)
@@ -106,7 +119,7 @@ class V4ModelRunner(ModelRunner):
         for chunk, piece, state in zip(chunks, pieces, states):
             state.commit(piece.end)
             plan = state.prefix
-            if plan is not None and not chunk.draft and chunk.end in plan.cuts:
+            if plan is not None and state.paged is None and not chunk.draft and chunk.end in plan.cuts:
                 self.prefixes.keep(plan, chunk.end, state.cache)
             if self.drafter is not None:  # the streams at every fed position, for the draft head after the step
                 self.drafter.keep(chunk.seq, chunk.start, streams[row:row + piece.end - piece.start])
@@ -180,6 +193,8 @@ class V4ModelRunner(ModelRunner):
             self.head.forget(seq)
         self.budget.release(seq.id)
         if seq.runner_state is not None:
+            if seq.runner_state.paged is not None:
+                self.paged.release(seq.runner_state.paged)
             seq.runner_state = None
             self._live -= 1
 

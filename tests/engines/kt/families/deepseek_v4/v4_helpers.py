@@ -190,10 +190,12 @@ def load_v4_runner(model_dir: Path, max_concurrent: int = 2):
     return load_model(family_for(config), context).runner
 
 
-def runner_sequence(token_ids: list[int], adapter: str | None = None) -> SimpleNamespace:
-    """What a runner reads of a scheduled sequence: its id, its tokens, its request's adapter, its runner state."""
+def runner_sequence(token_ids: list[int], adapter: str | None = None, prompt: int | None = None) -> SimpleNamespace:
+    """What a runner reads of a scheduled sequence: its id, its tokens, its request's adapter, its runner state
+    and how many of its tokens are the prompt (default: all it has; a decode row comes after them)."""
     return SimpleNamespace(id=f"seq-{next(_SEQUENCE_IDS)}", token_ids=token_ids, runner_state=None,
-                           request=SimpleNamespace(adapter=adapter))
+                           request=SimpleNamespace(adapter=adapter),
+                           num_prompt_tokens=len(token_ids) if prompt is None else prompt)
 
 
 def served_logprobs(model_dir: Path, token_ids: list[int], chunks: list[int], adapter: Path | None = None
@@ -218,6 +220,9 @@ def stepped_logprobs(runner, sequences: list[SimpleNamespace], plans: list[list[
     from engines.runtime.model_runner import ScheduledChunk
 
     left = [list(plan) for plan in plans]
+    for seq, plan in zip(sequences, plans):  # the prompt: up to the single positions that end the plan
+        ones = next((i for i in range(len(plan)) if all(n == 1 for n in plan[i:])), len(plan))
+        seq.num_prompt_tokens = max(1, sum(plan[:ones]))
     fed = [0] * len(sequences)
     rows: list[list[torch.Tensor]] = [[] for _ in sequences]
     step = 0

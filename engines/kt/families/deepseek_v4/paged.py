@@ -1,0 +1,350 @@
+"""DeepSeek-V4 decode rows over paged caches: every decoding sequence of a step attends in one batch per layer.
+
+A sequence prefills through transformers' cache layers (caches.py, batch.py: prompt chunks need the modules'
+own windowed masks and compressors over many rows). At its first decode step its cache moves here (`adopt`), and
+from then on its decode rows write and read these pools, all sequences of the step together, in a fixed number of
+tensor operations per layer whatever the number of sequences:
+
+- **slots** (one per decoding sequence, the same index in every layer): the sliding window as a ring of
+  `sliding_window` keys (position p at p % W: the W positions a decode row sees, p - W + 1 .. p), and each
+  compressor's last rows as a ring (HCA: the `rate` rows of the window being filled; CSA: two windows, 2 x rate
+  rows, since an entry pools the previous window's first half (Ca) with its own second half (Cb)). Ring rows hold
+  the compressor's key projection in the model's dtype and its gate projection plus the position bias in float32,
+  as transformers' compressors compute them before their softmax.
+- **pages** of PAGE compressed entries: per layer, the compressor's entries (and on CSA layers the lightning
+  indexer's keys, sharing the page ids), allocated in the same order for every layer of one compression rate, so
+  a sequence has one page table per rate. A row at position p may see the entries [0, (p + 1) // rate).
+
+A decode row at position p (`attend`): its key goes into the window ring; its compressor and indexer projections
+into their rings; where p closes a window ((p + 1) % rate == 0, known on the host) the window's entry is computed
+from the ring exactly as transformers' compressor computes it (the same modules: the softmax over the window's
+rows in float32, the norm, the rotary embedding at the window's first position) and written into its page. On a
+CSA layer the indexer scores the row's queries against its keys, and the row attends over the window and the
+`index_topk` best entries (all valid entries where there are no more); on an HCA layer over the window and every
+entry. Attention is V4's eager attention with its sinks (batch.py: `attend`), over a mask of the valid keys.
+
+Nothing here is read before it was written for the sequence: a ring row of an earlier position of another
+sequence that held the slot is never valid (the window's valid rows are the sequence's own positions, a closing
+window's rows were all written since it opened), and entries past a sequence's count are masked. A decode step run
+again (after a failure) writes the same places with the same values, so going back one step needs nothing.
+
+Checked against transformers 5.24's V4 modules position by position (tests/engines/kt/families/deepseek_v4/
+test_v4_paged.py): the same bits for the compressed entries, the keys' order within attention aside."""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4CSACompressor, apply_rotary_pos_emb
+
+PAGE = 64  # compressed entries a page holds (CSA: 256 positions; HCA: 8,192)
+_GROWTH = 1.5  # a pool that runs out grows to this many times its size (or to what is asked, if more)
+
+
+@dataclass(slots=True)
+class PagedSequence:
+    """One decoding sequence's place in the pools: its slot and, per compression rate, its pages."""
+
+    slot: int
+    pages: dict[int, list[int]] = field(default_factory=dict)
+
+
+class _Compressor:
+    """One compressor of one layer (the CSA/HCA compressor, or a CSA layer's indexer): its ring and its entries."""
+
+    def __init__(self, module: nn.Module, rate: int, overlap: bool):
+        self.module = module
+        self.rate = rate
+        self.overlap = overlap
+        self.dim = module.head_dim  # the entries' width
+        self.width = module.kv_proj.out_features  # a row's projection: 2 x dim with CSA's overlapping windows
+        self.ring = 2 * rate if overlap else rate
+        self.kv: torch.Tensor | None = None  # [slots, ring, width], the model's dtype
+        self.gate: torch.Tensor | None = None  # [slots, ring, width] float32, the position bias added
+        self.entries: torch.Tensor | None = None  # [pages, PAGE, dim]
+
+    def grow_slots(self, slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        have = 0 if self.kv is None else self.kv.shape[0]
+        kv = torch.zeros(slots - have, self.ring, self.width, dtype=dtype, device=device)
+        gate = torch.full((slots - have, self.ring, self.width), float("-inf"), dtype=torch.float32, device=device)
+        self.kv = kv if self.kv is None else torch.cat([self.kv, kv])
+        self.gate = gate if self.gate is None else torch.cat([self.gate, gate])
+
+    def grow_pages(self, pages: int, dtype: torch.dtype, device: torch.device) -> None:
+        have = 0 if self.entries is None else self.entries.shape[0]
+        new = torch.zeros(pages - have, PAGE, self.dim, dtype=dtype, device=device)
+        self.entries = new if self.entries is None else torch.cat([self.entries, new])
+
+    def bias(self, positions: torch.Tensor) -> torch.Tensor:
+        """The position bias of rows at `positions` within their windows: [rows, width] float32."""
+        return self.module.position_bias[positions % self.rate]
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """Entries of windows whose rows are `kv` [n, rows, dim] and `gate` (bias added) [n, rows, dim], each
+        window's first position in `first` [n]: transformers' compressor arithmetic, one window per entry."""
+        m = self.module
+        compressed = m.kv_norm((kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1))[:, None]
+        cos, sin = m.rotary_emb(compressed, position_ids=first[:, None], layer_type=m.rope_layer_type)
+        return apply_rotary_pos_emb(compressed.unsqueeze(1), cos, sin)[:, 0, 0]
+
+
+class _Layer:
+    """One attention layer's pools: the window ring, and its compressor (and indexer) where it compresses."""
+
+    def __init__(self, attn: nn.Module, window: int):
+        self.attn = attn
+        self.index = attn.layer_idx
+        self.window = window
+        self.keys: torch.Tensor | None = None  # [slots, window, head_dim]
+        self.device: torch.device | None = None
+        comp = attn.compressor
+        self.rate = 0 if comp is None else comp.compress_rate
+        self.csa = isinstance(comp, DeepseekV4CSACompressor)
+        self.compressors: dict[str, _Compressor] = {}
+        if comp is not None:
+            self.compressors["compressor"] = _Compressor(comp, self.rate, self.csa)
+            if self.csa:
+                self.compressors["indexer"] = _Compressor(comp.indexer, self.rate, True)
+
+
+class DecodeStep:
+    """The host's part of one step's paged decode rows, made once for all layers: slots, positions and, per
+    compression rate, the rows that close a window and where every row's entries lie."""
+
+    def __init__(self, pools: "PagedDecode", sequences: list[PagedSequence], positions: list[int],
+                 device: torch.device):
+        self.rows = len(sequences)
+        self.slots = torch.tensor([s.slot for s in sequences], dtype=torch.long).to(device, non_blocking=True)
+        self.positions = torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True)
+        self.window_valid = (torch.arange(pools.window)[None] <= torch.tensor(positions)[:, None]).to(
+            device, non_blocking=True)
+        self.by_rate: dict[int, dict[str, Any]] = {}
+        for rate in pools.rates:
+            counts = [(p + 1) // rate for p in positions]
+            width = max(len(s.pages[rate]) for s in sequences) * PAGE
+            table = torch.full((self.rows, width), -1, dtype=torch.long)
+            for b, s in enumerate(sequences):
+                pages = torch.tensor(s.pages[rate], dtype=torch.long)
+                at = (pages[:, None] * PAGE + torch.arange(PAGE)[None]).flatten()
+                table[b, :at.numel()] = at
+            closing = [b for b, p in enumerate(positions) if (p + 1) % rate == 0]
+            window = [positions[b] // rate for b in closing]
+            self.by_rate[rate] = {
+                "entries": table.clamp(min=0).to(device, non_blocking=True),  # flat pool index of each entry
+                "valid": (torch.arange(width)[None] < torch.tensor(counts)[:, None]).to(device, non_blocking=True),
+                "closing": torch.tensor(closing, dtype=torch.long).to(device, non_blocking=True) if closing else None,
+                "first": torch.tensor([w * rate for w in window], dtype=torch.long).to(device, non_blocking=True),
+                "into": torch.tensor([table[b, w].item() for b, w in zip(closing, window)], dtype=torch.long).to(
+                    device, non_blocking=True),
+                # CSA: the ring rows of each closing window's previous and own halves
+                "halves": [((w + 1) % 2, w % 2) for w in window],
+            }
+
+
+class PagedDecode:
+    """The paged caches of a V4 model's decoding sequences (see the module docstring)."""
+
+    def __init__(self, model: nn.Module):
+        config = model.config
+        self.window = config.sliding_window
+        self.layers = [_Layer(layer.self_attn, self.window) for layer in model.model.layers]
+        self.rates = sorted({layer.rate for layer in self.layers if layer.rate})
+        self.slots = 0
+        self.free_slots: list[int] = []
+        self.pages = {rate: 0 for rate in self.rates}
+        self.free_pages: dict[int, list[int]] = {rate: [] for rate in self.rates}
+        self.dtype: torch.dtype | None = None
+
+    # ------------------------------------------------------------------------------ slots and pages
+    def _slot(self, dtype: torch.dtype) -> int:
+        if not self.free_slots:
+            grown = max(self.slots + 1, int(self.slots * _GROWTH) + 1)
+            for layer in self.layers:
+                device = layer.device
+                keys = torch.zeros(grown - self.slots, self.window, layer.attn.head_dim, dtype=dtype, device=device)
+                layer.keys = keys if layer.keys is None else torch.cat([layer.keys, keys])
+                for c in layer.compressors.values():
+                    c.grow_slots(grown, dtype, device)
+            self.free_slots = list(range(grown - 1, self.slots - 1, -1))
+            self.slots = grown
+        return self.free_slots.pop()
+
+    def _page(self, rate: int) -> int:
+        free = self.free_pages[rate]
+        if not free:
+            have = self.pages[rate]
+            grown = max(have + 1, int(have * _GROWTH) + 1)
+            for layer in self.layers:
+                if layer.rate == rate:
+                    for c in layer.compressors.values():
+                        c.grow_pages(grown, self.dtype, layer.device)
+            free.extend(range(grown - 1, have - 1, -1))
+            self.pages[rate] = grown
+        return free.pop()
+
+    def reserve(self, seq: PagedSequence, position: int) -> None:
+        """Pages for the entries a row at `position` may write (its window's, (position // rate))."""
+        for rate in self.rates:
+            pages = seq.pages.setdefault(rate, [])
+            while len(pages) * PAGE <= position // rate:
+                pages.append(self._page(rate))
+
+    def release(self, seq: PagedSequence) -> None:
+        if seq.slot < 0:
+            return
+        self.free_slots.append(seq.slot)
+        for rate, pages in seq.pages.items():
+            self.free_pages[rate].extend(pages)
+        seq.slot, seq.pages = -1, {}
+
+    def usage(self) -> tuple[int, int]:
+        """(slots in use, pages in use over every rate)."""
+        return (self.slots - len(self.free_slots),
+                sum(self.pages[r] - len(self.free_pages[r]) for r in self.rates))
+
+    # ------------------------------------------------------------------------------ a prefilled cache moves in
+    def adopt(self, cache: Any, computed: int) -> PagedSequence:
+        """A slot and pages holding what transformers' V4 `cache` holds after `computed` positions."""
+        if self.dtype is None:  # the pools take the dtype and devices of the first cache that moves in
+            self.dtype = _dtype_of(cache)
+            for layer, state in zip(self.layers, cache.layers):
+                layer.device = state.keys.device
+        seq = PagedSequence(self._slot(self.dtype))
+        for rate in self.rates:
+            seq.pages[rate] = [self._page(rate) for _ in range((computed // rate) // PAGE + 1)]
+        slot = seq.slot
+        for layer, state in zip(self.layers, cache.layers):
+            keys = state.keys[0, 0]  # the last (up to) W - 1 positions
+            at = torch.arange(computed - keys.shape[0], computed, device=keys.device) % self.window
+            layer.keys[slot, at] = keys.to(layer.keys.dtype)
+            for name, c in layer.compressors.items():
+                entries = state.compressed_kv[name]
+                count = 0 if entries is None else entries.shape[1]
+                if count != computed // c.rate:
+                    raise RuntimeError(f"V4 layer {layer.index}'s {name} holds {count} entries at {computed} "
+                                       f"positions, not {computed // c.rate}")
+                if count:
+                    flat = self._flat(seq.pages[c.rate], count, entries.device)
+                    c.entries.view(-1, c.dim)[flat] = entries[0].to(c.entries.dtype)
+                c.kv[slot] = 0
+                c.gate[slot] = float("-inf")
+                buffered = state.buffer_kv[name]
+                first = count * c.rate
+                if buffered is not None and buffered.shape[1]:
+                    rows = torch.arange(first, first + buffered.shape[1], device=buffered.device)
+                    c.kv[slot, rows % c.ring] = buffered[0].to(c.kv.dtype)
+                    c.gate[slot, rows % c.ring] = state.buffer_gate[name][0] + c.bias(rows)
+                if c.overlap and count:  # the last closed window's first half, which the next entry pools
+                    rows = torch.arange(first - c.rate, first, device=entries.device) % c.ring
+                    c.kv[slot, rows, :c.dim] = state.overlap_kv[name][0].to(c.kv.dtype)
+                    c.gate[slot, rows, :c.dim] = state.overlap_gate[name][0].float()
+        return seq
+
+    @staticmethod
+    def _flat(pages: list[int], count: int, device: torch.device) -> torch.Tensor:
+        at = torch.arange(count)
+        return (torch.tensor(pages, dtype=torch.long)[at // PAGE] * PAGE + at % PAGE).to(device)
+
+    # ------------------------------------------------------------------------------ a step's decode rows
+    def step(self, sequences: list[PagedSequence], positions: list[int], device: torch.device) -> DecodeStep:
+        for seq, position in zip(sequences, positions):
+            self.reserve(seq, position)
+        return DecodeStep(self, sequences, positions, device)
+
+    def attend(self, layer_index: int, step: DecodeStep, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor,
+               q_residual: torch.Tensor) -> torch.Tensor:
+        """Layer `layer_index`'s cached attention of the step's decode rows: q [1, heads, B, d], kv [1, 1, B, d],
+        x [1, B, hidden], q_residual [1, B, q_lora_rank] in the step's row order. [1, B, heads, d]."""
+        layer = self.layers[layer_index]
+        slots = step.slots
+        layer.keys[slots, step.positions % self.window] = kv[0, 0]
+        keys, valid = [layer.keys[slots]], [step.window_valid]
+        for name, c in layer.compressors.items():
+            self._compress(c, step, x[0], slots)
+        if layer.rate:
+            at = step.by_rate[layer.rate]
+            main = layer.compressors["compressor"]
+            pool = main.entries.view(-1, main.dim)
+            if not layer.csa:  # HCA: every entry
+                keys.append(pool[at["entries"]])
+                valid.append(at["valid"])
+            else:
+                picked, ok = self._index(layer, step, x, q_residual)
+                keys.append(pool[picked])
+                valid.append(ok)
+        attn = layer.attn
+        return _attend(q[0].transpose(0, 1).unsqueeze(2), torch.cat(keys, dim=1), torch.cat(valid, dim=1),
+                       attn.scaling, attn.sinks)
+
+    def _compress(self, c: _Compressor, step: DecodeStep, x: torch.Tensor, slots: torch.Tensor) -> None:
+        """The rows' projections into the ring; the entries of the windows they close into their pages."""
+        module = c.module
+        rows = step.positions % c.ring
+        c.kv[slots, rows] = module.kv_proj(x)
+        c.gate[slots, rows] = module.gate_proj(x) + c.bias(step.positions)
+        at = step.by_rate[c.rate]
+        closing = at["closing"]
+        if closing is None:
+            return
+        owners = slots[closing]
+        kv, gate = c.kv[owners], c.gate[owners]  # [n, ring, width]
+        if c.overlap:  # the previous window's first half (Ca), then this window's second half (Cb)
+            r, d = c.rate, c.dim
+            prev = torch.tensor([p * r for p, _ in at["halves"]], device=kv.device)[:, None] + torch.arange(
+                r, device=kv.device)
+            own = torch.tensor([o * r for _, o in at["halves"]], device=kv.device)[:, None] + torch.arange(
+                r, device=kv.device)
+            n = torch.arange(len(at["halves"]), device=kv.device)[:, None]
+            kv = torch.cat([kv[n, prev, :d], kv[n, own, d:]], dim=1)
+            gate = torch.cat([gate[n, prev, :d], gate[n, own, d:]], dim=1)
+        c.entries.view(-1, c.dim)[at["into"]] = c.pool(kv, gate, at["first"]).to(c.entries.dtype)
+
+    def _index(self, layer: _Layer, step: DecodeStep, x: torch.Tensor, q_residual: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The lightning indexer's picks for each row: flat pool indices [B, k] of the entries it attends and
+        which of them are valid [B, k]; every valid entry where a row has at most index_topk of them."""
+        at = step.by_rate[layer.rate]
+        entries, valid = at["entries"], at["valid"]
+        indexer = layer.compressors["indexer"]
+        m = indexer.module
+        if entries.shape[1] <= m.index_topk:
+            return entries, valid
+        rows = x.shape[1]
+        positions = step.positions[:, None]
+        cos, sin = m.rotary_emb(x, position_ids=positions, layer_type=m.rope_layer_type)
+        q = m.q_b_proj(q_residual[0]).view(rows, 1, -1, m.head_dim).transpose(1, 2)
+        q = apply_rotary_pos_emb(q, cos, sin).transpose(1, 2)  # [B, 1, heads, dim]
+        keys = indexer.entries.view(-1, indexer.dim)[entries]  # [B, E, dim]
+        scores = m.scorer(q, keys, x[0][:, None])[:, 0].masked_fill(~valid, float("-inf"))  # [B, E]
+        top = scores.topk(m.index_topk, dim=-1)
+        return entries.gather(1, top.indices), top.values > float("-inf")
+
+    def describe(self) -> str:
+        slots, pages = self.usage()
+        return f"paged decode: {slots} sequences, {pages} pages of {PAGE} entries"
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, sinks: torch.Tensor
+            ) -> torch.Tensor:
+    """V4's attention with a sink per head for B decode rows: q [B, heads, 1, d] over their own keys [B, K, d]
+    (shared key-value head), `valid` [B, K]; batch.py's `attend` row by row. [1, B, heads, d]."""
+    rows, heads = q.shape[0], q.shape[1]
+    scores = torch.matmul(q, keys.transpose(1, 2).unsqueeze(1)) * scaling  # [B, heads, 1, K]
+    scores = scores.masked_fill(~valid[:, None, None], float("-inf"))
+    logits = torch.cat([scores, sinks.view(1, heads, 1, 1).expand(rows, -1, 1, 1)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(keys.dtype)
+    return torch.matmul(probs, keys.unsqueeze(1))[:, :, 0].unsqueeze(0)  # [1, B, heads, d]
+
+
+def _dtype_of(cache: Any) -> torch.dtype:
+    return next(layer.keys.dtype for layer in cache.layers if getattr(layer, "keys", None) is not None)
+
+
+def keep_until_collected(owner: Any, pools: PagedDecode, seq: PagedSequence) -> None:
+    """Give `seq`'s slot and pages back when `owner` (its SequenceCache) is collected, if it was not released."""
+    weakref.finalize(owner, pools.release, seq)

@@ -1,0 +1,109 @@
+"""V4 decode rows over the paged caches (engines/kt/families/deepseek_v4/paged.py): a sequence whose prefilled
+cache moved into the pools decodes as it would over transformers' cache layers, batched with others, and gives its
+slot and pages back when it ends."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache
+
+from engines.kt.families.deepseek_v4.batch import Piece, V4Batch
+from engines.kt.families.deepseek_v4.caches import SequenceCache
+from engines.kt.families.deepseek_v4.paged import PAGE, PagedDecode
+from engines.lora.modules import LoraContext
+from tests.helpers import require_kt_kernel
+from .v4_helpers import load_v4_runner, runner_sequence, v4_reference_model
+
+# (prompt, decoded) positions: the tiny V4 has a 16-position window, CSA every 4 (the indexer keeps 4 entries) and HCA
+# every 128; these cross the window's wrap, CSA windows with more entries than the indexer keeps, an HCA window
+# closing while decoding (140 + 116 = 256) and HCA entries moved in with the prompt (300)
+LENGTHS = [(300, 20), (140, 120), (10, 30), (3, 40)]
+# float32 everywhere, the experts in torch: only the order of the keys in attention's sums differs (measured
+# 4.1e-7 of the largest stream entry at worst over these sequences)
+RELATIVE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def reference(v4_model_dir):
+    return v4_reference_model(v4_model_dir)
+
+
+def _prefilled(batch: V4Batch, ids: list[int], prompt: int) -> SequenceCache:
+    state = SequenceCache(DynamicCache(config=batch.config))
+    batch.hidden_streams([Piece(ids, 0, prompt, state.cache, None)])
+    state.computed = prompt
+    return state
+
+
+def test_paged_decode_rows_give_the_streams_of_decoding_over_transformers_caches(reference):
+    batch = V4Batch(reference, LoraContext())
+    batch.paged = PagedDecode(reference)
+    generator = torch.Generator().manual_seed(3)
+    sequences = []
+    with torch.inference_mode():
+        for prompt, decoded in LENGTHS:
+            ids = torch.randint(100, 120000, (prompt + decoded,), generator=generator).tolist()
+            dynamic, paged = _prefilled(batch, ids, prompt), _prefilled(batch, ids, prompt)
+            paged.adopt(batch.paged)
+            sequences.append((ids, dynamic, paged))
+        positions = [prompt for prompt, _ in LENGTHS]
+        worst = 0.0
+        while True:
+            active = [i for i, (ids, _, _) in enumerate(sequences) if positions[i] < len(ids)]
+            if not active:
+                break
+            rows = [(sequences[i], positions[i]) for i in active]
+            expected = batch.hidden_streams([Piece(ids, p, p + 1, dynamic.cache, None) for (ids, dynamic, _), p in rows])
+            got = batch.hidden_streams([Piece(ids, p, p + 1, None, None, paged=paged.paged)
+                                        for (ids, _, paged), p in rows])
+            worst = max(worst, ((got - expected).abs().max() / expected.abs().max()).item())
+            for i in active:
+                positions[i] += 1
+    assert worst < RELATIVE
+
+
+def test_a_paged_step_run_again_gives_the_same_streams(reference):
+    batch = V4Batch(reference, LoraContext())
+    batch.paged = PagedDecode(reference)
+    ids = torch.randint(100, 120000, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.inference_mode():
+        state = _prefilled(batch, ids, 31)  # position 31 closes a CSA window
+        state.adopt(batch.paged)
+        first = batch.hidden_streams([Piece(ids, 31, 32, None, None, paged=state.paged)])
+        state.commit(32)
+        state.begin(31)  # the step again, as after a failure elsewhere in it
+        assert state.computed == 31
+        again = batch.hidden_streams([Piece(ids, 31, 32, None, None, paged=state.paged)])
+    assert torch.equal(first, again)
+
+
+def test_a_released_sequence_gives_its_slot_and_pages_back(v4_model_dir):
+    require_kt_kernel()
+    from engines.runtime.model_runner import ScheduledChunk
+
+    runner = load_v4_runner(v4_model_dir)
+    ids = torch.randint(100, 120000, (300,), generator=torch.Generator().manual_seed(9)).tolist()
+    seq = runner_sequence(ids, prompt=290)
+    runner.execute([ScheduledChunk(seq=seq, start=0, end=290)])
+    for position in range(290, 300):
+        runner.execute([ScheduledChunk(seq=seq, start=position, end=position + 1)])
+    assert seq.runner_state.paged is not None
+    slots, pages = runner.paged.usage()
+    # one slot; per rate, the pages of its entries: CSA 300 // 4 = 75 entries in 2 pages of 64, HCA 2 in 1
+    assert (slots, pages) == (1, 2 + 1) and PAGE == 64
+    runner.release(seq)
+    assert runner.paged.usage() == (0, 0)
+
+
+def test_a_prompt_fed_a_token_a_step_moves_to_the_paged_caches_at_its_first_decode_row(v4_model_dir):
+    require_kt_kernel()
+    from engines.runtime.model_runner import ScheduledChunk
+
+    runner = load_v4_runner(v4_model_dir)
+    ids = torch.randint(100, 120000, (12,), generator=torch.Generator().manual_seed(11)).tolist()
+    seq = runner_sequence(ids, prompt=10)
+    for position in range(10):  # a prompt fed a position a step, as a small token budget may cut it
+        runner.execute([ScheduledChunk(seq=seq, start=position, end=position + 1)])
+        assert seq.runner_state.paged is None
+    runner.execute([ScheduledChunk(seq=seq, start=10, end=11)])
+    assert seq.runner_state.paged is not None
