@@ -95,6 +95,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="v4-flash: comma-separated phases to run, of: decode, ceiling, ctx1k, ctx2k, ctx8k, clients, "
                         "ctx32k, cached, ctx128k (the order they run in), or the groups ttft (ctx2k-ctx128k), tpot "
                         "(ctx1k, ctx8k-ctx128k), contexts (every ctx); default: all")
+    p.add_argument("--v4-decode-caches", choices=("paged", "per-sequence"), default="paged",
+                   help="v4-flash: where decode rows attend, the engine's paged caches (default) or, for a before / "
+                        "after in one call, transformers' cache of each sequence in turn as before them")
     p.add_argument("--only", help=f"comma-separated phases to run, of: {','.join(PHASES)} (default: all)")
     p.add_argument("--quick", action="store_true", help="fewer tokens, prompt lengths and concurrency levels")
     p.add_argument("--model-dir", type=Path, help="where the random checkpoint lives (default: "

@@ -11,6 +11,9 @@ prompt, after a warm-up request. Prints one JSON object (also written to --out/v
   decodes per second once its prompts are in;
 * `wall_tok_s` — all tokens / (last token - submission), prompts included;
 * `expert_calls_per_step` — the routed-expert calls a step makes, per layer (1: the step's rows in one call).
+
+`--decode-caches per-sequence,paged` runs every level with decode rows attending each sequence over its own
+transformers cache, as before the paged caches, then over the paged caches (engines/kt/families/deepseek_v4/paged.py).
 """
 from __future__ import annotations
 
@@ -58,6 +61,7 @@ class _CallCounter:
 def run(args: argparse.Namespace) -> dict:
     from bench.lib.engine_runs import generate
     from bench.lib.shapes import prompt_ids
+    from bench.v4_flash import decode_caches
     from engines.base import EngineConfig
     from engines.kt.engine import KTEngine
 
@@ -90,8 +94,10 @@ def run(args: argparse.Namespace) -> dict:
         return out
 
     level(1, 4)  # warm-up
-    for clients in levels:
-        results["levels"].append(level(clients, args.tokens))
+    for mode in args.decode_caches.split(","):  # the same engine, its decode rows attending one way then the other
+        decode_caches(engine, mode)
+        for clients in levels:
+            results["levels"].append({"decode_caches": mode, **level(clients, args.tokens)})
     engine.stop()
     return results
 
@@ -110,6 +116,9 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens per sequence")
     p.add_argument("--tokens", type=int, default=32, help="tokens generated per sequence")
     p.add_argument("--threads", type=int, help="kt-kernel threads (cpu_infer); default: the engine's")
+    p.add_argument("--decode-caches", default="paged", metavar="MODE,MODE",
+                   help="where decode rows attend, in turn: paged (the engine's default), per-sequence "
+                        "(transformers' cache of each sequence, as before the paged caches); e.g. per-sequence,paged")
     p.add_argument("--out", help="also write v4-batch.json into this folder")
     args = p.parse_args()
     from bench.lib.report import print_and_write

@@ -620,12 +620,14 @@ def run(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     engine.start()
     load_s = time.perf_counter() - started
+    decode_caches(engine, getattr(args, "v4_decode_caches", "paged"))
     budget = args.budget or 1800
     progress(f"engine loaded in {load_s:.0f} s; phases {', '.join(selected)} in a budget of {budget:.0f} s")
     results: dict = {"shape": "v4-flash", "quick": bool(args.quick), "layers": layers, "build_s": built,
                      "load_s": load_s, "budget_s": budget, "phases_selected": list(selected),
                      # what the engine runs with: N, or "0: why not"
                      "kt_gpu_prefill_tokens": engine.info.details.get("gpu_prefill_tokens"),
+                     "v4_decode_caches": getattr(args, "v4_decode_caches", "paged"),
                      "chunk_size": engine.config.chunk_size, "max_model_len": engine.info.max_model_len,
                      "max_concurrent": engine.config.max_concurrent, "engine_details": dict(engine.info.details),
                      "cache_mib_per_sequence": cache_mib_per_sequence(config),
@@ -651,6 +653,16 @@ def run(args: argparse.Namespace) -> dict:
         write(results)
         engine.stop()
     return results
+
+
+def decode_caches(engine: Any, mode: str) -> None:
+    """Where a started V4 engine's decode rows attend: "paged" (its default, paged.py) or "per-sequence", each
+    sequence over its transformers cache in turn, as before the paged caches (a before / after in one call)."""
+    runner = engine._runner
+    pools = runner.__dict__.setdefault("pools_aside", runner.paged)  # kept while off, for turning them on again
+    if mode == "paged" and pools is None:
+        raise ValueError("the engine's V4 runner has no paged caches (the MTP head drafts)")
+    runner.paged = runner.batch.paged = pools if mode == "paged" else None
 
 
 def read_ceiling(config: dict, threads: int, decode_tok_s: float | None, nbytes: int = 2 << 30) -> dict:
