@@ -17,8 +17,8 @@ What the kernel takes, and from what (the weights kt-kernel was loaded from, at 
 - RAWINT4: its int4 groups of 32 with bf16 scales, the kernel's own INT4 form, as they are;
 - AMXINT8 / AMXINT4: quantized from the same bf16 weights, the kernel's way (INT8 per row; INT4 per 32 with bf16
   scales, finer than kt-kernel's per-row INT4);
-- LLAMAFILE: ggml blocks whose gate, up and down are all of a type the kernel reads (decode_kernel.GGML_FORMATS:
-  Q8_0), the very blocks kt-kernel reads (a GGUF's mapped file, or those converted at load for llamafile_type
+- LLAMAFILE: ggml blocks whose gate, up and down are all of one type the kernel reads (decode_kernel.GGML_FORMATS:
+  Q8_0 or Q4_0), the very blocks kt-kernel reads (a GGUF's mapped file, or those converted at load for llamafile_type
   Q8_0); other ggml types (Q4_K, Q6_K, ..., BF16) stay kt-kernel's, the reason recorded. kt-kernel's llamafile
   calls are not stream-ordered (cpu.py: `_can_use_stream`), so the kernel serves these layers' decode calls where
   the hidden states are on the CPU (the CPU-only rules);
@@ -58,7 +58,7 @@ FORMATS = {"MXFP4": "mxfp4", "FP8": "fp8", "RAWINT4": "int4", "AMXINT8": "int8",
 # (q8_0 against kt-kernel's LLAMAFILE on the same Q8_0 blocks: 64 experts, top-6, 2048 x 1536, one thread, on a
 # 2-core box under load 5, so only the order of things: 21 / 18 / 80 ms a layer at 1 / 4 / 16 tokens against 42 / 93
 # / 262)
-MAX_ROWS = {"mxfp4": 16, "fp8": 16, "int8": 16, "int4": 16, "q8_0": 16}
+MAX_ROWS = {"mxfp4": 16, "fp8": 16, "int8": 16, "int4": 16, "q8_0": 16, "q4_0": 16}
 MEMORY_SHARE = 0.3  # of the host memory available at the first layer's load, what auto lets the kernel's copies take
 
 
@@ -196,8 +196,12 @@ class DecodeKernelPolicy:
             if layer.method == "LLAMAFILE":
                 from engines.kt.experts.decode_kernel import GGML_FORMATS
 
-                return (f"the kernel does not compute LLAMAFILE experts of ggml types "
-                        f"{'/'.join(sorted(set(layer.ggml_types)))} (it reads {', '.join(GGML_FORMATS)} blocks)")
+                types, known = sorted(set(layer.ggml_types)), ", ".join(GGML_FORMATS)
+                if len(types) > 1:  # a GGUF "Q4_K_M" keeps down in Q6_K, say
+                    return (f"the LLAMAFILE experts' projections mix ggml types ({'/'.join(types)}); the kernel "
+                            f"reads layers whose three are all {known}")
+                return (f"the kernel does not compute LLAMAFILE experts of ggml type {types[0]} (it reads {known} "
+                        "blocks)")
             return f"the kernel does not compute {layer.method} experts"
         if layer.hidden_size % 32 or layer.intermediate_size % 32:
             return "sizes not multiples of 32"

@@ -3,14 +3,15 @@
 Decoding reads each chosen expert's weights once per call, so a call is bound by memory bandwidth; this kernel
 streams every expert a call uses once, for all rows routed to it (gate and up fused, SwiGLU with V4's clamp,
 down, the weighted sum), reading the weights in place: MXFP4 (V4's E2M1 + UE8M0 per 32), FP8 e4m3 in 128 x 128
-blocks with float multipliers (V3/R1), a GGUF's ggml Q8_0 blocks (fp16 scale + 32 int8, as the file maps them),
-and INT8 (per-row scales) / INT4 (bf16 scales per 32) quantized at load.
+blocks with float multipliers (V3/R1), a GGUF's ggml Q8_0 and Q4_0 blocks (fp16 scale + 32 int8 / 32 nibbles, as
+the file maps them), and INT8 (per-row scales) / INT4 (bf16 scales per 32) quantized at load.
 A row's result is bit-identical whatever else is in the call and whatever the thread count (src/dk.c says how).
 
-MXFP4, INT4 and Q8_0 take their dot products in integers where the CPU has them (AVX512-VNNI, AVX-VNNI, or
+MXFP4, INT4, Q8_0 and Q4_0 take their dot products in integers where the CPU has them (AVX512-VNNI, AVX-VNNI, or
 AVX2's byte multiply-adds): each row's activations, and its SwiGLU output, are quantized once per call to int8 in
 groups of 32 with a float scale each, the four-bit codes become bytes by a table (Q8_0's signed bytes are offset
-by 128, or taken by magnitude and sign), and one float FMA per group scales the exact int32 sums (src/isa_impl.h; `quantizes_activations` says where). The four-bit formats were bound by their
+by 128, or taken by magnitude and sign), and one float FMA per group scales the exact int32 sums (src/isa_impl.h;
+`quantizes_activations` says where). The four-bit formats were bound by their
 per-weight float work, not by memory (bench/results/nvidia-h200-2026-12-02-decode-kernel); the int8
 activations add their rounding, at most half a step (amax / 254 of the group) per element. FP8 and INT8 stay in
 float.
@@ -31,9 +32,9 @@ import torch
 
 log = logging.getLogger("ktserve.engine.kt")
 
-FORMATS = {"mxfp4": 0, "fp8": 1, "int8": 2, "int4": 3, "q8_0": 4}
-GGML_FORMATS = {"Q8_0": "q8_0"}  # ggml block types the kernel reads in place -> its format
-GGML_BLOCK_BYTES = {"q8_0": 34}  # a block of 32 values: fp16 d, then the quants
+FORMATS = {"mxfp4": 0, "fp8": 1, "int8": 2, "int4": 3, "q8_0": 4, "q4_0": 5}
+GGML_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0"}  # ggml block types the kernel reads in place -> its format
+GGML_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}  # a block of 32 values: fp16 d, then the quants
 ISA_ENV = "KTSERVE_DECODE_KERNEL_ISA"
 SPIN_US = 2000  # how long an idle worker spins before it sleeps (a decode step calls every layer within that)
 
@@ -115,7 +116,7 @@ def force_isa(name: str) -> bool:
 def quantizes_activations(fmt: str) -> bool:
     """Whether the half this process runs takes `fmt`'s dot products in int8: activations (and the SwiGLU
     output) quantized per row in groups of 32, symmetric, scale amax / 127 (src/isa_impl.h, the integer path:
-    MXFP4, INT4 and Q8_0 on avx512-vnni, avx2-vnni and avx2). False: float dot products."""
+    MXFP4, INT4, Q8_0 and Q4_0 on avx512-vnni, avx2-vnni and avx2). False: float dot products."""
     lib = library()
     return lib is not None and lib.dk_quantizes_activations(FORMATS[fmt]) == 1
 
@@ -219,8 +220,9 @@ class DecodeLayer:
     @classmethod
     def ggml(cls, blocks: dict[str, torch.Tensor], ggml_type: str, *, swiglu_limit: float = 0.0) -> "DecodeLayer":
         """A GGUF's routed experts as its file stores them (engines/checkpoints/gguf: GGUFExperts.blocks), read in
-        place: "gate"/"up"/"down" uint8 [E, rows, row bytes] of one of GGML_FORMATS' types (Q8_0: per 32 values
-        of a row an fp16 scale d then 32 int8 q, value d x q)."""
+        place: "gate"/"up"/"down" uint8 [E, rows, row bytes] of one of GGML_FORMATS' types (per 32 values of a
+        row an fp16 scale d, then Q8_0: 32 int8 q, value d x q; Q4_0: 16 bytes, the low nibbles values 0..15 and
+        the high ones 16..31, value d x (q - 8))."""
         if ggml_type not in GGML_FORMATS:
             raise ValueError(f"decode kernel: ggml type {ggml_type!r} is not one of {', '.join(GGML_FORMATS)}")
         fmt = GGML_FORMATS[ggml_type]
@@ -392,6 +394,11 @@ def dequantize(fmt: str, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tenso
         b = w.view(torch.uint8).reshape(*w.shape[:-1], -1, 34)
         d = b[..., :2].contiguous().view(torch.float16).float()
         return (b[..., 2:].contiguous().view(torch.int8).float() * d).reshape(*w.shape[:-1], -1)
+    if fmt == "q4_0":
+        b = w.view(torch.uint8).reshape(*w.shape[:-1], -1, 18)
+        d = b[..., :2].contiguous().view(torch.float16).float()
+        q = torch.cat([b[..., 2:] & 0x0F, b[..., 2:] >> 4], dim=-1).float() - 8
+        return (q * d).reshape(*w.shape[:-1], -1)
     codes = w.view(torch.uint8)
     q = torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(*codes.shape[:-1], -1).float() - 8
     return (q.view(*q.shape[:-1], -1, 32) * s.float()[..., None]).reshape(q.shape)

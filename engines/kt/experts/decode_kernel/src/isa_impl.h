@@ -7,22 +7,22 @@
  * A group is 32 consecutive weights of a row. Two ways to take a dot product with it:
  *
  * - float (FP8 and INT8 everywhere; every format on the AVX-512 half without VNNI): dequantizing a group
- *   gives NV vectors of exact fp32 weights (FP8: times its block multiplier, rounded once; Q8_0's d x q is
- *   exact), in the order `natural_index` gives; a row's dot product keeps one accumulator per vector
+ *   gives NV vectors of exact fp32 weights (FP8: times its block multiplier, rounded once; Q8_0's d x q and
+ *   Q4_0's d x (q - 8) are exact), in the order `natural_index` gives; a row's dot product keeps one accumulator per vector
  *   position, in group order, and ends in a fixed reduction tree.
  *
- * - integer (MXFP4, INT4 and Q8_0 on avx512-vnni, avx2-vnni and avx2): each activation row is quantized once per
+ * - integer (MXFP4, INT4, Q8_0 and Q4_0 on avx512-vnni, avx2-vnni and avx2): each activation row is quantized once per
  *   call to int8 per group, symmetric, q = rint(x * 127 / amax), the group's scale amax / 127 (for the down
  *   projection, the SwiGLU output likewise, one group per gate/up item). A weight nibble becomes an unsigned
- *   byte by a table (MXFP4: 2 x E2M1 + 12, in 0..24, exact; INT4: the stored q + 8 itself), so
+ *   byte by a table (MXFP4: 2 x E2M1 + 12, in 0..24, exact; INT4, Q4_0: the stored q + 8 itself), so
  *   u8 x s8 products summed four at a time (VPDPBUSD, or PMADDUBSW + PMADDWD on AVX2) give
  *   sum (w + off) * q exactly in int32; the offset's part, off x sum q, is the row's own and is subtracted
  *   by starting the accumulator at its negative. One float FMA per group and row then adds
  *   int_sum x weight scale x activation scale (MXFP4's weight scale is 2^(e - 127) / 2, the half put in
  *   the activation scale). Q8_0's signed bytes go in as q + 128 (VPDPBUSD, the offset subtracted likewise) or,
  *   on AVX2 without VNNI, as |q| against the activations given q's sign (PSIGNB: a signed byte pair's
- *   products fit PMADDUBSW's int16 there, q + 128's would not); its scale is each block's fp16 d, and
- *   the activation groups take the block's column order. Integer sums are exact and the float ones run in
+ *   products fit PMADDUBSW's int16 there, q + 128's would not). The ggml formats' scale is each block's
+ *   fp16 d, and their activation groups take the block's column order (halves_layout). Integer sums are exact and the float ones run in
  *   a fixed order, so a row's result depends on its own activations only, as in the float path. */
 #include <immintrin.h>
 #include <math.h>
@@ -60,7 +60,8 @@ AI float vsum4(V a, V b, V c, V d) {
 }
 #endif
 
-#define Q8_0_BLOCK 34 /* ggml's block: fp16 d, 32 int8 */
+#define Q8_0_BLOCK 34 /* ggml's blocks: fp16 d, 32 int8 */
+#define Q4_0_BLOCK 18 /* fp16 d, 16 bytes of nibbles */
 
 static const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 static const float INT4V[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
@@ -101,6 +102,9 @@ AI rowref row_of(const dk_layer *L, const dk_mat *m, int e, int row, int fmt) {
     case DK_Q8_0: /* the scales lie in the blocks */
         r.w = m->w[e] + (size_t)row * (k / 32) * Q8_0_BLOCK;
         break;
+    case DK_Q4_0:
+        r.w = m->w[e] + (size_t)row * (k / 32) * Q4_0_BLOCK;
+        break;
     default: /* DK_FP8 */
         r.w = m->w[e] + (size_t)row * k;
         r.sf = (const float *)m->s[e] + (size_t)(row / 128) * ((k + 127) / 128);
@@ -112,6 +116,7 @@ AI rowref row_of(const dk_layer *L, const dk_mat *m, int e, int row, int fmt) {
 
 AI size_t row_bytes(int fmt, int k) {
     if (fmt == DK_Q8_0) return (size_t)k / 32 * Q8_0_BLOCK;
+    if (fmt == DK_Q4_0) return (size_t)k / 32 * Q4_0_BLOCK;
     return (fmt == DK_MXFP4 || fmt == DK_INT4) ? (size_t)k / 2 : (size_t)k;
 }
 
@@ -155,6 +160,14 @@ AI void dequant(const rowref *r, int fmt, int g, V *w) {
         __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16((short)half_at(b)));
         for (int j = 0; j < 2; j++)
             w[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * j)))), d);
+        break;
+    }
+    case DK_Q4_0: { /* low nibbles columns 0..15, high ones 16..31: d x (q - 8), exact */
+        const uint8_t *b = r->w + (size_t)Q4_0_BLOCK * g;
+        __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16((short)half_at(b)));
+        __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2))), eight = _mm512_set1_epi32(8);
+        w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(c, _mm512_set1_epi32(15)), eight)), d);
+        w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(c, 4), eight)), d);
         break;
     }
     default: { /* FP8 e4m3 as fp16 bits (value x 2^-8, the 2^8 is in the multiplier): exact, subnormals too,
@@ -217,6 +230,16 @@ AI void dequant(const rowref *r, int fmt, int g, V *w) {
         __m256 d = _mm256_cvtph_ps(_mm_set1_epi16((short)half_at(b)));
         for (int j = 0; j < 4; j++)
             w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j)))), d);
+        break;
+    }
+    case DK_Q4_0: { /* likewise not reached; columns 8h.. from low nibbles, 16 + 8h.. from high ones */
+        const uint8_t *b = r->w + (size_t)Q4_0_BLOCK * g;
+        __m256 d = _mm256_cvtph_ps(_mm_set1_epi16((short)half_at(b)));
+        for (int h = 0; h < 2; h++) {
+            __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * h))), eight = _mm256_set1_epi32(8);
+            w[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(c, _mm256_set1_epi32(15)), eight)), d);
+            w[2 + h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(c, 4), eight)), d);
+        }
         break;
     }
     default: { /* FP8 as fp16 bits, as in the AVX-512 half */
@@ -310,11 +333,14 @@ AI float swiglu(float g, float u, float limit) {
 #define CHUNK_COLS (32 * GPC)
 #define CHUNK_BYTES (32 * GPC + 8 * DK_WIDTH) /* an activation row's form, per chunk of CHUNK_COLS columns */
 
-AI int int_path(int fmt) { return INT_PATH && (fmt == DK_MXFP4 || fmt == DK_INT4 || fmt == DK_Q8_0); }
+AI int int_path(int fmt) {
+    return INT_PATH && (fmt == DK_MXFP4 || fmt == DK_INT4 || fmt == DK_Q8_0 || fmt == DK_Q4_0);
+}
 
-/* ggml's blocks (Q8_0) hold a group's columns in order: the low and high halves of a chunk's group take its
- * columns 0..15 and 16..31, where the nibble formats' take the even and the odd ones */
-AI int halves_layout(int fmt) { return fmt == DK_Q8_0; }
+/* ggml's blocks hold a group's columns in order (Q8_0), or its columns 0..15 in low nibbles and 16..31 in high
+ * ones (Q4_0): the low and high halves of a chunk's group take its columns 0..15 and 16..31, where MXFP4's and
+ * INT4's take the even and the odd ones */
+AI int halves_layout(int fmt) { return fmt == DK_Q8_0 || fmt == DK_Q4_0; }
 
 #if DK_VNNI
 #define Q8_0_OFFSET 128 /* VPDPBUSD's weights are unsigned bytes: q + 128 (q ^ 0x80), and 128 x sum x subtracted */
@@ -322,7 +348,7 @@ AI int halves_layout(int fmt) { return fmt == DK_Q8_0; }
 #define Q8_0_OFFSET 0 /* PMADDUBSW takes |q| against x with q's sign (idot_fmt): nothing to subtract */
 #endif
 
-/* what the weight bytes the dot products read exceed the values by */
+/* what the weight bytes the dot products read exceed the values by (INT4 and Q4_0: their stored codes, q + 8) */
 AI int weight_offset(int fmt) { return fmt == DK_MXFP4 ? 12 : fmt == DK_Q8_0 ? Q8_0_OFFSET : 8; }
 
 /* An activation row in the integer path's form, chunk after chunk; chunk c holds groups GPC*c + j, j < GPC:
@@ -459,18 +485,19 @@ AI VI idot_fmt(int fmt, VI acc, VI wlo, VI whi, const uint8_t *lo, const uint8_t
     return idot(acc, wlo, whi, lo, hi);
 }
 
-/* Chunk c of a Q8_0 row: its ng (<= GPC) blocks' first and second 16 q's, one 16-byte lane a group (bytes
- * past ng zero, and read no further than the row goes), as VPDPBUSD reads them (q + 128) on the VNNI halves;
- * per int32 lane its group's d (zero past ng) */
-AI void q8_0_chunk(const rowref *r, int c, int ng, VI *lo, VI *hi, V *ws) {
-    const uint8_t *p = r->w + (size_t)Q8_0_BLOCK * GPC * c;
+/* Chunk c of a Q8_0 or Q4_0 row: its ng (<= GPC) blocks' columns 0..15 and 16..31, one 16-byte lane a group
+ * (bytes past ng zero, and read no further than the row goes): Q8_0's q's, as VPDPBUSD reads them (q + 128) on
+ * the VNNI halves; Q4_0's low and high nibbles. Per int32 lane its group's d (zero past ng). */
+AI void ggml_chunk(const rowref *r, int fmt, int c, int ng, VI *lo, VI *hi, V *ws) {
+    int bs = fmt == DK_Q8_0 ? Q8_0_BLOCK : Q4_0_BLOCK;
+    const uint8_t *p = r->w + (size_t)bs * GPC * c;
     __m128i l[GPC], h[GPC];
     uint16_t d[GPC];
     for (int j = 0; j < GPC; j++) {
-        const uint8_t *b = p + Q8_0_BLOCK * j;
+        const uint8_t *b = p + bs * j;
         d[j] = j < ng ? half_at(b) : 0;
         l[j] = j < ng ? _mm_loadu_si128((const __m128i *)(b + 2)) : _mm_setzero_si128();
-        h[j] = j < ng ? _mm_loadu_si128((const __m128i *)(b + 18)) : _mm_setzero_si128();
+        h[j] = j < ng && fmt == DK_Q8_0 ? _mm_loadu_si128((const __m128i *)(b + 18)) : _mm_setzero_si128();
     }
 #if DK_WIDTH == 16
     *lo = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(l[1], l[0])), _mm256_set_m128i(l[3], l[2]), 1);
@@ -485,6 +512,12 @@ AI void q8_0_chunk(const rowref *r, int c, int ng, VI *lo, VI *hi, V *ws) {
     *ws = _mm256_cvtph_ps(_mm_setr_epi16((short)d[0], (short)d[0], (short)d[0], (short)d[0], (short)d[1],
                                          (short)d[1], (short)d[1], (short)d[1]));
 #endif
+    if (fmt == DK_Q4_0) {
+        VI m = iset1_8(0x0F);
+        *hi = iand(isrl4(*lo), m);
+        *lo = iand(*lo, m);
+        return;
+    }
 #if DK_VNNI
     *lo = ixor(*lo, iset1_8((char)0x80));
     *hi = ixor(*hi, iset1_8((char)0x80));
@@ -496,8 +529,8 @@ static const uint8_t MXFP4_U8[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10,
 /* Chunk c of a weight row: its ng (<= GPC) groups' low and high nibbles as unsigned bytes, and per int32
  * lane its group's scale (zero past ng, where the weight bytes are zero too). */
 AI void weight_chunk(const rowref *r, int fmt, int c, int ng, VI *lo, VI *hi, V *ws) {
-    if (fmt == DK_Q8_0) {
-        q8_0_chunk(r, c, ng, lo, hi, ws);
+    if (fmt == DK_Q8_0 || fmt == DK_Q4_0) {
+        ggml_chunk(r, fmt, c, ng, lo, hi, ws);
         return;
     }
     const uint8_t *p = r->w + 16 * GPC * c;
@@ -708,6 +741,7 @@ SPECIALIZE(fp8, DK_FP8)
 SPECIALIZE(int8, DK_INT8)
 SPECIALIZE(int4, DK_INT4)
 SPECIALIZE(q8_0, DK_Q8_0)
+SPECIALIZE(q4_0, DK_Q4_0)
 
 static void gateup(const dk_layer *L, int e, int i0, int i1, const void *const *x, int R, void *const *h) {
     switch (L->fmt) {
@@ -715,6 +749,7 @@ static void gateup(const dk_layer *L, int e, int i0, int i1, const void *const *
     case DK_FP8: gateup_fp8(L, e, i0, i1, x, R, h); break;
     case DK_INT8: gateup_int8(L, e, i0, i1, x, R, h); break;
     case DK_Q8_0: gateup_q8_0(L, e, i0, i1, x, R, h); break;
+    case DK_Q4_0: gateup_q4_0(L, e, i0, i1, x, R, h); break;
     default: gateup_int4(L, e, i0, i1, x, R, h); break;
     }
 }
@@ -725,6 +760,7 @@ static void down(const dk_layer *L, int e, int n0, int n1, const void *const *h,
     case DK_FP8: down_fp8(L, e, n0, n1, h, R, y); break;
     case DK_INT8: down_int8(L, e, n0, n1, h, R, y); break;
     case DK_Q8_0: down_q8_0(L, e, n0, n1, h, R, y); break;
+    case DK_Q4_0: down_q4_0(L, e, n0, n1, h, R, y); break;
     default: down_int4(L, e, n0, n1, h, R, y); break;
     }
 }
