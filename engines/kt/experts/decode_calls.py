@@ -55,9 +55,9 @@ CHOICES = ("auto", "on", "off")
 FORMATS = {"MXFP4": "mxfp4", "FP8": "fp8", "RAWINT4": "int4", "AMXINT8": "int8", "AMXINT4": "int4"}
 # calls of up to this many rows go to the kernel: it was at least as fast as kt-kernel at every count measured
 # (1-16 tokens) in every format; beyond 16 nothing was measured, and kt-kernel's matrix kernels take over
-# (q8_0 against kt-kernel's LLAMAFILE on the same Q8_0 blocks: 64 experts, top-6, 2048 x 1536, one thread, on a
-# 2-core box under load 5, so only the order of things: 21 / 18 / 80 ms a layer at 1 / 4 / 16 tokens against 42 / 93
-# / 262)
+# (q8_0 and q4_0 against kt-kernel's LLAMAFILE on the same blocks: 64 experts, top-6, 2048 x 1536, one thread, on a
+# 2-core box under load 3, so only the order of things: at 1 / 4 / 16 tokens Q8_0 10.5 / 19.8 / 47.1 ms a layer against
+# 22.9 / 72.9 / 85.4, Q4_0 4.1 / 12.6 / 36.3 against 5.6 / 22.0 / 48.9)
 MAX_ROWS = {"mxfp4": 16, "fp8": 16, "int8": 16, "int4": 16, "q8_0": 16, "q4_0": 16}
 MEMORY_SHARE = 0.3  # of the host memory available at the first layer's load, what auto lets the kernel's copies take
 
