@@ -565,8 +565,9 @@ class RoutedExpertsCPU(nn.Module):
                 raise ValueError(f"{name} blocks of layer {self.layer_idx} have shape {tuple(tensor.shape)} "
                                  f"{tensor.dtype}, expected uint8 [{E}, {rows}, row bytes]")
         self._ggml_types = types
-        self._build_kernel({m: blocks[m][0] for m in ("gate", "up", "down")})
-        self._choose_decode_calls()
+        prepared = {m: blocks[m][0] for m in ("gate", "up", "down")}
+        self._build_kernel(prepared)
+        self._choose_decode_calls(prepared=prepared)
         return True
 
     def load_quantized(self, cache_dir: str | os.PathLike) -> bool:
@@ -611,6 +612,11 @@ class RoutedExpertsCPU(nn.Module):
         self.decode_calls = None
         if self.decode_kernel is not None:
             self.decode_calls = self.decode_kernel.build(self, **forms)
+
+    @property
+    def ggml_types(self) -> tuple[str, str, str]:
+        """The ggml types of gate's, up's and down's blocks as the LLAMAFILE kernel reads them (LLAMAFILE only)."""
+        return self._ggml_types
 
     def _cache(self, cache_dir: str | os.PathLike) -> LayerCache:
         return LayerCache(Path(cache_dir), self.layer_idx, self.method, self.kernel_experts, self.hidden_size,

@@ -17,7 +17,12 @@ What the kernel takes, and from what (the weights kt-kernel was loaded from, at 
 - RAWINT4: its int4 groups of 32 with bf16 scales, the kernel's own INT4 form, as they are;
 - AMXINT8 / AMXINT4: quantized from the same bf16 weights, the kernel's way (INT8 per row; INT4 per 32 with bf16
   scales, finer than kt-kernel's per-row INT4);
-- BF16, LLAMAFILE: not covered (kt-kernel serves).
+- LLAMAFILE: ggml blocks whose gate, up and down are all of one type the kernel reads (decode_kernel.GGML_FORMATS:
+  Q8_0 or Q4_0), the very blocks kt-kernel reads (a GGUF's mapped file, or those converted at load for llamafile_type
+  Q8_0); other ggml types (Q4_K, Q6_K, ..., BF16) stay kt-kernel's, the reason recorded. kt-kernel's llamafile
+  calls are not stream-ordered (cpu.py: `_can_use_stream`), so the kernel serves these layers' decode calls where
+  the hidden states are on the CPU (the CPU-only rules);
+- BF16: not covered (kt-kernel serves).
 Layers whose output goes to a GPU queue the kernel on the CUDA stream as kt-kernel's calls are queued (cpu.py's
 stream-ordered path: `StreamTask`'s two host functions, which captured decode graphs replay); the share of a decode
 call's experts the GPU reads from their host copies (kt_gpu_read_experts) reaches the kernel as -1 ids, and prompt
@@ -46,11 +51,14 @@ log = logging.getLogger("ktserve.engine.kt")
 
 SETTING = "kt_decode_kernel"
 CHOICES = ("auto", "on", "off")
-# the kernel's format per experts method
+# the kernel's format per experts method (LLAMAFILE: per ggml type of its blocks, `kernel_format`)
 FORMATS = {"MXFP4": "mxfp4", "FP8": "fp8", "RAWINT4": "int4", "AMXINT8": "int8", "AMXINT4": "int4"}
 # calls of up to this many rows go to the kernel: it was at least as fast as kt-kernel at every count measured
 # (1-16 tokens) in every format; beyond 16 nothing was measured, and kt-kernel's matrix kernels take over
-MAX_ROWS = {"mxfp4": 16, "fp8": 16, "int8": 16, "int4": 16}
+# (q8_0 and q4_0 against kt-kernel's LLAMAFILE on the same blocks: 64 experts, top-6, 2048 x 1536, one thread, on a
+# 2-core box under load 3, so only the order of things: at 1 / 4 / 16 tokens Q8_0 10.5 / 19.8 / 47.1 ms a layer against
+# 22.9 / 72.9 / 85.4, Q4_0 4.1 / 12.6 / 36.3 against 5.6 / 22.0 / 48.9)
+MAX_ROWS = {"mxfp4": 16, "fp8": 16, "int8": 16, "int4": 16, "q8_0": 16, "q4_0": 16}
 MEMORY_SHARE = 0.3  # of the host memory available at the first layer's load, what auto lets the kernel's copies take
 
 
@@ -60,6 +68,22 @@ def check_setting(value: Any) -> str:
     if text not in CHOICES:
         raise ValueError(f"{SETTING} must be one of {', '.join(CHOICES)}, got {value!r}")
     return text
+
+
+def kernel_format(layer: "RoutedExpertsCPU") -> str | None:
+    """The kernel's format for `layer`'s experts as loaded, or None where it has none: LLAMAFILE layers by their
+    blocks' ggml types (gate, up and down all of one type decode_kernel.GGML_FORMATS names)."""
+    if layer.method != "LLAMAFILE":
+        return FORMATS.get(layer.method)
+    from engines.kt.experts.decode_kernel import GGML_FORMATS
+
+    types = set(layer.ggml_types)
+    return GGML_FORMATS.get(next(iter(types))) if len(types) == 1 else None
+
+
+def _served_as(layer: "RoutedExpertsCPU") -> str:
+    """What the details call a served layer's experts: the method (LLAMAFILE with its blocks' type)."""
+    return f"LLAMAFILE {layer.ggml_types[0]}" if layer.method == "LLAMAFILE" else layer.method
 
 
 def kt_worker_cpus() -> list[int] | None:
@@ -123,6 +147,7 @@ class DecodeKernelPolicy:
     budget: int | None = None  # bytes auto lets the copies take (MEMORY_SHARE of the memory available at first use)
     charged: int = 0
     outcomes: dict[int, str] = field(default_factory=dict)  # layer -> "MXFP4" (served) or why not
+    formats: dict[int, str] = field(default_factory=dict)  # the served layers -> the kernel's format
     layers: list = field(default_factory=list)  # weak references to the layers built, for `finish`
 
     def __post_init__(self) -> None:
@@ -133,8 +158,9 @@ class DecodeKernelPolicy:
               ) -> DecodeCalls | None:
         """The decode calls of `layer`, from the forms it was just loaded from, or None (the reason recorded)."""
         self.layers.append(weakref.ref(layer))
+        self.formats.pop(layer.layer_idx, None)
         why = self._structural_reason(layer)
-        fmt = FORMATS.get(layer.method)
+        fmt = kernel_format(layer)
         kernel = None
         if why is None:
             kernel = _kernel_layer(layer, fmt, floats=floats, prepared=prepared, packed=packed)
@@ -152,7 +178,8 @@ class DecodeKernelPolicy:
         from engines.kt.experts.cpuinfer import pool_threads
 
         pool = decode_kernel.shared_pool(pool_threads() or layer.threads or 1, kt_worker_cpus())
-        self.outcomes[layer.layer_idx] = layer.method
+        self.outcomes[layer.layer_idx] = _served_as(layer)
+        self.formats[layer.layer_idx] = fmt
         return DecodeCalls(kernel, pool, MAX_ROWS[fmt], extra)
 
     def _structural_reason(self, layer: "RoutedExpertsCPU") -> str | None:
@@ -165,8 +192,16 @@ class DecodeKernelPolicy:
             if self.setting == "on":
                 raise ValueError(f"{SETTING}=on: {missing}")
             return missing
-        fmt = FORMATS.get(layer.method)
-        if fmt is None:
+        if kernel_format(layer) is None:
+            if layer.method == "LLAMAFILE":
+                from engines.kt.experts.decode_kernel import GGML_FORMATS
+
+                types, known = sorted(set(layer.ggml_types)), ", ".join(GGML_FORMATS)
+                if len(types) > 1:  # a GGUF "Q4_K_M" keeps down in Q6_K, say
+                    return (f"the LLAMAFILE experts' projections mix ggml types ({'/'.join(types)}); the kernel "
+                            f"reads layers whose three are all {known}")
+                return (f"the kernel does not compute LLAMAFILE experts of ggml type {types[0]} (it reads {known} "
+                        "blocks)")
             return f"the kernel does not compute {layer.method} experts"
         if layer.hidden_size % 32 or layer.intermediate_size % 32:
             return "sizes not multiples of 32"
@@ -201,6 +236,7 @@ class DecodeKernelPolicy:
             for layer in served:
                 layer.decode_calls = None
                 self.outcomes[layer.layer_idx] = why
+                self.formats.pop(layer.layer_idx, None)
             self.charged = 0
             log.info("%s=auto: off, %s", SETTING, why)
         return self.details()
@@ -209,18 +245,18 @@ class DecodeKernelPolicy:
         """What the engine details say: which layers' decode calls the kernel computes, or why none."""
         if not self.outcomes:
             return {}
-        served = sorted(layer for layer, what in self.outcomes.items() if what in FORMATS)
+        served = sorted(self.formats)
         if not served:
             reasons = sorted(set(self.outcomes.values()))
             return {"decode_kernel": f"off ({'; '.join(reasons)}): kt-kernel serves every call"}
         from engines.kt.experts import decode_kernel
 
         methods = sorted({self.outcomes[layer] for layer in served})
-        rows = max(MAX_ROWS[FORMATS[m]] for m in methods)
+        rows = max(MAX_ROWS[self.formats[layer]] for layer in served)
         text = f"ktserve {decode_kernel.isa()} for calls <= {rows} rows ({', '.join(methods)})"
         others = len(self.outcomes) - len(served)
         if others:
-            reasons = sorted({what for what in self.outcomes.values() if what not in FORMATS})
+            reasons = sorted({what for layer, what in self.outcomes.items() if layer not in self.formats})
             text += f"; kt-kernel in {others} of {len(self.outcomes)} layers ({'; '.join(reasons)})"
         if self.charged:
             text += f"; {self.charged / 2**30:.2f} GiB of host memory beside kt-kernel's"
@@ -245,6 +281,9 @@ def _kernel_layer(layer: "RoutedExpertsCPU", fmt: str, *, floats: tuple[torch.Te
         return DecodeLayer("int4", layer.hidden_size, layer.intermediate_size, tensors, swiglu_limit=limit)
     if fmt in ("int8", "int4") and floats is not None:
         return DecodeLayer.quantize(fmt, *floats, swiglu_limit=limit)
+    if layer.method == "LLAMAFILE" and prepared is not None:  # the blocks kt-kernel reads, read in place too
+        return DecodeLayer.ggml({m: prepared[m] for m in ("gate", "up", "down")}, layer.ggml_types[0],
+                                swiglu_limit=limit)
     return None
 
 

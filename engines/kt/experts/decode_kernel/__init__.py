@@ -3,13 +3,15 @@
 Decoding reads each chosen expert's weights once per call, so a call is bound by memory bandwidth; this kernel
 streams every expert a call uses once, for all rows routed to it (gate and up fused, SwiGLU with V4's clamp,
 down, the weighted sum), reading the weights in place: MXFP4 (V4's E2M1 + UE8M0 per 32), FP8 e4m3 in 128 x 128
-blocks with float multipliers (V3/R1), and INT8 (per-row scales) / INT4 (bf16 scales per 32) quantized at load.
+blocks with float multipliers (V3/R1), a GGUF's ggml Q8_0 and Q4_0 blocks (fp16 scale + 32 int8 / 32 nibbles, as
+the file maps them), and INT8 (per-row scales) / INT4 (bf16 scales per 32) quantized at load.
 A row's result is bit-identical whatever else is in the call and whatever the thread count (src/dk.c says how).
 
-MXFP4 and INT4 take their dot products in integers where the CPU has them (AVX512-VNNI, AVX-VNNI, or AVX2's
-byte multiply-adds): each row's activations, and its SwiGLU output, are quantized once per call to int8 in groups
-of 32 with a float scale each, the four-bit codes become bytes by a table, and one float FMA per group scales the
-exact int32 sums (src/isa_impl.h; `quantizes_activations` says where). The four-bit formats were bound by their
+MXFP4, INT4, Q8_0 and Q4_0 take their dot products in integers where the CPU has them (AVX512-VNNI, AVX-VNNI, or
+AVX2's byte multiply-adds): each row's activations, and its SwiGLU output, are quantized once per call to int8 in
+groups of 32 with a float scale each, the four-bit codes become bytes by a table (Q8_0's signed bytes are offset
+by 128, or taken by magnitude and sign), and one float FMA per group scales the exact int32 sums (src/isa_impl.h;
+`quantizes_activations` says where). The four-bit formats were bound by their
 per-weight float work, not by memory (bench/results/nvidia-h200-2026-12-02-decode-kernel); the int8
 activations add their rounding, at most half a step (amax / 254 of the group) per element. FP8 and INT8 stay in
 float.
@@ -30,7 +32,9 @@ import torch
 
 log = logging.getLogger("ktserve.engine.kt")
 
-FORMATS = {"mxfp4": 0, "fp8": 1, "int8": 2, "int4": 3}
+FORMATS = {"mxfp4": 0, "fp8": 1, "int8": 2, "int4": 3, "q8_0": 4, "q4_0": 5}
+GGML_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0"}  # ggml block types the kernel reads in place -> its format
+GGML_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}  # a block of 32 values: fp16 d, then the quants
 ISA_ENV = "KTSERVE_DECODE_KERNEL_ISA"
 SPIN_US = 2000  # how long an idle worker spins before it sleeps (a decode step calls every layer within that)
 
@@ -112,7 +116,7 @@ def force_isa(name: str) -> bool:
 def quantizes_activations(fmt: str) -> bool:
     """Whether the half this process runs takes `fmt`'s dot products in int8: activations (and the SwiGLU
     output) quantized per row in groups of 32, symmetric, scale amax / 127 (src/isa_impl.h, the integer path:
-    MXFP4 and INT4 on avx512-vnni, avx2-vnni and avx2). False: float dot products."""
+    MXFP4, INT4, Q8_0 and Q4_0 on avx512-vnni, avx2-vnni and avx2). False: float dot products."""
     lib = library()
     return lib is not None and lib.dk_quantizes_activations(FORMATS[fmt]) == 1
 
@@ -187,7 +191,8 @@ class DecodeLayer:
         self.experts = tensors["gate"].shape[0]
         ptrs = []
         for m in ("gate", "up", "down"):
-            w, s = tensors[m], tensors[f"{m}_scale"]
+            w = tensors[m]
+            s = tensors.get(f"{m}_scale", w)  # ggml blocks hold their scales: the kernel reads none beside
             ptrs += [w[e].data_ptr() for e in range(self.experts)]
             ptrs += [s[e].data_ptr() for e in range(self.experts)]
         array = (ctypes.c_int64 * len(ptrs))(*ptrs)
@@ -213,6 +218,26 @@ class DecodeLayer:
         return cls("fp8", hidden, inter, t, swiglu_limit=swiglu_limit)
 
     @classmethod
+    def ggml(cls, blocks: dict[str, torch.Tensor], ggml_type: str, *, swiglu_limit: float = 0.0) -> "DecodeLayer":
+        """A GGUF's routed experts as its file stores them (engines/checkpoints/gguf: GGUFExperts.blocks), read in
+        place: "gate"/"up"/"down" uint8 [E, rows, row bytes] of one of GGML_FORMATS' types (per 32 values of a
+        row an fp16 scale d, then Q8_0: 32 int8 q, value d x q; Q4_0: 16 bytes, the low nibbles values 0..15 and
+        the high ones 16..31, value d x (q - 8))."""
+        if ggml_type not in GGML_FORMATS:
+            raise ValueError(f"decode kernel: ggml type {ggml_type!r} is not one of {', '.join(GGML_FORMATS)}")
+        fmt = GGML_FORMATS[ggml_type]
+        t = {m: _u8(blocks[m]) for m in ("gate", "up", "down")}
+        E, inter, row = t["gate"].shape
+        block = GGML_BLOCK_BYTES[fmt]
+        hidden = row // block * 32
+        expected = {"gate": (E, inter, row), "up": (E, inter, row), "down": (E, hidden, inter // 32 * block)}
+        for m, shape in expected.items():
+            if row % block or inter % 32 or tuple(t[m].shape) != shape:
+                raise ValueError(f"decode kernel: {ggml_type} {m} blocks have shape {tuple(t[m].shape)}, expected "
+                                 f"{shape} (gate {tuple(t['gate'].shape)}; rows of {block}-byte blocks)")
+        return cls(fmt, hidden, inter, t, swiglu_limit=swiglu_limit)
+
+    @classmethod
     def quantize(cls, fmt: str, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
                  swiglu_limit: float = 0.0) -> "DecodeLayer":
         """INT8 (symmetric per row, float scales) or INT4 (symmetric per 32, bf16 scales, value + 8 two to a
@@ -225,13 +250,13 @@ class DecodeLayer:
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The weights this layer computes with, as float32 [E, ...] (the tests' reference)."""
-        return tuple(dequantize(self.format, self.tensors[m], self.tensors[f"{m}_scale"])
+        return tuple(dequantize(self.format, self.tensors[m], self.tensors.get(f"{m}_scale"))
                      for m in ("gate", "up", "down"))
 
     @property
     def nbytes_per_expert(self) -> int:
         """Bytes one expert's three matrices and their scales take: what a call reads per expert."""
-        return sum(self.tensors[m][0].nbytes + self.tensors[f"{m}_scale"][0].nbytes for m in ("gate", "up", "down"))
+        return sum(t[0].nbytes for t in self.tensors.values())
 
     @property
     def handle(self) -> int:
@@ -353,8 +378,8 @@ def quantize_int4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([p[0] for p in parts]).contiguous(), torch.stack([p[1] for p in parts]).contiguous()
 
 
-def dequantize(fmt: str, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """[E, n, *] weights and scales in `fmt` -> float32 [E, n, k]."""
+def dequantize(fmt: str, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+    """[E, n, *] weights and scales in `fmt` (ggml formats: None, the blocks hold them) -> float32 [E, n, k]."""
     from engines.checkpoints import mxfp4
     from engines.checkpoints.fp8 import dequantize_blocks
 
@@ -365,6 +390,15 @@ def dequantize(fmt: str, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
                             for e in range(w.shape[0])])
     if fmt == "int8":
         return w.view(torch.int8).float() * s[..., None]
+    if fmt == "q8_0":
+        b = w.view(torch.uint8).reshape(*w.shape[:-1], -1, 34)
+        d = b[..., :2].contiguous().view(torch.float16).float()
+        return (b[..., 2:].contiguous().view(torch.int8).float() * d).reshape(*w.shape[:-1], -1)
+    if fmt == "q4_0":
+        b = w.view(torch.uint8).reshape(*w.shape[:-1], -1, 18)
+        d = b[..., :2].contiguous().view(torch.float16).float()
+        q = torch.cat([b[..., 2:] & 0x0F, b[..., 2:] >> 4], dim=-1).float() - 8
+        return (q * d).reshape(*w.shape[:-1], -1)
     codes = w.view(torch.uint8)
     q = torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(*codes.shape[:-1], -1).float() - 8
     return (q.view(*q.shape[:-1], -1, 32) * s.float()[..., None]).reshape(q.shape)

@@ -2,9 +2,9 @@
 torch's dequantize-and-matmul in float64, and the same bits for a row whatever the thread count and the other rows.
 
 Two tolerances. Where a half computes in float, the kernel differs from float64 by float32 rounding only
-(relative error of the output's norm < 1e-5). Where it takes MXFP4 / INT4 dot products in int8 (the integer path,
-dk.quantizes_activations), the activations and the SwiGLU output are rounded per group of 32 to steps of
-amax / 127; that is checked twice:
+(relative error of the output's norm < 1e-5). Where it takes MXFP4 / INT4 / Q8_0 / Q4_0 dot products in int8 (the
+integer path, dk.quantizes_activations), the activations and the SwiGLU output are rounded per group of 32 to steps
+of amax / 127; that is checked twice:
 - against torch doing the same rounding (`quantized`) before its float64 matmuls: the integer sums are exact, so
   what is left is float32 rounding of the scales and sums (1e-5), and the odd SwiGLU output within float32
   rounding of a step's midpoint going the other way. x rounds alike both sides (the same float32 operations on
@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engines.checkpoints import mxfp4
+from engines.checkpoints.gguf.quants import quantize as quantize_ggml
 from engines.kt.experts import decode_kernel as dk
 from engines.kt.experts.methods import quantize_fp8_blocks
 
@@ -65,6 +66,10 @@ def make_layer(fmt: str, seed: int = 0, limit: float = LIMIT, hidden: int = H, i
         return dk.DecodeLayer.mxfp4(_stacked(mxfp4.quantize, weights), swiglu_limit=limit)
     if fmt == "fp8":
         return dk.DecodeLayer.fp8(_stacked(quantize_fp8_blocks, weights), swiglu_limit=limit)
+    if fmt in ("q8_0", "q4_0"):  # as a GGUF holds them: ggml blocks written by the gguf package's quantizer
+        kind = fmt.upper()
+        blocks = {m: torch.from_numpy(quantize_ggml(t.numpy(), kind)) for m, t in zip(("gate", "up", "down"), weights)}
+        return dk.DecodeLayer.ggml(blocks, kind, swiglu_limit=limit)
     return dk.DecodeLayer.quantize(fmt, *weights, swiglu_limit=limit)
 
 
@@ -160,7 +165,7 @@ def test_each_format_matches_torch_dequantized_matmul(fmt, isa, pools):
     check(layer, x, ids, w, layer.forward(x, ids, w, pools[2]))
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "int4"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4", "q8_0", "q4_0"])
 def test_sizes_that_end_in_part_of_a_chunk(fmt, isa, pools):
     """96 = 3 groups of 32 and 160 = 5: the integer path's last chunk (4 groups on AVX-512, 2 on AVX2) is partial
     in both projections, its weight bytes and scales read only as far as the row goes."""
@@ -191,6 +196,39 @@ def test_a_row_alone_gives_the_bits_it_gives_among_other_rows(fmt, isa, pools):
         assert torch.equal(alone[0], together[t]), f"row {t}"
     shuffled = torch.randperm(16)
     assert torch.equal(layer.forward(x[shuffled], ids[shuffled], w[shuffled], pools[2]), together[shuffled])
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_ggml_blocks_dequantize_as_the_gguf_package_reads_them(fmt):
+    import gguf
+
+    blocks = make_layer(fmt).tensors["down"]
+    ours = dk.dequantize(fmt, blocks, None)
+    theirs = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[fmt.upper()])
+    assert torch.equal(ours, torch.from_numpy(theirs).float())
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_ggml_blocks_of_every_code_are_read(fmt, isa, pools):
+    """Random bytes: every code, and blocks no quantizer of ours writes but a GGUF may hold: Q8_0's -128 (which
+    |q| and q + 128 must both carry) beside 127, Q4_0's nibbles 0 and 15 beside each other; fp16 scales down to a
+    subnormal."""
+    hidden, inter, size = 128, 64, dk.GGML_BLOCK_BYTES[fmt]
+    g = torch.Generator().manual_seed(8)
+    blocks = {}
+    for m, (rows, cols) in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
+        b = torch.randint(0, 256, (E, rows, cols // 32, size), generator=g, dtype=torch.uint8)
+        b[..., 2:6] = torch.tensor([0x80, 0x7F, 0x80, 0x00] if fmt == "q8_0" else [0xF0, 0x0F, 0xFF, 0x00],
+                                   dtype=torch.uint8)
+        d = (torch.rand(E, rows, cols // 32, generator=g) * (0.004 if fmt == "q8_0" else 0.06)).half()
+        d[:, 0, 0] = 2 ** -20  # an fp16 subnormal
+        b[..., :2] = d.view(torch.uint8).view(E, rows, cols // 32, 2)
+        blocks[m] = b.view(E, rows, -1)
+    layer = dk.DecodeLayer.ggml(blocks, fmt.upper())
+    x = torch.randn(3, hidden, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(3)])
+    w = torch.rand(3, TOP_K, generator=g)
+    check(layer, x, ids, w, layer.forward(x, ids, w, pools[2]))
 
 
 def test_the_clamp_changes_the_result_and_matches_the_reference(isa, pools):

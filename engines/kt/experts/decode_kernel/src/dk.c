@@ -160,7 +160,7 @@ void dk_layer_destroy(dk_layer *L) {
 /* ptrs: 6 arrays of `experts` addresses, gate w/s, up w/s, down w/s (dk.h says what each holds; they are read
  * in place for as long as the layer lives). NULL on a bad argument. */
 dk_layer *dk_layer_create(int fmt, int experts, int hidden, int inter, const int64_t *ptrs, float limit) {
-    if (fmt < DK_MXFP4 || fmt > DK_INT4 || experts < 1 || hidden < 32 || inter < 32 || hidden % 32 || inter % 32)
+    if (fmt < DK_MXFP4 || fmt > DK_LAST_FORMAT || experts < 1 || hidden < 32 || inter < 32 || hidden % 32 || inter % 32)
         return NULL;
     dk_layer *L = calloc(1, sizeof *L);
     if (!L) return NULL;

@@ -10,7 +10,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-enum { DK_MXFP4 = 0, DK_FP8 = 1, DK_INT8 = 2, DK_INT4 = 3 };
+enum { DK_MXFP4 = 0, DK_FP8 = 1, DK_INT8 = 2, DK_INT4 = 3, DK_Q8_0 = 4, DK_Q4_0 = 5 };
+#define DK_LAST_FORMAT DK_Q4_0
 /* the halves, best first where the CPU has several (dk.c: choose_isa) */
 enum { DK_ISA_NONE = 0, DK_ISA_AVX2 = 1, DK_ISA_AVX512 = 2, DK_ISA_AVX2_VNNI = 3, DK_ISA_AVX512_VNNI = 4 };
 
@@ -18,7 +19,11 @@ enum { DK_ISA_NONE = 0, DK_ISA_AVX2 = 1, DK_ISA_AVX512 = 2, DK_ISA_AVX2_VNNI = 3
  *   MXFP4: w [rows, cols/2] E2M1 pairs (earlier column low), s [rows, cols/32] UE8M0 exponents (uint8)
  *   FP8:   w [rows, cols] e4m3fn, s: the layer's own [ceil(rows/128), ceil(cols/128)] float multipliers x 2^8
  *   INT8:  w [rows, cols] int8, s [rows] float (value = q * s)
- *   INT4:  w [rows, cols/2] (q + 8, earlier column low), s [rows, cols/32] bf16 (value = q * s) */
+ *   INT4:  w [rows, cols/2] (q + 8, earlier column low), s [rows, cols/32] bf16 (value = q * s)
+ *   Q8_0:  w [rows, cols/32 blocks of 34 bytes], ggml's: per 32 columns an fp16 scale d then 32 int8 q
+ *          (value = d * q), read where they lie (a GGUF's mapped file); s unused
+ *   Q4_0:  w [rows, cols/32 blocks of 18 bytes], ggml's: per 32 columns an fp16 d then 16 bytes whose low
+ *          nibbles are columns 0..15 and high nibbles 16..31 (value = d * (q - 8)); s unused */
 typedef struct dk_mat {
     const uint8_t **w;
     const void **s;

@@ -7,20 +7,23 @@
  * A group is 32 consecutive weights of a row. Two ways to take a dot product with it:
  *
  * - float (FP8 and INT8 everywhere; every format on the AVX-512 half without VNNI): dequantizing a group
- *   gives NV vectors of exact fp32 weights (FP8: times its block multiplier, rounded once), in the order
- *   `natural_index` gives; a row's dot product keeps one accumulator per vector position, in group order,
- *   and ends in a fixed reduction tree.
+ *   gives NV vectors of exact fp32 weights (FP8: times its block multiplier, rounded once; Q8_0's d x q and
+ *   Q4_0's d x (q - 8) are exact), in the order `natural_index` gives; a row's dot product keeps one accumulator per vector
+ *   position, in group order, and ends in a fixed reduction tree.
  *
- * - integer (MXFP4 and INT4 on avx512-vnni, avx2-vnni and avx2): each activation row is quantized once per
+ * - integer (MXFP4, INT4, Q8_0 and Q4_0 on avx512-vnni, avx2-vnni and avx2): each activation row is quantized once per
  *   call to int8 per group, symmetric, q = rint(x * 127 / amax), the group's scale amax / 127 (for the down
  *   projection, the SwiGLU output likewise, one group per gate/up item). A weight nibble becomes an unsigned
- *   byte by a table (MXFP4: 2 x E2M1 + 12, in 0..24, exact; INT4: the stored q + 8 itself), so
+ *   byte by a table (MXFP4: 2 x E2M1 + 12, in 0..24, exact; INT4, Q4_0: the stored q + 8 itself), so
  *   u8 x s8 products summed four at a time (VPDPBUSD, or PMADDUBSW + PMADDWD on AVX2) give
  *   sum (w + off) * q exactly in int32; the offset's part, off x sum q, is the row's own and is subtracted
  *   by starting the accumulator at its negative. One float FMA per group and row then adds
  *   int_sum x weight scale x activation scale (MXFP4's weight scale is 2^(e - 127) / 2, the half put in
- *   the activation scale). Integer sums are exact and the float ones run in a fixed order, so a row's
- *   result depends on its own activations only, as in the float path. */
+ *   the activation scale). Q8_0's signed bytes go in as q + 128 (VPDPBUSD, the offset subtracted likewise) or,
+ *   on AVX2 without VNNI, as |q| against the activations given q's sign (PSIGNB: a signed byte pair's
+ *   products fit PMADDUBSW's int16 there, q + 128's would not). The ggml formats' scale is each block's
+ *   fp16 d, and their activation groups take the block's column order (halves_layout). Integer sums are exact and the float ones run in
+ *   a fixed order, so a row's result depends on its own activations only, as in the float path. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -56,6 +59,9 @@ AI float vsum4(V a, V b, V c, V d) {
     return _mm_cvtss_f32(q);
 }
 #endif
+
+#define Q8_0_BLOCK 34 /* ggml's blocks: fp16 d, 32 int8 */
+#define Q4_0_BLOCK 18 /* fp16 d, 16 bytes of nibbles */
 
 static const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 static const float INT4V[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
@@ -93,6 +99,12 @@ AI rowref row_of(const dk_layer *L, const dk_mat *m, int e, int row, int fmt) {
         r.w = m->w[e] + (size_t)row * k;
         r.rs = ((const float *)m->s[e])[row];
         break;
+    case DK_Q8_0: /* the scales lie in the blocks */
+        r.w = m->w[e] + (size_t)row * (k / 32) * Q8_0_BLOCK;
+        break;
+    case DK_Q4_0:
+        r.w = m->w[e] + (size_t)row * (k / 32) * Q4_0_BLOCK;
+        break;
     default: /* DK_FP8 */
         r.w = m->w[e] + (size_t)row * k;
         r.sf = (const float *)m->s[e] + (size_t)(row / 128) * ((k + 127) / 128);
@@ -102,7 +114,17 @@ AI rowref row_of(const dk_layer *L, const dk_mat *m, int e, int row, int fmt) {
     return r;
 }
 
-AI size_t row_bytes(int fmt, int k) { return (fmt == DK_MXFP4 || fmt == DK_INT4) ? (size_t)k / 2 : (size_t)k; }
+AI size_t row_bytes(int fmt, int k) {
+    if (fmt == DK_Q8_0) return (size_t)k / 32 * Q8_0_BLOCK;
+    if (fmt == DK_Q4_0) return (size_t)k / 32 * Q4_0_BLOCK;
+    return (fmt == DK_MXFP4 || fmt == DK_INT4) ? (size_t)k / 2 : (size_t)k;
+}
+
+AI uint16_t half_at(const uint8_t *p) { /* a ggml block's fp16 scale (blocks are 2-byte aligned at best) */
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return h;
+}
 
 AI void prefetch_row(const rowref *r, int fmt, int k) {
     size_t n = row_bytes(fmt, k);
@@ -133,6 +155,21 @@ AI void dequant(const rowref *r, int fmt, int g, V *w) {
         for (int j = 0; j < 2; j++)
             w[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r->w + 32 * g + 16 * j))));
         break;
+    case DK_Q8_0: { /* d x q: 11 by 8 significant bits, exact in float */
+        const uint8_t *b = r->w + (size_t)Q8_0_BLOCK * g;
+        __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16((short)half_at(b)));
+        for (int j = 0; j < 2; j++)
+            w[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * j)))), d);
+        break;
+    }
+    case DK_Q4_0: { /* low nibbles columns 0..15, high ones 16..31: d x (q - 8), exact */
+        const uint8_t *b = r->w + (size_t)Q4_0_BLOCK * g;
+        __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16((short)half_at(b)));
+        __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2))), eight = _mm512_set1_epi32(8);
+        w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(c, _mm512_set1_epi32(15)), eight)), d);
+        w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(c, 4), eight)), d);
+        break;
+    }
     default: { /* FP8 e4m3 as fp16 bits (value x 2^-8, the 2^8 is in the multiplier): exact, subnormals too,
                   and no float subnormal ever meets an arithmetic unit (those cost a microcode assist) */
         __m512 s = _mm512_set1_ps(r->sf[g >> 2]);
@@ -188,6 +225,23 @@ AI void dequant(const rowref *r, int fmt, int g, V *w) {
         for (int j = 0; j < 4; j++)
             w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(r->w + 32 * g + 8 * j))));
         break;
+    case DK_Q8_0: { /* not reached while the AVX2 halves take Q8_0 on the integer path; kept for completeness */
+        const uint8_t *b = r->w + (size_t)Q8_0_BLOCK * g;
+        __m256 d = _mm256_cvtph_ps(_mm_set1_epi16((short)half_at(b)));
+        for (int j = 0; j < 4; j++)
+            w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j)))), d);
+        break;
+    }
+    case DK_Q4_0: { /* likewise not reached; columns 8h.. from low nibbles, 16 + 8h.. from high ones */
+        const uint8_t *b = r->w + (size_t)Q4_0_BLOCK * g;
+        __m256 d = _mm256_cvtph_ps(_mm_set1_epi16((short)half_at(b)));
+        for (int h = 0; h < 2; h++) {
+            __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * h))), eight = _mm256_set1_epi32(8);
+            w[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(c, _mm256_set1_epi32(15)), eight)), d);
+            w[2 + h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(c, 4), eight)), d);
+        }
+        break;
+    }
     default: { /* FP8 as fp16 bits, as in the AVX-512 half */
         __m256 s = _mm256_set1_ps(r->sf[g >> 2]);
         for (int j = 0; j < 4; j++) {
@@ -279,13 +333,31 @@ AI float swiglu(float g, float u, float limit) {
 #define CHUNK_COLS (32 * GPC)
 #define CHUNK_BYTES (32 * GPC + 8 * DK_WIDTH) /* an activation row's form, per chunk of CHUNK_COLS columns */
 
-AI int int_path(int fmt) { return INT_PATH && (fmt == DK_MXFP4 || fmt == DK_INT4); }
+AI int int_path(int fmt) {
+    return INT_PATH && (fmt == DK_MXFP4 || fmt == DK_INT4 || fmt == DK_Q8_0 || fmt == DK_Q4_0);
+}
+
+/* ggml's blocks hold a group's columns in order (Q8_0), or its columns 0..15 in low nibbles and 16..31 in high
+ * ones (Q4_0): the low and high halves of a chunk's group take its columns 0..15 and 16..31, where MXFP4's and
+ * INT4's take the even and the odd ones */
+AI int halves_layout(int fmt) { return fmt == DK_Q8_0 || fmt == DK_Q4_0; }
+
+#if DK_VNNI
+#define Q8_0_OFFSET 128 /* VPDPBUSD's weights are unsigned bytes: q + 128 (q ^ 0x80), and 128 x sum x subtracted */
+#else
+#define Q8_0_OFFSET 0 /* PMADDUBSW takes |q| against x with q's sign (idot_fmt): nothing to subtract */
+#endif
+
+/* what the weight bytes the dot products read exceed the values by (INT4 and Q4_0: their stored codes, q + 8) */
+AI int weight_offset(int fmt) { return fmt == DK_MXFP4 ? 12 : fmt == DK_Q8_0 ? Q8_0_OFFSET : 8; }
 
 /* An activation row in the integer path's form, chunk after chunk; chunk c holds groups GPC*c + j, j < GPC:
- *   int8  lo[16 * GPC]: lo[16j + b] = q of column 32(GPC c + j) + 2b (the columns low nibbles hold)
- *   int8  hi[16 * GPC]: hi[16j + b] = q of column 32(GPC c + j) + 2b + 1 (high nibbles)
+ *   int8  lo[16 * GPC]: lo[16j + b] = q of column 32(GPC c + j) + 2b (the columns low nibbles hold; Q8_0:
+ *         column 32(GPC c + j) + b, the group's first half)
+ *   int8  hi[16 * GPC]: hi[16j + b] = q of column 32(GPC c + j) + 2b + 1 (high nibbles; Q8_0: + 16 + b)
  *   int32 start[DK_WIDTH]: lane 4j + l = -off x the sum of the 8 q's lane 4j + l multiplies (lo and hi
- *         bytes 16j + 4l .. 16j + 4l + 3), where off is the format's weight offset (MXFP4 12, INT4 8)
+ *         bytes 16j + 4l .. 16j + 4l + 3), where off is the format's weight offset (weight_offset: MXFP4 12,
+ *         INT4 8, Q8_0 128 where VPDPBUSD takes it, else 0)
  *   float scale[DK_WIDTH]: lane 4j + l = the group's scale (MXFP4: halved)
  * Groups past the row's end are all zero. A group of values v: amax = max |v| (NaN if one is), and where
  * 0 < amax < inf, q = rint(v * (127 / amax)) and the scale amax / 127; else q = 0 and the scale 0 (amax 0) or
@@ -316,19 +388,30 @@ AI void quantize_group(const float *v, int fmt, uint8_t *chunk, int j) {
         d = amax == 0.f ? 0.f : (float)NAN;
     }
     if (fmt == DK_MXFP4) d *= 0.5f;
-    int off = fmt == DK_MXFP4 ? 12 : 8;
+    int off = weight_offset(fmt);
     /* the 32 q's as bytes in order, then even ones (low nibbles' columns) to lo, odd ones to hi */
     __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi16(_mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8),
                                                             _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8)),
                                          0xD8);
-    w = _mm256_shuffle_epi8(w, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
-                                                0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
-    w = _mm256_permute4x64_epi64(w, 0xD8);
+    if (!halves_layout(fmt)) {
+        w = _mm256_shuffle_epi8(w, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                                    0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+        w = _mm256_permute4x64_epi64(w, 0xD8);
+    }
     _mm_storeu_si128((__m128i *)(chunk + 16 * j), _mm256_castsi256_si128(w));
     _mm_storeu_si128((__m128i *)(chunk + 16 * GPC + 16 * j), _mm256_extracti128_si256(w, 1));
-    /* lane l of the group multiplies q[8l .. 8l + 7]: start = -off x their sum */
-    __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(q[0], q[1]), _mm256_hadd_epi32(q[2], q[3]));
-    __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    __m128i sum;
+    if (halves_layout(fmt)) {
+        /* lane l multiplies columns 4l .. 4l + 3 and 16 + 4l .. 16 + 4l + 3: with s = q[0] + q[2] and
+         * t = q[1] + q[3], the sums of s[0..3], s[4..7], t[0..3], t[4..7] */
+        __m256i u = _mm256_hadd_epi32(_mm256_add_epi32(q[0], q[2]), _mm256_add_epi32(q[1], q[3]));
+        u = _mm256_hadd_epi32(u, u); /* [s0-3, t0-3, s0-3, t0-3 | s4-7, t4-7, s4-7, t4-7] */
+        sum = _mm_unpacklo_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+    } else { /* lane l multiplies q[8l .. 8l + 7] */
+        __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(q[0], q[1]), _mm256_hadd_epi32(q[2], q[3]));
+        sum = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    }
+    /* start = -off x the lane's sum */
     _mm_storeu_si128((__m128i *)(chunk + 32 * GPC + 16 * j), _mm_mullo_epi32(sum, _mm_set1_epi32(-off)));
     _mm_storeu_ps((float *)(chunk + 32 * GPC + 4 * DK_WIDTH + 16 * j), _mm_set1_ps(d));
 }
@@ -344,6 +427,7 @@ AI void zero_group(uint8_t *chunk, int j) {
 typedef __m512i VI;
 #define iload(p) _mm512_loadu_si512((const void *)(p))
 #define iand(a, b) _mm512_and_si512(a, b)
+#define ixor(a, b) _mm512_xor_si512(a, b)
 #define isrl4(a) _mm512_srli_epi16(a, 4)
 #define ishuf(t, a) _mm512_shuffle_epi8(t, a)
 #define iset1_8(a) _mm512_set1_epi8(a)
@@ -363,6 +447,7 @@ AI float hsum(V a) { return _mm512_reduce_add_ps(a); }
 typedef __m256i VI;
 #define iload(p) _mm256_loadu_si256((const __m256i *)(p))
 #define iand(a, b) _mm256_and_si256(a, b)
+#define ixor(a, b) _mm256_xor_si256(a, b)
 #define isrl4(a) _mm256_srli_epi16(a, 4)
 #define ishuf(t, a) _mm256_shuffle_epi8(t, a)
 #define iset1_8(a) _mm256_set1_epi8(a)
@@ -385,11 +470,69 @@ AI float hsum(V a) {
 }
 #endif
 
+/* idot for format fmt: on AVX2 without VNNI, Q8_0's signed weights go in as |q| against x with q's sign
+ * (PSIGNB; a byte pair is then at most 2 x 128 x 127, within int16, so each half is widened on its own) */
+AI VI idot_fmt(int fmt, VI acc, VI wlo, VI whi, const uint8_t *lo, const uint8_t *hi) {
+#if DK_WIDTH == 8 && !DK_VNNI
+    if (fmt == DK_Q8_0) {
+        __m256i one = _mm256_set1_epi16(1);
+        __m256i a = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wlo), _mm256_sign_epi8(iload(lo), wlo)), one);
+        __m256i b = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(whi), _mm256_sign_epi8(iload(hi), whi)), one);
+        return _mm256_add_epi32(acc, _mm256_add_epi32(a, b));
+    }
+#endif
+    (void)fmt;
+    return idot(acc, wlo, whi, lo, hi);
+}
+
+/* Chunk c of a Q8_0 or Q4_0 row: its ng (<= GPC) blocks' columns 0..15 and 16..31, one 16-byte lane a group
+ * (bytes past ng zero, and read no further than the row goes): Q8_0's q's, as VPDPBUSD reads them (q + 128) on
+ * the VNNI halves; Q4_0's low and high nibbles. Per int32 lane its group's d (zero past ng). */
+AI void ggml_chunk(const rowref *r, int fmt, int c, int ng, VI *lo, VI *hi, V *ws) {
+    int bs = fmt == DK_Q8_0 ? Q8_0_BLOCK : Q4_0_BLOCK;
+    const uint8_t *p = r->w + (size_t)bs * GPC * c;
+    __m128i l[GPC], h[GPC];
+    uint16_t d[GPC];
+    for (int j = 0; j < GPC; j++) {
+        const uint8_t *b = p + bs * j;
+        d[j] = j < ng ? half_at(b) : 0;
+        l[j] = j < ng ? _mm_loadu_si128((const __m128i *)(b + 2)) : _mm_setzero_si128();
+        h[j] = j < ng && fmt == DK_Q8_0 ? _mm_loadu_si128((const __m128i *)(b + 18)) : _mm_setzero_si128();
+    }
+#if DK_WIDTH == 16
+    *lo = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(l[1], l[0])), _mm256_set_m128i(l[3], l[2]), 1);
+    *hi = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(h[1], h[0])), _mm256_set_m128i(h[3], h[2]), 1);
+    *ws = _mm512_cvtph_ps(_mm256_setr_epi16((short)d[0], (short)d[0], (short)d[0], (short)d[0], (short)d[1],
+                                            (short)d[1], (short)d[1], (short)d[1], (short)d[2], (short)d[2],
+                                            (short)d[2], (short)d[2], (short)d[3], (short)d[3], (short)d[3],
+                                            (short)d[3]));
+#else
+    *lo = _mm256_set_m128i(l[1], l[0]);
+    *hi = _mm256_set_m128i(h[1], h[0]);
+    *ws = _mm256_cvtph_ps(_mm_setr_epi16((short)d[0], (short)d[0], (short)d[0], (short)d[0], (short)d[1],
+                                         (short)d[1], (short)d[1], (short)d[1]));
+#endif
+    if (fmt == DK_Q4_0) {
+        VI m = iset1_8(0x0F);
+        *hi = iand(isrl4(*lo), m);
+        *lo = iand(*lo, m);
+        return;
+    }
+#if DK_VNNI
+    *lo = ixor(*lo, iset1_8((char)0x80));
+    *hi = ixor(*hi, iset1_8((char)0x80));
+#endif
+}
+
 static const uint8_t MXFP4_U8[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0}; /* 2 E2M1 + 12 */
 
 /* Chunk c of a weight row: its ng (<= GPC) groups' low and high nibbles as unsigned bytes, and per int32
  * lane its group's scale (zero past ng, where the weight bytes are zero too). */
 AI void weight_chunk(const rowref *r, int fmt, int c, int ng, VI *lo, VI *hi, V *ws) {
+    if (fmt == DK_Q8_0 || fmt == DK_Q4_0) {
+        ggml_chunk(r, fmt, c, ng, lo, hi, ws);
+        return;
+    }
     const uint8_t *p = r->w + 16 * GPC * c;
     VI b;
 #if DK_WIDTH == 16
@@ -444,8 +587,8 @@ AI void ichunk(const rowref *a, const rowref *b, int fmt, int c, int ng, const u
         const uint8_t *ch = x[r] + (size_t)CHUNK_BYTES * c;
         VI start = iload(ch + 32 * GPC);
         V xs = vload((const float *)(ch + 32 * GPC + 4 * DK_WIDTH));
-        fa[r] = vfma(icvt(idot(start, alo, ahi, ch, ch + 16 * GPC)), vmul(aws, xs), fa[r]);
-        fb[r] = vfma(icvt(idot(start, blo, bhi, ch, ch + 16 * GPC)), vmul(bws, xs), fb[r]);
+        fa[r] = vfma(icvt(idot_fmt(fmt, start, alo, ahi, ch, ch + 16 * GPC)), vmul(aws, xs), fa[r]);
+        fb[r] = vfma(icvt(idot_fmt(fmt, start, blo, bhi, ch, ch + 16 * GPC)), vmul(bws, xs), fb[r]);
     }
 }
 
@@ -597,12 +740,16 @@ SPECIALIZE(mxfp4, DK_MXFP4)
 SPECIALIZE(fp8, DK_FP8)
 SPECIALIZE(int8, DK_INT8)
 SPECIALIZE(int4, DK_INT4)
+SPECIALIZE(q8_0, DK_Q8_0)
+SPECIALIZE(q4_0, DK_Q4_0)
 
 static void gateup(const dk_layer *L, int e, int i0, int i1, const void *const *x, int R, void *const *h) {
     switch (L->fmt) {
     case DK_MXFP4: gateup_mxfp4(L, e, i0, i1, x, R, h); break;
     case DK_FP8: gateup_fp8(L, e, i0, i1, x, R, h); break;
     case DK_INT8: gateup_int8(L, e, i0, i1, x, R, h); break;
+    case DK_Q8_0: gateup_q8_0(L, e, i0, i1, x, R, h); break;
+    case DK_Q4_0: gateup_q4_0(L, e, i0, i1, x, R, h); break;
     default: gateup_int4(L, e, i0, i1, x, R, h); break;
     }
 }
@@ -612,6 +759,8 @@ static void down(const dk_layer *L, int e, int n0, int n1, const void *const *h,
     case DK_MXFP4: down_mxfp4(L, e, n0, n1, h, R, y); break;
     case DK_FP8: down_fp8(L, e, n0, n1, h, R, y); break;
     case DK_INT8: down_int8(L, e, n0, n1, h, R, y); break;
+    case DK_Q8_0: down_q8_0(L, e, n0, n1, h, R, y); break;
+    case DK_Q4_0: down_q4_0(L, e, n0, n1, h, R, y); break;
     default: down_int4(L, e, n0, n1, h, R, y); break;
     }
 }
