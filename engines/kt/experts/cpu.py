@@ -954,11 +954,14 @@ class RoutedExpertsCPU(nn.Module):
         if (mapped is None or self.layer_idx not in mapped.layers or not 0 < tokens <= MAPPED_MAX_TOKENS
                 or self.gpu_experts or self.deferral.active):
             return 0
-        if self.decode_calls is not None and self._share_is_default:
+        if self.decode_calls is not None and self._share_is_default and self.decode_calls.covers(tokens):
             # our decode kernel reads the experts at the host memory's own rate, and the GPU's reads over PCIe
             # come from that same memory: by default it reads them all (V4-Flash's shape, 4 layers, H200 host,
             # 2026-12-02: batch-1 TPOT 7.7 ms reading none on the GPU, 8.1 ms reading the 144 of 256 balanced
-            # against kt-kernel's rate, 8.3 ms with kt-kernel; bench/results/nvidia-h200-2026-12-02-v4-decode-kernel)
+            # against kt-kernel's rate, 8.3 ms with kt-kernel; bench/results/nvidia-h200-2026-12-02-v4-decode-kernel).
+            # Calls it does not cover are kt-kernel's, whose rate the share is balanced against: 32 clients of that
+            # shape decoded 85.8 tok/s with kt-kernel reading every expert, 165 with the GPU reading its share
+            # (bench/results/nvidia-h200-2026-12-02-v4-paged)
             return 0
         return self._mapped_share
 

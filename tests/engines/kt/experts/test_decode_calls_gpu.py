@@ -148,7 +148,9 @@ def test_logprobs_from_the_gpu_path_agree_with_kt_kernels(served):
     ours, theirs = served["on"][0], served["off"][0]
     diffs = sorted(abs(a - b) for a, b in zip(ours, theirs))
     assert len(diffs) > 40
-    assert diffs[len(diffs) // 2] < 0.05 and diffs[-1] < 2.5, (diffs[len(diffs) // 2], diffs[-1])
+    # median 0.057 on another H200 machine (2026-12-02, deterministic over three runs, with this stop's expert code
+    # and with the code before it alike): the bound sits above both, well below a wrong row's whole units
+    assert diffs[len(diffs) // 2] < 0.1 and diffs[-1] < 2.5, (diffs[len(diffs) // 2], diffs[-1])
 
 
 def test_decode_steps_with_the_kernel_agree_with_kt_kernels(served):
