@@ -21,6 +21,8 @@ Then decode steps as the engine runs them (its CUDA graphs where it captured the
 `decode_step_ms`; steps started with the stream idle, timed on the host and by CUDA events (`host_issue_ms`,
 `step_from_idle_ms`, `timeline`: see `_issue_times`); and steps under torch.profiler: `kernels_per_step` (kernel
 launches the GPU ran per decode step, per layer), `gpu_kernel_ms_per_step`, the top kernels and the top host ops.
+With `--profile-prefill`, the prompt is prefilled once more under torch.profiler (`prefill_profiled`: its top
+kernels and host ops); `prefill.chunk_ms` gives each chunk's time, so its growth with the context shows.
 Last, `engine_decode`: one request decoded through the engine, where its step thread's time goes per token.
 Prints one JSON object (also to --out/v4-trace.json).
 """
@@ -115,7 +117,8 @@ def _parts(timer: PartTimer, wall: float, count: int) -> dict:
     return {"wall_ms": round(wall / count * 1e3, 3), "parts_ms": parts}
 
 
-def trace(runner, device: torch.device, vocab: int, prompt: int, chunk: int, steps: int) -> dict:
+def trace(runner, device: torch.device, vocab: int, prompt: int, chunk: int, steps: int,
+          profile_prefill: bool = False) -> dict:
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(100, vocab, (prompt + 5 * steps + 8,), generator=generator).tolist()
     timer = PartTimer(device)
@@ -129,11 +132,13 @@ def trace(runner, device: torch.device, vocab: int, prompt: int, chunk: int, ste
         cache, out = runner._new_cache(), {}
         timer.on = True
         sync()
-        started = time.perf_counter()
+        started, chunks = time.perf_counter(), []
         for at in range(0, prompt, chunk):
             _step(runner, ids, at, min(at + chunk, prompt), cache)
-        sync()
-        out["prefill"] = {"tokens": prompt, "chunk": chunk, **_parts(timer, time.perf_counter() - started, 1)}
+            sync()
+            chunks.append(round((time.perf_counter() - started) * 1e3 - sum(chunks), 1))
+        out["prefill"] = {"tokens": prompt, "chunk": chunk, **_parts(timer, time.perf_counter() - started, 1),
+                          "chunk_ms": chunks, "peak_gpu_gb": _peak_gb(device)}
         timer.seconds.clear()
         started = time.perf_counter()
         for at in range(prompt, prompt + steps):
@@ -142,7 +147,36 @@ def trace(runner, device: torch.device, vocab: int, prompt: int, chunk: int, ste
         out["decode_synchronized"] = {"steps": steps, **_parts(timer, time.perf_counter() - started, steps)}
         timer.on = False
         out["decode"] = _profiled_decode(runner, ids, prompt + steps, steps, cache, device)
+        if profile_prefill:
+            out["prefill_profiled"] = _profiled_prefill(runner, ids, prompt, chunk, device)
     return out
+
+
+def _peak_gb(device: torch.device) -> float | None:
+    return round(torch.cuda.max_memory_allocated(device) / 1e9, 2) if device.type == "cuda" else None
+
+
+def _profiled_prefill(runner, ids: list[int], prompt: int, chunk: int, device: torch.device) -> dict:
+    """The prompt's chunks again on a fresh cache under torch.profiler: the GPU's kernels (or the host's leaf ops)
+    that take the most time, and the host ops, over the whole prefill."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    sync = _stream_sync(device)
+    cache = runner._new_cache()
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for at in range(0, prompt, chunk):
+            _step(runner, ids, at, min(at + chunk, prompt), cache)
+        sync()
+    events = prof.key_averages()
+    own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    gpu_ms = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+    return {"gpu_kernel_ms": round(gpu_ms, 1) if cuda else None,
+            "top": [{"name": e.key[:90], "count": e.count, "self_ms": round(own(e) / 1e3, 1)}
+                    for e in sorted(events, key=own, reverse=True)[:25]],
+            "host_top": [{"name": e.key[:90], "count": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 1)}
+                         for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]]}
 
 
 def _profiled_decode(runner, ids: list[int], at: int, steps: int, cache, device: torch.device) -> dict:
@@ -479,6 +513,8 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="the tiny demo V4's dimensions (a CPU check)")
     p.add_argument("--mtp", action="store_true", help="instead: time a drafted decode's parts (speculative: mtp)")
     p.add_argument("--out", help="also write v4-trace.json into this folder")
+    p.add_argument("--profile-prefill", action="store_true",
+                   help="also prefill the prompt once more under torch.profiler (its top kernels and host ops)")
     args = p.parse_args()
     root, config, built = _checkpoint(args)
     if args.mtp:
@@ -496,7 +532,8 @@ def main() -> int:
         result = {"shape": "v4-flash-quick" if args.quick else "v4-flash", "layers": config["num_hidden_layers"],
                   "build_s": round(built, 1), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                   "engine_details": dict(engine.info.details),
-                  **trace(runner, device, config["vocab_size"], args.prompt, args.chunk, args.steps),
+                  **trace(runner, device, config["vocab_size"], args.prompt, args.chunk, args.steps,
+                           args.profile_prefill),
                   "engine_decode": engine_decode(engine, config["vocab_size"], 2 * args.steps)}
     finally:
         engine.stop()

@@ -93,7 +93,7 @@ class Settings(BaseModel):
                                            gt=0)
     chunk_size: int | None = Field(None, gt=0, description="prefill chunk size in tokens; default 2048, and 8192 "
                                                            "where prompt chunks stream the routed experts to the "
-                                                           "GPU (kt_gpu_prefill_tokens; DeepSeek-V4: 2048)")
+                                                           "GPU (kt_gpu_prefill_tokens)")
     kt_use_cuda_graph: bool = engine_setting(True, "run decode steps as CUDA graphs (used where the model sits on "
                                                     "one GPU without hot experts; elsewhere decode runs eager; "
                                                     "DeepSeek-V4: the row-wise parts of its steps)")

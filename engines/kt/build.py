@@ -6,7 +6,7 @@ engines/kt/families/base.py (`ModelFamily`), each handed the load's `Build` so f
     (`checkpoint_source`) and kt-kernel's pre-converted experts where the family takes them (`converted_experts`);
  2. the model on the meta device (`build_model`; its draft layer added as one more layer, `add_draft_layer`);
  3. the placement by the rules, the experts method of each rule's layers (`expert_methods_for`), whether prompt
-    chunks stream the experts to the GPU (experts/notes.py: `streamed_prefill`, at the family's `streamed_chunk`),
+    chunks stream the experts to the GPU (experts/notes.py: `streamed_prefill`),
     the operators' options, the placement applied;
  4. the dtype, the weights (`load_weights`), what the family fuses or installs once the weights are in
     (`finish_model`), eval mode, the draft head taken out of the model (`take_draft_head`);
@@ -93,8 +93,7 @@ def load_model(family: ModelFamily, context: LoadContext) -> LoadedModel:
     b.choices = expert_methods_for(b.placement, b.explicit_method, context.rule_file, config, b.default_method,
                                    b.source)
     methods = {c.method for c in b.choices.values()}
-    streamed = {} if family.streamed_chunk is None else {"streamed_chunk": family.streamed_chunk}
-    b.prefill = streamed_prefill(kt, b.model, config, methods, b.gpu, context.chunk_size, **streamed)
+    b.prefill = streamed_prefill(kt, b.model, config, methods, b.gpu, context.chunk_size)
     b.options = OperatorOptions(
         max_tokens=b.prefill.chunk_size + context.max_concurrent, cpu_threads=kt.cpu_infer,
         methods={m: c.method for m, c in b.choices.items()},

@@ -422,7 +422,30 @@ def _kernels():
             tl.store(o_base + r[:, None] * cols + (h0 + G + j)[None, :], hi.to(tl.bfloat16),
                      mask=inside[:, None] & (h0 + G + j < cols)[None, :])
 
-    return triton, gate_up, down, unpack4
+    @triton.jit(do_not_specialize=["rows"])
+    def unpack_mxfp4(q_ptr, c_ptr, out_ptr, rows, COLS: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_B: tl.constexpr):
+        """out[e, rows, COLS] = the bf16 weights of expert e's MXFP4 matrix: rows of COLS / 2 packed E2M1 pairs
+        (the earlier column in the low nibble), a UE8M0 code per 32 weights of a row (as engines/checkpoints/
+        mxfp4.py's `dequantize`: code c is 2^(c - 127), code 0 the float32 subnormal 2^-127)."""
+        e = tl.program_id(0)
+        r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        inside = r < rows
+        q_base = q_ptr + e.to(tl.int64) * rows * (COLS // 2)
+        c_base = c_ptr + e.to(tl.int64) * rows * (COLS // 32)
+        o_base = out_ptr + e.to(tl.int64) * rows * COLS
+        j = tl.arange(0, BLOCK_B)
+        for b0 in range(0, COLS // 2, BLOCK_B):
+            held = inside[:, None] & (b0 + j < COLS // 2)[None, :]
+            packed = tl.load(q_base + r[:, None] * (COLS // 2) + (b0 + j)[None, :], mask=held, other=0)
+            code = tl.load(c_base + r[:, None] * (COLS // 32) + ((b0 + j) // 16)[None, :], mask=held,
+                           other=127).to(tl.int32)
+            scale = tl.where(code == 0, 0x400000, code << 23).to(tl.float32, bitcast=True)
+            values = tl.interleave(_e2m1(packed & 15, scale), _e2m1(packed >> 4, scale))
+            c = 2 * b0 + tl.arange(0, 2 * BLOCK_B)
+            tl.store(o_base + r[:, None] * COLS + c[None, :], values, mask=inside[:, None] & (c < COLS)[None, :])
+
+    return triton, gate_up, down, unpack4, unpack_mxfp4
 
 
 def dequantize_int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -433,10 +456,28 @@ def dequantize_int4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.T
     n, rows, half = packed.shape
     if out.shape[:2] != (n, rows) or not out.is_contiguous() or out.dtype != torch.bfloat16:
         raise ValueError(f"dequantize_int4_into: out {tuple(out.shape)} {out.dtype} for packed {tuple(packed.shape)}")
-    triton, *_, unpack4 = _kernels()
+    triton, _, _, unpack4, _ = _kernels()
     with torch.cuda.device(out.device):
         unpack4[(n, triton.cdiv(rows, BLOCK_R))](packed.contiguous(), scale.contiguous(), out, rows, out.shape[2],
                                                  half * 2, INT4_GROUP, BLOCK_R)
+    return out
+
+
+def dequantize_mxfp4_into(out: torch.Tensor, packed: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """`out` [n, rows, cols] (bf16, contiguous, on a GPU) = engines/checkpoints/mxfp4.py's `dequantize` of each of
+    the n experts' packed E2M1 rows [n, rows, cols / 2] and UE8M0 codes [n, rows, cols / 32], in one launch. Torch's
+    ops took ~10 kernels per matrix and expert: 6 s of an 11.7 s 32k-token prompt at V4-Flash's shape, 4 layers
+    (one H200 machine, 2026-12-02, `python -m bench.v4_trace --prompt 32768 --profile-prefill`)."""
+    n, rows, half = packed.shape
+    if (out.shape != (n, rows, 2 * half) or not out.is_contiguous() or out.dtype != torch.bfloat16
+            or codes.shape != (n, rows, 2 * half // 32)):
+        raise ValueError(f"dequantize_mxfp4_into: out {tuple(out.shape)} {out.dtype} for packed "
+                         f"{tuple(packed.shape)} and codes {tuple(codes.shape)}")
+    triton, *_, unpack_mxfp4 = _kernels()
+    with torch.cuda.device(out.device):
+        unpack_mxfp4[(n, triton.cdiv(rows, BLOCK_R))](packed.contiguous().view(torch.uint8),
+                                                      codes.contiguous().view(torch.uint8), out, rows, 2 * half,
+                                                      BLOCK_R, 64)
     return out
 
 
@@ -554,7 +595,7 @@ class MappedExperts:
         weights = topk_weights.to(self.device, torch.float32).contiguous()
         part = self._part[:tokens * top_k * size].view(tokens, top_k, size)
         part.zero_()  # the slots of experts the GPU does not own stay zero
-        triton, gate_up, down, _ = _kernels()
+        triton, gate_up, down, *_ = _kernels()
         block_t = max(16, triton.next_power_of_2(tokens))
         k_p = triton.next_power_of_2(top_k)
         # int8: rows as wide as the matrices, every expert's row scales at `*_scale`; int4: padded packed rows

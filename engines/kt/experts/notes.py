@@ -54,9 +54,9 @@ class StreamedPrefill:
 
 
 def streamed_prefill(kt: KTOptions, model: Any, config: Any, methods: set[str | None], gpu: bool,
-                     chunk_size: int | None, streamed_chunk: int = STREAMED_CHUNK_SIZE) -> StreamedPrefill:
+                     chunk_size: int | None) -> StreamedPrefill:
     """Resolve kt_gpu_prefill_tokens (None: on where the host holds the copies, `auto_prefill_tokens`), how many
-    experts keep copies (kt_gpu_prefill_memory) and chunk_size (None: `streamed_chunk` where prompts stream, else
+    experts keep copies (kt_gpu_prefill_memory) and chunk_size (None: STREAMED_CHUNK_SIZE where prompts stream, else
     DEFAULT_CHUNK_SIZE) for a model whose expert layers run `methods` (None: torch) and whose output lies on a GPU
     where `gpu`."""
     methods = {m for m in methods if m}
@@ -70,7 +70,7 @@ def streamed_prefill(kt: KTOptions, model: Any, config: Any, methods: set[str | 
         why = "kt_gpu_prefill_memory holds no expert's copy"
     streams = bool(tokens) and experts != 0
     if chunk_size is None:
-        chunk_size = streamed_chunk if streams and gpu else DEFAULT_CHUNK_SIZE
+        chunk_size = STREAMED_CHUNK_SIZE if streams and gpu else DEFAULT_CHUNK_SIZE
     return StreamedPrefill(tokens if streams else 0, experts, chunk_size, why)
 
 

@@ -14,7 +14,7 @@ The GPU side reads its own copy of the experts (`HostExperts`): int8 with a floa
 of kt-kernel's own form (a byte per expert weight in int8, about half that in int4), the reason this is opt-in.
 DeepSeek-V4's MXFP4 experts are copied as the release ships them (`HostExperts.mxfp4_of`: packed E2M1 pairs and
 their UE8M0 codes, as much host memory as kt-kernel's own MXFP4 buffers, into which its kernels copy them at load
-rather than reading them in place), and the GPU side dequantizes each expert on the device (E2M1 x UE8M0,
+rather than reading them in place), and the GPU side dequantizes them on the device, a group of experts a kernel (E2M1 x UE8M0,
 engines/checkpoints/mxfp4.py), so it computes exactly kt-kernel's weights, clamping the SwiGLU inputs as V4's
 experts do (`swiglu_limit`); decode steps read a share of those copies in place, as of the int8 and int4 ones
 (engines/kt/experts/mapped.py). With
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from engines.checkpoints import mxfp4 as mxfp4_format
 from engines.kt.experts.host_copies import CPU_EXPERT_BYTES_PER_S, HostExperts, dequantize_int4
-from engines.kt.experts.mapped import MappedExperts, dequantize_int4_into, triton_available
+from engines.kt.experts.mapped import MappedExperts, dequantize_int4_into, dequantize_mxfp4_into, triton_available
 
 log = logging.getLogger("ktserve.engine.kt")
 
@@ -125,9 +125,9 @@ class ExpertStreamer:
         self._down: torch.Tensor | None = None
         # int4 copies into that bf16 form: a group by one Triton kernel a matrix on a GPU (experts/mapped.py), else
         # an expert at a time by torch (a group's temporaries would take ~0.5 GB each for V3)
-        self._unpack_int4 = None
-        if self.device.type == "cuda":
-            self._unpack_int4 = dequantize_int4_into if triton_available() else None
+        self._unpack_int4 = self._unpack_mxfp4 = None  # MXFP4 copies likewise (engines/kt/experts/mapped.py)
+        if self.device.type == "cuda" and triton_available():
+            self._unpack_int4, self._unpack_mxfp4 = dequantize_int4_into, dequantize_mxfp4_into
         self._next = 0  # the ring slot the next copy fills
         self._queue: deque[_Slot] = deque()  # filled (or filling) slots not yet computed, oldest first
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -288,24 +288,26 @@ class ExpertStreamer:
         """The experts of `tensors` (as HostExperts.tensors(), on the device: a ring slot or resident copies)
         over their rows of the sorted tokens `x`, into `y`, from row `offset` on (the experts in order, each over
         its rows rounded up to ROW_ALIGN), SwiGLU inputs clamped at `limit` (0: not); the offset after them.
-        `mxfp4`: the tensors are MXFP4 weights (HostExperts.mxfp4), dequantized on the device an expert at a time."""
+        `mxfp4`: the tensors are MXFP4 weights (HostExperts.mxfp4), dequantized on the device: a group in one kernel
+        a matrix on a GPU with Triton, else an expert at a time by torch."""
         gate_up_q, gate_up_s, down_q, down_s = tensors
         n = len(counts)
         gate_up, down = self._gate_up[:n], self._down[:n]
         hidden, inter = down.shape[1], down.shape[2]
         int8 = gate_up_q.dtype == torch.int8  # exact in bf16, its row scales multiply the products
-        per_expert = not int8 and (mxfp4 or self._unpack_int4 is None)
+        unpack = None if int8 else self._unpack_mxfp4 if mxfp4 else self._unpack_int4
+        per_expert = not int8 and unpack is None
         if int8:
             gate_up.copy_(gate_up_q[:n])
             down.copy_(down_q[:n])
             gate_up_s, down_s = gate_up_s[:n].to(torch.bfloat16), down_s[:n].to(torch.bfloat16)
         elif not per_expert:
-            self._unpack_int4(gate_up, gate_up_q[:n], gate_up_s[:n])
-            self._unpack_int4(down, down_q[:n], down_s[:n])
+            unpack(gate_up, gate_up_q[:n], gate_up_s[:n])
+            unpack(down, down_q[:n], down_s[:n])
         for j, count in enumerate(counts):
             if count == 0:
                 continue
-            if mxfp4:
+            if per_expert and mxfp4:
                 gate_up[j].copy_(mxfp4_format.dequantize(gate_up_q[j], gate_up_s[j]))
                 down[j].copy_(mxfp4_format.dequantize(down_q[j], down_s[j]))
             elif per_expert:

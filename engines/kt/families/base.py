@@ -23,11 +23,11 @@ What a family provides:
 * **the load's hooks**: every family loads through engines/kt/build.py's one pipeline (`load_model`), which
   hands each hook the `Build` so far: `draft_layer(context)` (the MTP layer speculative decoding drafts with, or
   why there is none), `checkpoint_source(context, draft_layer)`, `converted_experts(context)` (kt-kernel's
-  pre-converted experts, where the family reads them), `add_draft_layer(model, config)`, `streamed_chunk` (the
-  prompt chunk where experts stream to the GPU; None: the shared default), `load_weights(build)` (the checkpoint
-  into the placed model; returns what `/version` says of its storage), `finish_model(build)` (what is fused or
-  installed once the weights are in), `take_draft_head(build)`, `make_runner(build)` (the runner over the family's
-  caches, and the context they hold) and `finish_runner(build, runner)` (CUDA graphs, the runner's extras). The
+  pre-converted experts, where the family reads them), `add_draft_layer(model, config)`, `load_weights(build)`
+  (the checkpoint into the placed model; returns what `/version` says of its storage), `finish_model(build)` (what
+  is fused or installed once the weights are in), `take_draft_head(build)`, `make_runner(build)` (the runner over
+  the family's caches, and the context they hold) and `finish_runner(build, runner)` (CUDA graphs, the runner's
+  extras). The
   runner implements `engines.runtime.model_runner.ModelRunner`: the shared scheduler hands it chunks of
   sequences and takes logits back; it keeps each sequence's cache in `seq.runner_state` and frees it in
   `release`. A hook adds what the engine details say of its part to `build.details`.
@@ -144,9 +144,6 @@ class ModelFamily(ABC):
 
     @abstractmethod
     def checkpoint_name(self, name: str) -> str | None: ...
-
-    # the prompt chunk where prompt chunks stream the experts to the GPU; None: experts/notes.py's default
-    streamed_chunk: int | None = None
 
     def draft_layer(self, context: LoadContext) -> tuple[int | None, str | None]:
         """The index the MTP layer loads at when speculative decoding asks for it, else None and, when it asked,

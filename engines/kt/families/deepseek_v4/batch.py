@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4CSACompressor, apply_rotary_pos_emb
 
+from engines.kt.families.deepseek_v4.blocks import attend_in_blocks
 from engines.lora.modules import AdapterRows, LoraContext
 
 
@@ -225,10 +226,12 @@ class V4Batch:
     def _cached(self, attn: nn.Module, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
                 s: _Segment) -> torch.Tensor:
         """One sequence's rows through its cache: sliding-window keys, then the compressor's (and indexer's)
-        entries appended with their per-query bias, then attention with the sinks. [1, n, heads, head_dim]."""
+        entries appended with their per-query bias, then attention with the sinks (a long chunk's in blocks of
+        queries: blocks.py). [1, n, heads, head_dim]."""
         if s.record is not None:
             s.record.keys[attn.layer_idx] = kv
         kv = s.cache.update(kv, kv, attn.layer_idx)[0]
+        window_keys = kv.shape[2]
         bias = None
         if attn.compressor is not None:
             if s.record is not None:
@@ -245,7 +248,10 @@ class V4Batch:
         elif isinstance(mask, torch.Tensor) and kv.shape[2] > mask.shape[-1]:
             mask = (torch.cat([mask, bias.to(mask.dtype)], dim=-1) if bias is not None
                     else F.pad(mask, (0, kv.shape[2] - mask.shape[-1]), value=0.0))
-        return attend(q, kv, mask, attn.scaling, attn.sinks)
+        if s.n == 1:
+            return attend(q, kv, mask, attn.scaling, attn.sinks)
+        return attend_in_blocks(attend, q, kv, mask, attn.scaling, attn.sinks, window_keys,
+                                self.config.sliding_window)
 
     @staticmethod
     def _moe(mlp: nn.Module, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

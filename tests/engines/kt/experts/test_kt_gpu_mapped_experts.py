@@ -91,6 +91,25 @@ def test_int4_copies_unpack_on_the_gpu_to_the_weights_torch_unpacks(rows, cols):
     assert torch.equal(out, dequantize_int4(packed, scale, cols))
 
 
+@pytest.mark.parametrize("rows, cols", [(4096, 4096), (4096, 2048), (96, 64)],
+                         ids=["v4-flash-gate-up", "v4-flash-down", "short-rows"])
+def test_mxfp4_copies_dequantize_on_the_gpu_to_the_weights_torch_dequantizes(rows, cols):
+    """The ring's chunks dequantize a group's MXFP4 experts into bf16 with one kernel a matrix: the same bits as
+    `mxfp4.dequantize`, for every E2M1 code and for UE8M0 codes from tiny to large (0, the subnormal 2^-127,
+    included), rows of fewer bytes than a block of the kernel included."""
+    from engines.checkpoints import mxfp4
+    from engines.kt.experts.mapped import dequantize_mxfp4_into
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    packed = torch.randint(0, 256, (3, rows, cols // 2), dtype=torch.uint8, device="cuda", generator=g)
+    codes = torch.randint(100, 150, (3, rows, cols // 32), dtype=torch.uint8, device="cuda", generator=g)
+    codes[0, :4, 0] = torch.tensor([0, 1, 127, 200], dtype=torch.uint8)
+    out = torch.full((3, rows, cols), float("nan"), dtype=torch.bfloat16, device="cuda")
+    dequantize_mxfp4_into(out, packed, codes)
+    want = torch.stack([mxfp4.dequantize(packed[e], codes[e]) for e in range(3)])
+    assert torch.equal(out, want)
+
+
 def test_registered_copies_stay_readable_after_the_caller_drops_them():
     """A HostExperts unpins its memory when it goes; the kernels must not read memory no longer pinned."""
     import gc

@@ -77,13 +77,12 @@ def test_four_bit_methods_count_their_half_byte_copies(host):
     assert resolve(host).tokens == 0  # the same host holds no int8 experts with their copies
 
 
-def test_mxfp4_experts_count_their_released_bytes_and_a_family_may_keep_its_own_chunk(host):
+def test_mxfp4_experts_count_their_released_bytes(host):
     kernel = LAYERS * EXPERTS * 3 * HIDDEN * INTER // 2  # 4-bit weights; the scales are not counted
     copies = LAYERS * EXPERTS * expert_copy_bytes(HIDDEN, INTER, mxfp4=True)
     host.available = (kernel + copies) / AUTO_HOST_SHARE + 1
-    prefill = streamed_prefill(KTOptions(), model_with_expert_layers(), CONFIG, {"MXFP4"}, True, None,
-                               streamed_chunk=2048)
-    assert (prefill.tokens, prefill.chunk_size) == (AUTO_PREFILL_TOKENS, 2048)
+    prefill = streamed_prefill(KTOptions(), model_with_expert_layers(), CONFIG, {"MXFP4"}, True, None)
+    assert (prefill.tokens, prefill.chunk_size) == (AUTO_PREFILL_TOKENS, 8192)
 
 
 def test_settings_given_are_kept_whatever_the_host_holds(host):

@@ -181,16 +181,16 @@ def prompt_logprobs(server, ids: list[int]) -> torch.Tensor:
     return torch.tensor(reply.choices[0].logprobs.token_logprobs[1:])
 
 
-def test_v4_served_at_defaults_streams_long_prompts_experts_in_2048_token_chunks(v4_model_dir, v4_gpu):
+def test_v4_served_at_defaults_streams_long_prompts_experts_in_8192_token_chunks(v4_model_dir, v4_gpu):
     """With nothing set, a GPU placement whose host holds the MXFP4 copies streams prompt chunks of 128 tokens or
-    more (kt_gpu_prefill_tokens' default) in V4's chunks of 2,048, and a long prompt keeps kt-kernel's logprobs;
+    more (kt_gpu_prefill_tokens' default) in chunks of 8,192, and a long prompt keeps kt-kernel's logprobs;
     decode steps read the measured balance of the copies (5 of 8 experts) and keep kt-kernel's greedy tokens."""
     from engines.kt.experts.cpu import RoutedExpertsCPU
 
     running = start_server(v4_model_dir, engine="ktransformers")
     try:
         assert running.engine.info.details["gpu_prefill_tokens"] == "128"
-        assert running.engine.config.chunk_size == 2048
+        assert running.engine.config.chunk_size == 8192
         assert running.engine.info.details["gpu_read_experts"] == "5"
         assert_greedy_of_kt_kernel_alone(running, v4_gpu, "at defaults, decode reading 5 of 8 MXFP4 copies")
         streamer = next(m.streamer for m in running.engine._runner.model.modules()
