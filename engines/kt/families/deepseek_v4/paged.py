@@ -132,16 +132,19 @@ class DecodeStep:
                 at = (pages[:, None] * PAGE + torch.arange(PAGE)[None]).flatten()
                 table[b, :at.numel()] = at
             closing = [b for b, p in enumerate(positions) if (p + 1) % rate == 0]
-            window = [positions[b] // rate for b in closing]
+            window = torch.tensor([positions[b] // rate for b in closing], dtype=torch.long)
+            ring = torch.arange(rate)[None]
             self.by_rate[rate] = {
                 "entries": table.clamp(min=0).to(device, non_blocking=True),  # flat pool index of each entry
                 "valid": (torch.arange(width)[None] < torch.tensor(counts)[:, None]).to(device, non_blocking=True),
                 "closing": torch.tensor(closing, dtype=torch.long).to(device, non_blocking=True) if closing else None,
-                "first": torch.tensor([w * rate for w in window], dtype=torch.long).to(device, non_blocking=True),
-                "into": torch.tensor([table[b, w].item() for b, w in zip(closing, window)], dtype=torch.long).to(
-                    device, non_blocking=True),
-                # CSA: the ring rows of each closing window's previous and own halves
-                "halves": [((w + 1) % 2, w % 2) for w in window],
+                "first": (window * rate).to(device, non_blocking=True),
+                "into": table[closing, window].to(device, non_blocking=True),
+                # CSA's overlapping windows: the ring rows [n, rate] of each closing window's previous half and of
+                # its own (the ring holds two windows), and each closing row's number
+                "prev": (((window + 1) % 2 * rate)[:, None] + ring).to(device, non_blocking=True),
+                "own": ((window % 2 * rate)[:, None] + ring).to(device, non_blocking=True),
+                "order": torch.arange(len(closing))[:, None].to(device, non_blocking=True),
             }
 
 
@@ -293,12 +296,7 @@ class PagedDecode:
         owners = slots[closing]
         kv, gate = c.kv[owners], c.gate[owners]  # [n, ring, width]
         if c.overlap:  # the previous window's first half (Ca), then this window's second half (Cb)
-            r, d = c.rate, c.dim
-            prev = torch.tensor([p * r for p, _ in at["halves"]], device=kv.device)[:, None] + torch.arange(
-                r, device=kv.device)
-            own = torch.tensor([o * r for _, o in at["halves"]], device=kv.device)[:, None] + torch.arange(
-                r, device=kv.device)
-            n = torch.arange(len(at["halves"]), device=kv.device)[:, None]
+            d, n, prev, own = c.dim, at["order"], at["prev"], at["own"]
             kv = torch.cat([kv[n, prev, :d], kv[n, own, d:]], dim=1)
             gate = torch.cat([gate[n, prev, :d], gate[n, own, d:]], dim=1)
         c.entries.view(-1, c.dim)[at["into"]] = c.pool(kv, gate, at["first"]).to(c.entries.dtype)
