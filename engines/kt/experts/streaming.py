@@ -14,8 +14,8 @@ The GPU side reads its own copy of the experts (`HostExperts`): int8 with a floa
 of kt-kernel's own form (a byte per expert weight in int8, about half that in int4), the reason this is opt-in.
 DeepSeek-V4's MXFP4 experts are copied as the release ships them (`HostExperts.mxfp4_of`: packed E2M1 pairs and
 their UE8M0 codes, as much host memory as kt-kernel's own MXFP4 buffers, into which its kernels copy them at load
-rather than reading them in place), and the GPU side dequantizes them on the device, a group of experts a kernel (E2M1 x UE8M0,
-engines/checkpoints/mxfp4.py), so it computes exactly kt-kernel's weights, clamping the SwiGLU inputs as V4's
+rather than reading them in place), and the GPU side dequantizes them on the device, a group of experts a kernel
+(E2M1 x UE8M0, engines/checkpoints/mxfp4.py), so it computes exactly kt-kernel's weights, clamping the SwiGLU inputs as V4's
 experts do (`swiglu_limit`); decode steps read a share of those copies in place, as of the int8 and int4 ones
 (engines/kt/experts/mapped.py). With
 `kt_gpu_prefill_memory` each layer keeps copies of only its first experts, as many as the budget holds

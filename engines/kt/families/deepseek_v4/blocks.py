@@ -70,7 +70,7 @@ def attend_in_blocks(attend, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tens
     other keys' mask is -inf for its queries: each query's softmax and sum are over the same keys as the whole
     chunk's, less ones that add exactly zero). [1, n, heads, d]."""
     heads, rows, keys = q.shape[1], q.shape[2], kv.shape[2]
-    if rows * heads * keys * 4 <= BLOCK_BYTES:
+    if mask is None or rows * heads * keys * 4 <= BLOCK_BYTES:
         return attend(q, kv, mask, scaling, sinks)
     before, compressed = window_keys - rows, keys - window_keys  # the window's keys kept from earlier rows
     step = 1 << (rows.bit_length() - 1)
