@@ -465,7 +465,8 @@ def dequantize_k_blocks(fmt: str, w: torch.Tensor) -> torch.Tensor:
     ql, qh = b[..., :128].reshape(*lead, 2, 1, 2, 32), b[..., 128:192].reshape(*lead, 2, 1, 1, 32)
     scales = b[..., 192:208].to(torch.uint8).contiguous().view(torch.int8).float()
     d = b[..., 208:210].to(torch.uint8).contiguous().view(torch.float16).float()
-    low = (ql >> torch.tensor([0, 4]).view(2, 1, 1)) & 15  # [.., half, nibble, ql half, 32]: quarter 2 x nibble + ql half
+    # [..., half, nibble, ql half, 32]: quarter c = 2 x nibble + ql half, its qh bits 2c
+    low = (ql >> torch.tensor([0, 4]).view(2, 1, 1)) & 15
     high = (qh >> torch.tensor([0, 2, 4, 6]).view(2, 2, 1)) & 3
     q = (low | high << 4).reshape(*lead, 16, 16).float() - 32
     return ((d * scales)[..., None] * q).reshape(*lead[:-1], -1)

@@ -241,7 +241,7 @@ AI void dequant(const rowref *r, int fmt, int g, V *w) {
         for (int j = 0; j < 2; j++) {
             __m512i c = _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(k.q + 16 * j))), k.shift);
             c = _mm512_and_si512(c, _mm512_set1_epi32(15));
-            w[j] = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c), ds), dm);
+            w[j] = _mm512_fmsub_ps(_mm512_cvtepi32_ps(c), ds, dm); /* the product exact: as mul, sub */
         }
         break;
     }
@@ -337,7 +337,7 @@ AI void dequant(const rowref *r, int fmt, int g, V *w) {
         for (int j = 0; j < 4; j++) {
             __m256i c = _mm256_srl_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(k.q + 8 * j))), k.shift);
             c = _mm256_and_si256(c, _mm256_set1_epi32(15));
-            w[j] = _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(c), ds), dm);
+            w[j] = _mm256_fmsub_ps(_mm256_cvtepi32_ps(c), ds, dm);
         }
         break;
     }
