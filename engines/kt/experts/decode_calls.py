@@ -56,11 +56,15 @@ CHOICES = ("auto", "on", "off")
 # the kernel's format per experts method (LLAMAFILE: per ggml type of its blocks, `kernel_format`)
 FORMATS = {"MXFP4": "mxfp4", "FP8": "fp8", "RAWINT4": "int4", "AMXINT8": "int8", "AMXINT4": "int4"}
 # calls of up to this many rows go to the kernel: it was at least as fast as kt-kernel at every count measured
-# (1-16 tokens) in every format; beyond 16 nothing was measured, and kt-kernel's matrix kernels take over
-# (q8_0 and q4_0 against kt-kernel's LLAMAFILE on the same blocks: 64 experts, top-6, 2048 x 1536, one thread, on a
-# 2-core box under load 3, so only the order of things: at 1 / 4 / 16 tokens Q8_0 10.5 / 19.8 / 47.1 ms a layer against
-# 22.9 / 72.9 / 85.4, Q4_0 4.1 / 12.6 / 36.3 against 5.6 / 22.0 / 48.9)
-# (q4_k and q6_k: not measured against kt-kernel; they take the limit of the other ggml formats)
+# (1-16 tokens) in every format but q4_k and q6_k (below); beyond 16 nothing was measured, and kt-kernel's matrix
+# kernels take over (q8_0 and q4_0 against kt-kernel's LLAMAFILE on the same blocks: 64 experts, top-6, 2048 x 1536,
+# one thread, on a 2-core box under load 3, so only the order of things: at 1 / 4 / 16 tokens Q8_0 10.5 / 19.8 / 47.1
+# ms a layer against 22.9 / 72.9 / 85.4, Q4_0 4.1 / 12.6 / 36.3 against 5.6 / 22.0 / 48.9)
+# (q4_k and q6_k take float dot products, and on that box were slower than kt-kernel's LLAMAFILE on the same blocks:
+# python -m bench.decode_kernel --formats q4_k,q6_k,q4_k_m --threads 1 --tokens 1,4,16 --layers 2, 64 experts, top-6,
+# 2048 x 1536, under load 2.4, at 1 / 4 / 16 tokens Q4_K 28.4 / 83.0 / 330 ms against 18.8 / 70.6 / 116, Q6_K 25.3 /
+# 67.1 / 230 against 15.7 / 57.3 / 132, Q4_K gate/up + Q6_K down 17.3 / 62.5 / 224 against 16.4 / 54.5 / 231; not
+# measured on a serving host: they keep the other formats' limit until they are, or take an integer path)
 MAX_ROWS = {"mxfp4": 16, "fp8": 16, "int8": 16, "int4": 16, "q8_0": 16, "q4_0": 16, "q4_k": 16, "q6_k": 16}
 MEMORY_SHARE = 0.3  # of the host memory available at the first layer's load, what auto lets the kernel's copies take
 

@@ -159,7 +159,8 @@ def gguf_layer(kind: str, weights, setting: str = "auto") -> tuple[RoutedExperts
         pytest.skip("LLAMAFILE not supported by this kt-kernel build")
     gate_up, down = kind.split("/")[0], kind.split("/")[-1]
     kinds = {"gate": gate_up, "up": gate_up, "down": down}
-    blocks = {m: torch.from_numpy(quantize(t.float().numpy(), kinds[m])) for m, t in zip(("gate", "up", "down"), weights)}
+    blocks = {m: torch.from_numpy(quantize(t.float().numpy(), kinds[m]))
+              for m, t in zip(("gate", "up", "down"), weights)}
     experts = RoutedExpertsCPU(layer_idx=0, num_experts=E, top_k=K, hidden_size=H, intermediate_size=I,
                                method="LLAMAFILE", max_tokens=32, decode_kernel=DecodeKernelPolicy(setting))
     assert experts.load_ggml({m: (b, kinds[m]) for m, b in blocks.items()})
