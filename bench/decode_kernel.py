@@ -1,17 +1,20 @@
 """The decode kernel (engines/kt/experts/decode_kernel) beside kt-kernel's MoE classes, at decode sizes:
 
-    python -m bench.decode_kernel [--formats mxfp4,int8,int4,fp8] [--threads 14] [--tokens 1,2,4,8,16]
+    python -m bench.decode_kernel [--formats mxfp4,int8,int4,fp8,q4_k,q6_k,q4_k_m] [--threads 14] [--tokens 1,2,4,8,16]
                                   [--kt | --no-kt] [--out DIR]
 
 One MoE layer call of T rows (random routing, top-k of E experts), cold: the layers of a format are taken in
 turn and each call draws fresh experts, so no cache holds what a call reads. Shapes: mxfp4 = V4-Flash (256
 experts, 4096 x 2048, top-6, released MXFP4 bytes, SwiGLU clamp 10), int8 / int4 = V2-Lite (64 experts,
 2048 x 1408, top-6), fp8 = V3/R1's 7168 x 2048 with 128 x 128 blocks (64 experts allocated of 256, top-8:
-fewer experts held, the same work per call). A call's bytes are the distinct experts it reads times one
+fewer experts held, the same work per call), q4_k / q6_k / q4_k_m = a GGUF's super-blocks read in place (q4_k_m:
+Q4_K gate/up, Q6_K down, as a "Q4_K_M" file's) at V2-Lite's width with its 1408 rounded up to whole super-blocks
+(64 experts, 2048 x 1536, top-6). A call's bytes are the distinct experts it reads times one
 expert's weights and scales; GB/s over the host's read bandwidth measured in the same run (a torch float32
 sum over 4 GB on the same thread count) is the figure of merit. kt-kernel's class for the format runs in
 the same child process after ours (MXFP4: AMXFP4_KGroup_MOE; INT8: AMXInt8_MOE; INT4: AMXInt4_MOE; FP8:
-AMXFP8_MOE on the amx build), each driven from Python as the CPU-only engine drives it.
+AMXFP8_MOE on the amx build; the ggml formats: LLAMAFILE on the same blocks), each driven from Python as the
+CPU-only engine drives it.
 
 Each (format, threads) pair runs in a child process (kt-kernel's pool is process-wide). Prints one JSON line
 per measurement and a summary object last; with --out, writes decode_kernel.json there. Our rows name the
@@ -48,8 +51,13 @@ SHAPES = {
     "int8": Shape(64, 2048, 1408, 6, layers=6),
     "int4": Shape(64, 2048, 1408, 6, layers=8),
     "fp8": Shape(64, 7168, 2048, 8, layers=2),
+    "q4_k": Shape(64, 2048, 1536, 6, layers=8),
+    "q6_k": Shape(64, 2048, 1536, 6, layers=6),
+    "q4_k_m": Shape(64, 2048, 1536, 6, layers=8),
 }
-KT_METHOD = {"mxfp4": "MXFP4", "int8": "AMXINT8", "int4": "AMXINT4", "fp8": "FP8"}
+KT_METHOD = {"mxfp4": "MXFP4", "int8": "AMXINT8", "int4": "AMXINT4", "fp8": "FP8", "q4_k": "LLAMAFILE",
+             "q6_k": "LLAMAFILE", "q4_k_m": "LLAMAFILE"}
+GGML_TYPES = {"q4_k": ("Q4_K",) * 3, "q6_k": ("Q6_K",) * 3, "q4_k_m": ("Q4_K", "Q4_K", "Q6_K")}  # gate, up, down
 
 
 def _fill(shape: tuple[int, ...], low: int, high: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -66,11 +74,20 @@ def _fill(shape: tuple[int, ...], low: int, high: int, dtype: torch.dtype, seed:
 
 def _tensors(fmt: str, s: Shape, seed: int) -> dict[str, torch.Tensor]:
     """Random experts in the format's stored form (decode_kernel.DecodeLayer's terms)."""
+    from engines.kt.experts import decode_kernel as dk
+
     t: dict[str, torch.Tensor] = {}
     for i, (m, (n, k)) in enumerate((("gate", (s.inter, s.hidden)), ("up", (s.inter, s.hidden)),
                                      ("down", (s.hidden, s.inter)))):
         sd = seed * 8 + i
-        if fmt in ("mxfp4", "int4"):
+        if fmt in GGML_TYPES:  # random super-blocks, their fp16 d (and Q4_K's dmin) fields a normal 2^-12
+            kind = dk.GGML_FORMATS[GGML_TYPES[fmt][i]]
+            size = dk.GGML_BLOCK_BYTES[kind]
+            b = _fill((s.experts, n, k // 256, size), 0, 256, torch.uint8, sd)
+            for offset in ((0, 2) if kind == "q4_k" else (208,)):
+                b[..., offset:offset + 2] = torch.tensor([0x00, 0x0C], dtype=torch.uint8)
+            t[m] = b.view(s.experts, n, -1)
+        elif fmt in ("mxfp4", "int4"):
             t[m] = _fill((s.experts, n, k // 2), 0, 256, torch.uint8, sd)
             t[f"{m}_scale"] = (_fill((s.experts, n, k // 32), 118, 122, torch.uint8, sd) if fmt == "mxfp4" else
                                torch.full((s.experts, n, k // 32), 0.01).bfloat16())
@@ -125,7 +142,9 @@ def child(fmt: str, threads: int, tokens: list[int], kt: bool, pin: bool, budget
                       "copy_GB_s": bw["copy_bandwidth"]["value"]}), flush=True)
     torch.set_num_threads(max(1, os.cpu_count() - threads))
     stored = [_tensors(fmt, s, seed=i) for i in range(s.layers)]
-    make = dk.DecodeLayer.mxfp4 if fmt == "mxfp4" else dk.DecodeLayer.fp8 if fmt == "fp8" else None
+    make = (dk.DecodeLayer.mxfp4 if fmt == "mxfp4" else dk.DecodeLayer.fp8 if fmt == "fp8" else
+            (lambda t, swiglu_limit: dk.DecodeLayer.ggml(t, GGML_TYPES[fmt], swiglu_limit=swiglu_limit))
+            if fmt in GGML_TYPES else None)
     layers = [make(t, swiglu_limit=s.limit) if make else dk.DecodeLayer(fmt, s.hidden, s.inter, t)
               for t in stored]
     expert_bytes = layers[0].nbytes_per_expert
@@ -147,12 +166,18 @@ def child(fmt: str, threads: int, tokens: list[int], kt: bool, pin: bool, budget
     for n in tokens:
         sec = _time(lambda layer, x, ids, w: layer.forward(x, ids, w, pool, out=out[:x.shape[0]]), layers, work[n])
         report(f"ktserve {dk.isa()}", n, work[n], sec, isa=dk.isa(),
-               dot_products="int8" if dk.quantizes_activations(fmt) else "float")
+               dot_products="int8" if layers_quantize(dk, fmt) else "float")
     pool.close()
     del layers
     if kt:
         rows += _kt_kernel(fmt, s, stored, threads, work, expert_bytes, report)
     print(json.dumps({"child_done": fmt, "threads": threads}), flush=True)
+
+
+def layers_quantize(dk, fmt: str) -> bool:
+    """Whether the kernel takes any of the format's dot products on int8 activations."""
+    return any(dk.quantizes_activations(dk.GGML_FORMATS[t]) for t in GGML_TYPES[fmt]) if fmt in GGML_TYPES else \
+        dk.quantizes_activations(fmt)
 
 
 def _kt_kernel(fmt: str, s: Shape, stored: list, threads: int, work: dict, expert_bytes: int, report) -> list:
@@ -172,6 +197,11 @@ def _kt_kernel(fmt: str, s: Shape, stored: list, threads: int, work: dict, exper
                                  swiglu_limit=s.limit)
         if fmt == "mxfp4":
             layer.load_packed({m: (v.view(torch.float8_e8m0fnu) if m.endswith("_scale") else v) for m, v in t.items()})
+        elif fmt in GGML_TYPES:  # the same blocks, read in place by kt-kernel's llamafile kernel
+            if not layer.load_ggml({m: (t[m], kind) for m, kind in zip(("gate", "up", "down"), GGML_TYPES[fmt])}):
+                print(json.dumps({"format": fmt, "kt_kernel": "this build's LLAMAFILE does not compute these types "
+                                  "in place"}), flush=True)
+                return []
         elif fmt == "fp8":
             layer._load_prepared(lambda t=t: {m: (v if m.endswith("_scale") else v) for m, v in t.items()}, None)
         else:  # kt-kernel quantizes bf16 weights itself

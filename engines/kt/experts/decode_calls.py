@@ -17,9 +17,11 @@ What the kernel takes, and from what (the weights kt-kernel was loaded from, at 
 - RAWINT4: its int4 groups of 32 with bf16 scales, the kernel's own INT4 form, as they are;
 - AMXINT8 / AMXINT4: quantized from the same bf16 weights, the kernel's way (INT8 per row; INT4 per 32 with bf16
   scales, finer than kt-kernel's per-row INT4);
-- LLAMAFILE: ggml blocks whose gate, up and down are all of one type the kernel reads (decode_kernel.GGML_FORMATS:
-  Q8_0 or Q4_0), the very blocks kt-kernel reads (a GGUF's mapped file, or those converted at load for llamafile_type
-  Q8_0); other ggml types (Q4_K, Q6_K, ..., BF16) stay kt-kernel's, the reason recorded. kt-kernel's llamafile
+- LLAMAFILE: ggml blocks whose gate, up and down are each of a type the kernel reads (decode_kernel.GGML_FORMATS:
+  Q8_0, Q4_0, Q4_K or Q6_K; gate and up of one type, down of its own, as a "Q4_K_M" file's Q4_K gate/up and Q6_K
+  down), the very blocks kt-kernel reads (a GGUF's mapped file, or those converted at load for llamafile_type
+  Q8_0); other ggml types (Q5_K, ..., BF16), gate and up of two types, and Q4_K / Q6_K rows not a multiple of 256
+  values (which ggml never writes) stay kt-kernel's, the reason recorded. kt-kernel's llamafile
   calls are not stream-ordered (cpu.py: `_can_use_stream`), so the kernel serves these layers' decode calls where
   the hidden states are on the CPU (the CPU-only rules);
 - BF16: not covered (kt-kernel serves).
@@ -54,11 +56,16 @@ CHOICES = ("auto", "on", "off")
 # the kernel's format per experts method (LLAMAFILE: per ggml type of its blocks, `kernel_format`)
 FORMATS = {"MXFP4": "mxfp4", "FP8": "fp8", "RAWINT4": "int4", "AMXINT8": "int8", "AMXINT4": "int4"}
 # calls of up to this many rows go to the kernel: it was at least as fast as kt-kernel at every count measured
-# (1-16 tokens) in every format; beyond 16 nothing was measured, and kt-kernel's matrix kernels take over
-# (q8_0 and q4_0 against kt-kernel's LLAMAFILE on the same blocks: 64 experts, top-6, 2048 x 1536, one thread, on a
-# 2-core box under load 3, so only the order of things: at 1 / 4 / 16 tokens Q8_0 10.5 / 19.8 / 47.1 ms a layer against
-# 22.9 / 72.9 / 85.4, Q4_0 4.1 / 12.6 / 36.3 against 5.6 / 22.0 / 48.9)
-MAX_ROWS = {"mxfp4": 16, "fp8": 16, "int8": 16, "int4": 16, "q8_0": 16, "q4_0": 16}
+# (1-16 tokens) in every format but q4_k and q6_k (below); beyond 16 nothing was measured, and kt-kernel's matrix
+# kernels take over (q8_0 and q4_0 against kt-kernel's LLAMAFILE on the same blocks: 64 experts, top-6, 2048 x 1536,
+# one thread, on a 2-core box under load 3, so only the order of things: at 1 / 4 / 16 tokens Q8_0 10.5 / 19.8 / 47.1
+# ms a layer against 22.9 / 72.9 / 85.4, Q4_0 4.1 / 12.6 / 36.3 against 5.6 / 22.0 / 48.9)
+# (q4_k and q6_k take float dot products, and on that box were slower than kt-kernel's LLAMAFILE on the same blocks:
+# python -m bench.decode_kernel --formats q4_k,q6_k,q4_k_m --threads 1 --tokens 1,4,16 --layers 2, 64 experts, top-6,
+# 2048 x 1536, under load 2.4, at 1 / 4 / 16 tokens Q4_K 28.4 / 83.0 / 330 ms against 18.8 / 70.6 / 116, Q6_K 25.3 /
+# 67.1 / 230 against 15.7 / 57.3 / 132, Q4_K gate/up + Q6_K down 17.3 / 62.5 / 224 against 16.4 / 54.5 / 231; not
+# measured on a serving host: they keep the other formats' limit until they are, or take an integer path)
+MAX_ROWS = {"mxfp4": 16, "fp8": 16, "int8": 16, "int4": 16, "q8_0": 16, "q4_0": 16, "q4_k": 16, "q6_k": 16}
 MEMORY_SHARE = 0.3  # of the host memory available at the first layer's load, what auto lets the kernel's copies take
 
 
@@ -72,18 +79,33 @@ def check_setting(value: Any) -> str:
 
 def kernel_format(layer: "RoutedExpertsCPU") -> str | None:
     """The kernel's format for `layer`'s experts as loaded, or None where it has none: LLAMAFILE layers by their
-    blocks' ggml types (gate, up and down all of one type decode_kernel.GGML_FORMATS names)."""
+    blocks' ggml types (gate and up of one type decode_kernel.GGML_FORMATS names, down of one too), as
+    "q4_k/q6_k" (gate/up's, down's) where down's differs."""
     if layer.method != "LLAMAFILE":
         return FORMATS.get(layer.method)
     from engines.kt.experts.decode_kernel import GGML_FORMATS
 
-    types = set(layer.ggml_types)
-    return GGML_FORMATS.get(next(iter(types))) if len(types) == 1 else None
+    gate, up, down = layer.ggml_types
+    if gate != up or gate not in GGML_FORMATS or down not in GGML_FORMATS:
+        return None
+    fmt, down_fmt = GGML_FORMATS[gate], GGML_FORMATS[down]
+    return fmt if fmt == down_fmt else f"{fmt}/{down_fmt}"
+
+
+def _max_rows(fmt: str) -> int:
+    """MAX_ROWS of a kernel format, the lesser of gate/up's and down's for a layer of two."""
+    return min(MAX_ROWS[f] for f in fmt.split("/"))
+
+
+def _ggml_types_text(layer: "RoutedExpertsCPU") -> str:
+    """A served LLAMAFILE layer's ggml types (gate's and up's are one): "Q8_0", or "Q4_K gate/up, Q6_K down"."""
+    gate, _, down = layer.ggml_types
+    return gate if gate == down else f"{gate} gate/up, {down} down"
 
 
 def _served_as(layer: "RoutedExpertsCPU") -> str:
-    """What the details call a served layer's experts: the method (LLAMAFILE with its blocks' type)."""
-    return f"LLAMAFILE {layer.ggml_types[0]}" if layer.method == "LLAMAFILE" else layer.method
+    """What the details call a served layer's experts: the method (LLAMAFILE with its blocks' types)."""
+    return f"LLAMAFILE {_ggml_types_text(layer)}" if layer.method == "LLAMAFILE" else layer.method
 
 
 def kt_worker_cpus() -> list[int] | None:
@@ -180,7 +202,7 @@ class DecodeKernelPolicy:
         pool = decode_kernel.shared_pool(pool_threads() or layer.threads or 1, kt_worker_cpus())
         self.outcomes[layer.layer_idx] = _served_as(layer)
         self.formats[layer.layer_idx] = fmt
-        return DecodeCalls(kernel, pool, MAX_ROWS[fmt], extra)
+        return DecodeCalls(kernel, pool, _max_rows(fmt), extra)
 
     def _structural_reason(self, layer: "RoutedExpertsCPU") -> str | None:
         if self.setting == "off":
@@ -192,19 +214,30 @@ class DecodeKernelPolicy:
             if self.setting == "on":
                 raise ValueError(f"{SETTING}=on: {missing}")
             return missing
-        if kernel_format(layer) is None:
+        fmt = kernel_format(layer)
+        if fmt is None:
             if layer.method == "LLAMAFILE":
                 from engines.kt.experts.decode_kernel import GGML_FORMATS
 
-                types, known = sorted(set(layer.ggml_types)), ", ".join(GGML_FORMATS)
-                if len(types) > 1:  # a GGUF "Q4_K_M" keeps down in Q6_K, say
-                    return (f"the LLAMAFILE experts' projections mix ggml types ({'/'.join(types)}); the kernel "
-                            f"reads layers whose three are all {known}")
-                return (f"the kernel does not compute LLAMAFILE experts of ggml type {types[0]} (it reads {known} "
-                        "blocks)")
+                known = ", ".join(GGML_FORMATS)
+                gate, up, down = layer.ggml_types
+                other = sorted({t for t in (gate, up, down) if t not in GGML_FORMATS})
+                if other:
+                    return (f"the kernel does not compute LLAMAFILE experts of ggml type {'/'.join(other)} (it reads "
+                            f"{known} blocks)")
+                return (f"the LLAMAFILE experts' gate and up are of two ggml types ({gate}, {up}); the kernel reads "
+                        "one for both")
             return f"the kernel does not compute {layer.method} experts"
         if layer.hidden_size % 32 or layer.intermediate_size % 32:
             return "sizes not multiples of 32"
+        from engines.kt.experts.decode_kernel import block_values
+
+        gate_up_fmt, down_fmt = fmt.split("/")[0], fmt.split("/")[-1]
+        for what, size, f in (("hidden", layer.hidden_size, gate_up_fmt),
+                              ("intermediate", layer.intermediate_size, down_fmt)):
+            if size % block_values(f):  # ggml's super-blocks are 256 wide: no file holds such rows
+                return (f"{f.upper()} rows of {size} values ({what} size) are not whole blocks of "
+                        f"{block_values(f)}; the kernel refuses them")
         # a layer whose output is on a GPU queues the kernel on the CUDA stream (cpu.py: the stream-ordered
         # path); where the GPU reads a share of each decode call's experts from their host copies, the kernel
         # skips that share as kt-kernel does (its ids -1), and prompt chunks that stream experts are kt-kernel's
@@ -252,7 +285,7 @@ class DecodeKernelPolicy:
         from engines.kt.experts import decode_kernel
 
         methods = sorted({self.outcomes[layer] for layer in served})
-        rows = max(MAX_ROWS[self.formats[layer]] for layer in served)
+        rows = max(_max_rows(self.formats[layer]) for layer in served)
         text = f"ktserve {decode_kernel.isa()} for calls <= {rows} rows ({', '.join(methods)})"
         others = len(self.outcomes) - len(served)
         if others:
@@ -282,7 +315,7 @@ def _kernel_layer(layer: "RoutedExpertsCPU", fmt: str, *, floats: tuple[torch.Te
     if fmt in ("int8", "int4") and floats is not None:
         return DecodeLayer.quantize(fmt, *floats, swiglu_limit=limit)
     if layer.method == "LLAMAFILE" and prepared is not None:  # the blocks kt-kernel reads, read in place too
-        return DecodeLayer.ggml({m: prepared[m] for m in ("gate", "up", "down")}, layer.ggml_types[0],
+        return DecodeLayer.ggml({m: prepared[m] for m in ("gate", "up", "down")}, tuple(layer.ggml_types),
                                 swiglu_limit=limit)
     return None
 

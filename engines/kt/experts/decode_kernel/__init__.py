@@ -3,8 +3,10 @@
 Decoding reads each chosen expert's weights once per call, so a call is bound by memory bandwidth; this kernel
 streams every expert a call uses once, for all rows routed to it (gate and up fused, SwiGLU with V4's clamp,
 down, the weighted sum), reading the weights in place: MXFP4 (V4's E2M1 + UE8M0 per 32), FP8 e4m3 in 128 x 128
-blocks with float multipliers (V3/R1), a GGUF's ggml Q8_0 and Q4_0 blocks (fp16 scale + 32 int8 / 32 nibbles, as
-the file maps them), and INT8 (per-row scales) / INT4 (bf16 scales per 32) quantized at load.
+blocks with float multipliers (V3/R1), a GGUF's ggml Q8_0 and Q4_0 blocks (fp16 scale + 32 int8 / 32 nibbles) and
+Q4_K and Q6_K super-blocks (256 values: 6-bit scales and mins over 4-bit codes / int8 scales over 6-bit codes), as
+the file maps them, and INT8 (per-row scales) / INT4 (bf16 scales per 32) quantized at load. The down projection may
+be of another format than gate and up (a GGUF "Q4_K_M": Q4_K gate/up, Q6_K down in some layers).
 A row's result is bit-identical whatever else is in the call and whatever the thread count (src/dk.c says how).
 
 MXFP4, INT4, Q8_0 and Q4_0 take their dot products in integers where the CPU has them (AVX512-VNNI, AVX-VNNI, or
@@ -13,8 +15,8 @@ groups of 32 with a float scale each, the four-bit codes become bytes by a table
 by 128, or taken by magnitude and sign), and one float FMA per group scales the exact int32 sums (src/isa_impl.h;
 `quantizes_activations` says where). The four-bit formats were bound by their
 per-weight float work, not by memory (bench/results/nvidia-h200-2026-12-02-decode-kernel); the int8
-activations add their rounding, at most half a step (amax / 254 of the group) per element. FP8 and INT8 stay in
-float.
+activations add their rounding, at most half a step (amax / 254 of the group) per element. FP8, INT8, Q4_K and Q6_K
+stay in float (Q4_K's and Q6_K's blocks dequantized per 32 columns as the gguf package's float32 reads them).
 
 The C library is built by build.py (halves avx512-vnni, avx512, avx2-vnni, avx2, the best the CPU has chosen at
 run time; KTSERVE_DECODE_KERNEL_ISA names another: avx2 forces the plain AVX2 one, avx512 the AVX-512 one without
@@ -32,9 +34,12 @@ import torch
 
 log = logging.getLogger("ktserve.engine.kt")
 
-FORMATS = {"mxfp4": 0, "fp8": 1, "int8": 2, "int4": 3, "q8_0": 4, "q4_0": 5}
-GGML_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0"}  # ggml block types the kernel reads in place -> its format
-GGML_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}  # a block of 32 values: fp16 d, then the quants
+FORMATS = {"mxfp4": 0, "fp8": 1, "int8": 2, "int4": 3, "q8_0": 4, "q4_0": 5, "q4_k": 6, "q6_k": 7}
+# ggml block types the kernel reads in place -> its format
+GGML_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_K": "q4_k", "Q6_K": "q6_k"}
+# a block's bytes (Q8_0, Q4_0: 32 values, fp16 d then the quants; Q4_K, Q6_K: super-blocks of 256, dk.h)
+GGML_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_k": 144, "q6_k": 210}
+GGML_BLOCK_VALUES = {"q8_0": 32, "q4_0": 32, "q4_k": 256, "q6_k": 256}
 ISA_ENV = "KTSERVE_DECODE_KERNEL_ISA"
 SPIN_US = 2000  # how long an idle worker spins before it sleeps (a decode step calls every layer within that)
 
@@ -54,6 +59,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dk_quantizes_activations.restype = i
     lib.dk_layer_create.argtypes = [i, i, i, i, p, f]
     lib.dk_layer_create.restype = p
+    lib.dk_layer_create_mixed.argtypes = [i, i, i, i, i, p, f]
+    lib.dk_layer_create_mixed.restype = p
     lib.dk_layer_destroy.argtypes = [p]
     lib.dk_pool_create.argtypes = [i, p, i]
     lib.dk_pool_create.restype = p
@@ -116,7 +123,9 @@ def force_isa(name: str) -> bool:
 def quantizes_activations(fmt: str) -> bool:
     """Whether the half this process runs takes `fmt`'s dot products in int8: activations (and the SwiGLU
     output) quantized per row in groups of 32, symmetric, scale amax / 127 (src/isa_impl.h, the integer path:
-    MXFP4, INT4, Q8_0 and Q4_0 on avx512-vnni, avx2-vnni and avx2). False: float dot products."""
+    MXFP4, INT4, Q8_0 and Q4_0 on avx512-vnni, avx2-vnni and avx2). False: float dot products (Q4_K and Q6_K
+    everywhere). In a layer of two formats, gate's and up's decides for the activations, down's for the SwiGLU
+    output."""
     lib = library()
     return lib is not None and lib.dk_quantizes_activations(FORMATS[fmt]) == 1
 
@@ -174,19 +183,32 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def block_values(fmt: str) -> int:
+    """What a row's length must be a multiple of in `fmt`: 256 for ggml's super-blocks (Q4_K, Q6_K), else 32."""
+    return GGML_BLOCK_VALUES.get(fmt, 32)
+
+
 class DecodeLayer:
-    """One MoE layer's routed experts as the kernel reads them. The tensors are kept (read in place)."""
+    """One MoE layer's routed experts as the kernel reads them. The tensors are kept (read in place). gate and
+    up are in `fmt`, down in `down_format` (None: `fmt` too)."""
 
     def __init__(self, fmt: str, hidden: int, inter: int, tensors: dict[str, torch.Tensor], *,
-                 swiglu_limit: float = 0.0):
+                 swiglu_limit: float = 0.0, down_format: str | None = None):
         lib = library()
         if lib is None:
             raise RuntimeError(unavailable_reason())
-        if fmt not in FORMATS:
-            raise ValueError(f"decode kernel format {fmt!r} is not one of {', '.join(FORMATS)}")
+        down_format = fmt if down_format is None else down_format
+        for f in (fmt, down_format):
+            if f not in FORMATS:
+                raise ValueError(f"decode kernel format {f!r} is not one of {', '.join(FORMATS)}")
         if hidden % 32 or inter % 32:
             raise ValueError(f"decode kernel sizes must be multiples of 32, got hidden {hidden}, intermediate {inter}")
+        for what, k, f in (("hidden", hidden, fmt), ("intermediate", inter, down_format)):
+            if k % block_values(f):
+                raise ValueError(f"decode kernel: {f} rows need a multiple of {block_values(f)} values, got {what} "
+                                 f"{k}")
         self.format, self.hidden, self.inter, self.swiglu_limit = fmt, hidden, inter, float(swiglu_limit)
+        self.down_format = down_format
         self.tensors = tensors
         self.experts = tensors["gate"].shape[0]
         ptrs = []
@@ -197,10 +219,16 @@ class DecodeLayer:
             ptrs += [s[e].data_ptr() for e in range(self.experts)]
         array = (ctypes.c_int64 * len(ptrs))(*ptrs)
         self._lib = lib
-        self._handle = lib.dk_layer_create(FORMATS[fmt], self.experts, hidden, inter, array, self.swiglu_limit)
+        self._handle = lib.dk_layer_create_mixed(FORMATS[fmt], FORMATS[down_format], self.experts, hidden, inter,
+                                                 array, self.swiglu_limit)
         if not self._handle:
-            raise ValueError(f"decode kernel: layer of {fmt} experts refused (sizes, or FP8 multipliers of 2^8 or "
-                             f"more)")
+            raise ValueError(f"decode kernel: layer of {self.formats} experts refused (sizes, or FP8 multipliers of "
+                             f"2^8 or more)")
+
+    @property
+    def formats(self) -> str:
+        """The layer's format, or gate/up's and down's as "q4_k/q6_k" where they differ."""
+        return self.format if self.down_format == self.format else f"{self.format}/{self.down_format}"
 
     # ------------------------------------------------------------------ the formats, as checkpoints hold them
     @classmethod
@@ -218,24 +246,37 @@ class DecodeLayer:
         return cls("fp8", hidden, inter, t, swiglu_limit=swiglu_limit)
 
     @classmethod
-    def ggml(cls, blocks: dict[str, torch.Tensor], ggml_type: str, *, swiglu_limit: float = 0.0) -> "DecodeLayer":
+    def ggml(cls, blocks: dict[str, torch.Tensor], ggml_type: str | tuple[str, str, str], *,
+             swiglu_limit: float = 0.0) -> "DecodeLayer":
         """A GGUF's routed experts as its file stores them (engines/checkpoints/gguf: GGUFExperts.blocks), read in
-        place: "gate"/"up"/"down" uint8 [E, rows, row bytes] of one of GGML_FORMATS' types (per 32 values of a
-        row an fp16 scale d, then Q8_0: 32 int8 q, value d x q; Q4_0: 16 bytes, the low nibbles values 0..15 and
-        the high ones 16..31, value d x (q - 8))."""
-        if ggml_type not in GGML_FORMATS:
-            raise ValueError(f"decode kernel: ggml type {ggml_type!r} is not one of {', '.join(GGML_FORMATS)}")
-        fmt = GGML_FORMATS[ggml_type]
+        place: "gate"/"up"/"down" uint8 [E, rows, row bytes] of GGML_FORMATS' types, one for all three or gate's,
+        up's and down's (gate and up of one type; down may differ, as a "Q4_K_M" file's Q6_K down). Q8_0 / Q4_0:
+        per 32 values of a row an fp16 scale d, then Q8_0: 32 int8 q, value d x q; Q4_0: 16 bytes, the low nibbles
+        values 0..15 and the high ones 16..31, value d x (q - 8). Q4_K / Q6_K: super-blocks of 256 values
+        (src/dk.h), rows of a multiple of 256 values only (ggml writes no other)."""
+        types = (ggml_type,) * 3 if isinstance(ggml_type, str) else tuple(ggml_type)
+        for t in types:
+            if t not in GGML_FORMATS:
+                raise ValueError(f"decode kernel: ggml type {t!r} is not one of {', '.join(GGML_FORMATS)}")
+        if len(types) != 3 or types[0] != types[1]:
+            raise ValueError(f"decode kernel: gate and up must be of one ggml type, got {'/'.join(types)}")
+        fmt, down_fmt = GGML_FORMATS[types[0]], GGML_FORMATS[types[2]]
         t = {m: _u8(blocks[m]) for m in ("gate", "up", "down")}
         E, inter, row = t["gate"].shape
-        block = GGML_BLOCK_BYTES[fmt]
-        hidden = row // block * 32
-        expected = {"gate": (E, inter, row), "up": (E, inter, row), "down": (E, hidden, inter // 32 * block)}
+        block, values = GGML_BLOCK_BYTES[fmt], GGML_BLOCK_VALUES[fmt]
+        down_block, down_values = GGML_BLOCK_BYTES[down_fmt], GGML_BLOCK_VALUES[down_fmt]
+        hidden = row // block * values
+        if inter % down_values:  # ggml writes no such rows: refused before the shapes they would need
+            raise ValueError(f"decode kernel: {down_fmt} rows need a multiple of {down_values} values, got "
+                             f"intermediate {inter}")
+        expected = {"gate": (E, inter, row), "up": (E, inter, row),
+                    "down": (E, hidden, inter // down_values * down_block)}
         for m, shape in expected.items():
-            if row % block or inter % 32 or tuple(t[m].shape) != shape:
-                raise ValueError(f"decode kernel: {ggml_type} {m} blocks have shape {tuple(t[m].shape)}, expected "
-                                 f"{shape} (gate {tuple(t['gate'].shape)}; rows of {block}-byte blocks)")
-        return cls(fmt, hidden, inter, t, swiglu_limit=swiglu_limit)
+            if row % block or tuple(t[m].shape) != shape:
+                raise ValueError(f"decode kernel: {'/'.join(types)} {m} blocks have shape {tuple(t[m].shape)}, "
+                                 f"expected {shape} (gate {tuple(t['gate'].shape)}; rows of {block}-byte blocks of "
+                                 f"{values} values, down's of {down_block}-byte blocks of {down_values})")
+        return cls(fmt, hidden, inter, t, swiglu_limit=swiglu_limit, down_format=down_fmt)
 
     @classmethod
     def quantize(cls, fmt: str, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *,
@@ -250,8 +291,8 @@ class DecodeLayer:
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The weights this layer computes with, as float32 [E, ...] (the tests' reference)."""
-        return tuple(dequantize(self.format, self.tensors[m], self.tensors.get(f"{m}_scale"))
-                     for m in ("gate", "up", "down"))
+        return tuple(dequantize(f, self.tensors[m], self.tensors.get(f"{m}_scale"))
+                     for m, f in (("gate", self.format), ("up", self.format), ("down", self.down_format)))
 
     @property
     def nbytes_per_expert(self) -> int:
@@ -399,6 +440,33 @@ def dequantize(fmt: str, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tenso
         d = b[..., :2].contiguous().view(torch.float16).float()
         q = torch.cat([b[..., 2:] & 0x0F, b[..., 2:] >> 4], dim=-1).float() - 8
         return (q * d).reshape(*w.shape[:-1], -1)
+    if fmt in ("q4_k", "q6_k"):
+        return dequantize_k_blocks(fmt, w)
     codes = w.view(torch.uint8)
     q = torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(*codes.shape[:-1], -1).float() - 8
     return (q.view(*q.shape[:-1], -1, 32) * s.float()[..., None]).reshape(q.shape)
+
+
+def dequantize_k_blocks(fmt: str, w: torch.Tensor) -> torch.Tensor:
+    """Q4_K / Q6_K rows [..., row bytes] -> float32 [..., values], in float32 as the gguf package rounds it
+    (src/dk.h gives the layouts): Q4_K (d x sc) x q - dmin x m per sub-block of 32, Q6_K (d x scale) x (q - 32)
+    per 16."""
+    b = w.view(torch.uint8).reshape(*w.shape[:-1], -1, GGML_BLOCK_BYTES[fmt]).to(torch.int32)
+    lead = b.shape[:-1]
+    if fmt == "q4_k":
+        d, dmin = (b[..., o:o + 2].to(torch.uint8).contiguous().view(torch.float16).float() for o in (0, 2))
+        s = b[..., 4:16]
+        low, high = s[..., 0:4], s[..., 4:8]
+        sc = torch.cat([low & 63, (s[..., 8:12] & 15) | (low >> 6) << 4], dim=-1)  # sub-blocks 0..7
+        mn = torch.cat([high & 63, (s[..., 8:12] >> 4) | (high >> 6) << 4], dim=-1)
+        qs = b[..., 16:].reshape(*lead, 4, 1, 32)
+        q = ((qs >> torch.tensor([0, 4]).view(2, 1)) & 15).reshape(*lead, 8, 32).float()
+        return ((d * sc.float())[..., None] * q - (dmin * mn.float())[..., None]).reshape(*lead[:-1], -1)
+    ql, qh = b[..., :128].reshape(*lead, 2, 1, 2, 32), b[..., 128:192].reshape(*lead, 2, 1, 1, 32)
+    scales = b[..., 192:208].to(torch.uint8).contiguous().view(torch.int8).float()
+    d = b[..., 208:210].to(torch.uint8).contiguous().view(torch.float16).float()
+    # [..., half, nibble, ql half, 32]: quarter c = 2 x nibble + ql half, its qh bits 2c
+    low = (ql >> torch.tensor([0, 4]).view(2, 1, 1)) & 15
+    high = (qh >> torch.tensor([0, 2, 4, 6]).view(2, 2, 1)) & 3
+    q = (low | high << 4).reshape(*lead, 16, 16).float() - 32
+    return ((d * scales)[..., None] * q).reshape(*lead[:-1], -1)

@@ -1,10 +1,12 @@
 """The decode kernel (engines/kt/experts/decode_kernel): every format on every vector half this CPU has against
-torch's dequantize-and-matmul in float64, and the same bits for a row whatever the thread count and the other rows.
+torch's dequantize-and-matmul in float64, and the same bits for a row whatever the thread count and the other rows;
+layers whose down projection is of another ggml format than gate and up (a "Q4_K_M" GGUF's Q4_K / Q6_K) likewise.
 
 Two tolerances. Where a half computes in float, the kernel differs from float64 by float32 rounding only
 (relative error of the output's norm < 1e-5). Where it takes MXFP4 / INT4 / Q8_0 / Q4_0 dot products in int8 (the
-integer path, dk.quantizes_activations), the activations and the SwiGLU output are rounded per group of 32 to steps
-of amax / 127; that is checked twice:
+integer path, dk.quantizes_activations: for the activations by gate's and up's format, for the SwiGLU output by
+down's), the activations and the SwiGLU output are rounded per group of 32 to steps of amax / 127; that is checked
+twice:
 - against torch doing the same rounding (`quantized`) before its float64 matmuls: the integer sums are exact, so
   what is left is float32 rounding of the scales and sums (1e-5), and the odd SwiGLU output within float32
   rounding of a step's midpoint going the other way. x rounds alike both sides (the same float32 operations on
@@ -32,7 +34,12 @@ pytestmark = pytest.mark.skipif(dk.unavailable_reason() is not None, reason=str(
 
 E, H, I, TOP_K, LIMIT = 8, 256, 192, 3, 0.5  # I = 192: FP8's last block of 128 columns is partial, and so is
 # the AVX-512 integer path's last chunk of 128 (four groups of 32) in the down projection
+I_K = 256  # Q4_K's and Q6_K's rows are whole super-blocks of 256: the intermediate size where down is one
 ISAS = list(dk.ISAS)
+GGML = ["q8_0", "q4_0", "q4_k", "q6_k"]
+# gate/up's format / down's: a Q4_K_M file's pair, and pairs where one side takes the integer path and the other
+# the float one (on the integer-path halves), the SwiGLU output passed from one form to the other
+MIXED = ["q4_k/q6_k", "q4_k/q8_0", "q4_0/q6_k"]
 # The int8 rounding against exact activations. Rounding to the nearest of steps amax / 127 errs by at most half a
 # step, uniformly: rms step / sqrt(12) = amax / 440 per element; for the Gaussian rows x here (amax about 2.2 x rms
 # over 32) 0.5% of x's norm, and so 0.5% of gate's and up's rms (1.6) before the clamp. The clamp at LIMIT = 0.5,
@@ -59,17 +66,28 @@ def _stacked(quantize, weights) -> dict[str, torch.Tensor]:
     return out
 
 
+def _formats(fmt: str) -> tuple[str, str]:
+    """"q4_k/q6_k" -> gate/up's and down's format; "q8_0" -> both."""
+    return fmt.split("/")[0], fmt.split("/")[-1]
+
+
 @functools.lru_cache(maxsize=None)  # read-only once made; quantizing is most of these tests' time
-def make_layer(fmt: str, seed: int = 0, limit: float = LIMIT, hidden: int = H, inter: int = I) -> dk.DecodeLayer:
+def make_layer(fmt: str, seed: int = 0, limit: float = LIMIT, hidden: int = H, inter: int | None = None
+               ) -> dk.DecodeLayer:
+    """A layer of `fmt` (or "gate_up/down" ggml formats) from random weights; inter: I, or I_K where down is
+    Q4_K / Q6_K."""
+    if inter is None:
+        inter = I if dk.block_values(_formats(fmt)[1]) == 32 else I_K
     weights = _weights(seed, hidden, inter)
+    if "/" in fmt or fmt in GGML:  # as a GGUF holds them: ggml blocks written by the gguf package's quantizer
+        kinds = [f.upper() for f in (_formats(fmt)[0], _formats(fmt)[0], _formats(fmt)[1])]
+        blocks = {m: torch.from_numpy(quantize_ggml(t.numpy(), kind))
+                  for m, t, kind in zip(("gate", "up", "down"), weights, kinds)}
+        return dk.DecodeLayer.ggml(blocks, tuple(kinds), swiglu_limit=limit)
     if fmt == "mxfp4":
         return dk.DecodeLayer.mxfp4(_stacked(mxfp4.quantize, weights), swiglu_limit=limit)
     if fmt == "fp8":
         return dk.DecodeLayer.fp8(_stacked(quantize_fp8_blocks, weights), swiglu_limit=limit)
-    if fmt in ("q8_0", "q4_0"):  # as a GGUF holds them: ggml blocks written by the gguf package's quantizer
-        kind = fmt.upper()
-        blocks = {m: torch.from_numpy(quantize_ggml(t.numpy(), kind)) for m, t in zip(("gate", "up", "down"), weights)}
-        return dk.DecodeLayer.ggml(blocks, kind, swiglu_limit=limit)
     return dk.DecodeLayer.quantize(fmt, *weights, swiglu_limit=limit)
 
 
@@ -82,15 +100,21 @@ def quantized(v: torch.Tensor) -> torch.Tensor:
     return (q.double() * amax.double() / 127).view(-1)
 
 
+def _rounding(on: bool):
+    return quantized if on else (lambda v: v.double())
+
+
 def reference(layer: dk.DecodeLayer, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
               int8_activations: bool = False) -> torch.Tensor:
-    """The layer in float64; int8_activations: x and the SwiGLU output rounded first (`quantized`)."""
+    """The layer in float64; int8_activations: x and the SwiGLU output rounded first (`quantized`) where the
+    kernel rounds them (x by gate's and up's format, the SwiGLU output by down's)."""
     gate, up, down = (t.double() for t in layer.dequantized())
-    rounded = quantized if int8_activations else (lambda v: v.double())
+    round_x = _rounding(int8_activations and dk.quantizes_activations(layer.format))
+    rounded = _rounding(int8_activations and dk.quantizes_activations(layer.down_format))
     out = torch.zeros(x.shape[0], layer.hidden, dtype=torch.float64)
     limit = layer.swiglu_limit
     for t in range(x.shape[0]):
-        xt = rounded(x[t].float())
+        xt = round_x(x[t].float())
         for k in range(ids.shape[1]):
             e = int(ids[t, k])
             if e < 0:
@@ -106,8 +130,9 @@ def one_step(layer: dk.DecodeLayer, x: torch.Tensor, ids: torch.Tensor, w: torch
     """The most one SwiGLU output rounded one int8 step the other way can move the output (norm of the change)."""
     gate, up, down = (t.double() for t in layer.dequantized())
     largest = 0.0
+    round_x = _rounding(dk.quantizes_activations(layer.format))
     for t in range(x.shape[0]):
-        xt = quantized(x[t].float())
+        xt = round_x(x[t].float())
         for k in range(ids.shape[1]):
             e = int(ids[t, k])
             if e < 0:
@@ -128,11 +153,12 @@ def check(layer: dk.DecodeLayer, x: torch.Tensor, ids: torch.Tensor, w: torch.Te
           int8_bound: float = INT8_BOUND) -> None:
     """out against torch: within float rounding, or for the integer path as the module docstring says."""
     exact = reference(layer, x.float(), ids, w)
-    if not dk.quantizes_activations(layer.format):
+    if not (dk.quantizes_activations(layer.format) or dk.quantizes_activations(layer.down_format)):
         assert rel(out, exact) < 1e-5
         return
     same_rounding = reference(layer, x.float(), ids, w, int8_activations=True)
-    assert rel(out, same_rounding) < 1e-5 + 2 * one_step(layer, x, ids, w) / float(same_rounding.norm())
+    steps = one_step(layer, x, ids, w) if dk.quantizes_activations(layer.down_format) else 0.0
+    assert rel(out, same_rounding) < 1e-5 + 2 * steps / float(same_rounding.norm())
     assert rel(out, exact) < int8_bound
 
 
@@ -165,6 +191,15 @@ def test_each_format_matches_torch_dequantized_matmul(fmt, isa, pools):
     check(layer, x, ids, w, layer.forward(x, ids, w, pools[2]))
 
 
+@pytest.mark.parametrize("fmt", MIXED)
+def test_gate_up_and_down_of_two_ggml_formats_match_torch_dequantized_matmul(fmt, isa, pools):
+    layer = make_layer(fmt)
+    assert (layer.format, layer.down_format) == _formats(fmt)
+    x, ids, w = _call(5, seed=1)
+    ids[1, 2] = -1
+    check(layer, x, ids, w, layer.forward(x, ids, w, pools[2]))
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "int4", "q8_0", "q4_0"])
 def test_sizes_that_end_in_part_of_a_chunk(fmt, isa, pools):
     """96 = 3 groups of 32 and 160 = 5: the integer path's last chunk (4 groups on AVX-512, 2 on AVX2) is partial
@@ -177,14 +212,14 @@ def test_sizes_that_end_in_part_of_a_chunk(fmt, isa, pools):
     check(layer, x, ids, w, layer.forward(x, ids, w, pools[1]))
 
 
-@pytest.mark.parametrize("fmt", list(dk.FORMATS))
+@pytest.mark.parametrize("fmt", list(dk.FORMATS) + MIXED)
 def test_results_are_bit_identical_with_one_and_two_threads(fmt, isa, pools):
     layer = make_layer(fmt)
     x, ids, w = _call(7, seed=2)
     assert torch.equal(layer.forward(x, ids, w, pools[1]), layer.forward(x, ids, w, pools[2]))
 
 
-@pytest.mark.parametrize("fmt", list(dk.FORMATS))
+@pytest.mark.parametrize("fmt", list(dk.FORMATS) + MIXED)
 def test_a_row_alone_gives_the_bits_it_gives_among_other_rows(fmt, isa, pools):
     layer = make_layer(fmt)
     x, ids, w = _call(16, seed=3)
@@ -198,7 +233,7 @@ def test_a_row_alone_gives_the_bits_it_gives_among_other_rows(fmt, isa, pools):
     assert torch.equal(layer.forward(x[shuffled], ids[shuffled], w[shuffled], pools[2]), together[shuffled])
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", GGML)
 def test_ggml_blocks_dequantize_as_the_gguf_package_reads_them(fmt):
     import gguf
 
@@ -208,27 +243,66 @@ def test_ggml_blocks_dequantize_as_the_gguf_package_reads_them(fmt):
     assert torch.equal(ours, torch.from_numpy(theirs).float())
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def random_blocks(fmt: str, experts: int, rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
+    """uint8 [experts, rows, row bytes] of random bytes, every code and (Q4_K) every 6-bit scale and min, with
+    random fp16 scales in the block's d (and dmin) fields, scaled to weights of about 0.1; one an fp16 subnormal."""
+    size, values = dk.GGML_BLOCK_BYTES[fmt], dk.block_values(fmt)
+    b = torch.randint(0, 256, (experts, rows, cols // values, size), generator=g, dtype=torch.uint8)
+    if fmt == "q8_0":  # -128 and 127 beside each other
+        b[..., 2:6] = torch.tensor([0x80, 0x7F, 0x80, 0x00], dtype=torch.uint8)
+    if fmt == "q4_0":  # nibbles 0 and 15 beside each other
+        b[..., 2:6] = torch.tensor([0xF0, 0x0F, 0xFF, 0x00], dtype=torch.uint8)
+    # where the fp16 scales lie, and how large (a value's largest multiple of d is 128, 8, 945 or 4064)
+    fields = {"q8_0": ((0, 0.004),), "q4_0": ((0, 0.06),), "q4_k": ((0, 1e-4), (2, 2e-4)), "q6_k": ((208, 2.5e-5),)}
+    for offset, scale in fields[fmt]:
+        d = (torch.rand(experts, rows, cols // values, generator=g) * scale).half()
+        d[:, 0, 0] = 2 ** -20  # an fp16 subnormal
+        b[..., offset:offset + 2] = d.view(torch.uint8).view(experts, rows, cols // values, 2)
+    return b.view(experts, rows, -1)
+
+
+@pytest.mark.parametrize("fmt", GGML)
+def test_random_ggml_blocks_dequantize_as_the_gguf_package_reads_them(fmt):
+    """Every code, Q4_K's every 6-bit scale and min and Q6_K's every int8 scale, random fp16 scales."""
+    import gguf
+
+    blocks = random_blocks(fmt, 2, 64, 1024, torch.Generator().manual_seed(9))
+    ours = dk.dequantize(fmt, blocks, None)
+    theirs = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[fmt.upper()])
+    assert torch.equal(ours, torch.from_numpy(theirs).float())
+
+
+@pytest.mark.parametrize("fmt", GGML)
 def test_ggml_blocks_of_every_code_are_read(fmt, isa, pools):
     """Random bytes: every code, and blocks no quantizer of ours writes but a GGUF may hold: Q8_0's -128 (which
-    |q| and q + 128 must both carry) beside 127, Q4_0's nibbles 0 and 15 beside each other; fp16 scales down to a
-    subnormal."""
-    hidden, inter, size = 128, 64, dk.GGML_BLOCK_BYTES[fmt]
+    |q| and q + 128 must both carry) beside 127, Q4_0's nibbles 0 and 15 beside each other, Q4_K's and Q6_K's
+    every scale; fp16 scales down to a subnormal."""
+    hidden, inter = (128, 64) if dk.block_values(fmt) == 32 else (256, 256)
     g = torch.Generator().manual_seed(8)
-    blocks = {}
-    for m, (rows, cols) in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
-        b = torch.randint(0, 256, (E, rows, cols // 32, size), generator=g, dtype=torch.uint8)
-        b[..., 2:6] = torch.tensor([0x80, 0x7F, 0x80, 0x00] if fmt == "q8_0" else [0xF0, 0x0F, 0xFF, 0x00],
-                                   dtype=torch.uint8)
-        d = (torch.rand(E, rows, cols // 32, generator=g) * (0.004 if fmt == "q8_0" else 0.06)).half()
-        d[:, 0, 0] = 2 ** -20  # an fp16 subnormal
-        b[..., :2] = d.view(torch.uint8).view(E, rows, cols // 32, 2)
-        blocks[m] = b.view(E, rows, -1)
+    blocks = {m: random_blocks(fmt, E, rows, cols, g)
+              for m, (rows, cols) in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter)))}
     layer = dk.DecodeLayer.ggml(blocks, fmt.upper())
     x = torch.randn(3, hidden, generator=g).bfloat16()
     ids = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(3)])
     w = torch.rand(3, TOP_K, generator=g)
     check(layer, x, ids, w, layer.forward(x, ids, w, pools[2]))
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+def test_super_block_formats_refuse_rows_not_a_multiple_of_256(fmt):
+    g = torch.Generator().manual_seed(10)
+    blocks = {m: random_blocks(fmt, 2, rows, 256, g) for m, rows in (("gate", 128), ("up", 128), ("down", 256))}
+    with pytest.raises(ValueError, match=f"{fmt} rows need a multiple of 256 values, got intermediate 128"):
+        dk.DecodeLayer.ggml(blocks, fmt.upper())
+    tensors = {m: random_blocks(fmt, 2, 256, 256, g) for m in ("gate", "up", "down")}
+    with pytest.raises(ValueError, match=f"{fmt} rows need a multiple of 256 values, got hidden 288"):
+        dk.DecodeLayer(fmt, 288, 256, tensors)
+
+
+def test_gate_and_up_of_two_ggml_types_are_refused():
+    blocks = {m: make_layer("q4_k").tensors[m] for m in ("gate", "up", "down")}
+    with pytest.raises(ValueError, match="gate and up must be of one ggml type, got Q4_K/Q6_K/Q4_K"):
+        dk.DecodeLayer.ggml(blocks, ("Q4_K", "Q6_K", "Q4_K"))
 
 
 def test_the_clamp_changes_the_result_and_matches_the_reference(isa, pools):
@@ -259,6 +333,40 @@ def test_the_environment_variable_forces_the_avx2_half():
     env = {**os.environ, dk.ISA_ENV: "avx2"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "avx2", done.stderr
+
+
+FORCED = """
+import sys, torch
+from engines.kt.experts import decode_kernel as dk
+saved = torch.load(sys.argv[1])
+layer = dk.DecodeLayer.ggml(saved["blocks"], saved["types"], swiglu_limit=saved["limit"])
+torch.save({"isa": dk.isa(), "out": layer.forward(saved["x"], saved["ids"], saved["w"], dk.DecodePool(1))}, sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("fmt", ["q4_k/q6_k", "q4_k/q8_0"])
+def test_the_forced_avx2_half_computes_super_block_layers_as_the_avx2_half_does_in_process(fmt, tmp_path, pools):
+    """KTSERVE_DECODE_KERNEL_ISA=avx2 in a fresh process: the bits of force_isa("avx2") here (the plain AVX2
+    half, which takes Q8_0 on its integer path and Q4_K / Q6_K in float)."""
+    chosen = dk.isa()
+    if not dk.force_isa("avx2"):
+        pytest.skip("this CPU has no avx2")
+    layer = make_layer(fmt)
+    x, ids, w = _call(4, seed=11)
+    try:
+        here = layer.forward(x, ids, w, pools[1])
+    finally:
+        dk.force_isa(chosen)
+    kinds = tuple(f.upper() for f in (layer.format, layer.format, layer.down_format))
+    torch.save({"blocks": {m: layer.tensors[m] for m in ("gate", "up", "down")}, "types": kinds,
+                "limit": layer.swiglu_limit, "x": x, "ids": ids, "w": w}, tmp_path / "in.pt")
+    env = {**os.environ, dk.ISA_ENV: "avx2"}
+    done = subprocess.run([sys.executable, "-c", FORCED, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    there = torch.load(tmp_path / "out.pt")
+    assert there["isa"] == "avx2"
+    assert torch.equal(there["out"], here)
 
 
 def test_a_failed_build_names_the_compiler(tmp_path, monkeypatch):

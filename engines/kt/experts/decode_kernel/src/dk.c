@@ -4,8 +4,9 @@
  *
  * A call runs three phases on every worker, separated by barriers:
  *   0  the rows' activations into the form the ISA's dot products read (float in their order, or int8 groups)
- *   1  gate/up + SwiGLU: items are (expert, 16 intermediate rows; 32 where the half quantizes activations,
- *      so that an item ends with a whole group of the down projection's input), from a shared counter
+ *   1  gate/up + SwiGLU: items are (expert, 16 intermediate rows; 32 where the half quantizes gate's / up's
+ *      or down's activations, so that an item ends with a whole group of the down projection's input), from a
+ *      shared counter; the SwiGLU output is written in the form the down projection's format reads
  *   2  down: items are (expert, 32 hidden rows), each expert's output kept per (row, slot)
  *   3  the weighted sum over each row's slots in slot order, split over hidden columns
  * Which worker computes an item never changes what it computes, so results do not depend on the thread
@@ -127,14 +128,19 @@ static int dup_ptrs(dk_mat *m, const int64_t *w, const int64_t *s, int experts, 
     return 0;
 }
 
+/* the FP8 projections' multipliers (gate and up where fmt is FP8, down where down_fmt is) */
 static int own_fp8_scales(dk_layer *L) {
     dk_mat *mats[3] = {&L->gate, &L->up, &L->down};
+    int fp8[3] = {L->fmt == DK_FP8, L->fmt == DK_FP8, L->down_fmt == DK_FP8};
     size_t total = 0;
-    for (int i = 0; i < 3; i++) total += (size_t)((mats[i]->rows + 127) / 128) * ((mats[i]->cols + 127) / 128);
+    for (int i = 0; i < 3; i++)
+        if (fp8[i]) total += (size_t)((mats[i]->rows + 127) / 128) * ((mats[i]->cols + 127) / 128);
+    if (!total) return 0;
     L->fp8_scales = malloc(sizeof(float) * total * L->experts);
     if (!L->fp8_scales) return -1;
     float *p = L->fp8_scales;
     for (int i = 0; i < 3; i++) {
+        if (!fp8[i]) continue;
         size_t n = (size_t)((mats[i]->rows + 127) / 128) * ((mats[i]->cols + 127) / 128);
         for (int e = 0; e < L->experts; e++) {
             const float *src = mats[i]->s[e];
@@ -157,20 +163,34 @@ void dk_layer_destroy(dk_layer *L) {
     free(L);
 }
 
+static int valid_format(int fmt) { return fmt >= DK_MXFP4 && fmt <= DK_LAST_FORMAT; }
+
+/* columns a row of the format must be a multiple of: ggml's super-blocks (Q4_K, Q6_K) are 256 wide */
+static int cols_multiple(int fmt) { return fmt == DK_Q4_K || fmt == DK_Q6_K ? 256 : 32; }
+
 /* ptrs: 6 arrays of `experts` addresses, gate w/s, up w/s, down w/s (dk.h says what each holds; they are read
- * in place for as long as the layer lives). NULL on a bad argument. */
-dk_layer *dk_layer_create(int fmt, int experts, int hidden, int inter, const int64_t *ptrs, float limit) {
-    if (fmt < DK_MXFP4 || fmt > DK_LAST_FORMAT || experts < 1 || hidden < 32 || inter < 32 || hidden % 32 || inter % 32)
+ * in place for as long as the layer lives); gate and up in format fmt, down in down_fmt. NULL on a bad
+ * argument (a size that is not a multiple of its format's block width among them). */
+dk_layer *dk_layer_create_mixed(int fmt, int down_fmt, int experts, int hidden, int inter, const int64_t *ptrs,
+                                float limit) {
+    if (!valid_format(fmt) || !valid_format(down_fmt) || experts < 1 || hidden < 32 || inter < 32 ||
+        hidden % cols_multiple(fmt) || inter % cols_multiple(down_fmt) || hidden % 32 || inter % 32)
         return NULL;
     dk_layer *L = calloc(1, sizeof *L);
     if (!L) return NULL;
-    L->fmt = fmt; L->experts = experts; L->hidden = hidden; L->inter = inter; L->limit = limit;
+    L->fmt = fmt; L->down_fmt = down_fmt; L->experts = experts; L->hidden = hidden; L->inter = inter;
+    L->limit = limit;
     int bad = dup_ptrs(&L->gate, ptrs, ptrs + experts, experts, inter, hidden) ||
               dup_ptrs(&L->up, ptrs + 2 * experts, ptrs + 3 * experts, experts, inter, hidden) ||
               dup_ptrs(&L->down, ptrs + 4 * experts, ptrs + 5 * experts, experts, hidden, inter);
-    if (!bad && fmt == DK_FP8) bad = own_fp8_scales(L);
+    if (!bad) bad = own_fp8_scales(L);
     if (bad) { dk_layer_destroy(L); return NULL; }
     return L;
+}
+
+/* a layer whose three projections are all of format fmt */
+dk_layer *dk_layer_create(int fmt, int experts, int hidden, int inter, const int64_t *ptrs, float limit) {
+    return dk_layer_create_mixed(fmt, fmt, experts, hidden, inter, ptrs, limit);
 }
 
 /* ------------------------------------------------------------------------------------------ calls */
@@ -246,7 +266,7 @@ static void run_call(dk_pool *p, int me) {
                      c->xf + c->x_stride * t);
     barrier(p, 0);
     /* 1: gate/up */
-    int rows = ops->gateup_rows(L->fmt);
+    int rows = ops->gateup_rows(L->fmt, L->down_fmt);
     int per_expert = (I + rows - 1) / rows, items = c->used * per_expert;
     const void *xs[MAX_R];
     void *hs[MAX_R];
@@ -400,7 +420,7 @@ static int grow(dk_pool *p, size_t tokens, size_t pairs, const dk_layer *L) {
     }
     /* row strides: multiples of 64 bytes (the forms are whole chunks or 32-column floats), rows stay aligned */
     c->x_stride = chosen->act_bytes(L->fmt, L->hidden);
-    c->h_stride = chosen->act_bytes(L->fmt, L->inter);
+    c->h_stride = chosen->act_bytes(L->down_fmt, L->inter);
     return grow_bytes(&c->xf, &p->cap_x, tokens * c->x_stride) || grow_bytes(&c->h, &p->cap_h, pairs * c->h_stride) ||
            grow_bytes(&c->y, &p->cap_y, pairs * L->hidden * sizeof(float));
 }

@@ -6,10 +6,12 @@
  *
  * A group is 32 consecutive weights of a row. Two ways to take a dot product with it:
  *
- * - float (FP8 and INT8 everywhere; every format on the AVX-512 half without VNNI): dequantizing a group
- *   gives NV vectors of exact fp32 weights (FP8: times its block multiplier, rounded once; Q8_0's d x q and
- *   Q4_0's d x (q - 8) are exact), in the order `natural_index` gives; a row's dot product keeps one accumulator per vector
- *   position, in group order, and ends in a fixed reduction tree.
+ * - float (FP8, INT8, Q4_K and Q6_K everywhere; every format on the AVX-512 half without VNNI): dequantizing a
+ *   group gives NV vectors of fp32 weights (FP8: times its block multiplier, rounded once; Q8_0's d x q,
+ *   Q4_0's d x (q - 8) and Q6_K's (d x scale) x (q - 32) are exact; Q4_K's (d x sc) x q - dmin x m is rounded
+ *   once, at the subtraction, as the gguf package's float32 dequantization rounds it), in the order
+ *   `natural_index` gives; a row's dot product keeps one accumulator per vector position, in group order, and
+ *   ends in a fixed reduction tree.
  *
  * - integer (MXFP4, INT4, Q8_0 and Q4_0 on avx512-vnni, avx2-vnni and avx2): each activation row is quantized once per
  *   call to int8 per group, symmetric, q = rint(x * 127 / amax), the group's scale amax / 127 (for the down
@@ -62,6 +64,8 @@ AI float vsum4(V a, V b, V c, V d) {
 
 #define Q8_0_BLOCK 34 /* ggml's blocks: fp16 d, 32 int8 */
 #define Q4_0_BLOCK 18 /* fp16 d, 16 bytes of nibbles */
+#define Q4_K_BLOCK 144 /* 256 columns: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles */
+#define Q6_K_BLOCK 210 /* 256 columns: 128 bytes ql, 64 qh, 16 int8 scales, fp16 d (dk.h) */
 
 static const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 static const float INT4V[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
@@ -105,6 +109,12 @@ AI rowref row_of(const dk_layer *L, const dk_mat *m, int e, int row, int fmt) {
     case DK_Q4_0:
         r.w = m->w[e] + (size_t)row * (k / 32) * Q4_0_BLOCK;
         break;
+    case DK_Q4_K:
+        r.w = m->w[e] + (size_t)row * (k / 256) * Q4_K_BLOCK;
+        break;
+    case DK_Q6_K:
+        r.w = m->w[e] + (size_t)row * (k / 256) * Q6_K_BLOCK;
+        break;
     default: /* DK_FP8 */
         r.w = m->w[e] + (size_t)row * k;
         r.sf = (const float *)m->s[e] + (size_t)(row / 128) * ((k + 127) / 128);
@@ -117,6 +127,8 @@ AI rowref row_of(const dk_layer *L, const dk_mat *m, int e, int row, int fmt) {
 AI size_t row_bytes(int fmt, int k) {
     if (fmt == DK_Q8_0) return (size_t)k / 32 * Q8_0_BLOCK;
     if (fmt == DK_Q4_0) return (size_t)k / 32 * Q4_0_BLOCK;
+    if (fmt == DK_Q4_K) return (size_t)k / 256 * Q4_K_BLOCK;
+    if (fmt == DK_Q6_K) return (size_t)k / 256 * Q6_K_BLOCK;
     return (fmt == DK_MXFP4 || fmt == DK_INT4) ? (size_t)k / 2 : (size_t)k;
 }
 
@@ -131,6 +143,58 @@ AI void prefetch_row(const rowref *r, int fmt, int k) {
     for (size_t o = 0; o < n; o += 64) _mm_prefetch((const char *)r->w + o, _MM_HINT_T0);
     if (fmt == DK_MXFP4) for (int o = 0; o < k / 32; o += 64) _mm_prefetch((const char *)r->s8 + o, _MM_HINT_T0);
     if (fmt == DK_INT4) for (int o = 0; o < k / 16; o += 64) _mm_prefetch((const char *)r->s16 + o / 2, _MM_HINT_T0);
+}
+
+/* Q4_K sub-block j's 6-bit scale and min from its super-block's 12 bytes s (dk.h) */
+AI void q4_k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
+        *mn = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+    }
+}
+
+/* Group g of a Q4_K / Q6_K row (32 columns, sub-block g % 8 of super-block g / 8): where its bits lie */
+typedef struct kgroup {
+    const uint8_t *q;  /* Q4_K: the 32 bytes whose nibbles (low or high) hold it; Q6_K: its 32 ql bytes */
+    const uint8_t *qh; /* Q6_K: its 32 qh bytes */
+    __m128i shift;     /* Q4_K / Q6_K ql: 0 or 4 (low or high nibbles) */
+    __m128i hshift;    /* Q6_K qh: 0, 2, 4 or 6 */
+    float s[2];        /* Q4_K: sc and m; Q6_K: the scales of columns 0..15 and 16..31 */
+    uint16_t d, dmin;  /* fp16 */
+} kgroup;
+
+AI kgroup kgroup_of(const rowref *r, int fmt, int g) {
+    kgroup k;
+    int j = g & 7;
+    if (fmt == DK_Q4_K) {
+        const uint8_t *b = r->w + (size_t)Q4_K_BLOCK * (g >> 3);
+        int sc, mn;
+        q4_k_scale_min(b + 4, j, &sc, &mn);
+        k.q = b + 16 + 32 * (j >> 1);
+        k.qh = 0;
+        k.shift = _mm_cvtsi32_si128(4 * (j & 1));
+        k.hshift = _mm_setzero_si128();
+        k.s[0] = (float)sc;
+        k.s[1] = (float)mn;
+        k.d = half_at(b);
+        k.dmin = half_at(b + 2);
+    } else { /* half h = j / 4 of 128 columns, quarter c = j % 4 */
+        const uint8_t *b = r->w + (size_t)Q6_K_BLOCK * (g >> 3);
+        int h = j >> 2, c = j & 3;
+        const int8_t *sc = (const int8_t *)(b + 192) + 8 * h + 2 * c;
+        k.q = b + 64 * h + 32 * (c & 1);
+        k.qh = b + 128 + 32 * h;
+        k.shift = _mm_cvtsi32_si128(4 * (c >> 1));
+        k.hshift = _mm_cvtsi32_si128(2 * c);
+        k.s[0] = (float)sc[0];
+        k.s[1] = (float)sc[1];
+        k.d = half_at(b + 208);
+        k.dmin = 0;
+    }
+    return k;
 }
 
 /* Dequantize group g of a row into w[0..NV). */
@@ -168,6 +232,30 @@ AI void dequant(const rowref *r, int fmt, int g, V *w) {
         __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2))), eight = _mm512_set1_epi32(8);
         w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(c, _mm512_set1_epi32(15)), eight)), d);
         w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(c, 4), eight)), d);
+        break;
+    }
+    case DK_Q4_K: { /* (d x sc) x q exact, minus dmin x m (exact): one rounding */
+        kgroup k = kgroup_of(r, fmt, g);
+        __m512 ds = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_set1_epi16((short)k.d)), _mm512_set1_ps(k.s[0]));
+        __m512 dm = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_set1_epi16((short)k.dmin)), _mm512_set1_ps(k.s[1]));
+        for (int j = 0; j < 2; j++) {
+            __m512i c = _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(k.q + 16 * j))), k.shift);
+            c = _mm512_and_si512(c, _mm512_set1_epi32(15));
+            w[j] = _mm512_fmsub_ps(_mm512_cvtepi32_ps(c), ds, dm); /* the product exact: as mul, sub */
+        }
+        break;
+    }
+    case DK_Q6_K: { /* (d x scale) x (q - 32): 18 by 6 significant bits, exact */
+        kgroup k = kgroup_of(r, fmt, g);
+        __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16((short)k.d));
+        for (int j = 0; j < 2; j++) {
+            __m512i lo = _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(k.q + 16 * j))), k.shift);
+            __m512i hi = _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(k.qh + 16 * j))), k.hshift);
+            __m512i q = _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(15)),
+                                        _mm512_slli_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(3)), 4));
+            q = _mm512_sub_epi32(q, _mm512_set1_epi32(32));
+            w[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(d, _mm512_set1_ps(k.s[j])));
+        }
         break;
     }
     default: { /* FP8 e4m3 as fp16 bits (value x 2^-8, the 2^8 is in the multiplier): exact, subnormals too,
@@ -239,6 +327,30 @@ AI void dequant(const rowref *r, int fmt, int g, V *w) {
             __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * h))), eight = _mm256_set1_epi32(8);
             w[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(c, _mm256_set1_epi32(15)), eight)), d);
             w[2 + h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(c, 4), eight)), d);
+        }
+        break;
+    }
+    case DK_Q4_K: { /* as in the AVX-512 half, 8 columns a vector */
+        kgroup k = kgroup_of(r, fmt, g);
+        __m256 ds = _mm256_mul_ps(_mm256_cvtph_ps(_mm_set1_epi16((short)k.d)), _mm256_set1_ps(k.s[0]));
+        __m256 dm = _mm256_mul_ps(_mm256_cvtph_ps(_mm_set1_epi16((short)k.dmin)), _mm256_set1_ps(k.s[1]));
+        for (int j = 0; j < 4; j++) {
+            __m256i c = _mm256_srl_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(k.q + 8 * j))), k.shift);
+            c = _mm256_and_si256(c, _mm256_set1_epi32(15));
+            w[j] = _mm256_fmsub_ps(_mm256_cvtepi32_ps(c), ds, dm);
+        }
+        break;
+    }
+    case DK_Q6_K: {
+        kgroup k = kgroup_of(r, fmt, g);
+        __m256 d = _mm256_cvtph_ps(_mm_set1_epi16((short)k.d));
+        for (int j = 0; j < 4; j++) {
+            __m256i lo = _mm256_srl_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(k.q + 8 * j))), k.shift);
+            __m256i hi = _mm256_srl_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(k.qh + 8 * j))), k.hshift);
+            __m256i q = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(15)),
+                                        _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(3)), 4));
+            q = _mm256_sub_epi32(q, _mm256_set1_epi32(32));
+            w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(d, _mm256_set1_ps(k.s[j >> 1])));
         }
         break;
     }
@@ -652,33 +764,17 @@ static void prepare(int fmt, const void *src, int bf16, int k, void *dst) {
     for (int g = groups; g % GPC; g++) zero_group(d + (size_t)CHUNK_BYTES * (g / GPC), g % GPC);
 }
 
-static int gateup_rows(int fmt) { return int_path(fmt) ? 32 : 16; }
+static int gateup_rows(int fmt, int down_fmt) { return int_path(fmt) || int_path(down_fmt) ? 32 : 16; }
 
 /* ------------------------------------------------------------------------------- gate/up and down */
 #define MAXR 256
-static void gateup_float(const dk_layer *L, int fmt, int e, int i0, int i1, const float *const *x, int R,
-                         float *const *h) {
-    float g[MAXR], u[MAXR];
-    int k = L->hidden;
-    for (int i = i0; i < i1; i++) {
-        rowref a = row_of(L, &L->gate, e, i, fmt), b = row_of(L, &L->up, e, i, fmt);
-        if (i + 2 < L->inter) {
-            rowref pa = row_of(L, &L->gate, e, i + 2, fmt), pb = row_of(L, &L->up, e, i + 2, fmt);
-            prefetch_row(&pa, fmt, k);
-            prefetch_row(&pb, fmt, k);
-        }
-        dot2_rows(&a, &b, fmt, k, x, R, g, u);
-        int p = position_of(fmt, i);
-        for (int r = 0; r < R; r++) h[r][p] = swiglu(g[r], u[r], L->limit);
-    }
-}
-
-/* i0 a multiple of 32 and i1 = i0 + 32 (gateup_rows; the sizes are multiples of 32): the item ends with one
- * whole group of each row's SwiGLU output, quantized here */
-static void gateup_int(const dk_layer *L, int fmt, int e, int i0, int i1, const uint8_t *const *x, int R,
-                       uint8_t *const *h) {
+/* Rows [i0, i1) of expert e's gate and up (format fmt; x in its form) and their SwiGLU outputs into h, in the
+ * form the down projection's format reads: floats at position_of(down_fmt, i), or, where down takes int8
+ * activations, quantized per group of 32 (i0 a multiple of 32 and i1 = i0 + 32: gateup_rows; the sizes are
+ * multiples of 32), the item ending with one whole group of each row's SwiGLU output. */
+AI void gateup_fmt(const dk_layer *L, int fmt, int e, int i0, int i1, const void *const *x, int R, void *const *h) {
     float g[MAXR], u[MAXR], hv[MAXR][32];
-    int k = L->hidden;
+    int k = L->hidden, dfmt = L->down_fmt, quantize = int_path(dfmt);
     for (int i = i0; i < i1; i++) {
         rowref a = row_of(L, &L->gate, e, i, fmt), b = row_of(L, &L->up, e, i, fmt);
         if (i + 2 < L->inter) {
@@ -686,14 +782,22 @@ static void gateup_int(const dk_layer *L, int fmt, int e, int i0, int i1, const 
             prefetch_row(&pa, fmt, k);
             prefetch_row(&pb, fmt, k);
         }
-        idot2_rows(&a, &b, fmt, k, x, R, g, u);
-        for (int r = 0; r < R; r++) hv[r][i - i0] = swiglu(g[r], u[r], L->limit);
+        if (int_path(fmt)) idot2_rows(&a, &b, fmt, k, (const uint8_t *const *)x, R, g, u);
+        else dot2_rows(&a, &b, fmt, k, (const float *const *)x, R, g, u);
+        if (quantize) {
+            for (int r = 0; r < R; r++) hv[r][i - i0] = swiglu(g[r], u[r], L->limit);
+        } else {
+            int p = position_of(dfmt, i);
+            for (int r = 0; r < R; r++) ((float *)h[r])[p] = swiglu(g[r], u[r], L->limit);
+        }
     }
+    if (!quantize) return;
     int grp = i0 / 32, groups = L->inter / 32;
     for (int r = 0; r < R; r++) {
-        quantize_group(hv[r], fmt, h[r] + (size_t)CHUNK_BYTES * (grp / GPC), grp % GPC);
+        uint8_t *hr = h[r];
+        quantize_group(hv[r], dfmt, hr + (size_t)CHUNK_BYTES * (grp / GPC), grp % GPC);
         if (grp == groups - 1)
-            for (int gg = groups; gg % GPC; gg++) zero_group(h[r] + (size_t)CHUNK_BYTES * (gg / GPC), gg % GPC);
+            for (int gg = groups; gg % GPC; gg++) zero_group(hr + (size_t)CHUNK_BYTES * (gg / GPC), gg % GPC);
     }
 }
 
@@ -720,17 +824,13 @@ static void down_float(const dk_layer *L, int fmt, int e, int n0, int n1, const 
 static void down_int(const dk_layer *L, int fmt, int e, int n0, int n1, const void *const *h, int R,
                      float *const *y) { DOWN_BODY(idot2_rows, const uint8_t *const *) }
 
-AI void gateup_fmt(const dk_layer *L, int fmt, int e, int i0, int i1, const void *const *x, int R, void *const *h) {
-    if (int_path(fmt)) gateup_int(L, fmt, e, i0, i1, (const uint8_t *const *)x, R, (uint8_t *const *)h);
-    else gateup_float(L, fmt, e, i0, i1, (const float *const *)x, R, (float *const *)h);
-}
-
 AI void down_fmt(const dk_layer *L, int fmt, int e, int n0, int n1, const void *const *h, int R, float *const *y) {
     if (int_path(fmt)) down_int(L, fmt, e, n0, n1, h, R, y);
     else down_float(L, fmt, e, n0, n1, h, R, y);
 }
 
-/* One specialization per format, so that the format is a constant inside the loops. */
+/* One specialization per format, so that the format is a constant inside the loops (gate/up's by the layer's
+ * fmt, down's by its down_fmt; gate/up's form of the SwiGLU output, down's format, is chosen per row). */
 #define SPECIALIZE(NAME, FMT)                                                                                   \
     static void gateup_##NAME(const dk_layer *L, int e, int i0, int i1, const void *const *x, int R,           \
                               void *const *h) { gateup_fmt(L, FMT, e, i0, i1, x, R, h); }                      \
@@ -742,6 +842,8 @@ SPECIALIZE(int8, DK_INT8)
 SPECIALIZE(int4, DK_INT4)
 SPECIALIZE(q8_0, DK_Q8_0)
 SPECIALIZE(q4_0, DK_Q4_0)
+SPECIALIZE(q4_k, DK_Q4_K)
+SPECIALIZE(q6_k, DK_Q6_K)
 
 static void gateup(const dk_layer *L, int e, int i0, int i1, const void *const *x, int R, void *const *h) {
     switch (L->fmt) {
@@ -750,17 +852,21 @@ static void gateup(const dk_layer *L, int e, int i0, int i1, const void *const *
     case DK_INT8: gateup_int8(L, e, i0, i1, x, R, h); break;
     case DK_Q8_0: gateup_q8_0(L, e, i0, i1, x, R, h); break;
     case DK_Q4_0: gateup_q4_0(L, e, i0, i1, x, R, h); break;
+    case DK_Q4_K: gateup_q4_k(L, e, i0, i1, x, R, h); break;
+    case DK_Q6_K: gateup_q6_k(L, e, i0, i1, x, R, h); break;
     default: gateup_int4(L, e, i0, i1, x, R, h); break;
     }
 }
 
 static void down(const dk_layer *L, int e, int n0, int n1, const void *const *h, int R, float *const *y) {
-    switch (L->fmt) {
+    switch (L->down_fmt) {
     case DK_MXFP4: down_mxfp4(L, e, n0, n1, h, R, y); break;
     case DK_FP8: down_fp8(L, e, n0, n1, h, R, y); break;
     case DK_INT8: down_int8(L, e, n0, n1, h, R, y); break;
     case DK_Q8_0: down_q8_0(L, e, n0, n1, h, R, y); break;
     case DK_Q4_0: down_q4_0(L, e, n0, n1, h, R, y); break;
+    case DK_Q4_K: down_q4_k(L, e, n0, n1, h, R, y); break;
+    case DK_Q6_K: down_q6_k(L, e, n0, n1, h, R, y); break;
     default: down_int4(L, e, n0, n1, h, R, y); break;
     }
 }
