@@ -66,6 +66,9 @@ FORMATS = {"MXFP4": "mxfp4", "FP8": "fp8", "RAWINT4": "int4", "AMXINT8": "int8",
 # 67.1 / 230 against 15.7 / 57.3 / 132, Q4_K gate/up + Q6_K down 17.3 / 62.5 / 224 against 16.4 / 54.5 / 231; not
 # measured on a serving host: they keep the other formats' limit until they are, or take an integer path)
 MAX_ROWS = {"mxfp4": 16, "fp8": 16, "int8": 16, "int4": 16, "q8_0": 16, "q4_0": 16, "q4_k": 16, "q6_k": 16}
+# formats auto leaves to kt-kernel, having measured them slower than its LLAMAFILE on the same blocks (above); on
+# serves them
+SLOWER_THAN_KT_KERNEL = ("q4_k", "q6_k")
 MEMORY_SHARE = 0.3  # of the host memory available at the first layer's load, what auto lets the kernel's copies take
 
 
@@ -238,6 +241,10 @@ class DecodeKernelPolicy:
             if size % block_values(f):  # ggml's super-blocks are 256 wide: no file holds such rows
                 return (f"{f.upper()} rows of {size} values ({what} size) are not whole blocks of "
                         f"{block_values(f)}; the kernel refuses them")
+        slower = [f.upper() for f in fmt.split("/") if f in SLOWER_THAN_KT_KERNEL]
+        if slower and self.setting == "auto":
+            return (f"{SETTING}=auto keeps {'/'.join(slower)} blocks on kt-kernel (its LLAMAFILE was faster where "
+                    f"measured; {SETTING}=on serves them)")
         # a layer whose output is on a GPU queues the kernel on the CUDA stream (cpu.py: the stream-ordered
         # path); where the GPU reads a share of each decode call's experts from their host copies, the kernel
         # skips that share as kt-kernel does (its ids -1), and prompt chunks that stream experts are kt-kernel's

@@ -183,7 +183,7 @@ def float64_reference(kernel, hidden: torch.Tensor, ids: torch.Tensor, w: torch.
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
 def test_gguf_blocks_the_kernel_reads_are_read_in_place_and_agree_with_kt_kernels_llamafile(weights, kind):
-    ours, blocks = gguf_layer(kind, weights)
+    ours, blocks = gguf_layer(kind, weights, "on")
     theirs, _ = gguf_layer(kind, weights, "off")
     kernel = ours.decode_calls.kernel
     assert kernel.format == kernel.down_format == kind.lower() and ours.decode_calls.extra_bytes == 0
@@ -202,7 +202,7 @@ def test_gguf_blocks_the_kernel_reads_are_read_in_place_and_agree_with_kt_kernel
 
 def test_a_q4_k_m_layer_of_q4_k_gate_up_and_q6_k_down_is_served_in_place_and_agrees_with_kt_kernels_llamafile(
         weights):
-    ours, blocks = gguf_layer("Q4_K/Q6_K", weights)
+    ours, blocks = gguf_layer("Q4_K/Q6_K", weights, "on")
     theirs, _ = gguf_layer("Q4_K/Q6_K", weights, "off")
     kernel = ours.decode_calls.kernel
     assert (kernel.format, kernel.down_format) == ("q4_k", "q6_k") and ours.decode_calls.extra_bytes == 0
@@ -216,6 +216,15 @@ def test_a_q4_k_m_layer_of_q4_k_gate_up_and_q6_k_down_is_served_in_place_and_agr
         out = ours(hidden, ids, w)
         assert rel(out, theirs(hidden, ids, w)) < SUPER_BLOCK_AGREEMENT
         assert rel(out, float64_reference(kernel, hidden, ids, w)) < FLOAT_DOTS
+
+
+def test_auto_keeps_super_block_layers_on_kt_kernel_and_the_details_say_on_serves_them(weights):
+    """Q4_K / Q6_K take the kernel's float path, slower than kt-kernel's LLAMAFILE where measured."""
+    experts, _ = gguf_layer("Q4_K/Q6_K", weights)
+    assert experts.decode_calls is None and submitted(experts, 1) is not _DecodePending
+    details = experts.decode_kernel.details()["decode_kernel"]
+    assert "kt_decode_kernel=auto keeps Q4_K/Q6_K blocks on kt-kernel" in details, details
+    assert "kt_decode_kernel=on serves them" in details
 
 
 def test_gguf_blocks_of_other_ggml_types_stay_on_kt_kernel_and_the_details_say_why(weights):
