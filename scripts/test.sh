@@ -3,8 +3,8 @@
 # Arguments go to pytest (e.g. `scripts/test.sh -k chat`, `scripts/test.sh -m gpu`).
 #
 # A whole-suite run (no test paths or -k/-m selection among the arguments) on a machine where kt-kernel
-# loads a build above avx2 (AMX or AVX-512) then runs the experts, expert-deferral, LoRA, guide-config and
-# batch-invariance tests again under the forced avx2 build, the one AMD EPYC Rome/Milan and older Xeons get: both
+# loads a build above avx2 (AMX or AVX-512) then runs the experts, expert-deferral, decode-kernel-against-kt-kernel,
+# LoRA, guide-config and batch-invariance tests again under the forced avx2 build, the one AMD EPYC Rome/Milan and older Xeons get: both
 # paths are checked wherever CI lands. KTSERVE_TEST_VARIANTS="avx2 avx512_bf16" names other builds to check; ""
 # skips the second pass.
 #
@@ -71,6 +71,7 @@ if [ "$whole_suite" = 1 ] && [ "$loaded" != none ]; then
     # tests has no kt-kernel in it, nor do the V3.2 tests other than the two named
     KT_KERNEL_CPU_VARIANT="$variant" "$python" -m pytest "$@" \
       tests/engines/kt/experts/test_kt_experts_cpu.py tests/engines/kt/experts/test_kt_expert_deferral.py \
+      tests/engines/kt/experts/test_decode_calls.py \
       tests/engines/lora/test_lora_outputs.py tests/engines/lora/test_guide_config.py \
       tests/engines/runtime/test_batch_invariance.py -k "not huggingface" \
       tests/engines/kt/families/deepseek_v32/test_kt_deepseek_v32.py::test_prompt_logprobs_with_kt_kernel_experts_match_transformers \
