@@ -677,43 +677,100 @@ AI VI join_lanes(const __m128i *l) {
 #endif
 }
 
-/* Chunk c of a Q4_K or Q6_K row (whole: rows are super-blocks of 256 columns, chunks 64 or 128), one 16-byte
- * lane a group as the activations' layout has it: Q4_K's nibbles q (columns 0..15, 16..31), Q6_K's q + 32 in
- * 0..63 (eighths_layout). Per int32 lane the scale of its columns: Q4_K d x sc, Q6_K d x scale (both exact in
- * float); wm (Q4_K) per lane -dmin x m, zero for Q6_K. */
+/* Chunk c of a Q4_K or Q6_K row (whole: rows are super-blocks of 256 columns, chunks of 128 columns, 4 groups,
+ * on AVX-512 and 64, 2 groups, on AVX2), one 16-byte lane a group as the activations' layout has it: Q4_K's
+ * nibbles q (columns 0..15, 16..31), Q6_K's q + 32 in 0..63 (eighths_layout). Per int32 lane the scale of its
+ * columns: Q4_K d x sc, Q6_K d x scale (both exact in float); wm (Q4_K) per lane -dmin x m, zero for Q6_K.
+ * The super-block's scales are unpacked a chunk at a time, by integer ops on its bytes (dk.h's layout). */
 AI void k_chunk(const rowref *r, int fmt, int c, VI *lo, VI *hi, V *ws, V *wm) {
-    __m128i l[GPC], h[GPC];
-    float s[DK_WIDTH], m[DK_WIDTH];
-    for (int j = 0; j < GPC; j++) {
-        kgroup k = kgroup_of(r, fmt, GPC * c + j);
-        float d = half_to_float(k.d);
-        if (fmt == DK_Q4_K) {
-            __m128i mask = _mm_set1_epi8(0x0F);
-            l[j] = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)k.q), k.shift), mask);
-            h[j] = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(k.q + 16)), k.shift), mask);
-            float ds = d * k.s[0], dm = -(half_to_float(k.dmin) * k.s[1]);
-            for (int t = 0; t < 4; t++) {
-                s[4 * j + t] = ds;
-                m[4 * j + t] = dm;
-            }
-        } else {
-            __m256i lo4 = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)k.q), k.shift),
-                                           _mm256_set1_epi8(0x0F));
-            __m256i hi2 = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)k.qh), k.hshift),
-                                           _mm256_set1_epi8(3));
-            __m256i q = _mm256_permute4x64_epi64(_mm256_or_si256(lo4, _mm256_slli_epi16(hi2, 4)), 0xD8);
-            l[j] = _mm256_castsi256_si128(q);
-            h[j] = _mm256_extracti128_si256(q, 1);
-            float s0 = d * k.s[0], s1 = d * k.s[1];
-            s[4 * j] = s[4 * j + 1] = s0;
-            s[4 * j + 2] = s[4 * j + 3] = s1;
-            for (int t = 0; t < 4; t++) m[4 * j + t] = 0.f;
-        }
+#if DK_WIDTH == 16
+    const int per = 2; /* chunks a super-block */
+#else
+    const int per = 4;
+#endif
+    int i = c % per; /* which chunk of its super-block */
+    if (fmt == DK_Q4_K) {
+        const uint8_t *b = r->w + (size_t)Q4_K_BLOCK * (c / per);
+        uint32_t u[3], half2;
+        memcpy(u, b + 4, 12);
+        memcpy(&half2, b, 4); /* d, dmin */
+        /* 6-bit scales and mins of sub-blocks 0..3 and 4..7, a byte each */
+        uint32_t sc = (i * GPC < 4) ? (u[0] & 0x3f3f3f3fu) : ((u[2] & 0x0f0f0f0fu) | ((u[0] >> 6) & 0x03030303u) << 4);
+        uint32_t mn = (i * GPC < 4) ? (u[1] & 0x3f3f3f3fu) : (((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 6) & 0x03030303u) << 4);
+#if DK_WIDTH == 16
+        const uint8_t *q = b + 16 + 64 * i;
+        __m512 dd = _mm512_cvtph_ps(_mm256_castsi128_si256(_mm_cvtsi32_si128((int)half2)));
+        __m512 d = _mm512_permutexvar_ps(_mm512_setzero_si512(), dd), dm = _mm512_permutexvar_ps(_mm512_set1_epi32(1), dd);
+        __m512i lane = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        __m512 scv = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(lane, _mm512_castsi128_si512(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)sc)))));
+        __m512 mnv = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(lane, _mm512_castsi128_si512(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)mn)))));
+        *ws = _mm512_mul_ps(d, scv);
+        *wm = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dm, mnv));
+        /* groups: low, high nibbles of bytes 0..31, then of 32..63; their columns 0..15 from bytes 0..15 / 32..47 */
+        __m512i z = _mm512_loadu_si512((const void *)q);
+        __m512i sh = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4), m = _mm512_set1_epi8(0x0F);
+        *lo = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_i64x2(z, z, 0xA0), sh), m); /* 128-bit lanes 0, 0, 2, 2 */
+        *hi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_i64x2(z, z, 0xF5), sh), m); /* 1, 1, 3, 3 */
+#else
+        const uint8_t *q = b + 16 + 32 * i; /* groups 2i, 2i + 1: low and high nibbles of bytes 32i..32i + 31 */
+        int k0 = (2 * i) & 3; /* their bytes in sc / mn */
+        __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)half2));
+        __m128 sc2 = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)(sc >> (8 * k0)))));
+        __m128 mn2 = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)(mn >> (8 * k0)))));
+        __m128 s2 = _mm_mul_ps(_mm_shuffle_ps(dd, dd, 0x00), sc2);
+        __m128 m2 = _mm_sub_ps(_mm_setzero_ps(), _mm_mul_ps(_mm_shuffle_ps(dd, dd, 0x55), mn2));
+        *ws = _mm256_setr_m128(_mm_shuffle_ps(s2, s2, 0x00), _mm_shuffle_ps(s2, s2, 0x55));
+        *wm = _mm256_setr_m128(_mm_shuffle_ps(m2, m2, 0x00), _mm_shuffle_ps(m2, m2, 0x55));
+        __m256i y = _mm256_loadu_si256((const __m256i *)q);
+        __m256i sh = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4), m = _mm256_set1_epi8(0x0F);
+        *lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_permute4x64_epi64(y, 0x44), sh), m);
+        *hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_permute4x64_epi64(y, 0xEE), sh), m);
+#endif
+        return;
     }
-    *lo = join_lanes(l);
-    *hi = join_lanes(h);
-    *ws = vload(s);
-    *wm = vload(m);
+    /* Q6_K: chunk i covers quarters of half h of 128 columns */
+    const uint8_t *b = r->w + (size_t)Q6_K_BLOCK * (c / per);
+    *wm = vzero();
+#if DK_WIDTH == 16
+    int h = i; /* the whole half: quarters 0..3 */
+    __m512i a = _mm512_loadu_si512((const void *)(b + 64 * h));                              /* ql, quads Q0..Q7 */
+    __m512i qh = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h))); /* P0..P3 */
+    __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(3);
+    __m512i sh4 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+    __m512i sh2 = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
+    /* quarter j's ql: bytes 32(j & 1).., nibble j >> 1; low half columns 0..7, 16..23, high half 8..15, 24..31 */
+    __m512i l4 = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 0, 2, 4, 6), a), sh4), m4);
+    __m512i h4 = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi64(_mm512_setr_epi64(1, 3, 5, 7, 1, 3, 5, 7), a), sh4), m4);
+    __m512i l2 = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 0, 2, 0, 2, 0, 2), qh), sh2), m2);
+    __m512i h2 = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi64(_mm512_setr_epi64(1, 3, 1, 3, 1, 3, 1, 3), qh), sh2), m2);
+    *lo = _mm512_or_si512(l4, _mm512_slli_epi16(l2, 4));
+    *hi = _mm512_or_si512(h4, _mm512_slli_epi16(h2, 4));
+    /* lane L takes scale 8h + L / 2 */
+    __m128i sc = _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)(b + 192 + 8 * h)),
+                                  _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+    __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16((short)half_at(b + 208)));
+    *ws = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+#else
+    int h = i >> 1, q0 = 2 * (i & 1); /* half h, quarters q0 (ql bytes 0..31) and q0 + 1 (32..63), nibble i & 1 */
+    __m256i x = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)(b + 64 * h)), 0xD8);
+    __m256i y = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)(b + 64 * h + 32)), 0xD8);
+    __m256i p = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)), 0xD8);
+    __m128i s4 = _mm_cvtsi32_si128(4 * (i & 1));
+    __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+    __m256i sh2 = _mm256_setr_epi32(2 * q0, 2 * q0, 2 * q0, 2 * q0, 2 * q0 + 2, 2 * q0 + 2, 2 * q0 + 2, 2 * q0 + 2);
+    __m256i l4 = _mm256_and_si256(_mm256_srl_epi16(_mm256_permute2x128_si256(x, y, 0x20), s4), m4);
+    __m256i h4 = _mm256_and_si256(_mm256_srl_epi16(_mm256_permute2x128_si256(x, y, 0x31), s4), m4);
+    __m256i l2 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_permute2x128_si256(p, p, 0x00), sh2), m2);
+    __m256i h2 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_permute2x128_si256(p, p, 0x11), sh2), m2);
+    *lo = _mm256_or_si256(l4, _mm256_slli_epi16(l2, 4));
+    *hi = _mm256_or_si256(h4, _mm256_slli_epi16(h2, 4));
+    /* lane L takes scale 8h + 2 q0 + L / 2 = 4i + L / 2 */
+    int32_t s32;
+    memcpy(&s32, b + 192 + 4 * i, 4);
+    __m128i sc = _mm_shuffle_epi8(_mm_cvtsi32_si128(s32), _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 0, 0, 0, 0, 0, 0, 0, 0));
+    __m256 d = _mm256_cvtph_ps(_mm_set1_epi16((short)half_at(b + 208)));
+    *ws = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+#endif
 }
 
 static const uint8_t MXFP4_U8[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0}; /* 2 E2M1 + 12 */
