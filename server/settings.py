@@ -152,7 +152,7 @@ class Settings(BaseModel):
                 "ktserve's own kernel instead of kt-kernel's (INT8 and INT4 quantized its way at load, per row and "
                 "per 32), as do those of GGUF layers of Q8_0 / Q4_0 / Q4_K / Q6_K blocks whose output stays on the "
                 "CPU; auto: where it is built and its copies of the experts take under 0.3 of the host memory "
-                "available at load, not Q4_K / Q6_K (measured slower than kt-kernel's); on: every such layer, "
+                "available at load; on: every such layer, "
                 "whatever the memory; off: kt-kernel computes every call (the default until a served run shows the "
                 "kernel faster: through the engine's calls on the H200 machine's host it lost to kt-kernel's, whose "
                 "idle workers spin on the same cores after each call of theirs). /version's decode_kernel says what "

@@ -56,19 +56,17 @@ CHOICES = ("auto", "on", "off")
 # the kernel's format per experts method (LLAMAFILE: per ggml type of its blocks, `kernel_format`)
 FORMATS = {"MXFP4": "mxfp4", "FP8": "fp8", "RAWINT4": "int4", "AMXINT8": "int8", "AMXINT4": "int4"}
 # calls of up to this many rows go to the kernel: it was at least as fast as kt-kernel at every count measured
-# (1-16 tokens) in every format but q4_k and q6_k (below); beyond 16 nothing was measured, and kt-kernel's matrix
+# (1-16 tokens) in every format (q4_k and q6_k below); beyond 16 nothing was measured, and kt-kernel's matrix
 # kernels take over (q8_0 and q4_0 against kt-kernel's LLAMAFILE on the same blocks: 64 experts, top-6, 2048 x 1536,
 # one thread, on a 2-core box under load 3, so only the order of things: at 1 / 4 / 16 tokens Q8_0 10.5 / 19.8 / 47.1
 # ms a layer against 22.9 / 72.9 / 85.4, Q4_0 4.1 / 12.6 / 36.3 against 5.6 / 22.0 / 48.9)
-# (q4_k and q6_k take float dot products, and on that box were slower than kt-kernel's LLAMAFILE on the same blocks:
-# python -m bench.decode_kernel --formats q4_k,q6_k,q4_k_m --threads 1 --tokens 1,4,16 --layers 2, 64 experts, top-6,
-# 2048 x 1536, under load 2.4, at 1 / 4 / 16 tokens Q4_K 28.4 / 83.0 / 330 ms against 18.8 / 70.6 / 116, Q6_K 25.3 /
-# 67.1 / 230 against 15.7 / 57.3 / 132, Q4_K gate/up + Q6_K down 17.3 / 62.5 / 224 against 16.4 / 54.5 / 231; not
-# measured on a serving host: they keep the other formats' limit until they are, or take an integer path)
+# (q4_k and q6_k on the integer path, avx512-vnni, against kt-kernel's LLAMAFILE on the same blocks, that box under
+# load 1.0: python -m bench.decode_kernel --formats q4_k,q6_k,q4_k_m --threads 1 --tokens 1,4,16 --layers 2
+# --budget 0.2, 64 experts, top-6, 2048 x 1536, at 1 / 4 / 16 tokens Q4_K 7.2 / 15.1 / 43.7 ms against
+# 7.7 / 23.6 / 54.2, Q6_K 6.6 / 26.6 / 67.7 against 7.2 / 26.7 / 68.4 (both at the box's read rate, a tie but for
+# one token), Q4_K gate/up + Q6_K down 5.0 / 19.6 / 55.7 against 6.9 / 25.5 / 58.8; on their float path, the same
+# run's way, they had been 15.2 / 49.7 / 117, 19.7 / 66.9 / 179 and 19.0 / 62.9 / 163; AVX2 hosts not measured)
 MAX_ROWS = {"mxfp4": 16, "fp8": 16, "int8": 16, "int4": 16, "q8_0": 16, "q4_0": 16, "q4_k": 16, "q6_k": 16}
-# formats auto leaves to kt-kernel, having measured them slower than its LLAMAFILE on the same blocks (above); on
-# serves them
-SLOWER_THAN_KT_KERNEL = ("q4_k", "q6_k")
 MEMORY_SHARE = 0.3  # of the host memory available at the first layer's load, what auto lets the kernel's copies take
 
 
@@ -241,10 +239,6 @@ class DecodeKernelPolicy:
             if size % block_values(f):  # ggml's super-blocks are 256 wide: no file holds such rows
                 return (f"{f.upper()} rows of {size} values ({what} size) are not whole blocks of "
                         f"{block_values(f)}; the kernel refuses them")
-        slower = [f.upper() for f in fmt.split("/") if f in SLOWER_THAN_KT_KERNEL]
-        if slower and self.setting == "auto":
-            return (f"{SETTING}=auto keeps {'/'.join(slower)} blocks on kt-kernel (its LLAMAFILE was faster where "
-                    f"measured; {SETTING}=on serves them)")
         # a layer whose output is on a GPU queues the kernel on the CUDA stream (cpu.py: the stream-ordered
         # path); where the GPU reads a share of each decode call's experts from their host copies, the kernel
         # skips that share as kt-kernel does (its ids -1), and prompt chunks that stream experts are kt-kernel's

@@ -9,14 +9,16 @@ the file maps them, and INT8 (per-row scales) / INT4 (bf16 scales per 32) quanti
 be of another format than gate and up (a GGUF "Q4_K_M": Q4_K gate/up, Q6_K down in some layers).
 A row's result is bit-identical whatever else is in the call and whatever the thread count (src/dk.c says how).
 
-MXFP4, INT4, Q8_0 and Q4_0 take their dot products in integers where the CPU has them (AVX512-VNNI, AVX-VNNI, or
-AVX2's byte multiply-adds): each row's activations, and its SwiGLU output, are quantized once per call to int8 in
-groups of 32 with a float scale each, the four-bit codes become bytes by a table (Q8_0's signed bytes are offset
-by 128, or taken by magnitude and sign), and one float FMA per group scales the exact int32 sums (src/isa_impl.h;
-`quantizes_activations` says where). The four-bit formats were bound by their
-per-weight float work, not by memory (bench/results/nvidia-h200-2026-12-02-decode-kernel); the int8
-activations add their rounding, at most half a step (amax / 254 of the group) per element. FP8, INT8, Q4_K and Q6_K
-stay in float (Q4_K's and Q6_K's blocks dequantized per 32 columns as the gguf package's float32 reads them).
+MXFP4, INT4, Q8_0, Q4_0, Q4_K and Q6_K take their dot products in integers where the CPU has them (AVX512-VNNI,
+AVX-VNNI, or AVX2's byte multiply-adds): each row's activations, and its SwiGLU output, are quantized once per call
+to int8 in groups of 32 with a float scale each, the four-bit codes become bytes by a table (Q8_0's signed bytes
+are offset by 128, or taken by magnitude and sign; Q4_K's nibbles go in as they are, its mins by one more FMA per
+group against the group's activation sum; Q6_K's 6-bit codes offset by 32, a scale per 16 columns per int32 lane),
+and one float FMA per group scales the exact int32 sums (src/isa_impl.h; `quantizes_activations` says where). The
+four-bit formats were bound by their per-weight float work, not by memory
+(bench/results/nvidia-h200-2026-12-02-decode-kernel); the int8 activations add their rounding, at most half a step
+(amax / 254 of the group) per element. FP8 and INT8 stay in float, as every format does on the AVX-512 half without
+VNNI (Q4_K's and Q6_K's blocks dequantized there per 32 columns as the gguf package's float32 reads them).
 
 The C library is built by build.py (halves avx512-vnni, avx512, avx2-vnni, avx2, the best the CPU has chosen at
 run time; KTSERVE_DECODE_KERNEL_ISA names another: avx2 forces the plain AVX2 one, avx512 the AVX-512 one without

@@ -8,10 +8,11 @@ bf16 and, where our kernel's half takes four-bit dot products in int8 (decode_ke
 or converted at load) and a GGUF's Q4_0 ones by both kernels' int8 activations per 32 (Q8_0 0.27-0.39%, Q4_0
 0.25-0.33% at 1 / 5 / 16 tokens, three routings each, on kt-kernel's avx512_bf16 and avx2 builds, ours on
 avx512-vnni and avx2 alike); a GGUF's Q4_K and Q6_K blocks (and a "Q4_K_M" layer's Q4_K gate/up with Q6_K down) by
-kt-kernel's int8 activations per 256 (ggml's Q8_K) against our float dot products: kt-kernel's 1.7-2.0% from a
-float64 reference of the same blocks (engines/kt/experts/methods.py measured 1.6-2.2%), ours 0.16% (the bf16
-output's rounding), 1.7-2.0% apart (1 / 5 / 16 tokens, on kt-kernel's avx512_bf16 and avx2 builds, ours on
-avx512-vnni and avx2 alike), so ours is held to the reference too; INT8 is quantized per row both
+kt-kernel's int8 activations per 256 (ggml's Q8_K) against ours per 32 (and its SwiGLU output's): kt-kernel's
+1.7-2.0% from a float64 reference of the same blocks (engines/kt/experts/methods.py measured 1.6-2.2%), ours
+1.1-1.4% (0.16%, the bf16 output's rounding, where a half computes them in float), 1.8-2.3% apart (1 / 5 / 16
+tokens, three routings, on kt-kernel's avx512_bf16 build, ours on avx512-vnni and avx2 alike), so ours is held to
+the reference too; INT8 is quantized per row both
 ways (1.8%); INT4 is per 32 ours against kt-kernel's per row (24.9%: kt-kernel's INT4 is itself 24% off the bf16
 reference, tests/engines/kt/experts/test_kt_experts_cpu.py)."""
 from __future__ import annotations
@@ -36,6 +37,9 @@ E, K, H, I = 16, 4, 256, 256
 AGREEMENT = {"AMXINT8": 0.04, "AMXINT4": 0.35, "FP8": 0.02, "RAWINT4": 0.03, "MXFP4": 0.02, "LLAMAFILE": 0.01}
 SUPER_BLOCK_AGREEMENT = 0.04  # LLAMAFILE Q4_K / Q6_K: twice the largest measured (the module docstring)
 FLOAT_DOTS = 0.005  # ours against float64 where both compute in float: the bf16 output's rounding (0.16%) and margin
+# ours against float64 where our half rounds x and the SwiGLU output to int8 per 32 (Q4_K / Q6_K on the integer path:
+# 1.1-1.4% measured, three routings at 1 / 5 / 16 tokens, avx512-vnni and avx2 alike): test_decode_kernel's INT8_BOUND
+INT8_DOTS = 0.03
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +185,13 @@ def float64_reference(kernel, hidden: torch.Tensor, ids: torch.Tensor, w: torch.
     return out
 
 
+def dots_bound(kernel) -> float:
+    """The bound against float64 for the kernel's half: INT8_DOTS where it rounds activations, else FLOAT_DOTS."""
+    rounds = decode_kernel.quantizes_activations(kernel.format) or decode_kernel.quantizes_activations(
+        kernel.down_format)
+    return INT8_DOTS if rounds else FLOAT_DOTS
+
+
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
 def test_gguf_blocks_the_kernel_reads_are_read_in_place_and_agree_with_kt_kernels_llamafile(weights, kind):
     ours, blocks = gguf_layer(kind, weights, "on")
@@ -197,7 +208,7 @@ def test_gguf_blocks_the_kernel_reads_are_read_in_place_and_agree_with_kt_kernel
         out = ours(hidden, ids, w)
         assert rel(out, theirs(hidden, ids, w)) < (SUPER_BLOCK_AGREEMENT if super_blocks else AGREEMENT["LLAMAFILE"])
         if super_blocks:
-            assert rel(out, float64_reference(kernel, hidden, ids, w)) < FLOAT_DOTS
+            assert rel(out, float64_reference(kernel, hidden, ids, w)) < dots_bound(kernel)
 
 
 def test_a_q4_k_m_layer_of_q4_k_gate_up_and_q6_k_down_is_served_in_place_and_agrees_with_kt_kernels_llamafile(
@@ -215,16 +226,16 @@ def test_a_q4_k_m_layer_of_q4_k_gate_up_and_q6_k_down_is_served_in_place_and_agr
         assert submitted(ours, tokens) is _DecodePending
         out = ours(hidden, ids, w)
         assert rel(out, theirs(hidden, ids, w)) < SUPER_BLOCK_AGREEMENT
-        assert rel(out, float64_reference(kernel, hidden, ids, w)) < FLOAT_DOTS
+        assert rel(out, float64_reference(kernel, hidden, ids, w)) < dots_bound(kernel)
 
 
-def test_auto_keeps_super_block_layers_on_kt_kernel_and_the_details_say_on_serves_them(weights):
-    """Q4_K / Q6_K take the kernel's float path, slower than kt-kernel's LLAMAFILE where measured."""
+def test_auto_serves_super_block_layers_as_on_does(weights):
+    """Q4_K / Q6_K take the kernel's integer path, measured at least as fast as kt-kernel's LLAMAFILE at 1-16
+    tokens (decode_calls.py's MAX_ROWS): auto serves a Q4_K_M layer as it serves the other ggml types."""
     experts, _ = gguf_layer("Q4_K/Q6_K", weights)
-    assert experts.decode_calls is None and submitted(experts, 1) is not _DecodePending
-    details = experts.decode_kernel.details()["decode_kernel"]
-    assert "kt_decode_kernel=auto keeps Q4_K/Q6_K blocks on kt-kernel" in details, details
-    assert "kt_decode_kernel=on serves them" in details
+    assert experts.decode_calls is not None and submitted(experts, 1) is _DecodePending
+    assert experts.decode_kernel.details()["decode_kernel"].startswith(
+        f"ktserve {decode_kernel.isa()} for calls <= 16 rows (LLAMAFILE Q4_K gate/up, Q6_K down)")
 
 
 def test_gguf_blocks_of_other_ggml_types_stay_on_kt_kernel_and_the_details_say_why(weights):

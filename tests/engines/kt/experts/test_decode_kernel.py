@@ -3,10 +3,10 @@ torch's dequantize-and-matmul in float64, and the same bits for a row whatever t
 layers whose down projection is of another ggml format than gate and up (a "Q4_K_M" GGUF's Q4_K / Q6_K) likewise.
 
 Two tolerances. Where a half computes in float, the kernel differs from float64 by float32 rounding only
-(relative error of the output's norm < 1e-5). Where it takes MXFP4 / INT4 / Q8_0 / Q4_0 dot products in int8 (the
-integer path, dk.quantizes_activations: for the activations by gate's and up's format, for the SwiGLU output by
-down's), the activations and the SwiGLU output are rounded per group of 32 to steps of amax / 127; that is checked
-twice:
+(relative error of the output's norm < 1e-5). Where it takes MXFP4 / INT4 / Q8_0 / Q4_0 / Q4_K / Q6_K dot products
+in int8 (the integer path, dk.quantizes_activations: for the activations by gate's and up's format, for the SwiGLU
+output by down's), the activations and the SwiGLU output are rounded per group of 32 to steps of amax / 127; that is
+checked twice:
 - against torch doing the same rounding (`quantized`) before its float64 matmuls: the integer sums are exact, so
   what is left is float32 rounding of the scales and sums (1e-5), and the odd SwiGLU output within float32
   rounding of a step's midpoint going the other way. x rounds alike both sides (the same float32 operations on
@@ -347,7 +347,7 @@ torch.save({"isa": dk.isa(), "out": layer.forward(saved["x"], saved["ids"], save
 @pytest.mark.parametrize("fmt", ["q4_k/q6_k", "q4_k/q8_0"])
 def test_the_forced_avx2_half_computes_super_block_layers_as_the_avx2_half_does_in_process(fmt, tmp_path, pools):
     """KTSERVE_DECODE_KERNEL_ISA=avx2 in a fresh process: the bits of force_isa("avx2") here (the plain AVX2
-    half, which takes Q8_0 on its integer path and Q4_K / Q6_K in float)."""
+    half, which takes Q8_0, Q4_K and Q6_K on its integer path)."""
     chosen = dk.isa()
     if not dk.force_isa("avx2"):
         pytest.skip("this CPU has no avx2")

@@ -110,8 +110,8 @@ int dk_force_isa(const char *name) {
     return 0;
 }
 
-/* 1 where the chosen half quantizes the activations of format fmt to int8 (MXFP4 / INT4 on the integer
- * path: isa_impl.h), 0 where it computes in float, -1 without a half */
+/* 1 where the chosen half quantizes the activations of format fmt to int8 (MXFP4 / INT4 / Q8_0 / Q4_0 /
+ * Q4_K / Q6_K on the integer path: isa_impl.h), 0 where it computes in float, -1 without a half */
 int dk_quantizes_activations(int fmt) { return dk_isa() ? chosen->quantizes_activations(fmt) : -1; }
 
 /* ------------------------------------------------------------------------------------------ layers */

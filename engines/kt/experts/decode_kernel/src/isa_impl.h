@@ -6,14 +6,14 @@
  *
  * A group is 32 consecutive weights of a row. Two ways to take a dot product with it:
  *
- * - float (FP8, INT8, Q4_K and Q6_K everywhere; every format on the AVX-512 half without VNNI): dequantizing a
+ * - float (FP8 and INT8 everywhere; every format on the AVX-512 half without VNNI): dequantizing a
  *   group gives NV vectors of fp32 weights (FP8: times its block multiplier, rounded once; Q8_0's d x q,
  *   Q4_0's d x (q - 8) and Q6_K's (d x scale) x (q - 32) are exact; Q4_K's (d x sc) x q - dmin x m is rounded
  *   once, at the subtraction, as the gguf package's float32 dequantization rounds it), in the order
  *   `natural_index` gives; a row's dot product keeps one accumulator per vector position, in group order, and
  *   ends in a fixed reduction tree.
  *
- * - integer (MXFP4, INT4, Q8_0 and Q4_0 on avx512-vnni, avx2-vnni and avx2): each activation row is quantized once per
+ * - integer (MXFP4, INT4, Q8_0, Q4_0, Q4_K and Q6_K on avx512-vnni, avx2-vnni and avx2): each activation row is quantized once per
  *   call to int8 per group, symmetric, q = rint(x * 127 / amax), the group's scale amax / 127 (for the down
  *   projection, the SwiGLU output likewise, one group per gate/up item). A weight nibble becomes an unsigned
  *   byte by a table (MXFP4: 2 x E2M1 + 12, in 0..24, exact; INT4, Q4_0: the stored q + 8 itself), so
@@ -24,8 +24,13 @@
  *   the activation scale). Q8_0's signed bytes go in as q + 128 (VPDPBUSD, the offset subtracted likewise) or,
  *   on AVX2 without VNNI, as |q| against the activations given q's sign (PSIGNB: a signed byte pair's
  *   products fit PMADDUBSW's int16 there, q + 128's would not). The ggml formats' scale is each block's
- *   fp16 d, and their activation groups take the block's column order (halves_layout). Integer sums are exact and the float ones run in
- *   a fixed order, so a row's result depends on its own activations only, as in the float path. */
+ *   fp16 d, and their activation groups take the block's column order (halves_layout). Q4_K's
+ *   sub-blocks of 32 are groups: its nibbles q (offset 0) give sum q x exactly, scaled by d x sc, and the mins'
+ *   part, -dmin x m x the activations' sum, is one more FMA per group and row (the sum, times the activation
+ *   scale, made once per call in quantize_group). Q6_K's codes go in as q + 32, in 0..63 (offset 32), and its
+ *   scales of 16 columns each are per int32 lane (eighths_layout), d x scale exact in float. Integer sums are
+ *   exact and the float ones run in a fixed order, so a row's result depends on its own activations only, as in
+ *   the float path. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -330,7 +335,8 @@ AI void dequant(const rowref *r, int fmt, int g, V *w) {
         }
         break;
     }
-    case DK_Q4_K: { /* as in the AVX-512 half, 8 columns a vector */
+    case DK_Q4_K: { /* not reached while the AVX2 halves take Q4_K / Q6_K on the integer path; as in the AVX-512
+                     * half, 8 columns a vector */
         kgroup k = kgroup_of(r, fmt, g);
         __m256 ds = _mm256_mul_ps(_mm256_cvtph_ps(_mm_set1_epi16((short)k.d)), _mm256_set1_ps(k.s[0]));
         __m256 dm = _mm256_mul_ps(_mm256_cvtph_ps(_mm_set1_epi16((short)k.dmin)), _mm256_set1_ps(k.s[1]));
@@ -446,13 +452,17 @@ AI float swiglu(float g, float u, float limit) {
 #define CHUNK_BYTES (32 * GPC + 8 * DK_WIDTH) /* an activation row's form, per chunk of CHUNK_COLS columns */
 
 AI int int_path(int fmt) {
-    return INT_PATH && (fmt == DK_MXFP4 || fmt == DK_INT4 || fmt == DK_Q8_0 || fmt == DK_Q4_0);
+    return INT_PATH && fmt != DK_FP8 && fmt != DK_INT8;
 }
 
 /* ggml's blocks hold a group's columns in order (Q8_0), or its columns 0..15 in low nibbles and 16..31 in high
  * ones (Q4_0): the low and high halves of a chunk's group take its columns 0..15 and 16..31, where MXFP4's and
  * INT4's take the even and the odd ones */
-AI int halves_layout(int fmt) { return fmt == DK_Q8_0 || fmt == DK_Q4_0; }
+AI int halves_layout(int fmt) { return fmt == DK_Q8_0 || fmt == DK_Q4_0 || fmt == DK_Q4_K; }
+
+/* Q6_K's scales cover 16 columns each, so no int32 lane may mix a group's two halves: its low half takes columns
+ * 0..7 and 16..23, its high half 8..15 and 24..31, and lanes 0, 1 sum columns 0..15, lanes 2, 3 columns 16..31 */
+AI int eighths_layout(int fmt) { return fmt == DK_Q6_K; }
 
 #if DK_VNNI
 #define Q8_0_OFFSET 128 /* VPDPBUSD's weights are unsigned bytes: q + 128 (q ^ 0x80), and 128 x sum x subtracted */
@@ -461,7 +471,9 @@ AI int halves_layout(int fmt) { return fmt == DK_Q8_0 || fmt == DK_Q4_0; }
 #endif
 
 /* what the weight bytes the dot products read exceed the values by (INT4 and Q4_0: their stored codes, q + 8) */
-AI int weight_offset(int fmt) { return fmt == DK_MXFP4 ? 12 : fmt == DK_Q8_0 ? Q8_0_OFFSET : 8; }
+AI int weight_offset(int fmt) {
+    return fmt == DK_MXFP4 ? 12 : fmt == DK_Q8_0 ? Q8_0_OFFSET : fmt == DK_Q6_K ? 32 : fmt == DK_Q4_K ? 0 : 8;
+}
 
 /* An activation row in the integer path's form, chunk after chunk; chunk c holds groups GPC*c + j, j < GPC:
  *   int8  lo[16 * GPC]: lo[16j + b] = q of column 32(GPC c + j) + 2b (the columns low nibbles hold; Q8_0:
@@ -470,6 +482,7 @@ AI int weight_offset(int fmt) { return fmt == DK_MXFP4 ? 12 : fmt == DK_Q8_0 ? Q
  *   int32 start[DK_WIDTH]: lane 4j + l = -off x the sum of the 8 q's lane 4j + l multiplies (lo and hi
  *         bytes 16j + 4l .. 16j + 4l + 3), where off is the format's weight offset (weight_offset: MXFP4 12,
  *         INT4 8, Q8_0 128 where VPDPBUSD takes it, else 0)
+ *         (Q4_K, offset 0: in its place a float, the lane's sum of q's x the group's scale, for the mins)
  *   float scale[DK_WIDTH]: lane 4j + l = the group's scale (MXFP4: halved)
  * Groups past the row's end are all zero. A group of values v: amax = max |v| (NaN if one is), and where
  * 0 < amax < inf, q = rint(v * (127 / amax)) and the scale amax / 127; else q = 0 and the scale 0 (amax 0) or
@@ -505,7 +518,9 @@ AI void quantize_group(const float *v, int fmt, uint8_t *chunk, int j) {
     __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi16(_mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8),
                                                             _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8)),
                                          0xD8);
-    if (!halves_layout(fmt)) {
+    if (eighths_layout(fmt)) {
+        w = _mm256_permute4x64_epi64(w, 0xD8); /* columns 0..7, 16..23 | 8..15, 24..31 */
+    } else if (!halves_layout(fmt)) {
         w = _mm256_shuffle_epi8(w, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
                                                     0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
         w = _mm256_permute4x64_epi64(w, 0xD8);
@@ -519,12 +534,18 @@ AI void quantize_group(const float *v, int fmt, uint8_t *chunk, int j) {
         __m256i u = _mm256_hadd_epi32(_mm256_add_epi32(q[0], q[2]), _mm256_add_epi32(q[1], q[3]));
         u = _mm256_hadd_epi32(u, u); /* [s0-3, t0-3, s0-3, t0-3 | s4-7, t4-7, s4-7, t4-7] */
         sum = _mm_unpacklo_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+    } else if (eighths_layout(fmt)) { /* likewise with s = q[0] + q[1] (columns 0..15), t = q[2] + q[3] */
+        __m256i u = _mm256_hadd_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        u = _mm256_hadd_epi32(u, u);
+        sum = _mm_unpacklo_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
     } else { /* lane l multiplies q[8l .. 8l + 7] */
         __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(q[0], q[1]), _mm256_hadd_epi32(q[2], q[3]));
         sum = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
     }
-    /* start = -off x the lane's sum */
-    _mm_storeu_si128((__m128i *)(chunk + 32 * GPC + 16 * j), _mm_mullo_epi32(sum, _mm_set1_epi32(-off)));
+    if (fmt == DK_Q4_K) /* the mins' part: the lane's sum times the scale, a float (ichunk) */
+        _mm_storeu_ps((float *)(chunk + 32 * GPC + 16 * j), _mm_mul_ps(_mm_cvtepi32_ps(sum), _mm_set1_ps(d)));
+    else /* start = -off x the lane's sum */
+        _mm_storeu_si128((__m128i *)(chunk + 32 * GPC + 16 * j), _mm_mullo_epi32(sum, _mm_set1_epi32(-off)));
     _mm_storeu_ps((float *)(chunk + 32 * GPC + 4 * DK_WIDTH + 16 * j), _mm_set1_ps(d));
 }
 
@@ -538,6 +559,7 @@ AI void zero_group(uint8_t *chunk, int j) {
 #if DK_WIDTH == 16
 typedef __m512i VI;
 #define iload(p) _mm512_loadu_si512((const void *)(p))
+#define izero() _mm512_setzero_si512()
 #define iand(a, b) _mm512_and_si512(a, b)
 #define ixor(a, b) _mm512_xor_si512(a, b)
 #define isrl4(a) _mm512_srli_epi16(a, 4)
@@ -558,6 +580,7 @@ AI float hsum(V a) { return _mm512_reduce_add_ps(a); }
 #else
 typedef __m256i VI;
 #define iload(p) _mm256_loadu_si256((const __m256i *)(p))
+#define izero() _mm256_setzero_si256()
 #define iand(a, b) _mm256_and_si256(a, b)
 #define ixor(a, b) _mm256_xor_si256(a, b)
 #define isrl4(a) _mm256_srli_epi16(a, 4)
@@ -569,7 +592,8 @@ AI VI idot(VI acc, VI wlo, VI whi, const uint8_t *lo, const uint8_t *hi) {
 #if DK_VNNI
     acc = _mm256_dpbusd_avx_epi32(acc, wlo, iload(lo));
     return _mm256_dpbusd_avx_epi32(acc, whi, iload(hi));
-#else /* byte pairs to int16 (at most 2 x 24 x 127, and twice that summed: no saturation), then to int32 */
+#else /* byte pairs to int16 (at most 2 x 63 x 127, Q6_K's, and twice that, 32004, summed: no saturation), then
+       * to int32 */
     __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(wlo, iload(lo)), _mm256_maddubs_epi16(whi, iload(hi)));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 #endif
@@ -636,11 +660,129 @@ AI void ggml_chunk(const rowref *r, int fmt, int c, int ng, VI *lo, VI *hi, V *w
 #endif
 }
 
+AI float half_to_float(uint16_t h) {
+#if DK_WIDTH == 16 /* the AVX-512 halves' flags have no F16C of their own */
+    return _mm512_cvtss_f32(_mm512_cvtph_ps(_mm256_set1_epi16((short)h)));
+#else
+    return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h)));
+#endif
+}
+
+/* GPC 16-byte lanes (one a group) as one vector */
+AI VI join_lanes(const __m128i *l) {
+#if DK_WIDTH == 16
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(l[1], l[0])), _mm256_set_m128i(l[3], l[2]), 1);
+#else
+    return _mm256_set_m128i(l[1], l[0]);
+#endif
+}
+
+/* Chunk c of a Q4_K or Q6_K row (whole: rows are super-blocks of 256 columns, chunks of 128 columns, 4 groups,
+ * on AVX-512 and 64, 2 groups, on AVX2), one 16-byte lane a group as the activations' layout has it: Q4_K's
+ * nibbles q (columns 0..15, 16..31), Q6_K's q + 32 in 0..63 (eighths_layout). Per int32 lane the scale of its
+ * columns: Q4_K d x sc, Q6_K d x scale (both exact in float); wm (Q4_K) per lane -dmin x m, zero for Q6_K.
+ * The super-block's scales are unpacked a chunk at a time, by integer ops on its bytes (dk.h's layout). */
+AI void k_chunk(const rowref *r, int fmt, int c, VI *lo, VI *hi, V *ws, V *wm) {
+#if DK_WIDTH == 16
+    const int per = 2; /* chunks a super-block */
+#else
+    const int per = 4;
+#endif
+    int i = c % per; /* which chunk of its super-block */
+    if (fmt == DK_Q4_K) {
+        const uint8_t *b = r->w + (size_t)Q4_K_BLOCK * (c / per);
+        uint32_t u[3], half2;
+        memcpy(u, b + 4, 12);
+        memcpy(&half2, b, 4); /* d, dmin */
+        /* 6-bit scales and mins of sub-blocks 0..3 and 4..7, a byte each */
+        uint32_t sc = (i * GPC < 4) ? (u[0] & 0x3f3f3f3fu) : ((u[2] & 0x0f0f0f0fu) | ((u[0] >> 6) & 0x03030303u) << 4);
+        uint32_t mn = (i * GPC < 4) ? (u[1] & 0x3f3f3f3fu) : (((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 6) & 0x03030303u) << 4);
+#if DK_WIDTH == 16
+        const uint8_t *q = b + 16 + 64 * i;
+        __m512 dd = _mm512_cvtph_ps(_mm256_castsi128_si256(_mm_cvtsi32_si128((int)half2)));
+        __m512 d = _mm512_permutexvar_ps(_mm512_setzero_si512(), dd), dm = _mm512_permutexvar_ps(_mm512_set1_epi32(1), dd);
+        __m512i lane = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        __m512 scv = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(lane, _mm512_castsi128_si512(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)sc)))));
+        __m512 mnv = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(lane, _mm512_castsi128_si512(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)mn)))));
+        *ws = _mm512_mul_ps(d, scv);
+        *wm = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dm, mnv));
+        /* groups: low, high nibbles of bytes 0..31, then of 32..63; their columns 0..15 from bytes 0..15 / 32..47 */
+        __m512i z = _mm512_loadu_si512((const void *)q);
+        __m512i sh = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4), m = _mm512_set1_epi8(0x0F);
+        *lo = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_i64x2(z, z, 0xA0), sh), m); /* 128-bit lanes 0, 0, 2, 2 */
+        *hi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_i64x2(z, z, 0xF5), sh), m); /* 1, 1, 3, 3 */
+#else
+        const uint8_t *q = b + 16 + 32 * i; /* groups 2i, 2i + 1: low and high nibbles of bytes 32i..32i + 31 */
+        int k0 = (2 * i) & 3; /* their bytes in sc / mn */
+        __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)half2));
+        __m128 sc2 = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)(sc >> (8 * k0)))));
+        __m128 mn2 = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)(mn >> (8 * k0)))));
+        __m128 s2 = _mm_mul_ps(_mm_shuffle_ps(dd, dd, 0x00), sc2);
+        __m128 m2 = _mm_sub_ps(_mm_setzero_ps(), _mm_mul_ps(_mm_shuffle_ps(dd, dd, 0x55), mn2));
+        *ws = _mm256_setr_m128(_mm_shuffle_ps(s2, s2, 0x00), _mm_shuffle_ps(s2, s2, 0x55));
+        *wm = _mm256_setr_m128(_mm_shuffle_ps(m2, m2, 0x00), _mm_shuffle_ps(m2, m2, 0x55));
+        __m256i y = _mm256_loadu_si256((const __m256i *)q);
+        __m256i sh = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4), m = _mm256_set1_epi8(0x0F);
+        *lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_permute4x64_epi64(y, 0x44), sh), m);
+        *hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_permute4x64_epi64(y, 0xEE), sh), m);
+#endif
+        return;
+    }
+    /* Q6_K: chunk i covers quarters of half h of 128 columns */
+    const uint8_t *b = r->w + (size_t)Q6_K_BLOCK * (c / per);
+    *wm = vzero();
+#if DK_WIDTH == 16
+    int h = i; /* the whole half: quarters 0..3 */
+    __m512i a = _mm512_loadu_si512((const void *)(b + 64 * h));                              /* ql, quads Q0..Q7 */
+    __m512i qh = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h))); /* P0..P3 */
+    __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(3);
+    __m512i sh4 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+    __m512i sh2 = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
+    /* quarter j's ql: bytes 32(j & 1).., nibble j >> 1; low half columns 0..7, 16..23, high half 8..15, 24..31 */
+    __m512i l4 = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 0, 2, 4, 6), a), sh4), m4);
+    __m512i h4 = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi64(_mm512_setr_epi64(1, 3, 5, 7, 1, 3, 5, 7), a), sh4), m4);
+    __m512i l2 = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 0, 2, 0, 2, 0, 2), qh), sh2), m2);
+    __m512i h2 = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi64(_mm512_setr_epi64(1, 3, 1, 3, 1, 3, 1, 3), qh), sh2), m2);
+    *lo = _mm512_or_si512(l4, _mm512_slli_epi16(l2, 4));
+    *hi = _mm512_or_si512(h4, _mm512_slli_epi16(h2, 4));
+    /* lane L takes scale 8h + L / 2 */
+    __m128i sc = _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)(b + 192 + 8 * h)),
+                                  _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+    __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16((short)half_at(b + 208)));
+    *ws = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+#else
+    int h = i >> 1, q0 = 2 * (i & 1); /* half h, quarters q0 (ql bytes 0..31) and q0 + 1 (32..63), nibble i & 1 */
+    __m256i x = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)(b + 64 * h)), 0xD8);
+    __m256i y = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)(b + 64 * h + 32)), 0xD8);
+    __m256i p = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)), 0xD8);
+    __m128i s4 = _mm_cvtsi32_si128(4 * (i & 1));
+    __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+    __m256i sh2 = _mm256_setr_epi32(2 * q0, 2 * q0, 2 * q0, 2 * q0, 2 * q0 + 2, 2 * q0 + 2, 2 * q0 + 2, 2 * q0 + 2);
+    __m256i l4 = _mm256_and_si256(_mm256_srl_epi16(_mm256_permute2x128_si256(x, y, 0x20), s4), m4);
+    __m256i h4 = _mm256_and_si256(_mm256_srl_epi16(_mm256_permute2x128_si256(x, y, 0x31), s4), m4);
+    __m256i l2 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_permute2x128_si256(p, p, 0x00), sh2), m2);
+    __m256i h2 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_permute2x128_si256(p, p, 0x11), sh2), m2);
+    *lo = _mm256_or_si256(l4, _mm256_slli_epi16(l2, 4));
+    *hi = _mm256_or_si256(h4, _mm256_slli_epi16(h2, 4));
+    /* lane L takes scale 8h + 2 q0 + L / 2 = 4i + L / 2 */
+    int32_t s32;
+    memcpy(&s32, b + 192 + 4 * i, 4);
+    __m128i sc = _mm_shuffle_epi8(_mm_cvtsi32_si128(s32), _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 0, 0, 0, 0, 0, 0, 0, 0));
+    __m256 d = _mm256_cvtph_ps(_mm_set1_epi16((short)half_at(b + 208)));
+    *ws = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+#endif
+}
+
 static const uint8_t MXFP4_U8[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0}; /* 2 E2M1 + 12 */
 
 /* Chunk c of a weight row: its ng (<= GPC) groups' low and high nibbles as unsigned bytes, and per int32
  * lane its group's scale (zero past ng, where the weight bytes are zero too). */
-AI void weight_chunk(const rowref *r, int fmt, int c, int ng, VI *lo, VI *hi, V *ws) {
+AI void weight_chunk(const rowref *r, int fmt, int c, int ng, VI *lo, VI *hi, V *ws, V *wm) {
+    *wm = vzero();
+    if (fmt == DK_Q4_K || fmt == DK_Q6_K) {
+        k_chunk(r, fmt, c, lo, hi, ws, wm);
+        return;
+    }
     if (fmt == DK_Q8_0 || fmt == DK_Q4_0) {
         ggml_chunk(r, fmt, c, ng, lo, hi, ws);
         return;
@@ -692,13 +834,19 @@ AI void weight_chunk(const rowref *r, int fmt, int c, int ng, VI *lo, VI *hi, V 
 AI void ichunk(const rowref *a, const rowref *b, int fmt, int c, int ng, const uint8_t *const *x, int rt,
                V *fa, V *fb) {
     VI alo, ahi, blo, bhi;
-    V aws, bws;
-    weight_chunk(a, fmt, c, ng, &alo, &ahi, &aws);
-    weight_chunk(b, fmt, c, ng, &blo, &bhi, &bws);
+    V aws, bws, awm, bwm;
+    weight_chunk(a, fmt, c, ng, &alo, &ahi, &aws, &awm);
+    weight_chunk(b, fmt, c, ng, &blo, &bhi, &bws, &bwm);
     for (int r = 0; r < rt; r++) {
         const uint8_t *ch = x[r] + (size_t)CHUNK_BYTES * c;
-        VI start = iload(ch + 32 * GPC);
         V xs = vload((const float *)(ch + 32 * GPC + 4 * DK_WIDTH));
+        if (fmt == DK_Q4_K) { /* sum q x: from zero; then -dmin m x the lane's activation sum (quantize_group) */
+            V xm = vload((const float *)(ch + 32 * GPC));
+            fa[r] = vfma(xm, awm, vfma(icvt(idot_fmt(fmt, izero(), alo, ahi, ch, ch + 16 * GPC)), vmul(aws, xs), fa[r]));
+            fb[r] = vfma(xm, bwm, vfma(icvt(idot_fmt(fmt, izero(), blo, bhi, ch, ch + 16 * GPC)), vmul(bws, xs), fb[r]));
+            continue;
+        }
+        VI start = iload(ch + 32 * GPC);
         fa[r] = vfma(icvt(idot_fmt(fmt, start, alo, ahi, ch, ch + 16 * GPC)), vmul(aws, xs), fa[r]);
         fb[r] = vfma(icvt(idot_fmt(fmt, start, blo, bhi, ch, ch + 16 * GPC)), vmul(bws, xs), fb[r]);
     }
