@@ -125,9 +125,8 @@ def force_isa(name: str) -> bool:
 def quantizes_activations(fmt: str) -> bool:
     """Whether the half this process runs takes `fmt`'s dot products in int8: activations (and the SwiGLU
     output) quantized per row in groups of 32, symmetric, scale amax / 127 (src/isa_impl.h, the integer path:
-    MXFP4, INT4, Q8_0 and Q4_0 on avx512-vnni, avx2-vnni and avx2). False: float dot products (Q4_K and Q6_K
-    everywhere). In a layer of two formats, gate's and up's decides for the activations, down's for the SwiGLU
-    output."""
+    MXFP4, INT4, Q8_0, Q4_0, Q4_K and Q6_K on avx512-vnni, avx2-vnni and avx2). False: float dot products. In a
+    layer of two formats, gate's and up's decides for the activations, down's for the SwiGLU output."""
     lib = library()
     return lib is not None and lib.dk_quantizes_activations(FORMATS[fmt]) == 1
 
