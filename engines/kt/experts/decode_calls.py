@@ -55,9 +55,14 @@ SETTING = "kt_decode_kernel"
 CHOICES = ("auto", "on", "off")
 # the kernel's format per experts method (LLAMAFILE: per ggml type of its blocks, `kernel_format`)
 FORMATS = {"MXFP4": "mxfp4", "FP8": "fp8", "RAWINT4": "int4", "AMXINT8": "int8", "AMXINT4": "int4"}
-# calls of up to this many rows go to the kernel: it was at least as fast as kt-kernel at every count measured
-# (1-16 tokens) in every format (q4_k and q6_k below); beyond 16 nothing was measured, and kt-kernel's matrix
-# kernels take over (q8_0 and q4_0 against kt-kernel's LLAMAFILE on the same blocks: 64 experts, top-6, 2048 x 1536,
+# calls of up to this many rows go to the kernel: it was at least as fast as kt-kernel at every count measured.
+# MXFP4, INT8 and INT4 up to 128 rows (H200 machine's host, 14 threads, AMX build; python -m bench.decode_kernel
+# --formats mxfp4,int8,int4 --threads 14 --tokens 1,16,32,64,128, bench/results/nvidia-h200-2026-12-02-decode-rows:
+# ms a call at 16 / 32 / 64 / 128 tokens, MXFP4 11.2 / 22.6 / 36.7 / 53.6 against AMXFP4_KGroup_MOE's
+# 47.3 / 101 / 178 / 318, INT8 5.5 / 7.9 / 11.8 / 21.8 against AMXInt8_MOE's 8.6 / 11.7 / 23.4 / 62.1, INT4
+# 2.9 / 3.9 / 6.0 / 11.1 against AMXInt4_MOE's 5.3 / 7.7 / 14.6 / 30.1), so a V4 prompt's tail under the streaming
+# threshold and a step of many decoding clients stay on the kernel too; kt-kernel's matrix kernels take the
+# prompt chunks beyond. FP8 and the ggml formats were measured up to 16 only (q8_0 and q4_0 against kt-kernel's LLAMAFILE on the same blocks: 64 experts, top-6, 2048 x 1536,
 # one thread, on a 2-core box under load 3, so only the order of things: at 1 / 4 / 16 tokens Q8_0 10.5 / 19.8 / 47.1
 # ms a layer against 22.9 / 72.9 / 85.4, Q4_0 4.1 / 12.6 / 36.3 against 5.6 / 22.0 / 48.9)
 # (q4_k and q6_k on the integer path, avx512-vnni, against kt-kernel's LLAMAFILE on the same blocks, that box under
@@ -66,7 +71,7 @@ FORMATS = {"MXFP4": "mxfp4", "FP8": "fp8", "RAWINT4": "int4", "AMXINT8": "int8",
 # 7.7 / 23.6 / 54.2, Q6_K 6.6 / 26.6 / 67.7 against 7.2 / 26.7 / 68.4 (both at the box's read rate, a tie but for
 # one token), Q4_K gate/up + Q6_K down 5.0 / 19.6 / 55.7 against 6.9 / 25.5 / 58.8; on their float path, the same
 # run's way, they had been 15.2 / 49.7 / 117, 19.7 / 66.9 / 179 and 19.0 / 62.9 / 163; AVX2 hosts not measured)
-MAX_ROWS = {"mxfp4": 16, "fp8": 16, "int8": 16, "int4": 16, "q8_0": 16, "q4_0": 16, "q4_k": 16, "q6_k": 16}
+MAX_ROWS = {"mxfp4": 128, "fp8": 16, "int8": 128, "int4": 128, "q8_0": 16, "q4_0": 16, "q4_k": 16, "q6_k": 16}
 MEMORY_SHARE = 0.3  # of the host memory available at the first layer's load, what auto lets the kernel's copies take
 
 

@@ -27,13 +27,14 @@ require_kt_kernel()
 from engines.checkpoints import mxfp4  # noqa: E402
 from engines.kt.experts import decode_kernel  # noqa: E402
 from engines.kt.experts.cpu import RoutedExpertsCPU, _DecodePending  # noqa: E402
-from engines.kt.experts.decode_calls import DecodeKernelPolicy, check_setting  # noqa: E402
+from engines.kt.experts.decode_calls import FORMATS, MAX_ROWS, DecodeKernelPolicy, check_setting  # noqa: E402
 from engines.kt.experts.methods import available_methods  # noqa: E402
 
 if decode_kernel.unavailable_reason() is not None:
     pytest.skip(decode_kernel.unavailable_reason(), allow_module_level=True)
 
 E, K, H, I = 16, 4, 256, 256
+ROWS = 160  # the layers' max_tokens: past every format's MAX_ROWS, so calls the kernel does not take can be made
 AGREEMENT = {"AMXINT8": 0.04, "AMXINT4": 0.35, "FP8": 0.02, "RAWINT4": 0.03, "MXFP4": 0.02, "LLAMAFILE": 0.01}
 SUPER_BLOCK_AGREEMENT = 0.04  # LLAMAFILE Q4_K / Q6_K: twice the largest measured (the module docstring)
 FLOAT_DOTS = 0.005  # ours against float64 where both compute in float: the bf16 output's rounding (0.16%) and margin
@@ -53,7 +54,7 @@ def layer(method: str, weights, setting: str = "auto", **policy) -> RoutedExpert
     if method not in available_methods():
         pytest.skip(f"{method} not supported by this kt-kernel build")
     experts = RoutedExpertsCPU(layer_idx=0, num_experts=E, top_k=K, hidden_size=H, intermediate_size=I,
-                               method=method, max_tokens=32, decode_kernel=DecodeKernelPolicy(setting, **policy))
+                               method=method, max_tokens=ROWS, decode_kernel=DecodeKernelPolicy(setting, **policy))
     experts.load_weights(*weights)
     return experts
 
@@ -88,15 +89,17 @@ def submitted(experts: RoutedExpertsCPU, tokens: int) -> type:
 def test_decode_calls_agree_with_kt_kernel_within_the_method_tolerance(weights, method):
     ours, theirs = layer(method, weights), layer(method, weights, "off")
     assert ours.decode_calls is not None and theirs.decode_calls is None
-    for tokens in (1, 5, 16):
+    for tokens in (1, 5, 16, 100):
         hidden, ids, w = routing(tokens)
         assert rel(ours(hidden, ids, w), theirs(hidden, ids, w)) < AGREEMENT[method]
 
 
-def test_calls_up_to_16_rows_go_to_the_kernel_and_larger_ones_to_kt_kernel(weights):
+def test_calls_up_to_the_format_s_max_rows_go_to_the_kernel_and_larger_ones_to_kt_kernel(weights):
     experts = layer("AMXINT8", weights)
-    assert submitted(experts, 16) is _DecodePending
-    assert submitted(experts, 17) is not _DecodePending
+    rows = MAX_ROWS[FORMATS["AMXINT8"]]
+    assert rows == 128 and experts.decode_calls.max_rows == rows
+    assert submitted(experts, rows) is _DecodePending
+    assert submitted(experts, rows + 1) is not _DecodePending
 
 
 def test_off_keeps_every_call_on_kt_kernel(weights):
@@ -325,7 +328,8 @@ def test_the_engine_computes_decode_calls_on_the_kernel_and_version_says_so(serv
     from engines.kt.experts.methods import best_method
 
     details = served["auto"][1]["decode_kernel"]
-    assert details.startswith(f"ktserve {decode_kernel.isa()} for calls <= 16 rows ({best_method(8)})"), details
+    rows = MAX_ROWS[FORMATS[best_method(8)]]
+    assert details.startswith(f"ktserve {decode_kernel.isa()} for calls <= {rows} rows ({best_method(8)})"), details
     assert served["auto"][2]["engine_details"]["decode_kernel"] == details
 
 
@@ -388,7 +392,7 @@ def test_v4_decode_calls_read_the_released_mxfp4_experts_on_the_kernel(v4_model_
         details = running.engine.info.details["decode_kernel"]
     finally:
         running.stop()
-    assert details.startswith(f"ktserve {decode_kernel.isa()} for calls <= 16 rows (MXFP4)"), details
+    assert details.startswith(f"ktserve {decode_kernel.isa()} for calls <= 128 rows (MXFP4)"), details
 
 
 def test_the_kernel_is_off_by_default_and_version_says_so(v4_server):

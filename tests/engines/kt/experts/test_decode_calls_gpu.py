@@ -16,7 +16,7 @@ require_kt_kernel()
 
 from engines.kt.experts import decode_kernel  # noqa: E402
 from engines.kt.experts.cpu import RoutedExpertsCPU, _StreamPending  # noqa: E402
-from engines.kt.experts.decode_calls import DecodeKernelPolicy  # noqa: E402
+from engines.kt.experts.decode_calls import FORMATS, MAX_ROWS, DecodeKernelPolicy  # noqa: E402
 from engines.kt.experts.methods import available_methods, best_method  # noqa: E402
 
 if not torch.cuda.is_available():
@@ -39,7 +39,7 @@ def gpu_layer(method: str, weights, setting: str) -> RoutedExpertsCPU:
     if method not in available_methods():
         pytest.skip(f"{method} not supported by this kt-kernel build")
     experts = RoutedExpertsCPU(layer_idx=0, num_experts=E, top_k=K, hidden_size=H, intermediate_size=I,
-                               method=method, max_tokens=32, out_device="cuda",
+                               method=method, max_tokens=160, out_device="cuda",
                                decode_kernel=DecodeKernelPolicy(setting))
     experts.load_weights(*weights)
     return experts
@@ -65,7 +65,7 @@ def call(experts: RoutedExpertsCPU, inputs) -> tuple[torch.Tensor, object]:
 
 
 @pytest.mark.parametrize("method", ["MXFP4", "AMXINT8"])
-@pytest.mark.parametrize("tokens", [1, 5, 16])
+@pytest.mark.parametrize("tokens", [1, 5, 16, 100])
 def test_decode_calls_on_the_stream_agree_with_kt_kernels(weights, method, tokens):
     ours_layer, theirs_layer = gpu_layer(method, weights, "on"), gpu_layer(method, weights, "off")
     assert ours_layer.decode_calls is not None, ours_layer.decode_kernel.details()
@@ -77,9 +77,12 @@ def test_decode_calls_on_the_stream_agree_with_kt_kernels(weights, method, token
     assert rel(ours, theirs) < AGREEMENT[method]
 
 
-def test_calls_past_16_rows_stay_on_kt_kernels_stream_task(weights):
+def test_calls_past_the_format_s_max_rows_stay_on_kt_kernels_stream_task(weights):
     experts = gpu_layer(best_method(8), weights, "on")
-    _, task = call(experts, routing(17))
+    rows = MAX_ROWS[FORMATS[best_method(8)]]
+    _, task = call(experts, routing(rows))
+    assert task is not None
+    _, task = call(experts, routing(rows + 1))
     assert task is None
 
 
@@ -135,7 +138,7 @@ def served(demo_model_dir, tokenizer):
 
 def test_the_engine_queues_decode_calls_on_the_kernel_from_the_gpu_and_says_so(served):
     details = served["on"][2]
-    assert details["decode_kernel"].startswith(f"ktserve {decode_kernel.isa()} for calls <= 16 rows"), details
+    assert details["decode_kernel"].startswith(f"ktserve {decode_kernel.isa()} for calls <= "), details
     assert served["off"][2]["decode_kernel"].startswith("off (kt_decode_kernel=off)")
 
 
