@@ -62,7 +62,8 @@ FORMATS = {"MXFP4": "mxfp4", "FP8": "fp8", "RAWINT4": "int4", "AMXINT8": "int8",
 # 47.3 / 101 / 178 / 318, INT8 5.5 / 7.9 / 11.8 / 21.8 against AMXInt8_MOE's 8.6 / 11.7 / 23.4 / 62.1, INT4
 # 2.9 / 3.9 / 6.0 / 11.1 against AMXInt4_MOE's 5.3 / 7.7 / 14.6 / 30.1), so a V4 prompt's tail under the streaming
 # threshold and a step of many decoding clients stay on the kernel too; kt-kernel's matrix kernels take the
-# prompt chunks beyond. FP8 and the ggml formats were measured up to 16 only (q8_0 and q4_0 against kt-kernel's LLAMAFILE on the same blocks: 64 experts, top-6, 2048 x 1536,
+# prompt chunks beyond. FP8 and the ggml formats were measured up to 16 only (q8_0 and q4_0 against kt-kernel's
+# LLAMAFILE on the same blocks: 64 experts, top-6, 2048 x 1536,
 # one thread, on a 2-core box under load 3, so only the order of things: at 1 / 4 / 16 tokens Q8_0 10.5 / 19.8 / 47.1
 # ms a layer against 22.9 / 72.9 / 85.4, Q4_0 4.1 / 12.6 / 36.3 against 5.6 / 22.0 / 48.9)
 # (q4_k and q6_k on the integer path, avx512-vnni, against kt-kernel's LLAMAFILE on the same blocks, that box under
