@@ -14,10 +14,12 @@ AVX-VNNI, or AVX2's byte multiply-adds): each row's activations, and its SwiGLU 
 to int8 in groups of 32 with a float scale each, the four-bit codes become bytes by a table (Q8_0's signed bytes
 are offset by 128, or taken by magnitude and sign; Q4_K's nibbles go in as they are, its mins by one more FMA per
 group against the group's activation sum; Q6_K's 6-bit codes offset by 32, a scale per 16 columns per int32 lane),
-and one float FMA per group scales the exact int32 sums (src/isa_impl.h; `quantizes_activations` says where). The
+and one float FMA per group scales the exact int32 sums (src/isa_impl.h; `activation_passes` says where). The
 four-bit formats were bound by their per-weight float work, not by memory
 (bench/results/nvidia-h200-2026-12-02-decode-kernel); the int8 activations add their rounding, at most half a step
-(amax / 254 of the group) per element. FP8 and INT8 stay in float, as every format does on the AVX-512 half without
+(amax / 254 of the group) per element. MXFP4, whose weights are the checkpoint's own values, takes its activations
+in two int8 passes (the second quantizes what the first leaves): ~8 bits more, twice the integer work, the same
+weight reads. FP8 and INT8 stay in float, as every format does on the AVX-512 half without
 VNNI (Q4_K's and Q6_K's blocks dequantized there per 32 columns as the gguf package's float32 reads them).
 
 The C library is built by build.py (halves avx512-vnni, avx512, avx2-vnni, avx2, the best the CPU has chosen at
@@ -57,8 +59,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dk_isa_name.restype = ctypes.c_char_p
     lib.dk_force_isa.argtypes = [ctypes.c_char_p]
     lib.dk_force_isa.restype = i
-    lib.dk_quantizes_activations.argtypes = [i]
-    lib.dk_quantizes_activations.restype = i
+    lib.dk_activation_passes.argtypes = [i]
+    lib.dk_activation_passes.restype = i
     lib.dk_layer_create.argtypes = [i, i, i, i, p, f]
     lib.dk_layer_create.restype = p
     lib.dk_layer_create_mixed.argtypes = [i, i, i, i, i, p, f]
@@ -122,13 +124,19 @@ def force_isa(name: str) -> bool:
     return lib is not None and bool(lib.dk_force_isa(name.encode()))
 
 
-def quantizes_activations(fmt: str) -> bool:
-    """Whether the half this process runs takes `fmt`'s dot products in int8: activations (and the SwiGLU
-    output) quantized per row in groups of 32, symmetric, scale amax / 127 (src/isa_impl.h, the integer path:
-    MXFP4, INT4, Q8_0, Q4_0, Q4_K and Q6_K on avx512-vnni, avx2-vnni and avx2). False: float dot products. In a
-    layer of two formats, gate's and up's decides for the activations, down's for the SwiGLU output."""
+def activation_passes(fmt: str) -> int:
+    """In how many int8 passes the half this process runs takes `fmt`'s activations (and SwiGLU outputs), each
+    row quantized in groups of 32, symmetric, scale amax / 127 (src/isa_impl.h, the integer path: MXFP4, INT4,
+    Q8_0, Q4_0, Q4_K and Q6_K on avx512-vnni, avx2-vnni and avx2): 1, or for MXFP4 2, the second pass quantizing
+    what the first leaves (v - q x scale) likewise. 0: float dot products (no rounding). In a layer of two formats,
+    gate's and up's decides for the activations, down's for the SwiGLU output."""
     lib = library()
-    return lib is not None and lib.dk_quantizes_activations(FORMATS[fmt]) == 1
+    return max(lib.dk_activation_passes(FORMATS[fmt]), 0) if lib is not None else 0
+
+
+def quantizes_activations(fmt: str) -> bool:
+    """Whether `fmt`'s dot products take int8-rounded activations here (activation_passes > 0)."""
+    return activation_passes(fmt) > 0
 
 
 class DecodePool:

@@ -110,9 +110,10 @@ int dk_force_isa(const char *name) {
     return 0;
 }
 
-/* 1 where the chosen half quantizes the activations of format fmt to int8 (MXFP4 / INT4 / Q8_0 / Q4_0 /
- * Q4_K / Q6_K on the integer path: isa_impl.h), 0 where it computes in float, -1 without a half */
-int dk_quantizes_activations(int fmt) { return dk_isa() ? chosen->quantizes_activations(fmt) : -1; }
+/* In how many int8 passes the chosen half takes the activations of format fmt: 1 for INT4 / Q8_0 / Q4_0 / Q4_K /
+ * Q6_K on the integer path, 2 for MXFP4 there (isa_impl.h: two_pass), 0 where it computes in float; -1 without
+ * a half */
+int dk_activation_passes(int fmt) { return dk_isa() ? chosen->activation_passes(fmt) : -1; }
 
 /* ------------------------------------------------------------------------------------------ layers */
 static int dup_ptrs(dk_mat *m, const int64_t *w, const int64_t *s, int experts, int rows, int cols) {

@@ -61,8 +61,9 @@ typedef struct dk_isa_ops {
     void (*prepare)(int fmt, const void *src, int bf16, int cols, void *dst);
     size_t (*act_bytes)(int fmt, int cols);
     int (*gateup_rows)(int fmt, int down_fmt);
-    /* 1 where the format's dot products take int8-quantized activations (the integer path) */
-    int (*quantizes_activations)(int fmt);
+    /* how many int8 passes the format's dot products take the activations in: 0 float (no rounding), 1 int8
+     * groups (the integer path), 2 the groups and what they leave (MXFP4 on the integer path: isa_impl.h) */
+    int (*activation_passes)(int fmt);
 } dk_isa_ops;
 
 extern const dk_isa_ops dk_ops_avx512_vnni, dk_ops_avx512, dk_ops_avx2_vnni, dk_ops_avx2;

@@ -455,6 +455,15 @@ AI int int_path(int fmt) {
     return INT_PATH && fmt != DK_FP8 && fmt != DK_INT8;
 }
 
+/* MXFP4's weights are the checkpoint's values exactly, so one int8 rounding of the activations would be the
+ * layer's only error (1.3-1.6% of its output against float64: enough to move a served model's logprobs past
+ * transformers' by 0.17 in the tiny V4's greedy decode). Its activation rows, and its SwiGLU outputs, are taken in
+ * two int8 passes instead: the groups as for every format, then what they leave (v - q x scale, rounded once) as
+ * a group of its own, the two dot products summed in float. That is ~8 bits more (a step of amax / 127 / 254 at
+ * most), for twice the integer work and no more weight reads. The other formats' weights carry their own
+ * quantization error (INT4's, the ggml blocks'), larger than one rounding of the activations, and keep one pass. */
+AI int two_pass(int fmt) { return int_path(fmt) && fmt == DK_MXFP4; }
+
 /* ggml's blocks hold a group's columns in order (Q8_0), or its columns 0..15 in low nibbles and 16..31 in high
  * ones (Q4_0): the low and high halves of a chunk's group take its columns 0..15 and 16..31, where MXFP4's and
  * INT4's take the even and the odd ones */
@@ -487,7 +496,7 @@ AI int weight_offset(int fmt) {
  * Groups past the row's end are all zero. A group of values v: amax = max |v| (NaN if one is), and where
  * 0 < amax < inf, q = rint(v * (127 / amax)) and the scale amax / 127; else q = 0 and the scale 0 (amax 0) or
  * NaN, which the products then carry. */
-AI void quantize_group(const float *v, int fmt, uint8_t *chunk, int j) {
+AI void quantize_group(const float *v, int fmt, uint8_t *chunk, int j, float *left) {
     /* AVX2 ops only (every half has them), computing the definition above: rounding by
      * cvtps2dq is to nearest even under the workers' MXCSR, as rintf */
     __m256 x[4], m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
@@ -512,6 +521,9 @@ AI void quantize_group(const float *v, int fmt, uint8_t *chunk, int j) {
         for (int i = 0; i < 4; i++) q[i] = _mm256_setzero_si256();
         d = amax == 0.f ? 0.f : (float)NAN;
     }
+    if (left) /* what the group leaves, v - q x d rounded once (q = 0: v itself, NaN or zero) */
+        for (int i = 0; i < 4; i++)
+            _mm256_storeu_ps(left + 8 * i, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q[i]), _mm256_set1_ps(d), x[i]));
     if (fmt == DK_MXFP4) d *= 0.5f;
     int off = weight_offset(fmt);
     /* the 32 q's as bytes in order, then even ones (low nibbles' columns) to lo, odd ones to hi */
@@ -865,7 +877,10 @@ AI void idot2(const rowref *a, const rowref *b, int fmt, int k, const uint8_t *c
     }
 }
 
-AI void idot2_rows(const rowref *a, const rowref *b, int fmt, int k, const uint8_t *const *x, int R, float *oa,
+/* one pass's bytes of a k-column activation row in the integer form (two_pass formats hold two of them) */
+AI size_t pass_bytes(int k) { return (size_t)(k + CHUNK_COLS - 1) / CHUNK_COLS * CHUNK_BYTES; }
+
+AI void idot2_pass(const rowref *a, const rowref *b, int fmt, int k, const uint8_t *const *x, int R, float *oa,
                    float *ob) {
     int r0 = 0;
     for (; r0 + IRT <= R; r0 += IRT) idot2(a, b, fmt, k, x + r0, IRT, oa + r0, ob + r0);
@@ -879,8 +894,44 @@ AI void idot2_rows(const rowref *a, const rowref *b, int fmt, int k, const uint8
     }
 }
 
+/* All R rows (R <= MAXR) against rows a and b; a two_pass format's rows as their two passes, row r's result
+ * the sum of its first pass's and its second's, in that order. */
+#define MAXR 256
+AI void idot2_rows(const rowref *a, const rowref *b, int fmt, int k, const uint8_t *const *x, int R, float *oa,
+                   float *ob) {
+    if (!two_pass(fmt)) {
+        idot2_pass(a, b, fmt, k, x, R, oa, ob);
+        return;
+    }
+    const uint8_t *xx[2 * MAXR];
+    float pa[2 * MAXR], pb[2 * MAXR];
+    for (int r = 0; r < R; r++) {
+        xx[2 * r] = x[r];
+        xx[2 * r + 1] = x[r] + pass_bytes(k);
+    }
+    idot2_pass(a, b, fmt, k, xx, 2 * R, pa, pb);
+    for (int r = 0; r < R; r++) {
+        oa[r] = pa[2 * r] + pa[2 * r + 1];
+        ob[r] = pb[2 * r] + pb[2 * r + 1];
+    }
+}
+
 static size_t act_bytes(int fmt, int k) {
-    return int_path(fmt) ? (size_t)(k + CHUNK_COLS - 1) / CHUNK_COLS * CHUNK_BYTES : (size_t)k * sizeof(float);
+    return int_path(fmt) ? (two_pass(fmt) ? 2 : 1) * pass_bytes(k) : (size_t)k * sizeof(float);
+}
+
+/* group g of a k-column row's form dst from its values v (32 floats; a two_pass format's second pass from what
+ * the first leaves) */
+AI void quantize_row_group(const float *v, int fmt, int k, uint8_t *dst, int g) {
+    float left[32];
+    quantize_group(v, fmt, dst + (size_t)CHUNK_BYTES * (g / GPC), g % GPC, two_pass(fmt) ? left : 0);
+    if (two_pass(fmt)) quantize_group(left, fmt, dst + pass_bytes(k) + (size_t)CHUNK_BYTES * (g / GPC), g % GPC, 0);
+}
+
+/* the groups past a k-column row's end, zero in each pass */
+AI void zero_tail(int fmt, int k, uint8_t *dst) {
+    for (int p = 0; p < (two_pass(fmt) ? 2 : 1); p++)
+        for (int g = k / 32; g % GPC; g++) zero_group(dst + p * pass_bytes(k) + (size_t)CHUNK_BYTES * (g / GPC), g % GPC);
 }
 
 AI float load_one(const void *src, int bf16, int i) {
@@ -907,15 +958,14 @@ static void prepare(int fmt, const void *src, int bf16, int k, void *dst) {
         } else {
             memcpy(v, (const float *)src + 32 * g, sizeof v);
         }
-        quantize_group(v, fmt, d + (size_t)CHUNK_BYTES * (g / GPC), g % GPC);
+        quantize_row_group(v, fmt, k, d, g);
     }
-    for (int g = groups; g % GPC; g++) zero_group(d + (size_t)CHUNK_BYTES * (g / GPC), g % GPC);
+    zero_tail(fmt, k, d);
 }
 
 static int gateup_rows(int fmt, int down_fmt) { return int_path(fmt) || int_path(down_fmt) ? 32 : 16; }
 
 /* ------------------------------------------------------------------------------- gate/up and down */
-#define MAXR 256
 /* Rows [i0, i1) of expert e's gate and up (format fmt; x in its form) and their SwiGLU outputs into h, in the
  * form the down projection's format reads: floats at position_of(down_fmt, i), or, where down takes int8
  * activations, quantized per group of 32 (i0 a multiple of 32 and i1 = i0 + 32: gateup_rows; the sizes are
@@ -942,10 +992,8 @@ AI void gateup_fmt(const dk_layer *L, int fmt, int e, int i0, int i1, const void
     if (!quantize) return;
     int grp = i0 / 32, groups = L->inter / 32;
     for (int r = 0; r < R; r++) {
-        uint8_t *hr = h[r];
-        quantize_group(hv[r], dfmt, hr + (size_t)CHUNK_BYTES * (grp / GPC), grp % GPC);
-        if (grp == groups - 1)
-            for (int gg = groups; gg % GPC; gg++) zero_group(hr + (size_t)CHUNK_BYTES * (gg / GPC), gg % GPC);
+        quantize_row_group(hv[r], dfmt, L->inter, h[r], grp);
+        if (grp == groups - 1) zero_tail(dfmt, L->inter, h[r]);
     }
 }
 
@@ -1019,6 +1067,6 @@ static void down(const dk_layer *L, int e, int n0, int n1, const void *const *h,
     }
 }
 
-static int quantizes_activations(int fmt) { return int_path(fmt); }
+static int activation_passes(int fmt) { return int_path(fmt) ? (two_pass(fmt) ? 2 : 1) : 0; }
 
-const dk_isa_ops OPS = {ISA_NAME, gateup, down, prepare, act_bytes, gateup_rows, quantizes_activations};
+const dk_isa_ops OPS = {ISA_NAME, gateup, down, prepare, act_bytes, gateup_rows, activation_passes};
