@@ -148,16 +148,14 @@ class Settings(BaseModel):
               "compute on its per-token vector path are padded with empty rows up to its matrix path; 0: never; "
               "default: where that was measured faster for the experts method", ge=0)
     kt_decode_kernel: Literal["auto", "on", "off"] = engine_setting(
-        "off", "expert calls of few rows (decode steps; up to 128 rows of MXFP4, AMXINT8, AMXINT4 and RAWINT4 "
+        "auto", "expert calls of few rows (decode steps; up to 128 rows of MXFP4, AMXINT8, AMXINT4 and RAWINT4 "
                 "layers, 16 of FP8 layers and of GGUF layers of Q8_0 / Q4_0 / Q4_K / Q6_K blocks whose output stays "
                 "on the CPU) run on ktserve's own kernel instead of kt-kernel's (INT8 and INT4 quantized its way at "
                 "load, per row and per 32); auto: where it is built and its copies of the experts take under 0.3 of "
-                "the host memory available at load; on: every such layer, whatever the memory; off (the default): "
-                "kt-kernel computes every call. With it V4-Flash's shape "
-                "decoded 1.4-1.6x faster at 1-32 clients on the H200 machine, but on the integer path (MXFP4, INT4, "
-                "the ggml formats) it rounds activations to int8 per 32, and the tiny V4's CPU decode logprobs then "
-                "left the reference by up to 0.17 where kt-kernel's stay within 0.004 (docs/serving.md). "
-                "/version's decode_kernel says what was chosen")
+                "the host memory available at load (the default); on: every such layer, whatever the memory; off: "
+                "kt-kernel computes every call. With it V4-Flash's shape decoded 1.4-1.6x faster at 1-32 clients on "
+                "the H200 machine; its integer path rounds INT4's and the ggml formats' activations to int8 per 32, "
+                "MXFP4's in two int8 passes (docs/serving.md). /version's decode_kernel says what was chosen")
     kv_cache_tokens: int | None = engine_setting(None, "KV cache capacity in tokens (ktransformers engine)", gt=0)
     batch_invariant: Literal["scores", "all", "off"] = engine_setting(
         "scores", "which requests get the same tokens and logprobs whatever else is batched with them (ktransformers "

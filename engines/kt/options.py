@@ -31,4 +31,4 @@ class KTOptions:
     batch_invariant: str = "scores"
     kt_expert_pad_from: int | None = None  # expert calls this large go padded to kt-kernel's matrix path; 0: never
     # decode-sized expert calls on our own CPU kernel: auto | on | off (engines/kt/experts/decode_calls.py)
-    kt_decode_kernel: str = "off"
+    kt_decode_kernel: str = "auto"

@@ -287,7 +287,7 @@ def test_a_bad_value_is_refused_naming_the_setting():
 
     with pytest.raises(SettingsError, match=r"kt_decode_kernel \(from environment\)"):
         load_settings(None, env={"KTSERVE_KT_DECODE_KERNEL": "fast"})
-    assert load_settings(None, env={}).engine_config("m").settings["kt_decode_kernel"] == "off"
+    assert load_settings(None, env={}).engine_config("m").settings["kt_decode_kernel"] == "auto"
 
 
 # ------------------------------------------------------------------------------------------- the engine
@@ -383,20 +383,9 @@ def test_a_gguf_s_q8_0_experts_are_served_by_the_kernel_and_agree_with_kt_kernel
     assert diffs[len(diffs) // 2] < 0.03 and diffs[-1] < 0.15, (diffs[len(diffs) // 2], diffs[-1])
 
 
-def test_v4_decode_calls_read_the_released_mxfp4_experts_on_the_kernel(v4_model_dir):
-    from tests.conftest import start_server
-
-    running = start_server(v4_model_dir, engine="ktransformers", cpu_infer=1, kt_decode_kernel="auto",
-                           kt_optimize_rule="DeepSeek-V4-CPU.yaml")
-    try:
-        details = running.engine.info.details["decode_kernel"]
-    finally:
-        running.stop()
+def test_by_default_v4_decode_calls_read_the_released_mxfp4_experts_on_the_kernel(v4_server):
+    details = v4_server.engine.info.details["decode_kernel"]
     assert details.startswith(f"ktserve {decode_kernel.isa()} for calls <= 128 rows (MXFP4)"), details
-
-
-def test_the_kernel_is_off_by_default_and_version_says_so(v4_server):
-    assert v4_server.engine.info.details["decode_kernel"].startswith("off (kt_decode_kernel=off)")
 
 
 def test_auto_gives_the_kernel_up_in_every_layer_when_kt_kernel_keeps_some(weights):
