@@ -18,8 +18,8 @@ and one float FMA per group scales the exact int32 sums (src/isa_impl.h; `activa
 four-bit formats were bound by their per-weight float work, not by memory
 (bench/results/nvidia-h200-2026-12-02-decode-kernel); the int8 activations add their rounding, at most half a step
 (amax / 254 of the group) per element. MXFP4, whose weights are the checkpoint's own values, takes its activations
-in two int8 passes (the second quantizes what the first leaves): ~8 bits more, twice the integer work, the same
-weight reads. FP8 and INT8 stay in float, as every format does on the AVX-512 half without
+in two int8 passes (the second quantizes what the first leaves in steps of 1/256 of the first's, both in one int32
+sum): ~8 bits more, twice the integer products, the same weight reads and float work. FP8 and INT8 stay in float, as every format does on the AVX-512 half without
 VNNI (Q4_K's and Q6_K's blocks dequantized there per 32 columns as the gguf package's float32 reads them).
 
 The C library is built by build.py (halves avx512-vnni, avx512, avx2-vnni, avx2, the best the CPU has chosen at

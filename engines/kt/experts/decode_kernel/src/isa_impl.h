@@ -458,10 +458,12 @@ AI int int_path(int fmt) {
 /* MXFP4's weights are the checkpoint's values exactly, so one int8 rounding of the activations would be the
  * layer's only error (1.3-1.6% of its output against float64: enough to move a served model's logprobs past
  * transformers' by 0.17 in the tiny V4's greedy decode). Its activation rows, and its SwiGLU outputs, are taken in
- * two int8 passes instead: the groups as for every format, then what they leave (v - q x scale, rounded once) as
- * a group of its own, the two dot products summed in float. That is ~8 bits more (a step of amax / 127 / 254 at
- * most), for twice the integer work and no more weight reads. The other formats' weights carry their own
- * quantization error (INT4's, the ggml blocks'), larger than one rounding of the activations, and keep one pass. */
+ * two int8 passes instead: the groups as for every format (q1, step d), then what they leave (v - q1 x d, rounded
+ * once) in steps of d / 256 (q2, saturated to int8: the remainder is at most d / 2). A group's value is then
+ * (256 q1 + q2) x d / 256, so one int32 sum takes both passes (the first pass's products shifted left by 8, well
+ * within int32) and one scale: ~8 bits more, for twice the integer products and no more weight reads or float
+ * work. The other formats' weights carry their own quantization error (INT4's, the ggml blocks'), larger than one
+ * rounding of the activations, and keep one pass. */
 AI int two_pass(int fmt) { return int_path(fmt) && fmt == DK_MXFP4; }
 
 /* ggml's blocks hold a group's columns in order (Q8_0), or its columns 0..15 in low nibbles and 16..31 in high
@@ -495,8 +497,11 @@ AI int weight_offset(int fmt) {
  *   float scale[DK_WIDTH]: lane 4j + l = the group's scale (MXFP4: halved)
  * Groups past the row's end are all zero. A group of values v: amax = max |v| (NaN if one is), and where
  * 0 < amax < inf, q = rint(v * (127 / amax)) and the scale amax / 127; else q = 0 and the scale 0 (amax 0) or
- * NaN, which the products then carry. */
-AI void quantize_group(const float *v, int fmt, uint8_t *chunk, int j, float *left) {
+ * NaN, which the products then carry. A two_pass format's row holds a second pass's lo and hi pass_bytes on
+ * (quantize_row_group: q = rint(v * (256 / d)) of what the first pass left, saturated), and the first pass's
+ * start and scale are the two passes' together: -off x (256 x the first's sum + the second's), d / 256.
+ * `step`: 0, or the second pass's step d / 256 (whose q's only are written, their lane sums returned in *sums) */
+AI void quantize_group(const float *v, int fmt, uint8_t *chunk, int j, float *left, float step, __m128i *sums) {
     /* AVX2 ops only (every half has them), computing the definition above: rounding by
      * cvtps2dq is to nearest even under the workers' MXCSR, as rintf */
     __m256 x[4], m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
@@ -513,7 +518,14 @@ AI void quantize_group(const float *v, int fmt, uint8_t *chunk, int j, float *le
                                                                                                        : _mm_cvtss_f32(h);
     __m256i q[4];
     float d;
-    if (amax > 0.f && amax <= 3.4028234e38f) { /* a NaN fails both */
+    if (step != 0.f) { /* a second pass: a finite, non-zero step (else NaN, and q = 0) */
+        __m256 inv = _mm256_set1_ps(step > 0.f && step <= 3.4028234e38f ? 1.f / step : 0.f);
+        for (int i = 0; i < 4; i++) /* saturated here, so that the lane sums are those of the bytes: a remainder
+                                     * of exactly d / 2 (a tie, common in bf16 rows) gives +-128 */
+            q[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(x[i], inv)),
+                                                     _mm256_set1_epi32(127)), _mm256_set1_epi32(-128));
+        d = step;
+    } else if (amax > 0.f && amax <= 3.4028234e38f) { /* a NaN fails both */
         __m256 inv = _mm256_set1_ps(127.f / amax);
         for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], inv));
         d = amax / 127.f;
@@ -554,6 +566,10 @@ AI void quantize_group(const float *v, int fmt, uint8_t *chunk, int j, float *le
         __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(q[0], q[1]), _mm256_hadd_epi32(q[2], q[3]));
         sum = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
     }
+    if (step != 0.f) { /* the first pass's start and scale take this one's */
+        *sums = sum;
+        return;
+    }
     if (fmt == DK_Q4_K) /* the mins' part: the lane's sum times the scale, a float (ichunk) */
         _mm_storeu_ps((float *)(chunk + 32 * GPC + 16 * j), _mm_mul_ps(_mm_cvtepi32_ps(sum), _mm_set1_ps(d)));
     else /* start = -off x the lane's sum */
@@ -575,6 +591,8 @@ typedef __m512i VI;
 #define iand(a, b) _mm512_and_si512(a, b)
 #define ixor(a, b) _mm512_xor_si512(a, b)
 #define isrl4(a) _mm512_srli_epi16(a, 4)
+#define isll8(a) _mm512_slli_epi32(a, 8)
+#define iadd(a, b) _mm512_add_epi32(a, b)
 #define ishuf(t, a) _mm512_shuffle_epi8(t, a)
 #define iset1_8(a) _mm512_set1_epi8(a)
 #define icvt(a) _mm512_cvtepi32_ps(a)
@@ -596,6 +614,8 @@ typedef __m256i VI;
 #define iand(a, b) _mm256_and_si256(a, b)
 #define ixor(a, b) _mm256_xor_si256(a, b)
 #define isrl4(a) _mm256_srli_epi16(a, 4)
+#define isll8(a) _mm256_slli_epi32(a, 8)
+#define iadd(a, b) _mm256_add_epi32(a, b)
 #define ishuf(t, a) _mm256_shuffle_epi8(t, a)
 #define iset1_8(a) _mm256_set1_epi8(a)
 #define icvt(a) _mm256_cvtepi32_ps(a)
@@ -842,9 +862,10 @@ AI void weight_chunk(const rowref *r, int fmt, int c, int ng, VI *lo, VI *hi, V 
 #define IRT 2
 #endif
 
-/* One chunk of rows a, b against `rt` activation rows in the integer form. */
+/* One chunk of rows a, b against `rt` activation rows in the integer form (a two_pass format's second pass p2
+ * bytes on). */
 AI void ichunk(const rowref *a, const rowref *b, int fmt, int c, int ng, const uint8_t *const *x, int rt,
-               V *fa, V *fb) {
+               size_t p2, V *fa, V *fb) {
     VI alo, ahi, blo, bhi;
     V aws, bws, awm, bwm;
     weight_chunk(a, fmt, c, ng, &alo, &ahi, &aws, &awm);
@@ -859,28 +880,39 @@ AI void ichunk(const rowref *a, const rowref *b, int fmt, int c, int ng, const u
             continue;
         }
         VI start = iload(ch + 32 * GPC);
+        if (two_pass(fmt)) { /* 256 x the first pass's sum + start, then the second pass's products */
+            const uint8_t *c2 = ch + p2;
+            VI ia = isll8(idot_fmt(fmt, izero(), alo, ahi, ch, ch + 16 * GPC));
+            VI ib = isll8(idot_fmt(fmt, izero(), blo, bhi, ch, ch + 16 * GPC));
+            fa[r] = vfma(icvt(idot_fmt(fmt, iadd(ia, start), alo, ahi, c2, c2 + 16 * GPC)), vmul(aws, xs), fa[r]);
+            fb[r] = vfma(icvt(idot_fmt(fmt, iadd(ib, start), blo, bhi, c2, c2 + 16 * GPC)), vmul(bws, xs), fb[r]);
+            continue;
+        }
         fa[r] = vfma(icvt(idot_fmt(fmt, start, alo, ahi, ch, ch + 16 * GPC)), vmul(aws, xs), fa[r]);
         fb[r] = vfma(icvt(idot_fmt(fmt, start, blo, bhi, ch, ch + 16 * GPC)), vmul(bws, xs), fb[r]);
-    }
-}
-
-AI void idot2(const rowref *a, const rowref *b, int fmt, int k, const uint8_t *const *x, int rt, float *oa,
-              float *ob) {
-    V fa[IRT], fb[IRT];
-    for (int r = 0; r < rt; r++) fa[r] = fb[r] = vzero();
-    int full = k / CHUNK_COLS, tail = (k % CHUNK_COLS) / 32;
-    for (int c = 0; c < full; c++) ichunk(a, b, fmt, c, GPC, x, rt, fa, fb);
-    if (tail) ichunk(a, b, fmt, full, tail, x, rt, fa, fb);
-    for (int r = 0; r < rt; r++) {
-        oa[r] = hsum(fa[r]);
-        ob[r] = hsum(fb[r]);
     }
 }
 
 /* one pass's bytes of a k-column activation row in the integer form (two_pass formats hold two of them) */
 AI size_t pass_bytes(int k) { return (size_t)(k + CHUNK_COLS - 1) / CHUNK_COLS * CHUNK_BYTES; }
 
-AI void idot2_pass(const rowref *a, const rowref *b, int fmt, int k, const uint8_t *const *x, int R, float *oa,
+AI void idot2(const rowref *a, const rowref *b, int fmt, int k, const uint8_t *const *x, int rt, float *oa,
+              float *ob) {
+    V fa[IRT], fb[IRT];
+    for (int r = 0; r < rt; r++) fa[r] = fb[r] = vzero();
+    int full = k / CHUNK_COLS, tail = (k % CHUNK_COLS) / 32;
+    size_t p2 = two_pass(fmt) ? pass_bytes(k) : 0;
+    for (int c = 0; c < full; c++) ichunk(a, b, fmt, c, GPC, x, rt, p2, fa, fb);
+    if (tail) ichunk(a, b, fmt, full, tail, x, rt, p2, fa, fb);
+    for (int r = 0; r < rt; r++) {
+        oa[r] = hsum(fa[r]);
+        ob[r] = hsum(fb[r]);
+    }
+}
+
+/* All R rows (R <= MAXR) against rows a and b */
+#define MAXR 256
+AI void idot2_rows(const rowref *a, const rowref *b, int fmt, int k, const uint8_t *const *x, int R, float *oa,
                    float *ob) {
     int r0 = 0;
     for (; r0 + IRT <= R; r0 += IRT) idot2(a, b, fmt, k, x + r0, IRT, oa + r0, ob + r0);
@@ -894,38 +926,28 @@ AI void idot2_pass(const rowref *a, const rowref *b, int fmt, int k, const uint8
     }
 }
 
-/* All R rows (R <= MAXR) against rows a and b; a two_pass format's rows as their two passes, row r's result
- * the sum of its first pass's and its second's, in that order. */
-#define MAXR 256
-AI void idot2_rows(const rowref *a, const rowref *b, int fmt, int k, const uint8_t *const *x, int R, float *oa,
-                   float *ob) {
-    if (!two_pass(fmt)) {
-        idot2_pass(a, b, fmt, k, x, R, oa, ob);
-        return;
-    }
-    const uint8_t *xx[2 * MAXR];
-    float pa[2 * MAXR], pb[2 * MAXR];
-    for (int r = 0; r < R; r++) {
-        xx[2 * r] = x[r];
-        xx[2 * r + 1] = x[r] + pass_bytes(k);
-    }
-    idot2_pass(a, b, fmt, k, xx, 2 * R, pa, pb);
-    for (int r = 0; r < R; r++) {
-        oa[r] = pa[2 * r] + pa[2 * r + 1];
-        ob[r] = pb[2 * r] + pb[2 * r + 1];
-    }
-}
-
 static size_t act_bytes(int fmt, int k) {
     return int_path(fmt) ? (two_pass(fmt) ? 2 : 1) * pass_bytes(k) : (size_t)k * sizeof(float);
 }
 
 /* group g of a k-column row's form dst from its values v (32 floats; a two_pass format's second pass from what
- * the first leaves) */
+ * the first leaves, its start and scale merged into the first's: quantize_group) */
 AI void quantize_row_group(const float *v, int fmt, int k, uint8_t *dst, int g) {
     float left[32];
-    quantize_group(v, fmt, dst + (size_t)CHUNK_BYTES * (g / GPC), g % GPC, two_pass(fmt) ? left : 0);
-    if (two_pass(fmt)) quantize_group(left, fmt, dst + pass_bytes(k) + (size_t)CHUNK_BYTES * (g / GPC), g % GPC, 0);
+    uint8_t *chunk = dst + (size_t)CHUNK_BYTES * (g / GPC);
+    int j = g % GPC;
+    quantize_group(v, fmt, chunk, j, two_pass(fmt) ? left : 0, 0.f, 0);
+    if (!two_pass(fmt)) return;
+    int32_t *start = (int32_t *)(chunk + 32 * GPC + 16 * j);
+    float *scale = (float *)(chunk + 32 * GPC + 4 * DK_WIDTH + 16 * j);
+    float d = scale[0] * (fmt == DK_MXFP4 ? 2.f : 1.f); /* the first pass's step */
+    __m128i sums;
+    quantize_group(left, fmt, chunk + pass_bytes(k), j, 0, d == 0.f ? 0.f : d / 256.f, &sums);
+    if (d == 0.f) sums = _mm_setzero_si128(); /* an all-zero group: no second pass */
+    __m128i s1 = _mm_loadu_si128((const __m128i *)start);
+    __m128i s2 = _mm_mullo_epi32(sums, _mm_set1_epi32(-weight_offset(fmt)));
+    _mm_storeu_si128((__m128i *)start, _mm_add_epi32(_mm_slli_epi32(s1, 8), s2));
+    _mm_storeu_ps(scale, _mm_mul_ps(_mm_loadu_ps(scale), _mm_set1_ps(1.f / 256.f)));
 }
 
 /* the groups past a k-column row's end, zero in each pass */
