@@ -958,7 +958,9 @@ class RoutedExpertsCPU(nn.Module):
             # our decode kernel reads the experts at the host memory's own rate, and the GPU's reads over PCIe
             # come from that same memory: by default it reads them all (V4-Flash's shape, 4 layers, H200 host,
             # 2026-12-02: batch-1 TPOT 7.7 ms reading none on the GPU, 8.1 ms reading the 144 of 256 balanced
-            # against kt-kernel's rate, 8.3 ms with kt-kernel; bench/results/nvidia-h200-2026-12-02-v4-decode-kernel).
+            # against kt-kernel's rate, 8.3 ms with kt-kernel; bench/results/nvidia-h200-2026-12-02-v4-decode-kernel;
+            # with MXFP4's two activation passes, 2026-12-03: 8.17 ms against kt-kernel and the GPU's 144 at 8.15,
+            # 16 clients 267 tok/s against 170; bench/results/nvidia-h200-2026-12-03-two-pass).
             # Calls it does not cover are kt-kernel's, whose rate the share is balanced against: 32 clients of that
             # shape decoded 85.8 tok/s with kt-kernel reading every expert, 165 with the GPU reading its share
             # (bench/results/nvidia-h200-2026-12-02-v4-paged)
