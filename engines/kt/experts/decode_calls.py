@@ -74,6 +74,13 @@ FORMATS = {"MXFP4": "mxfp4", "FP8": "fp8", "RAWINT4": "int4", "AMXINT8": "int8",
 # run's way, they had been 15.2 / 49.7 / 117, 19.7 / 66.9 / 179 and 19.0 / 62.9 / 163; AVX2 hosts not measured)
 MAX_ROWS = {"mxfp4": 128, "fp8": 16, "int8": 128, "int4": 128, "q8_0": 16, "q4_0": 16, "q4_k": 16, "q6_k": 16}
 MEMORY_SHARE = 0.3  # of the host memory available at the first layer's load, what auto lets the kernel's copies take
+# The formats auto serves where a layer's output is on a GPU: those measured served there. MXFP4 (V4-Flash's shape, 4
+# layers, H200 machine, 2026-12-03, bench/results/nvidia-h200-2026-12-03-two-pass: batch-1 TPOT 8.17 ms against 8.15
+# with kt-kernel and the GPU reading 144 of 256 experts, 1-32 clients 1.2-1.7x, a cached prefix's TTFT half), whose
+# kernel reads the streamer's pinned copy of the released bytes. INT8 / INT4 / FP8 layers there keep kt-kernel with
+# the GPU reading its measured share of their copies (V2-Lite's shape at 97% of the copy ceiling,
+# docs/performance.md): the kernel beside them was not measured served, and would hold a copy of its own.
+AUTO_ON_GPU = frozenset({"mxfp4"})
 
 
 def check_setting(value: Any) -> str:
@@ -245,6 +252,11 @@ class DecodeKernelPolicy:
             if size % block_values(f):  # ggml's super-blocks are 256 wide: no file holds such rows
                 return (f"{f.upper()} rows of {size} values ({what} size) are not whole blocks of "
                         f"{block_values(f)}; the kernel refuses them")
+        out = getattr(layer, "out_device", None)
+        if self.setting == "auto" and out is not None and out.type == "cuda" and fmt not in AUTO_ON_GPU:
+            return (f"auto leaves {fmt.upper()} layers whose output is on a GPU to kt-kernel (the kernel's gain there "
+                    f"was measured for {', '.join(sorted(f.upper() for f in AUTO_ON_GPU))}; {SETTING}=on takes "
+                    "these too)")
         # a layer whose output is on a GPU queues the kernel on the CUDA stream (cpu.py: the stream-ordered
         # path); where the GPU reads a share of each decode call's experts from their host copies, the kernel
         # skips that share as kt-kernel does (its ids -1), and prompt chunks that stream experts are kt-kernel's
