@@ -252,7 +252,7 @@ class DecodeKernelPolicy:
             if size % block_values(f):  # ggml's super-blocks are 256 wide: no file holds such rows
                 return (f"{f.upper()} rows of {size} values ({what} size) are not whole blocks of "
                         f"{block_values(f)}; the kernel refuses them")
-        out = getattr(layer, "out_device", None)
+        out = layer.out_device
         if self.setting == "auto" and out is not None and out.type == "cuda" and fmt not in AUTO_ON_GPU:
             return (f"auto leaves {fmt.upper()} layers whose output is on a GPU to kt-kernel (the kernel's gain there "
                     f"was measured for {', '.join(sorted(f.upper() for f in AUTO_ON_GPU))}; {SETTING}=on takes "

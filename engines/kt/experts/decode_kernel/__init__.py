@@ -19,8 +19,8 @@ four-bit formats were bound by their per-weight float work, not by memory
 (bench/results/nvidia-h200-2026-12-02-decode-kernel); the int8 activations add their rounding, at most half a step
 (amax / 254 of the group) per element. MXFP4, whose weights are the checkpoint's own values, takes its activations
 in two int8 passes (the second quantizes what the first leaves in steps of 1/256 of the first's, both in one int32
-sum): ~8 bits more, twice the integer products, the same weight reads and float work. FP8 and INT8 stay in float, as every format does on the AVX-512 half without
-VNNI (Q4_K's and Q6_K's blocks dequantized there per 32 columns as the gguf package's float32 reads them).
+sum): ~8 bits more, twice the integer products, the same weight reads and float work. FP8 and INT8 stay in float,
+as every format does on the AVX-512 half without VNNI (Q4_K's and Q6_K's blocks dequantized there per 32 columns as the gguf package's float32 reads them).
 
 The C library is built by build.py (halves avx512-vnni, avx512, avx2-vnni, avx2, the best the CPU has chosen at
 run time; KTSERVE_DECODE_KERNEL_ISA names another: avx2 forces the plain AVX2 one, avx512 the AVX-512 one without
@@ -128,7 +128,7 @@ def activation_passes(fmt: str) -> int:
     """In how many int8 passes the half this process runs takes `fmt`'s activations (and SwiGLU outputs), each
     row quantized in groups of 32, symmetric, scale amax / 127 (src/isa_impl.h, the integer path: MXFP4, INT4,
     Q8_0, Q4_0, Q4_K and Q6_K on avx512-vnni, avx2-vnni and avx2): 1, or for MXFP4 2, the second pass quantizing
-    what the first leaves (v - q x scale) likewise. 0: float dot products (no rounding). In a layer of two formats,
+    what the first leaves (v - q x scale) in steps of scale / 256, saturated to int8. 0: float dot products (no rounding). In a layer of two formats,
     gate's and up's decides for the activations, down's for the SwiGLU output."""
     lib = library()
     return max(lib.dk_activation_passes(FORMATS[fmt]), 0) if lib is not None else 0

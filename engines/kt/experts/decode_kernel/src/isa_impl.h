@@ -500,8 +500,9 @@ AI int weight_offset(int fmt) {
  * NaN, which the products then carry. A two_pass format's row holds a second pass's lo and hi pass_bytes on
  * (quantize_row_group: q = rint(v * (256 / d)) of what the first pass left, saturated), and the first pass's
  * start and scale are the two passes' together: -off x (256 x the first's sum + the second's), d / 256.
- * `step`: 0, or the second pass's step d / 256 (whose q's only are written, their lane sums returned in *sums) */
-AI void quantize_group(const float *v, int fmt, uint8_t *chunk, int j, float *left, float step, __m128i *sums) {
+ * `step`: 0, or the second pass's step d / 256 (whose q's only are written, their lane sums returned in *sums).
+ * Returns the group's step d (unhalved). */
+AI float quantize_group(const float *v, int fmt, uint8_t *chunk, int j, float *left, float step, __m128i *sums) {
     /* AVX2 ops only (every half has them), computing the definition above: rounding by
      * cvtps2dq is to nearest even under the workers' MXCSR, as rintf */
     __m256 x[4], m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
@@ -536,6 +537,7 @@ AI void quantize_group(const float *v, int fmt, uint8_t *chunk, int j, float *le
     if (left) /* what the group leaves, v - q x d rounded once (q = 0: v itself, NaN or zero) */
         for (int i = 0; i < 4; i++)
             _mm256_storeu_ps(left + 8 * i, _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q[i]), _mm256_set1_ps(d), x[i]));
+    float step_d = d;
     if (fmt == DK_MXFP4) d *= 0.5f;
     int off = weight_offset(fmt);
     /* the 32 q's as bytes in order, then even ones (low nibbles' columns) to lo, odd ones to hi */
@@ -568,13 +570,14 @@ AI void quantize_group(const float *v, int fmt, uint8_t *chunk, int j, float *le
     }
     if (step != 0.f) { /* the first pass's start and scale take this one's */
         *sums = sum;
-        return;
+        return step_d;
     }
     if (fmt == DK_Q4_K) /* the mins' part: the lane's sum times the scale, a float (ichunk) */
         _mm_storeu_ps((float *)(chunk + 32 * GPC + 16 * j), _mm_mul_ps(_mm_cvtepi32_ps(sum), _mm_set1_ps(d)));
     else /* start = -off x the lane's sum */
         _mm_storeu_si128((__m128i *)(chunk + 32 * GPC + 16 * j), _mm_mullo_epi32(sum, _mm_set1_epi32(-off)));
     _mm_storeu_ps((float *)(chunk + 32 * GPC + 4 * DK_WIDTH + 16 * j), _mm_set1_ps(d));
+    return step_d;
 }
 
 AI void zero_group(uint8_t *chunk, int j) {
@@ -936,11 +939,10 @@ AI void quantize_row_group(const float *v, int fmt, int k, uint8_t *dst, int g) 
     float left[32];
     uint8_t *chunk = dst + (size_t)CHUNK_BYTES * (g / GPC);
     int j = g % GPC;
-    quantize_group(v, fmt, chunk, j, two_pass(fmt) ? left : 0, 0.f, 0);
+    float d = quantize_group(v, fmt, chunk, j, two_pass(fmt) ? left : 0, 0.f, 0); /* the first pass's step */
     if (!two_pass(fmt)) return;
     int32_t *start = (int32_t *)(chunk + 32 * GPC + 16 * j);
     float *scale = (float *)(chunk + 32 * GPC + 4 * DK_WIDTH + 16 * j);
-    float d = scale[0] * (fmt == DK_MXFP4 ? 2.f : 1.f); /* the first pass's step */
     __m128i sums;
     quantize_group(left, fmt, chunk + pass_bytes(k), j, 0, d == 0.f ? 0.f : d / 256.f, &sums);
     if (d == 0.f) sums = _mm_setzero_si128(); /* an all-zero group: no second pass */
