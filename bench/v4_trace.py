@@ -23,7 +23,8 @@ Then decode steps as the engine runs them (its CUDA graphs where it captured the
 launches the GPU ran per decode step, per layer), `gpu_kernel_ms_per_step`, the top kernels and the top host ops.
 With `--profile-prefill`, the prompt is prefilled once more under torch.profiler (`prefill_profiled`: its top
 kernels and host ops); `prefill.chunk_ms` gives each chunk's time, so its growth with the context shows.
-Last, `engine_decode`: one request decoded through the engine, where its step thread's time goes per token.
+Last, `engine_decode`: one request decoded through the engine, where its step thread's time goes per token; where
+the engine captured CUDA graphs, with its decode steps over the paged caches whole and as segments, in turns.
 Prints one JSON object (also to --out/v4-trace.json).
 """
 from __future__ import annotations
@@ -455,6 +456,30 @@ def engine_decode(engine, vocab: int, tokens: int) -> dict:
     return out
 
 
+def engine_decode_paths(engine, vocab: int, tokens: int, rounds: int = 3) -> dict:
+    """`engine_decode` with the decode steps over the paged caches captured whole (graphs.py) and as segments with
+    their cached attention eager, in turns for `rounds` rounds in one engine (the host's bandwidth drifts between
+    runs, so the two are compared round by round): each round's figures and each path's median `wall_ms_per_token`.
+    Without captured graphs: the one path the engine runs."""
+    graphs = engine._runner.graphs
+    if graphs is None or not getattr(graphs, "captured", False) or graphs.whole_off is not None:
+        return {"engine": engine_decode(engine, vocab, tokens),
+                "whole_off": getattr(graphs, "whole_off", None) if graphs is not None else "no CUDA graphs"}
+    runs: dict[str, list[dict]] = {"whole": [], "segments": []}
+    for _ in range(rounds):
+        runs["whole"].append(engine_decode(engine, vocab, tokens))
+        if graphs.whole_off is not None:  # a capture failed: the engine serves segments from now on
+            return {**runs, "whole_off": graphs.whole_off}
+        graphs.whole_off = "turned off to compare (bench.v4_trace)"
+        try:
+            runs["segments"].append(engine_decode(engine, vocab, tokens))
+        finally:
+            graphs.whole_off = None
+    median = {path: sorted(r["wall_ms_per_token"] for r in v)[len(v) // 2] for path, v in runs.items()}
+    return {**runs, "median_wall_ms_per_token": median,
+            "segments_over_whole": round(median["segments"] / median["whole"], 3)}
+
+
 def _profiled_generate(engine, prompt: list[int], tokens: int, device: torch.device) -> dict:
     """One request of `tokens` tokens under the profiler, started and stopped on the engine's step thread (where
     its steps run): the top kernels by device time and the top host ops by their own time, per generated token."""
@@ -534,7 +559,7 @@ def main() -> int:
                   "engine_details": dict(engine.info.details),
                   **trace(runner, device, config["vocab_size"], args.prompt, args.chunk, args.steps,
                            args.profile_prefill),
-                  "engine_decode": engine_decode(engine, config["vocab_size"], 2 * args.steps)}
+                  "engine_decode": engine_decode_paths(engine, config["vocab_size"], 2 * args.steps)}
     finally:
         engine.stop()
     print_and_write(result, args.out, "v4-trace.json")

@@ -15,14 +15,22 @@ and their attention output is zeros. Each segment of each bucket is captured onc
 one memory pool, warmed up on a side stream), with the CPU experts' stream-ordered path: their copies and
 kt-kernel's submit and wait are stream callbacks, captured like the rest (engines/kt/experts/cpu.py).
 
+A step whose rows are all decode rows over the paged caches (paged.py) is captured whole instead, its cached
+attention included: the paged step padded to its bucket and to a power of two of pages per compression rate
+(`PagedDecode.padded_step`) has the same shapes and operations for every step of that key, so one graph per key
+replays the step from the embeddings to the last layer's streams with no Python between layers. Each key's graph is
+captured at its first step (a warm-up run of that step first, whose cache writes the replay makes again), at most
+WHOLE_GRAPHS of them kept, the least recently used dropped; a growth of the paged pools (new tensors) drops them all.
+
 Steps with a LoRA adapter, and steps of more rows than the largest bucket, run eagerly (batch.py). Without a GPU
-the same segments run eagerly over the padded buffers, their outputs kept in the same tensors every step as a
-replayed graph's are (not captured): tests check them against the eager step."""
+the same segments (and whole decode steps) run eagerly over the padded buffers, their outputs kept in the same
+tensors every step as a replayed graph's are (not captured): tests check them against the eager step."""
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from collections import OrderedDict
+from typing import Any, NamedTuple
 
 import torch
 
@@ -34,6 +42,15 @@ from engines.lora.modules import AdapterRows
 log = logging.getLogger("ktserve.engine.kt")
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+WHOLE_GRAPHS = 32  # captured whole decode steps kept (keys: rows bucket and page widths)
+
+
+class _WholeStep(NamedTuple):
+    """A captured whole decode step: its graph, the padded step tensors it reads, the streams it leaves."""
+
+    graph: Any
+    step: Any  # paged.py: DecodeStep on the device
+    hidden: torch.Tensor
 
 
 class V4StepGraphs:
@@ -53,19 +70,26 @@ class V4StepGraphs:
         self.outputs: dict[int, list[dict[str, Any]]] = {}  # each segment's outputs (fixed tensors), by bucket
         self.pool = None
         self.replayed = 0  # steps served from the captured graphs
+        self.whole_steps = 0  # decode steps run whole (replayed, or eagerly without graphs)
+        self.captured = False
+        self.whole: OrderedDict[tuple, _WholeStep] = OrderedDict()  # by DecodeStep.key, least recently used first
+        self.whole_generation = -1  # the paged pools' generation the whole graphs read
+        self.whole_off: str | None = None  # why whole decode steps are not captured, after a capture failed
 
     def fits(self, pieces: list[Piece]) -> bool:
         return (sum(p.end - p.start for p in pieces) <= self.buckets[-1]
                 and all(p.adapter is None for p in pieces))
 
     def hidden_streams(self, pieces: list[Piece]) -> torch.Tensor:
-        """`V4Batch.hidden_streams` of a step that `fits`, from the segments of its bucket."""
+        """`V4Batch.hidden_streams` of a step that `fits`, from the segments of its bucket (or whole)."""
         ids, positions, spans = flat_rows(pieces)
         n = ids.shape[1]
         rows = next(b for b in self.buckets if b >= n)
         pad = torch.zeros(1, rows - n, dtype=torch.long)
         self.ids[:, :rows].copy_(torch.cat([ids, pad], dim=1), non_blocking=True)
         self.positions[:, :rows].copy_(torch.cat([positions, pad], dim=1), non_blocking=True)
+        if self.batch.paged is not None and self.whole_off is None and all(p.paged is not None for p in pieces):
+            return self._decode_whole(pieces, rows)
         graphs, segments, out = self.graphs.get(rows), None, None
         kept = any(p.record is not None for p in pieces)  # a verified draft's record keeps the cached parts' inputs
         self.replayed += graphs is not None
@@ -86,6 +110,70 @@ class V4StepGraphs:
                     self.attended[:, :n].copy_(attended)
                     self.attended[:, n:rows].zero_()
         return out["hidden"][0, :n].clone()  # the next step's replay overwrites `out`
+
+    def _decode_whole(self, pieces: list[Piece], rows: int) -> torch.Tensor:
+        """A step of paged decode rows (one a piece), padded to `rows`: its whole graph replayed (captured at the
+        key's first step), or without graphs the same work eagerly."""
+        n = len(pieces)
+        paged = self.batch.paged
+        step = paged.padded_step([p.paged for p in pieces], [p.start for p in pieces], rows, torch.device("cpu"))
+        self.whole_steps += 1
+        with self.batch.lora.step(AdapterRows.uniform(None)), device_scope(self.device):
+            if not self.captured:
+                return self._whole(rows, step.to(self.device))[0, :n].clone()
+            whole = self._whole_graph(step)
+            if whole is None:  # its capture failed: this step and the later ones as segments
+                return self.hidden_streams(pieces)
+            whole.step.copy_(step)
+            whole.graph.replay()
+        self.replayed += 1
+        return whole.hidden[0, :n].clone()  # the next replay overwrites it
+
+    def _whole(self, rows: int, step: Any) -> torch.Tensor:
+        """Every segment of a `rows`-row bucket with each layer's paged attention between them: the streams."""
+        out = None
+        for k in range(len(self.layers) + 1):
+            out = self._segment(k, rows, out)
+            if k < len(self.layers):
+                a = out["before"]
+                self.attended[:, :rows].copy_(self.batch.paged.attend(self.layers[k].self_attn.layer_idx, step,
+                                                                      a.q, a.kv, a.x, a.q_residual))
+        return out["hidden"]
+
+    def _whole_graph(self, step: Any) -> _WholeStep | None:
+        """The captured whole step of `step`'s key, captured now if it is not kept (None: the capture failed)."""
+        paged = self.batch.paged
+        if self.whole_generation != paged.generation:  # the pools grew: the graphs read tensors no longer used
+            self.whole.clear()
+            self.whole_generation = paged.generation
+        whole = self.whole.get(step.key)
+        if whole is not None:
+            self.whole.move_to_end(step.key)
+            return whole
+        started = time.perf_counter()
+        fixed = step.to(self.device)
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        try:
+            with torch.cuda.stream(side):  # warm-up: the step's own cache writes, which the replay makes again
+                self._whole(step.rows, fixed)
+            current.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                hidden = self._whole(step.rows, fixed)
+        except Exception as exc:  # the segments still serve these steps
+            current.wait_stream(side)
+            self.whole_off = f"{type(exc).__name__}: {exc}"
+            log.warning("kt_use_cuda_graph: a whole V4 decode step could not be captured (%s); decode steps run "
+                        "as segments with their cached attention eager", self.whole_off)
+            return None
+        whole = self.whole[step.key] = _WholeStep(graph, fixed, hidden)
+        while len(self.whole) > WHOLE_GRAPHS:
+            self.whole.popitem(last=False)
+        log.info("kt_use_cuda_graph: captured a whole V4 decode step of %d rows, page widths %s, in %.0f ms",
+                 step.rows, dict(step.key[1]), (time.perf_counter() - started) * 1e3)
+        return whole
 
     def _segment(self, k: int, rows: int, previous: dict[str, Any] | None) -> dict[str, Any]:
         """Segment `k` over the first `rows` rows of the buffers, after segment k-1 gave `previous`."""
@@ -119,6 +207,7 @@ class V4StepGraphs:
         with torch.inference_mode(), torch.cuda.device(self.device), self.batch.lora.step(AdapterRows.uniform(None)):
             for rows in reversed(self.buckets):
                 self.graphs[rows], self.outputs[rows] = self._capture(rows)
+        self.captured = True
         log.info("kt_use_cuda_graph: captured %d V4 step segments x %d row buckets (%s) in %.1fs; each "
                  "sequence's cached attention runs between them", len(self.layers) + 1, len(self.buckets),
                  ",".join(map(str, self.buckets)), time.perf_counter() - started)
@@ -145,7 +234,9 @@ class V4StepGraphs:
         return graphs, outputs
 
     def describe(self) -> str:
-        return f"piecewise: rows {','.join(map(str, self.buckets))}; each sequence's cached attention eager"
+        return (f"piecewise: rows {','.join(map(str, self.buckets))}; decode steps over the paged caches whole "
+                f"(attention included, a graph per rows and page widths, captured at first use), other steps' "
+                f"cached attention eager")
 
 
 def _copied_into(kept: Any, new: Any) -> Any:

@@ -28,10 +28,19 @@ sequence that held the slot is never valid (the window's valid rows are the sequ
 window's rows were all written since it opened), and entries past a sequence's count are masked. A decode step run
 again (after a failure) writes the same places with the same values, so going back one step needs nothing.
 
+A step comes in two forms (`DecodeStep`). As it is: its own rows, page tables as wide as its longest sequence's,
+and only the rows that close a window pool one. Padded (`PagedDecode.padded_step`, what a captured CUDA graph
+replays: graphs.py): rows up to a bucket, page tables up to a power of two of pages, and every row pools its
+window, those closing none into a scratch entry, so the step's shapes and operations depend on its bucket and
+widths alone, never on its positions. Pad rows write into the scratch slot and see no key, which makes their
+attention exactly zero. Slot 0 and page 0 of every rate are never a sequence's: slot 0 is the scratch slot, page
+0's entry 0 the scratch entry, and its entry 1, never written, is what the unused places of a page table read.
+
 Checked against transformers 5.24's V4 modules position by position (tests/engines/kt/families/deepseek_v4/
 test_v4_paged.py): the same bits for the compressed entries, the keys' order within attention aside."""
 from __future__ import annotations
 
+import copy
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +52,13 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4CSACo
 
 PAGE = 64  # compressed entries a page holds (CSA: 256 positions; HCA: 8,192)
 _GROWTH = 1.5  # a pool that runs out grows to this many times its size (or to what is asked, if more)
+SCRATCH_SLOT = 0  # pad rows of a padded step write here; never a sequence's
+SCRATCH_ENTRY = 0  # flat entry index (page 0) a padded step's rows that close no window write
+BLANK_ENTRY = 1  # flat entry index (page 0) never written: what a page table's unused places point at
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 @dataclass(slots=True)
@@ -113,39 +129,81 @@ class _Layer:
 
 class DecodeStep:
     """The host's part of one step's paged decode rows, made once for all layers: slots, positions and, per
-    compression rate, the rows that close a window and where every row's entries lie."""
+    compression rate, where every row's entries lie and which rows pool a window into which entry.
+
+    As it is (`rows` None): the step's own rows, tables as wide as its longest sequence's, `closing` the rows that
+    close a window (None: none). Padded to `rows` with page tables of `pages[rate]` pages: every row pools (no
+    `closing`), those closing none into SCRATCH_ENTRY; pad rows in SCRATCH_SLOT at position 0 see no key."""
 
     def __init__(self, pools: "PagedDecode", sequences: list[PagedSequence], positions: list[int],
-                 device: torch.device):
-        self.rows = len(sequences)
-        self.slots = torch.tensor([s.slot for s in sequences], dtype=torch.long).to(device, non_blocking=True)
-        self.positions = torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True)
-        self.window_valid = (torch.arange(pools.window)[None] <= torch.tensor(positions)[:, None]).to(
-            device, non_blocking=True)
+                 device: torch.device, rows: int | None = None, pages: dict[int, int] | None = None):
+        padded = rows is not None
+        n = len(sequences)
+        self.rows = rows = n if rows is None else rows
+        at = torch.tensor(positions + [0] * (rows - n), dtype=torch.long)
+        self.slots = torch.tensor([s.slot for s in sequences] + [SCRATCH_SLOT] * (rows - n), dtype=torch.long)
+        self.positions = at
+        self.window_valid = torch.arange(pools.window)[None] <= at[:, None]
+        self.window_valid[n:] = False
         self.by_rate: dict[int, dict[str, Any]] = {}
         for rate in pools.rates:
-            counts = [(p + 1) // rate for p in positions]
-            width = max(len(s.pages[rate]) for s in sequences) * PAGE
-            table = torch.full((self.rows, width), -1, dtype=torch.long)
+            used = max(len(s.pages[rate]) for s in sequences)
+            width = (pages[rate] if padded else used) * PAGE
+            table = torch.full((rows, width), BLANK_ENTRY, dtype=torch.long)
             for b, s in enumerate(sequences):
-                pages = torch.tensor(s.pages[rate], dtype=torch.long)
-                at = (pages[:, None] * PAGE + torch.arange(PAGE)[None]).flatten()
-                table[b, :at.numel()] = at
-            closing = [b for b, p in enumerate(positions) if (p + 1) % rate == 0]
-            window = torch.tensor([positions[b] // rate for b in closing], dtype=torch.long)
+                owned = torch.tensor(s.pages[rate], dtype=torch.long)
+                flat = (owned[:, None] * PAGE + torch.arange(PAGE)[None]).flatten()
+                table[b, :flat.numel()] = flat
+            counts = at[:n].add(1).div(rate, rounding_mode="floor")
+            valid = torch.zeros(rows, width, dtype=torch.bool)
+            valid[:n] = torch.arange(width)[None] < counts[:, None]
+            closes = (at + 1) % rate == 0
+            closes[n:] = False
+            pooled = torch.arange(rows) if padded else closes.nonzero()[:, 0]
+            window = at[pooled] // rate
+            into = table[pooled, window]
             ring = torch.arange(rate)[None]
             self.by_rate[rate] = {
-                "entries": table.clamp(min=0).to(device, non_blocking=True),  # flat pool index of each entry
-                "valid": (torch.arange(width)[None] < torch.tensor(counts)[:, None]).to(device, non_blocking=True),
-                "closing": torch.tensor(closing, dtype=torch.long).to(device, non_blocking=True) if closing else None,
-                "first": (window * rate).to(device, non_blocking=True),
-                "into": table[closing, window].to(device, non_blocking=True),
-                # CSA's overlapping windows: the ring rows [n, rate] of each closing window's previous half and of
-                # its own (the ring holds two windows), and each closing row's number
-                "prev": (((window + 1) % 2 * rate)[:, None] + ring).to(device, non_blocking=True),
-                "own": ((window % 2 * rate)[:, None] + ring).to(device, non_blocking=True),
-                "order": torch.arange(len(closing))[:, None].to(device, non_blocking=True),
+                "entries": table,  # flat pool index of each entry
+                "valid": valid,
+                "first": window * rate,
+                "into": into.masked_fill(~closes[pooled], SCRATCH_ENTRY) if padded else into,
+                # CSA's overlapping windows: the ring rows [n, rate] of each pooled window's previous half and of
+                # its own (the ring holds two windows), and each pooled row's number
+                "prev": ((window + 1) % 2 * rate)[:, None] + ring,
+                "own": (window % 2 * rate)[:, None] + ring,
+                "order": torch.arange(len(pooled))[:, None],
             }
+            if not padded:
+                self.by_rate[rate]["closing"] = pooled if len(pooled) else None
+        # a padded step's shapes and operations are those of every step of its key
+        self.key = (rows, tuple(sorted(pages.items()))) if padded else None
+        if device.type != "cpu":
+            self._to(device)
+
+    def _tensors(self) -> list[tuple[dict, str]]:
+        places: list[tuple[dict, str]] = [(self.__dict__, name) for name in ("slots", "positions", "window_valid")]
+        for at in self.by_rate.values():
+            places += [(at, name) for name, t in at.items() if t is not None]
+        return places
+
+    def _to(self, device: torch.device) -> None:
+        for owner, name in self._tensors():
+            owner[name] = owner[name].to(device, non_blocking=True)
+
+    def to(self, device: torch.device) -> "DecodeStep":
+        """This step with its tensors on `device` (a new one; this one is left as it is)."""
+        moved = copy.copy(self)
+        moved.by_rate = {rate: dict(at) for rate, at in self.by_rate.items()}
+        moved._to(device)
+        return moved
+
+    def copy_(self, other: "DecodeStep") -> None:
+        """Take `other`'s values (a padded step of the same key) into this step's tensors, as a replayed graph
+        reads them."""
+        assert other.key == self.key and self.key is not None
+        for (mine, name), (theirs, _) in zip(self._tensors(), other._tensors()):
+            mine[name].copy_(theirs[name], non_blocking=True)
 
 
 class PagedDecode:
@@ -161,32 +219,35 @@ class PagedDecode:
         self.pages = {rate: 0 for rate in self.rates}
         self.free_pages: dict[int, list[int]] = {rate: [] for rate in self.rates}
         self.dtype: torch.dtype | None = None
+        self.generation = 0  # counts the pools' growths: a captured graph reads the tensors of one generation
 
     # ------------------------------------------------------------------------------ slots and pages
     def _slot(self, dtype: torch.dtype) -> int:
         if not self.free_slots:
-            grown = max(self.slots + 1, int(self.slots * _GROWTH) + 1)
+            grown = max(self.slots + 1, int(self.slots * _GROWTH) + 1, SCRATCH_SLOT + 2)
             for layer in self.layers:
                 device = layer.device
                 keys = torch.zeros(grown - self.slots, self.window, layer.attn.head_dim, dtype=dtype, device=device)
                 layer.keys = keys if layer.keys is None else torch.cat([layer.keys, keys])
                 for c in layer.compressors.values():
                     c.grow_slots(grown, dtype, device)
-            self.free_slots = list(range(grown - 1, self.slots - 1, -1))
+            self.free_slots = list(range(grown - 1, max(self.slots, SCRATCH_SLOT + 1) - 1, -1))
             self.slots = grown
+            self.generation += 1
         return self.free_slots.pop()
 
     def _page(self, rate: int) -> int:
         free = self.free_pages[rate]
         if not free:
             have = self.pages[rate]
-            grown = max(have + 1, int(have * _GROWTH) + 1)
+            grown = max(have + 1, int(have * _GROWTH) + 1, 2)
             for layer in self.layers:
                 if layer.rate == rate:
                     for c in layer.compressors.values():
                         c.grow_pages(grown, self.dtype, layer.device)
-            free.extend(range(grown - 1, have - 1, -1))
+            free.extend(range(grown - 1, max(have, 1) - 1, -1))  # page 0: the scratch and blank entries
             self.pages[rate] = grown
+            self.generation += 1
         return free.pop()
 
     def reserve(self, seq: PagedSequence, position: int) -> None:
@@ -205,9 +266,9 @@ class PagedDecode:
         seq.slot, seq.pages = -1, {}
 
     def usage(self) -> tuple[int, int]:
-        """(slots in use, pages in use over every rate)."""
-        return (self.slots - len(self.free_slots),
-                sum(self.pages[r] - len(self.free_pages[r]) for r in self.rates))
+        """(slots in use, pages in use over every rate): sequences', not the scratch slot and page."""
+        return (max(self.slots - len(self.free_slots) - 1, 0),
+                sum(max(self.pages[r] - len(self.free_pages[r]) - 1, 0) for r in self.rates))
 
     # ------------------------------------------------------------------------------ a prefilled cache moves in
     def adopt(self, cache: Any, computed: int) -> PagedSequence:
@@ -258,6 +319,14 @@ class PagedDecode:
             self.reserve(seq, position)
         return DecodeStep(self, sequences, positions, device)
 
+    def padded_step(self, sequences: list[PagedSequence], positions: list[int], rows: int,
+                    device: torch.device) -> DecodeStep:
+        """The step padded to `rows` rows and page tables of a power of two of pages (module docstring)."""
+        for seq, position in zip(sequences, positions):
+            self.reserve(seq, position)
+        pages = {rate: _pow2(max(len(s.pages[rate]) for s in sequences)) for rate in self.rates}
+        return DecodeStep(self, sequences, positions, device, rows=rows, pages=pages)
+
     def attend(self, layer_index: int, step: DecodeStep, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor,
                q_residual: torch.Tensor) -> torch.Tensor:
         """Layer `layer_index`'s cached attention of the step's decode rows: q [1, heads, B, d], kv [1, 1, B, d],
@@ -290,10 +359,12 @@ class PagedDecode:
         c.kv[slots, rows] = module.kv_proj(x)
         c.gate[slots, rows] = module.gate_proj(x) + c.bias(step.positions)
         at = step.by_rate[c.rate]
-        closing = at["closing"]
-        if closing is None:
+        if "closing" not in at:  # padded: every row pools, those that close no window into the scratch entry
+            owners = slots
+        elif at["closing"] is None:
             return
-        owners = slots[closing]
+        else:
+            owners = slots[at["closing"]]
         kv, gate = c.kv[owners], c.gate[owners]  # [n, ring, width]
         if c.overlap:  # the previous window's first half (Ca), then this window's second half (Cb)
             d, n, prev, own = c.dim, at["order"], at["prev"], at["own"]

@@ -98,6 +98,19 @@ def test_v4_steps_are_captured_in_piecewise_cuda_graphs(v4_gpu):
     assert all(len(g) == v4_gpu.engine._runner.config.num_hidden_layers + 1 for g in graphs.graphs.values())
 
 
+def test_v4_decode_steps_over_the_paged_caches_replay_whole_step_graphs(v4_gpu):
+    from tests.helpers import completions_together
+
+    graphs = v4_gpu.engine._runner.graphs
+    whole_steps = graphs.whole_steps
+    completions_together(v4_gpu, PROMPTS[1:2], max_tokens=12, ignore_eos=True)
+    assert graphs.whole_off is None
+    assert graphs.whole_steps - whole_steps == 11  # every decode step after the prompt's (which gave token 1)
+    completions_together(v4_gpu, PROMPTS, max_tokens=12, ignore_eos=True)
+    assert any(rows == 4 for rows, _ in graphs.whole)  # three decoding together, padded to four rows
+    assert "decode steps over the paged caches whole" in v4_gpu.engine.info.details["cuda_graphs"]
+
+
 def test_v4_decodes_the_same_with_cuda_graphs_on_and_off(v4_model_dir, v4_gpu):
     from tests.helpers import completions_together
 

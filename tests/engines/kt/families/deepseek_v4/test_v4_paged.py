@@ -77,6 +77,39 @@ def test_a_paged_step_run_again_gives_the_same_streams(reference):
     assert torch.equal(first, again)
 
 
+def test_decode_steps_padded_to_their_bucket_and_page_widths_give_the_streams_of_the_steps_as_they_are(reference):
+    from engines.kt.families.deepseek_v4.graphs import V4StepGraphs
+
+    # 530 positions fill three CSA pages (tables padded to four); three rows padded to four, then two, then one
+    lengths = [(530, 14), (300, 8), (10, 4)]
+    as_is, padded = V4Batch(reference, LoraContext()), V4Batch(reference, LoraContext())
+    as_is.paged, padded.paged = PagedDecode(reference), PagedDecode(reference)
+    whole = V4StepGraphs(padded, 8, torch.device("cpu"))  # not captured: the whole step runs eagerly
+    generator = torch.Generator().manual_seed(13)
+    sequences = []
+    with torch.inference_mode():
+        for prompt, decoded in lengths:
+            ids = torch.randint(100, 120000, (prompt + decoded,), generator=generator).tolist()
+            mine, theirs = _prefilled(as_is, ids, prompt), _prefilled(padded, ids, prompt)
+            mine.adopt(as_is.paged)
+            theirs.adopt(padded.paged)
+            sequences.append((ids, mine, theirs))
+        positions = [prompt for prompt, _ in lengths]
+        worst, steps = 0.0, 0
+        while active := [i for i, (ids, _, _) in enumerate(sequences) if positions[i] < len(ids)]:
+            rows = [(sequences[i], positions[i]) for i in active]
+            expected = as_is.hidden_streams([Piece(ids, p, p + 1, None, None, paged=mine.paged)
+                                             for (ids, mine, _), p in rows])
+            got = whole.hidden_streams([Piece(ids, p, p + 1, None, None, paged=theirs.paged)
+                                        for (ids, _, theirs), p in rows])
+            worst = max(worst, ((got - expected).abs().max() / expected.abs().max()).item())
+            steps += 1
+            for i in active:
+                positions[i] += 1
+    assert whole.whole_steps == steps == 14
+    assert worst < RELATIVE
+
+
 def test_a_released_sequence_gives_its_slot_and_pages_back(v4_model_dir):
     require_kt_kernel()
     from engines.runtime.model_runner import ScheduledChunk
