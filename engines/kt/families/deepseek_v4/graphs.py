@@ -71,6 +71,8 @@ class V4StepGraphs:
         self.pool = None
         self.replayed = 0  # steps served from the captured graphs
         self.whole_steps = 0  # decode steps run whole (replayed, or eagerly without graphs)
+        self.whole_captures = 0  # whole decode steps captured (first use of a key, or again after the pools grew)
+        self.whole_capture_s = 0.0  # the seconds those captures took, their warm-up runs included
         self.captured = False
         self.whole: OrderedDict[tuple, _WholeStep] = OrderedDict()  # by DecodeStep.key, least recently used first
         self.whole_generation = -1  # the paged pools' generation the whole graphs read
@@ -171,8 +173,11 @@ class V4StepGraphs:
         whole = self.whole[step.key] = _WholeStep(graph, fixed, hidden)
         while len(self.whole) > WHOLE_GRAPHS:
             self.whole.popitem(last=False)
+        seconds = time.perf_counter() - started
+        self.whole_captures += 1
+        self.whole_capture_s += seconds
         log.info("kt_use_cuda_graph: captured a whole V4 decode step of %d rows, page widths %s, in %.0f ms",
-                 step.rows, dict(step.key[1]), (time.perf_counter() - started) * 1e3)
+                 step.rows, dict(step.key[1]), seconds * 1e3)
         return whole
 
     def _segment(self, k: int, rows: int, previous: dict[str, Any] | None) -> dict[str, Any]:
