@@ -108,10 +108,11 @@ class CacheBytes:
 class CacheBudget:
     """The bytes all sequences' caches may hold, and what each holds now (by sequence id)."""
 
-    def __init__(self, sizes: CacheBytes, capacity: int, positions: int):
+    def __init__(self, sizes: CacheBytes, capacity: int, positions: int, sequences: int | None = None):
         self.sizes = sizes
         self.capacity = capacity  # bytes
         self.positions = positions  # what the capacity was sized for (kv_cache_tokens): kv_usage's unit
+        self.sequences = sequences  # among how many sequences at most (max_concurrent), where `sized` says
         self.margin = capacity // 100  # left free at admission for running sequences to grow (vLLM's watermark)
         self.used = 0  # bytes the sequences hold
         self._held: dict[str, int] = {}
@@ -126,7 +127,7 @@ class CacheBudget:
         `max_len`, as a paged pool of that many positions holds them. Spread evenly costs the most (each sequence
         pays its window and buffers whatever its length), so that is what it is sized for."""
         share = min(-(-positions // sequences), max_len)
-        return cls(sizes, sequences * sizes.bound(share), positions)
+        return cls(sizes, sequences * sizes.bound(share), positions, sequences)
 
     def admit(self, seq_id: str, positions: int) -> bool:
         """Charge a new sequence for `positions`, leaving the margin free when others run; False: no room."""

@@ -139,7 +139,8 @@ def _cache_layout(drafting: bool) -> dict[str, str]:
         return {"v4_caches": "per sequence (transformers DynamicCache; not paged while the MTP head drafts)",
                 "v4_steps": "batched: a step's rows together, attention's cached part per sequence"}
     return {"v4_caches": f"prompts per sequence (transformers DynamicCache), then decode rows over paged caches "
-                         f"(a slot per sequence, pages of {ENTRIES} compressed entries)",
+                         f"(a slot per sequence, pages of {ENTRIES} compressed entries; the pools sized to the "
+                         f"cache budget at the first decode row)",
             "v4_steps": "batched: a step's rows together; decode rows' cached attention together, a prompt "
                         "chunk's per sequence"}
 

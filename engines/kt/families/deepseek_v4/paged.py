@@ -15,6 +15,10 @@ tensor operations per layer whatever the number of sequences:
   indexer's keys, sharing the page ids), allocated in the same order for every layer of one compression rate, so
   a sequence has one page table per rate. A row at position p may see the entries [0, (p + 1) // rate).
 
+The pools take their dtype and devices from the first cache that moves in, and their size from the cache budget
+the runner gives (a slot per sequence it admits, every rate's pages for all its positions): sized once, they do not
+grow while serving. Without a budget they grow by half as sequences come (each growth makes new tensors).
+
 A decode row at position p (`attend`): its key goes into the window ring; its compressor and indexer projections
 into their rings; where p closes a window ((p + 1) % rate == 0, known on the host) the window's entry is computed
 from the ring exactly as transformers' compressor computes it (the same modules: the softmax over the window's
@@ -209,8 +213,12 @@ class DecodeStep:
 class PagedDecode:
     """The paged caches of a V4 model's decoding sequences (see the module docstring)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, sequences: int | None = None, positions: int | None = None):
+        """`sequences` and `positions`: what the cache budget holds (budget.py's CacheBudget), which the pools are
+        sized to when the first sequence moves in, so that they never grow while serving (a growth makes new
+        tensors, which drops the captured whole decode steps: graphs.py). None: they grow as sequences come."""
         config = model.config
+        self.sized_for = (sequences, positions) if sequences and positions else None
         self.window = config.sliding_window
         self.layers = [_Layer(layer.self_attn, self.window) for layer in model.model.layers]
         self.rates = sorted({layer.rate for layer in self.layers if layer.rate})
@@ -222,33 +230,47 @@ class PagedDecode:
         self.generation = 0  # counts the pools' growths: a captured graph reads the tensors of one generation
 
     # ------------------------------------------------------------------------------ slots and pages
-    def _slot(self, dtype: torch.dtype) -> int:
+    def _slot(self) -> int:
         if not self.free_slots:
-            grown = max(self.slots + 1, int(self.slots * _GROWTH) + 1, SCRATCH_SLOT + 2)
-            for layer in self.layers:
-                device = layer.device
-                keys = torch.zeros(grown - self.slots, self.window, layer.attn.head_dim, dtype=dtype, device=device)
-                layer.keys = keys if layer.keys is None else torch.cat([layer.keys, keys])
-                for c in layer.compressors.values():
-                    c.grow_slots(grown, dtype, device)
-            self.free_slots = list(range(grown - 1, max(self.slots, SCRATCH_SLOT + 1) - 1, -1))
-            self.slots = grown
-            self.generation += 1
+            self._grow_slots(max(self.slots + 1, int(self.slots * _GROWTH) + 1))
         return self.free_slots.pop()
 
     def _page(self, rate: int) -> int:
-        free = self.free_pages[rate]
-        if not free:
+        if not self.free_pages[rate]:
             have = self.pages[rate]
-            grown = max(have + 1, int(have * _GROWTH) + 1, 2)
-            for layer in self.layers:
-                if layer.rate == rate:
-                    for c in layer.compressors.values():
-                        c.grow_pages(grown, self.dtype, layer.device)
-            free.extend(range(grown - 1, max(have, 1) - 1, -1))  # page 0: the scratch and blank entries
-            self.pages[rate] = grown
-            self.generation += 1
-        return free.pop()
+            self._grow_pages(rate, max(have + 1, int(have * _GROWTH) + 1))
+        return self.free_pages[rate].pop()
+
+    def _grow_slots(self, grown: int) -> None:
+        grown = max(grown, SCRATCH_SLOT + 2)
+        for layer in self.layers:
+            device = layer.device
+            keys = torch.zeros(grown - self.slots, self.window, layer.attn.head_dim, dtype=self.dtype, device=device)
+            layer.keys = keys if layer.keys is None else torch.cat([layer.keys, keys])
+            for c in layer.compressors.values():
+                c.grow_slots(grown, self.dtype, device)
+        self.free_slots = list(range(grown - 1, max(self.slots, SCRATCH_SLOT + 1) - 1, -1)) + self.free_slots
+        self.slots = grown
+        self.generation += 1
+
+    def _grow_pages(self, rate: int, grown: int) -> None:
+        have, grown = self.pages[rate], max(grown, 2)
+        for layer in self.layers:
+            if layer.rate == rate:
+                for c in layer.compressors.values():
+                    c.grow_pages(grown, self.dtype, layer.device)
+        # page 0: the scratch and blank entries
+        self.free_pages[rate] = list(range(grown - 1, max(have, 1) - 1, -1)) + self.free_pages[rate]
+        self.pages[rate] = grown
+        self.generation += 1
+
+    def _size_to_budget(self) -> None:
+        """Every sequence's slot, and for each rate the pages of all positions however the sequences share them
+        (each sequence's last page partly filled), beside the scratch slot and page."""
+        sequences, positions = self.sized_for
+        self._grow_slots(sequences + 1)
+        for rate in self.rates:
+            self._grow_pages(rate, positions // rate // PAGE + sequences + 1)
 
     def reserve(self, seq: PagedSequence, position: int) -> None:
         """Pages for the entries a row at `position` may write (its window's, (position // rate))."""
@@ -277,7 +299,9 @@ class PagedDecode:
             self.dtype = _dtype_of(cache)
             for layer, state in zip(self.layers, cache.layers):
                 layer.device = state.keys.device
-        seq = PagedSequence(self._slot(self.dtype))
+            if self.sized_for is not None:
+                self._size_to_budget()
+        seq = PagedSequence(self._slot())
         for rate in self.rates:
             seq.pages[rate] = [self._page(rate) for _ in range((computed // rate) // PAGE + 1)]
         slot = seq.slot

@@ -81,7 +81,8 @@ class V4ModelRunner(ModelRunner):
         self.prefixes = PrefixStore(budget, enabled=prefix_cache and head is None)
         # decode rows over paged caches, all sequences of a step at once (paged.py); a drafted chunk verifies
         # several rows over transformers' caches, so not while the head drafts
-        self.paged = self.batch.paged = PagedDecode(model) if head is None and paged_decode else None
+        self.paged = self.batch.paged = (PagedDecode(model, budget.sequences, budget.positions)
+                                         if head is None and paged_decode else None)
 
     def _state(self, seq: Sequence) -> SequenceCache:
         if seq.runner_state is None:

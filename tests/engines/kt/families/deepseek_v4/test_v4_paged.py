@@ -128,6 +128,27 @@ def test_a_released_sequence_gives_its_slot_and_pages_back(v4_model_dir):
     assert runner.paged.usage() == (0, 0)
 
 
+def test_the_paged_pools_are_sized_to_the_cache_budget_and_do_not_grow_while_sequences_decode(v4_model_dir):
+    require_kt_kernel()
+    from engines.runtime.model_runner import ScheduledChunk
+
+    runner = load_v4_runner(v4_model_dir, max_concurrent=3)
+    generator = torch.Generator().manual_seed(17)
+    sequences = [runner_sequence(torch.randint(100, 120000, (n + 12,), generator=generator).tolist(), prompt=n)
+                 for n in (300, 290, 280)]
+    for seq in sequences:
+        runner.execute([ScheduledChunk(seq=seq, start=0, end=seq.num_prompt_tokens)])
+    paged, sized = runner.paged, None
+    for step in range(12):
+        runner.execute([ScheduledChunk(seq=s, start=s.num_prompt_tokens + step, end=s.num_prompt_tokens + step + 1)
+                        for s in sequences])
+        sized = paged.generation if sized is None else sized  # the first decode rows sized the pools
+    positions = runner.budget.positions
+    assert paged.slots == 3 + 1  # every sequence's slot and the scratch slot
+    assert paged.pages == {rate: positions // rate // PAGE + 3 + 1 for rate in paged.rates}
+    assert paged.generation == sized
+
+
 def test_a_prompt_fed_a_token_a_step_moves_to_the_paged_caches_at_its_first_decode_row(v4_model_dir):
     require_kt_kernel()
     from engines.runtime.model_runner import ScheduledChunk
