@@ -216,6 +216,25 @@ class V4StepGraphs:
         log.info("kt_use_cuda_graph: captured %d V4 step segments x %d row buckets (%s) in %.1fs; each "
                  "sequence's cached attention runs between them", len(self.layers) + 1, len(self.buckets),
                  ",".join(map(str, self.buckets)), time.perf_counter() - started)
+        self._capture_short_decode_steps()
+
+    def _capture_short_decode_steps(self) -> None:
+        """The whole decode steps of sequences within one page per rate (up to PAGE x the smallest rate
+        positions), every bucket, captured now over pools sized to the cache budget, so that the first requests
+        do not wait for their captures; longer ones are captured at their first step."""
+        paged = self.batch.paged
+        if paged is None or paged.sized_for is None or self.attended is None:
+            return  # pools without a budget are made at the first sequence's size: their steps wait for it
+        if paged.dtype is None:
+            paged.prepare(self.attended.dtype)
+        started = time.perf_counter()
+        with (torch.inference_mode(), torch.cuda.device(self.device), device_scope(self.device),
+              self.batch.lora.step(AdapterRows.uniform(None))):
+            for rows in reversed(self.buckets):
+                if self._whole_graph(paged.blank_step(rows)) is None:
+                    return
+        log.info("kt_use_cuda_graph: captured whole V4 decode steps of one page per rate x %d row buckets in %.1fs",
+                 len(self.buckets), time.perf_counter() - started)
 
     def _capture(self, rows: int) -> tuple[list[torch.cuda.CUDAGraph], list[dict[str, Any]]]:
         current = torch.cuda.current_stream(self.device)
@@ -240,7 +259,8 @@ class V4StepGraphs:
 
     def describe(self) -> str:
         return (f"piecewise: rows {','.join(map(str, self.buckets))}; decode steps over the paged caches whole "
-                f"(attention included, a graph per rows and page widths, captured at first use), other steps' "
+                f"(attention included, a graph per rows and page widths: one page per rate captured at load, "
+                f"wider ones at first use), other steps' "
                 f"cached attention eager")
 
 

@@ -151,8 +151,7 @@ class DecodeStep:
         self.window_valid[n:] = False
         self.by_rate: dict[int, dict[str, Any]] = {}
         for rate in pools.rates:
-            used = max(len(s.pages[rate]) for s in sequences)
-            width = (pages[rate] if padded else used) * PAGE
+            width = (pages[rate] if padded else max(len(s.pages[rate]) for s in sequences)) * PAGE
             table = torch.full((rows, width), BLANK_ENTRY, dtype=torch.long)
             for b, s in enumerate(sequences):
                 owned = torch.tensor(s.pages[rate], dtype=torch.long)
@@ -287,6 +286,15 @@ class PagedDecode:
             self.free_pages[rate].extend(pages)
         seq.slot, seq.pages = -1, {}
 
+    def prepare(self, dtype: torch.dtype, devices: list[torch.device] | None = None) -> None:
+        """The pools' dtype and each layer's device (default: its attention's), sized to the budget if there is
+        one: at the first sequence that moves in, or before (graphs.py captures steps over them at load)."""
+        self.dtype = dtype
+        for layer, device in zip(self.layers, devices or [next(l.attn.parameters()).device for l in self.layers]):
+            layer.device = device
+        if self.sized_for is not None:
+            self._size_to_budget()
+
     def usage(self) -> tuple[int, int]:
         """(slots in use, pages in use over every rate): sequences', not the scratch slot and page."""
         return (max(self.slots - len(self.free_slots) - 1, 0),
@@ -296,11 +304,7 @@ class PagedDecode:
     def adopt(self, cache: Any, computed: int) -> PagedSequence:
         """A slot and pages holding what transformers' V4 `cache` holds after `computed` positions."""
         if self.dtype is None:  # the pools take the dtype and devices of the first cache that moves in
-            self.dtype = _dtype_of(cache)
-            for layer, state in zip(self.layers, cache.layers):
-                layer.device = state.keys.device
-            if self.sized_for is not None:
-                self._size_to_budget()
+            self.prepare(_dtype_of(cache), [state.keys.device for state in cache.layers])
         seq = PagedSequence(self._slot())
         for rate in self.rates:
             seq.pages[rate] = [self._page(rate) for _ in range((computed // rate) // PAGE + 1)]
@@ -350,6 +354,11 @@ class PagedDecode:
             self.reserve(seq, position)
         pages = {rate: _pow2(max(len(s.pages[rate]) for s in sequences)) for rate in self.rates}
         return DecodeStep(self, sequences, positions, device, rows=rows, pages=pages)
+
+    def blank_step(self, rows: int) -> DecodeStep:
+        """A padded step of `rows` pad rows and one page per rate, the key of short sequences' steps: what a
+        graph of that key is captured over before any sequence decodes (its writes go to the scratch places)."""
+        return DecodeStep(self, [], [], torch.device("cpu"), rows=rows, pages={rate: 1 for rate in self.rates})
 
     def attend(self, layer_index: int, step: DecodeStep, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor,
                q_residual: torch.Tensor) -> torch.Tensor:

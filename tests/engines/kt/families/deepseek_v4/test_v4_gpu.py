@@ -98,6 +98,12 @@ def test_v4_steps_are_captured_in_piecewise_cuda_graphs(v4_gpu):
     assert all(len(g) == v4_gpu.engine._runner.config.num_hidden_layers + 1 for g in graphs.graphs.values())
 
 
+def test_v4_short_decode_steps_are_captured_whole_at_load_for_every_row_bucket(v4_gpu):
+    graphs = v4_gpu.engine._runner.graphs
+    one_page = {rows for rows, pages in graphs.whole if all(n == 1 for _, n in pages)}
+    assert one_page == set(graphs.buckets)
+
+
 def test_v4_decode_steps_over_the_paged_caches_replay_whole_step_graphs(v4_gpu):
     from tests.helpers import completions_together
 
