@@ -140,7 +140,7 @@ def _cache_layout(drafting: bool) -> dict[str, str]:
                 "v4_steps": "batched: a step's rows together, attention's cached part per sequence"}
     return {"v4_caches": f"prompts per sequence (transformers DynamicCache), then decode rows over paged caches "
                          f"(a slot per sequence, pages of {ENTRIES} compressed entries; the pools sized to the "
-                         f"cache budget at the first decode row)",
+                         f"cache budget, at load under CUDA graphs, else at the first decode row)",
             "v4_steps": "batched: a step's rows together; decode rows' cached attention together, a prompt "
                         "chunk's per sequence"}
 
