@@ -60,7 +60,8 @@ def segmented_vs_eager(runner, prompts, plans, starts, max_rows: int) -> tuple[f
     finally:
         runner.graphs = None
     diff = max(max_next_token_diff(s, e, p) for s, e, p in zip(segmented, eager, prompts))
-    print(f"\nsegmented vs eager: max |dlogprob| {diff:.2e}, rows served {segments.served}, whole {segments.inner.whole_steps}")
+    print(f"\nsegmented vs eager: max |dlogprob| {diff:.2e}, rows served {segments.served}, "
+          f"decode steps whole {segments.inner.whole_steps}")
     return diff, segments.served
 
 
