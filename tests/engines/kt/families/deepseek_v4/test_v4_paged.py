@@ -114,6 +114,34 @@ def test_decode_steps_padded_to_their_bucket_and_page_widths_give_the_streams_of
     assert worst < RELATIVE
 
 
+def test_a_slot_and_pages_given_back_and_taken_again_decode_in_padded_steps_as_fresh_ones(reference):
+    from engines.kt.families.deepseek_v4.graphs import V4StepGraphs
+
+    fresh, reused = V4Batch(reference, LoraContext()), V4Batch(reference, LoraContext())
+    fresh.paged, reused.paged = PagedDecode(reference), PagedDecode(reference, sequences=1, positions=512)
+    whole = V4StepGraphs(reused, 4, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(19)
+    # the second prompt is shorter than the window (16): its ring rows past it still hold the first one's keys
+    first, second = (torch.randint(100, 120000, (n,), generator=generator).tolist() for n in (300, 40))
+    with torch.inference_mode():
+        earlier = _prefilled(reused, first, 290)
+        earlier.adopt(reused.paged)
+        for p in range(290, 300):  # fills the slot's rings and the pages with the first sequence's rows
+            whole.hidden_streams([Piece(first, p, p + 1, None, None, paged=earlier.paged)])
+        slot, pages = earlier.paged.slot, dict(earlier.paged.pages)
+        reused.paged.release(earlier.paged)
+        mine, theirs = _prefilled(fresh, second, 5), _prefilled(reused, second, 5)
+        mine.adopt(fresh.paged)
+        theirs.adopt(reused.paged)
+        assert theirs.paged.slot == slot and theirs.paged.pages[4][0] in pages[4]
+        worst = 0.0
+        for p in range(5, 40):
+            expected = fresh.hidden_streams([Piece(second, p, p + 1, None, None, paged=mine.paged)])
+            got = whole.hidden_streams([Piece(second, p, p + 1, None, None, paged=theirs.paged)])
+            worst = max(worst, ((got - expected).abs().max() / expected.abs().max()).item())
+    assert worst < RELATIVE
+
+
 def test_a_released_sequence_gives_its_slot_and_pages_back(v4_model_dir):
     require_kt_kernel()
     from engines.runtime.model_runner import ScheduledChunk
