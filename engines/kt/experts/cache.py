@@ -5,7 +5,8 @@ form and later loads read it back. kt-kernel writes the AMX forms itself, under 
 ("<PREFIX>_<mat>_<expert>_<bytes>Byte_..."); the forms quantized in torch (FP8, RAWINT4) are saved here as one
 safetensors file per layer; hot experts' weights (kept on the GPU in torch) go beside them, and so do the GPU's
 copies (int8, int4 for 4-bit methods) of the experts kt-kernel does not hold (`first_expert`, kt_gpu_read_experts
-and kt_gpu_resident_experts: one file, whichever memory each expert lies in). A manifest, written last, says what
+and kt_gpu_resident_experts: one file, whichever memory each expert lies in), and the decode kernel's own INT8 /
+INT4 form where it quantized one from the bf16 weights (read back where present). A manifest, written last, says what
 the folder holds: a load reads it back only when the manifest matches this layer's method,
 shape, kt-kernel build and layout, and every file it names is there."""
 from __future__ import annotations
@@ -146,6 +147,33 @@ class LayerCache:
                 if first is not None:
                     first.named()[name].copy_(rows[:resident])
         return (None if first is None else first.to(device)), copies
+
+    def _decode_kernel_path(self, fmt: str) -> Path:
+        return self.dir / f"ktserve-decode-{fmt}.safetensors"
+
+    def save_decode_kernel(self, fmt: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Write the decode kernel's own quantized form of the layer (INT8 / INT4 made from the bf16 weights at
+        load: decode_calls.py), so that a load from the cache serves decode calls as the first load did."""
+        from safetensors.torch import save_file
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(self._decode_kernel_path(fmt)))
+
+    def load_decode_kernel(self, fmt: str) -> dict[str, torch.Tensor] | None:
+        """What `save_decode_kernel` wrote for `fmt` and this layer's shape, or None (not written: a cache made
+        with the kernel off, or before it was kept; a file of other shapes)."""
+        from safetensors.torch import load_file
+
+        try:
+            tensors = load_file(str(self._decode_kernel_path(fmt)))
+        except (OSError, ValueError, RuntimeError):
+            return None
+        shapes = {"gate": (self.num_experts, self.intermediate_size), "up": (self.num_experts, self.intermediate_size),
+                  "down": (self.num_experts, self.hidden_size)}
+        if any(m not in tensors or f"{m}_scale" not in tensors or tuple(tensors[m].shape[:2]) != shape
+               for m, shape in shapes.items()):
+            return None
+        return tensors
 
     def finish_save(self, hot: tuple[torch.Tensor, ...] | None, hot_experts: list[int]) -> None:
         """Write the hot experts' weights (gate, up, down stacked over `hot_experts`), then the manifest."""

@@ -33,7 +33,7 @@ from engines.checkpoints import mxfp4
 from engines.kt.experts.cpuinfer import check_thread_count, load_ext, shared_cpu_infer
 from engines.kt.experts.cache import LayerCache
 from engines.kt.layers import layer_index
-from engines.kt.experts.decode_calls import DecodeCalls, DecodeKernelPolicy
+from engines.kt.experts.decode_calls import FORMATS as DECODE_FORMATS, DecodeCalls, DecodeKernelPolicy
 from engines.kt.experts.deferral import Deferred, ExpertDeferral, check_deferred, split_deferred
 from engines.kt.experts.host_copies import HostExperts, copy_bits
 from engines.kt.experts.streaming import ExpertStreamer
@@ -504,6 +504,9 @@ class RoutedExpertsCPU(nn.Module):
         self._build_kernel(prepared, save_dir=cache.root if cache and cache.written_by_kt_kernel else None)
         self._choose_decode_calls(floats=floats, prepared=prepared)
         if cache is not None:
+            if self.decode_calls is not None and self.decode_calls.quantized:  # the kernel's own form: kept too
+                kernel = self.decode_calls.kernel
+                cache.save_decode_kernel(kernel.format, kernel.tensors)
             if self.owned:  # the experts kt-kernel does not hold: the GPU's copies are their only form
                 cache.save_copies(self.streamer.layers[self.layer_idx], self.streamer.resident.get(self.layer_idx))
             cache.finish_save(self._gpu_weights, self.gpu_experts)
@@ -593,7 +596,8 @@ class RoutedExpertsCPU(nn.Module):
                 return False
         if cache.written_by_kt_kernel:  # kt-kernel only prints (and reads garbage) for a missing file: checked
             self._build_kernel({}, load_dir=cache.root)
-            self._choose_decode_calls()
+            fmt = DECODE_FORMATS.get(self.method)
+            self._choose_decode_calls(quantized=cache.load_decode_kernel(fmt) if fmt else None)
         else:
             prepared = cache.load_prepared()
             self._build_kernel(prepared)

@@ -29,8 +29,9 @@ Layers whose output goes to a GPU queue the kernel on the CUDA stream as kt-kern
 stream-ordered path: `StreamTask`'s two host functions, which captured decode graphs replay); the share of a decode
 call's experts the GPU reads from their host copies (kt_gpu_read_experts) reaches the kernel as -1 ids, and prompt
 chunks that stream experts stay kt-kernel's. Layers with hot experts, experts the GPU owns (kt-kernel holds the others,
-renumbered), deferred experts, and layers loaded from kt-kernel's own files (kt_weight_path, kt-kernel's
-kt_weight_cache), which leave no weights the kernel reads, stay on kt-kernel. Rows of adapters with expert LoRA reach
+renumbered), deferred experts, and layers loaded from kt-kernel's own files (kt_weight_path, or a kt_weight_cache
+written with the kernel off), which leave no weights the kernel reads, stay on kt-kernel; a kt_weight_cache keeps
+the kernel's AMXINT8 / AMXINT4 form beside kt-kernel's files, so a load from it serves as the load that wrote it. Rows of adapters with expert LoRA reach
 the base kernel as expert-less rows whichever kernel serves (engines/lora/cpu_experts.py).
 """
 from __future__ import annotations
@@ -72,6 +73,8 @@ FORMATS = {"MXFP4": "mxfp4", "FP8": "fp8", "RAWINT4": "int4", "AMXINT8": "int8",
 # 7.7 / 23.6 / 54.2, Q6_K 6.6 / 26.6 / 67.7 against 7.2 / 26.7 / 68.4 (both at the box's read rate, a tie but for
 # one token), Q4_K gate/up + Q6_K down 5.0 / 19.6 / 55.7 against 6.9 / 25.5 / 58.8; on their float path, the same
 # run's way, they had been 15.2 / 49.7 / 117, 19.7 / 66.9 / 179 and 19.0 / 62.9 / 163; AVX2 hosts not measured)
+# methods whose weights the kernel quantizes its own way from the bf16 weights (kt-kernel's files hold another form)
+OWN_FORM_METHODS = ("AMXINT8", "AMXINT4")
 MAX_ROWS = {"mxfp4": 128, "fp8": 16, "int8": 128, "int4": 128, "q8_0": 16, "q4_0": 16, "q4_k": 16, "q6_k": 16}
 MEMORY_SHARE = 0.3  # of the host memory available at the first layer's load, what auto lets the kernel's copies take
 # The formats auto serves where a layer's output is on a GPU: those measured served there. MXFP4 (V4-Flash's shape, 4
@@ -149,6 +152,7 @@ class DecodeCalls:
     pool: "DecodePool"
     max_rows: int
     extra_bytes: int  # host memory its weights take beside kt-kernel's
+    quantized: bool = False  # its weights are the kernel's own INT8 / INT4 form (kept in a weight cache beside kt-kernel's)
 
     def covers(self, tokens: int) -> bool:
         return 0 < tokens <= self.max_rows
@@ -190,16 +194,17 @@ class DecodeKernelPolicy:
         self.setting = check_setting(self.setting)
 
     def build(self, layer: "RoutedExpertsCPU", *, floats: tuple[torch.Tensor, ...] | None = None,
-              prepared: dict[str, Any] | None = None, packed: dict[str, torch.Tensor] | None = None
-              ) -> DecodeCalls | None:
-        """The decode calls of `layer`, from the forms it was just loaded from, or None (the reason recorded)."""
+              prepared: dict[str, Any] | None = None, packed: dict[str, torch.Tensor] | None = None,
+              quantized: dict[str, torch.Tensor] | None = None) -> DecodeCalls | None:
+        """The decode calls of `layer`, from the forms it was just loaded from (`quantized`: the kernel's own INT8 /
+        INT4 form, as a weight cache kept it), or None (the reason recorded)."""
         self.layers.append(weakref.ref(layer))
         self.formats.pop(layer.layer_idx, None)
         why = self._structural_reason(layer)
         fmt = kernel_format(layer)
         kernel = None
         if why is None:
-            kernel = _kernel_layer(layer, fmt, floats=floats, prepared=prepared, packed=packed)
+            kernel = _kernel_layer(layer, fmt, floats=floats, prepared=prepared, packed=packed, quantized=quantized)
             if kernel is None:
                 why = f"layer loaded from kt-kernel's own files: no {layer.method} weights for the kernel"
         if why is None:
@@ -216,7 +221,7 @@ class DecodeKernelPolicy:
         pool = decode_kernel.shared_pool(pool_threads() or layer.threads or 1, kt_worker_cpus())
         self.outcomes[layer.layer_idx] = _served_as(layer)
         self.formats[layer.layer_idx] = fmt
-        return DecodeCalls(kernel, pool, _max_rows(fmt), extra)
+        return DecodeCalls(kernel, pool, _max_rows(fmt), extra, quantized=layer.method in OWN_FORM_METHODS)
 
     def _structural_reason(self, layer: "RoutedExpertsCPU") -> str | None:
         if self.setting == "off":
@@ -316,10 +321,13 @@ class DecodeKernelPolicy:
 
 
 def _kernel_layer(layer: "RoutedExpertsCPU", fmt: str, *, floats: tuple[torch.Tensor, ...] | None,
-                  prepared: dict[str, Any] | None, packed: dict[str, torch.Tensor] | None) -> "DecodeLayer | None":
+                  prepared: dict[str, Any] | None, packed: dict[str, torch.Tensor] | None,
+                  quantized: dict[str, torch.Tensor] | None = None) -> "DecodeLayer | None":
     from engines.kt.experts.decode_kernel import DecodeLayer
 
     limit = layer.swiglu_limit
+    if layer.method in OWN_FORM_METHODS and quantized is not None:  # the kernel's form, from a weight cache
+        return DecodeLayer(fmt, layer.hidden_size, layer.intermediate_size, quantized, swiglu_limit=limit)
     if fmt == "mxfp4" and packed is not None:  # each expert's block as it lies (a streamer's copy: views)
         return DecodeLayer.mxfp4({k: v if v[0].is_contiguous() else v.contiguous() for k, v in packed.items()},
                                  swiglu_limit=limit)

@@ -102,6 +102,26 @@ def test_calls_up_to_the_format_s_max_rows_go_to_the_kernel_and_larger_ones_to_k
     assert submitted(experts, rows + 1) is not _DecodePending
 
 
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4"])
+def test_a_load_from_a_weight_cache_serves_decode_calls_as_the_load_that_wrote_it(weights, method, tmp_path):
+    if method not in available_methods():
+        pytest.skip(f"{method} not supported by this kt-kernel build")
+
+    def loaded(cached: bool) -> RoutedExpertsCPU:
+        experts = RoutedExpertsCPU(layer_idx=0, num_experts=E, top_k=K, hidden_size=H, intermediate_size=I,
+                                   method=method, max_tokens=ROWS, decode_kernel=DecodeKernelPolicy("auto"))
+        if cached:
+            assert experts.load_quantized(tmp_path)
+        else:
+            experts.load_weights(*weights, cache_dir=tmp_path)
+        return experts
+
+    first, again = loaded(cached=False), loaded(cached=True)
+    assert again.decode_calls is not None and again.decode_calls.quantized
+    hidden, ids, w = routing(5)
+    assert torch.equal(again(hidden, ids, w), first(hidden, ids, w))
+
+
 def test_off_keeps_every_call_on_kt_kernel(weights):
     experts = layer("AMXINT8", weights, "off")
     assert experts.decode_calls is None and submitted(experts, 1) is not _DecodePending
