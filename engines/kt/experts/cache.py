@@ -162,11 +162,12 @@ class LayerCache:
     def load_decode_kernel(self, fmt: str) -> dict[str, torch.Tensor] | None:
         """What `save_decode_kernel` wrote for `fmt` and this layer's shape, or None (not written: a cache made
         with the kernel off, or before it was kept; a file of other shapes)."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         try:
             tensors = load_file(str(self._decode_kernel_path(fmt)))
-        except (OSError, ValueError, RuntimeError):
+        except (OSError, SafetensorError):  # none, or not whole (a save cut short)
             return None
         shapes = {"gate": (self.num_experts, self.intermediate_size), "up": (self.num_experts, self.intermediate_size),
                   "down": (self.num_experts, self.hidden_size)}

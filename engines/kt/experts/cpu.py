@@ -504,7 +504,7 @@ class RoutedExpertsCPU(nn.Module):
         self._build_kernel(prepared, save_dir=cache.root if cache and cache.written_by_kt_kernel else None)
         self._choose_decode_calls(floats=floats, prepared=prepared)
         if cache is not None:
-            if self.decode_calls is not None and self.decode_calls.quantized:  # the kernel's own form: kept too
+            if self.decode_calls is not None and self.decode_calls.own_form:  # the kernel's own form: kept too
                 kernel = self.decode_calls.kernel
                 cache.save_decode_kernel(kernel.format, kernel.tensors)
             if self.owned:  # the experts kt-kernel does not hold: the GPU's copies are their only form

@@ -31,8 +31,9 @@ call's experts the GPU reads from their host copies (kt_gpu_read_experts) reache
 chunks that stream experts stay kt-kernel's. Layers with hot experts, experts the GPU owns (kt-kernel holds the others,
 renumbered), deferred experts, and layers loaded from kt-kernel's own files (kt_weight_path, or a kt_weight_cache
 written with the kernel off), which leave no weights the kernel reads, stay on kt-kernel; a kt_weight_cache keeps
-the kernel's AMXINT8 / AMXINT4 form beside kt-kernel's files, so a load from it serves as the load that wrote it. Rows of adapters with expert LoRA reach
-the base kernel as expert-less rows whichever kernel serves (engines/lora/cpu_experts.py).
+the kernel's AMXINT8 / AMXINT4 form beside kt-kernel's files, so a load from it serves as the load that wrote it.
+Rows of adapters with expert LoRA reach the base kernel as expert-less rows whichever kernel serves
+(engines/lora/cpu_experts.py).
 """
 from __future__ import annotations
 
@@ -152,7 +153,7 @@ class DecodeCalls:
     pool: "DecodePool"
     max_rows: int
     extra_bytes: int  # host memory its weights take beside kt-kernel's
-    quantized: bool = False  # its weights are the kernel's own INT8 / INT4 form (kept in a weight cache beside kt-kernel's)
+    own_form: bool = False  # weights in the kernel's own INT8 / INT4 form (a weight cache keeps them too)
 
     def covers(self, tokens: int) -> bool:
         return 0 < tokens <= self.max_rows
@@ -221,7 +222,7 @@ class DecodeKernelPolicy:
         pool = decode_kernel.shared_pool(pool_threads() or layer.threads or 1, kt_worker_cpus())
         self.outcomes[layer.layer_idx] = _served_as(layer)
         self.formats[layer.layer_idx] = fmt
-        return DecodeCalls(kernel, pool, _max_rows(fmt), extra, quantized=layer.method in OWN_FORM_METHODS)
+        return DecodeCalls(kernel, pool, _max_rows(fmt), extra, own_form=layer.method in OWN_FORM_METHODS)
 
     def _structural_reason(self, layer: "RoutedExpertsCPU") -> str | None:
         if self.setting == "off":

@@ -117,9 +117,32 @@ def test_a_load_from_a_weight_cache_serves_decode_calls_as_the_load_that_wrote_i
         return experts
 
     first, again = loaded(cached=False), loaded(cached=True)
-    assert again.decode_calls is not None and again.decode_calls.quantized
+    assert again.decode_calls is not None and again.decode_calls.own_form
     hidden, ids, w = routing(5)
     assert torch.equal(again(hidden, ids, w), first(hidden, ids, w))
+
+
+def test_a_weight_cache_whose_decode_kernel_file_is_damaged_loads_with_kt_kernel_serving(weights, tmp_path):
+    if "AMXINT8" not in available_methods():
+        pytest.skip("AMXINT8 not supported by this kt-kernel build")
+
+    def loaded(setting: str, cached: bool) -> RoutedExpertsCPU:
+        experts = RoutedExpertsCPU(layer_idx=0, num_experts=E, top_k=K, hidden_size=H, intermediate_size=I,
+                                   method="AMXINT8", max_tokens=ROWS, decode_kernel=DecodeKernelPolicy(setting))
+        if cached:
+            assert experts.load_quantized(tmp_path)
+        else:
+            experts.load_weights(*weights, cache_dir=tmp_path)
+        return experts
+
+    loaded("auto", cached=False)
+    (damaged,) = tmp_path.rglob("ktserve-decode-int8.safetensors")
+    damaged.write_bytes(damaged.read_bytes()[:100])  # cut short, as by a full disk
+    again, theirs = loaded("auto", cached=True), loaded("off", cached=True)
+    assert again.decode_calls is None
+    assert "no AMXINT8 weights for the kernel" in again.decode_kernel.details()["decode_kernel"]
+    hidden, ids, w = routing(5)
+    assert torch.equal(again(hidden, ids, w), theirs(hidden, ids, w))
 
 
 def test_off_keeps_every_call_on_kt_kernel(weights):
