@@ -643,7 +643,8 @@ def run(args: argparse.Namespace) -> dict:
         if graphs is not None and getattr(graphs, "captured", False):  # whole decode steps: captured at first use
             figures["whole_decode_graphs"] = {
                 "steps": graphs.whole_steps, "captures": graphs.whole_captures, "kept": len(graphs.whole),
-                "capture_s": round(graphs.whole_capture_s, 3), "off": graphs.whole_off}
+                "capture_s": round(graphs.whole_capture_s, 3), "made_ahead": graphs.forecasts_used,
+                "off": graphs.whole_off}
         write_results(figures, args.out)
 
     phases = V4Phases(engine, results, sizes=sizes, selected=selected, layers=layers, vocab=config["vocab_size"],

@@ -24,7 +24,8 @@ launches the GPU ran per decode step, per layer), `gpu_kernel_ms_per_step`, the 
 With `--profile-prefill`, the prompt is prefilled once more under torch.profiler (`prefill_profiled`: its top
 kernels and host ops); `prefill.chunk_ms` gives each chunk's time, so its growth with the context shows.
 Last, `engine_decode`: one request decoded through the engine, where its step thread's time goes per token; where
-the engine captured CUDA graphs, with its decode steps over the paged caches whole and as segments, in turns.
+the engine captured CUDA graphs, with its decode steps over the paged caches whole (their host part made ahead while
+the GPU runs the step before, and made at its turn) and as segments, in turns.
 Prints one JSON object (also to --out/v4-trace.json).
 """
 from __future__ import annotations
@@ -457,26 +458,32 @@ def engine_decode(engine, vocab: int, tokens: int) -> dict:
 
 
 def engine_decode_paths(engine, vocab: int, tokens: int, rounds: int = 3) -> dict:
-    """`engine_decode` with the decode steps over the paged caches captured whole (graphs.py) and as segments with
-    their cached attention eager, in turns for `rounds` rounds in one engine (the host's bandwidth drifts between
-    runs, so the two are compared round by round): each round's figures and each path's median `wall_ms_per_token`.
-    Without captured graphs: the one path the engine runs."""
+    """`engine_decode` with the decode steps over the paged caches captured whole (graphs.py), whole with each
+    step's host part made at its turn instead of while the GPU ran the step before (`forecast_off`), and as segments
+    with their cached attention eager, in turns for `rounds` rounds in one engine (the host's bandwidth drifts
+    between runs, so the paths are compared round by round): each round's figures and each path's median
+    `wall_ms_per_token`. Without captured graphs: the one path the engine runs."""
     graphs = engine._runner.graphs
     if graphs is None or not getattr(graphs, "captured", False) or graphs.whole_off is not None:
         return {"engine": engine_decode(engine, vocab, tokens),
                 "whole_off": getattr(graphs, "whole_off", None) if graphs is not None else "no CUDA graphs"}
-    runs: dict[str, list[dict]] = {"whole": [], "segments": []}
+    runs: dict[str, list[dict]] = {"whole": [], "whole_at_turn": [], "segments": []}
+    off = "turned off to compare (bench.v4_trace)"
     for _ in range(rounds):
+        used = graphs.forecasts_used
         runs["whole"].append(engine_decode(engine, vocab, tokens))
+        runs["whole"][-1]["made_ahead"] = graphs.forecasts_used - used
         if graphs.whole_off is not None:  # a capture failed: the engine serves segments from now on
             return {**runs, "whole_off": graphs.whole_off}
-        graphs.whole_off = "turned off to compare (bench.v4_trace)"
-        try:
-            runs["segments"].append(engine_decode(engine, vocab, tokens))
-        finally:
-            graphs.whole_off = None
+        for path, switch in (("whole_at_turn", "forecast_off"), ("segments", "whole_off")):
+            setattr(graphs, switch, off)
+            try:
+                runs[path].append(engine_decode(engine, vocab, tokens))
+            finally:
+                setattr(graphs, switch, None)
     median = {path: sorted(r["wall_ms_per_token"] for r in v)[len(v) // 2] for path, v in runs.items()}
     return {**runs, "median_wall_ms_per_token": median,
+            "at_turn_over_whole": round(median["whole_at_turn"] / median["whole"], 3),
             "segments_over_whole": round(median["segments"] / median["whole"], 3)}
 
 

@@ -21,6 +21,9 @@ attention included: the paged step padded to its bucket and to a power of two of
 replays the step from the embeddings to the last layer's streams with no Python between layers. Each key's graph is
 captured at its first step (a warm-up run of that step first, whose cache writes the replay makes again), at most
 WHOLE_GRAPHS of them kept, the least recently used dropped; a growth of the paged pools (new tensors) drops them all.
+While the GPU runs a whole step, the host makes the next one of the same sequences (`_forecast`: their page tables
+one position on, ~0.5 ms of Python and small tensors at one row) and queues its copy into the graph's inputs
+behind the replay, so the next step, if it is that one, only copies its token ids and replays.
 
 Steps with a LoRA adapter, and steps of more rows than the largest bucket, run eagerly (batch.py). Without a GPU
 the same segments (and whole decode steps) run eagerly over the padded buffers, their outputs kept in the same
@@ -36,6 +39,7 @@ import torch
 
 from engines.kt.experts.protocol import RoutedExperts
 from engines.kt.families.deepseek_v4.batch import Piece, V4Batch, flat_rows
+from engines.kt.families.deepseek_v4.paged import Forecast
 from engines.kt.layers import device_scope
 from engines.lora.modules import AdapterRows
 
@@ -77,6 +81,9 @@ class V4StepGraphs:
         self.whole: OrderedDict[tuple, _WholeStep] = OrderedDict()  # by DecodeStep.key, least recently used first
         self.whole_generation = -1  # the paged pools' generation the whole graphs read
         self.whole_off: str | None = None  # why whole decode steps are not captured, after a capture failed
+        self.forecast: Forecast | None = None  # the next decode step, made while the GPU ran the last one
+        self.forecast_off: str | None = None  # why next steps are not made ahead (bench.v4_trace compares)
+        self.forecasts_used = 0  # whole decode steps that took the step made ahead of them
 
     def fits(self, pieces: list[Piece]) -> bool:
         return (sum(p.end - p.start for p in pieces) <= self.buckets[-1]
@@ -118,18 +125,43 @@ class V4StepGraphs:
         key's first step), or without graphs the same work eagerly."""
         n = len(pieces)
         paged = self.batch.paged
-        step = paged.padded_step([p.paged for p in pieces], [p.start for p in pieces], rows, torch.device("cpu"))
+        sequences, positions = [p.paged for p in pieces], [p.start for p in pieces]
+        forecast, self.forecast = self.forecast, None
+        if forecast is not None and forecast.step.rows == rows and forecast.holds(sequences, positions,
+                                                                                   paged.generation):
+            step, staged = forecast.step, forecast.staged
+            self.forecasts_used += 1
+        else:
+            step, staged = paged.padded_step(sequences, positions, rows, torch.device("cpu")), None
         self.whole_steps += 1
         with self.batch.lora.step(AdapterRows.uniform(None)), device_scope(self.device):
             if not self.captured:
-                return self._whole(rows, step.to(self.device))[0, :n].clone()
+                hidden = self._whole(rows, step.to(self.device))
+                self._forecast(sequences, positions, rows, None)
+                return hidden[0, :n].clone()
             whole = self._whole_graph(step)
             if whole is None:  # its capture failed: this step and the later ones as segments
                 return self.hidden_streams(pieces)
-            whole.step.copy_(step)
+            if staged is not whole:  # not already copied into this graph's inputs behind the step before
+                whole.step.copy_(step)
             whole.graph.replay()
+            self._forecast(sequences, positions, rows, whole)
         self.replayed += 1
         return whole.hidden[0, :n].clone()  # the next replay overwrites it
+
+    def _forecast(self, sequences: list, positions: list[int], rows: int, whole: _WholeStep | None) -> None:
+        """Make the next decode step of these sequences now, while the GPU runs this one, so that the host's part of
+        that step (its page tables, ~0.5 ms at one row) is not spent between two steps; replayed graphs also get its
+        tensors copied into `whole`'s inputs behind this step on the stream (from pinned memory, so the copy waits
+        for nothing). The next step takes it if it is the step this forecasts (`Forecast.holds`)."""
+        if self.forecast_off is not None:
+            return
+        forecast = self.batch.paged.next_step(sequences, positions, rows)
+        if forecast is not None and whole is not None and forecast.step.key == whole.step.key:
+            pinned = forecast.step.pinned()
+            whole.step.copy_(pinned)  # ordered after this step's replay, which reads the tensors it overwrites
+            forecast.step, forecast.staged = pinned, whole
+        self.forecast = forecast
 
     def _whole(self, rows: int, step: Any) -> torch.Tensor:
         """Every segment of a `rows`-row bucket with each layer's paged attention between them: the streams."""

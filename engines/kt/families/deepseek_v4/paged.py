@@ -196,9 +196,18 @@ class DecodeStep:
 
     def to(self, device: torch.device) -> "DecodeStep":
         """This step with its tensors on `device` (a new one; this one is left as it is)."""
+        return self._moved(lambda t: t.to(device, non_blocking=True))
+
+    def pinned(self) -> "DecodeStep":
+        """This step with its tensors in pinned host memory (a new one): a copy from it to the GPU waits for
+        nothing on the host (one from pageable memory may wait for the stream)."""
+        return self._moved(torch.Tensor.pin_memory)
+
+    def _moved(self, move) -> "DecodeStep":
         moved = copy.copy(self)
         moved.by_rate = {rate: dict(at) for rate, at in self.by_rate.items()}
-        moved._to(device)
+        for owner, name in moved._tensors():
+            owner[name] = move(owner[name])
         return moved
 
     def copy_(self, other: "DecodeStep") -> None:
@@ -207,6 +216,29 @@ class DecodeStep:
         assert other.key == self.key and self.key is not None
         for (mine, name), (theirs, _) in zip(self._tensors(), other._tensors()):
             mine[name].copy_(theirs[name], non_blocking=True)
+
+
+@dataclass(slots=True)
+class Forecast:
+    """A padded step made ahead of its turn (`PagedDecode.next_step`), and what it was made from."""
+
+    step: DecodeStep
+    sequences: list[PagedSequence]
+    positions: list[int]
+    holding: list[tuple[int, tuple[int, ...]]]  # each sequence's slot and page counts when it was made
+    generation: int
+    staged: Any = None  # what its tensors were already copied into (graphs.py: a captured step's inputs)
+
+    def holds(self, sequences: list[PagedSequence], positions: list[int], generation: int) -> bool:
+        """Whether this is the padded step of `sequences` at `positions` now: the same sequences (their slots and
+        pages unchanged: a sequence's pages only grow, and a released one has slot -1) over the same pools."""
+        return (generation == self.generation and positions == self.positions
+                and len(sequences) == len(self.sequences) and all(a is b for a, b in zip(sequences, self.sequences))
+                and _holding(sequences) == self.holding)
+
+
+def _holding(sequences: list[PagedSequence]) -> list[tuple[int, tuple[int, ...]]]:
+    return [(s.slot, tuple(len(pages) for _, pages in sorted(s.pages.items()))) for s in sequences]
 
 
 class PagedDecode:
@@ -352,8 +384,22 @@ class PagedDecode:
         """The step padded to `rows` rows and page tables of a power of two of pages (module docstring)."""
         for seq, position in zip(sequences, positions):
             self.reserve(seq, position)
-        pages = {rate: _pow2(max(len(s.pages[rate]) for s in sequences)) for rate in self.rates}
-        return DecodeStep(self, sequences, positions, device, rows=rows, pages=pages)
+        return DecodeStep(self, sequences, positions, device, rows=rows, pages=self._widths(sequences))
+
+    def next_step(self, sequences: list[PagedSequence], positions: list[int], rows: int) -> "Forecast | None":
+        """On the host, the padded step of `sequences` one position past `positions` (each row's next decode row),
+        made ahead of it (graphs.py makes it while the GPU runs the step at `positions`); None when a row would
+        need a page it does not hold yet, since taking one belongs to the step itself (`reserve`, which may grow the
+        pools)."""
+        if any((position + 1) // rate >= len(seq.pages.get(rate, ())) * PAGE
+               for seq, position in zip(sequences, positions) for rate in self.rates):
+            return None
+        after = [p + 1 for p in positions]
+        step = DecodeStep(self, sequences, after, torch.device("cpu"), rows=rows, pages=self._widths(sequences))
+        return Forecast(step, list(sequences), after, _holding(sequences), self.generation)
+
+    def _widths(self, sequences: list[PagedSequence]) -> dict[int, int]:
+        return {rate: _pow2(max(len(s.pages[rate]) for s in sequences)) for rate in self.rates}
 
     def blank_step(self, rows: int) -> DecodeStep:
         """A padded step of `rows` pad rows and one page per rate, the key of short sequences' steps: what a

@@ -117,6 +117,29 @@ def test_v4_decode_steps_over_the_paged_caches_replay_whole_step_graphs(v4_gpu):
     assert "decode steps over the paged caches whole" in v4_gpu.engine.info.details["cuda_graphs"]
 
 
+def test_v4_decode_steps_made_ahead_while_the_gpu_runs_decode_as_steps_made_at_their_turn(v4_gpu):
+    """The next decode step's page tables, made and copied behind the replayed step (graphs.py `_forecast`), give
+    the logprobs of the same steps made and copied at their turn, bit for bit."""
+    graphs = v4_gpu.engine._runner.graphs
+    client = v4_gpu.openai()
+
+    def logprobs() -> list[float]:
+        reply = client.completions.create(model=v4_gpu.engine.info.id, prompt=PROMPTS[0], max_tokens=24,
+                                          temperature=0, logprobs=1, extra_body={"ignore_eos": True})
+        return reply.choices[0].logprobs.token_logprobs
+
+    used = graphs.forecasts_used
+    ahead = logprobs()
+    assert graphs.forecasts_used - used == 24 - 2  # every decode step but the first (token 2)
+    graphs.forecast_off = "compared (test)"
+    try:
+        at_their_turn = logprobs()
+        assert graphs.forecasts_used - used == 24 - 2
+    finally:
+        graphs.forecast_off = None
+    assert ahead == at_their_turn
+
+
 def test_v4_decodes_the_same_with_cuda_graphs_on_and_off(v4_model_dir, v4_gpu):
     from tests.helpers import completions_together
 

@@ -142,6 +142,60 @@ def test_a_slot_and_pages_given_back_and_taken_again_decode_in_padded_steps_as_f
     assert worst < RELATIVE
 
 
+def _same_step(a, b) -> bool:
+    return a.key == b.key and all(torch.equal(x[n], y[n]) for (x, n), (y, _) in zip(a._tensors(), b._tensors()))
+
+
+def test_the_next_decode_step_made_ahead_is_the_step_made_at_its_turn_except_where_it_opens_a_page(reference):
+    from engines.kt.families.deepseek_v4.graphs import V4StepGraphs
+
+    batch = V4Batch(reference, LoraContext())
+    batch.paged = PagedDecode(reference, sequences=2, positions=1024)
+    whole = V4StepGraphs(batch, 4, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(23)
+    # the first sequence's CSA entries (one per 4 positions) fill their first page at position 255
+    prompts = {250: 262, 100: 112}
+    sequences = [(torch.randint(100, 120000, (end,), generator=generator).tolist(), prompt)
+                 for prompt, end in prompts.items()]
+    with torch.inference_mode():
+        batch.paged.prepare(torch.float32)
+        states = [_prefilled(batch, ids, prompt) for ids, prompt in sequences]
+        for state in states:
+            state.adopt(batch.paged)
+        paged = [state.paged for state in states]
+        ahead, none_at = 0, []
+        for step in range(12):
+            positions = [prompt + step for _, prompt in sequences]
+            made = whole.forecast
+            if made is not None:
+                ahead += 1
+                assert _same_step(made.step, batch.paged.padded_step(paged, positions, 2, torch.device("cpu")))
+            whole.hidden_streams([Piece(ids, p, p + 1, None, None, paged=s) for (ids, _), p, s in
+                                  zip(sequences, positions, paged)])
+            if whole.forecast is None:
+                none_at.append(positions[0])
+    assert none_at == [255]  # its next row, 256, takes a new page: that step reserves it itself
+    assert whole.forecasts_used == ahead == 12 - 2  # not the first step, nor the one after 255
+
+
+def test_a_step_made_ahead_is_not_taken_once_one_of_its_sequences_gave_its_slot_back(reference):
+    from engines.kt.families.deepseek_v4.graphs import V4StepGraphs
+
+    batch = V4Batch(reference, LoraContext())
+    batch.paged = PagedDecode(reference, sequences=2, positions=1024)
+    whole = V4StepGraphs(batch, 4, torch.device("cpu"))
+    ids = torch.randint(100, 120000, (40,), generator=torch.Generator().manual_seed(29)).tolist()
+    with torch.inference_mode():
+        batch.paged.prepare(torch.float32)
+        state = _prefilled(batch, ids, 30)
+        state.adopt(batch.paged)
+        whole.hidden_streams([Piece(ids, 30, 31, None, None, paged=state.paged)])
+        made = whole.forecast
+        assert made is not None and made.holds([state.paged], [31], batch.paged.generation)
+        batch.paged.release(state.paged)
+        assert not made.holds([state.paged], [31], batch.paged.generation)
+
+
 def test_a_released_sequence_gives_its_slot_and_pages_back(v4_model_dir):
     require_kt_kernel()
     from engines.runtime.model_runner import ScheduledChunk
