@@ -78,13 +78,16 @@ FORMATS = {"MXFP4": "mxfp4", "FP8": "fp8", "RAWINT4": "int4", "AMXINT8": "int8",
 OWN_FORM_METHODS = ("AMXINT8", "AMXINT4")
 MAX_ROWS = {"mxfp4": 128, "fp8": 16, "int8": 128, "int4": 128, "q8_0": 16, "q4_0": 16, "q4_k": 16, "q6_k": 16}
 MEMORY_SHARE = 0.3  # of the host memory available at the first layer's load, what auto lets the kernel's copies take
-# The formats auto serves where a layer's output is on a GPU: those measured served there. MXFP4 (V4-Flash's shape, 4
-# layers, H200 machine, 2026-12-03, bench/results/nvidia-h200-2026-12-03-two-pass: batch-1 TPOT 8.17 ms against 8.15
-# with kt-kernel and the GPU reading 144 of 256 experts, 1-32 clients 1.2-1.7x, a cached prefix's TTFT half), whose
-# kernel reads the streamer's pinned copy of the released bytes. INT8 / INT4 / FP8 layers there keep kt-kernel with
-# the GPU reading its measured share of their copies (V2-Lite's shape at 97% of the copy ceiling,
-# docs/performance.md): the kernel beside them was not measured served, and would hold a copy of its own.
-AUTO_ON_GPU = frozenset({"mxfp4"})
+# The formats auto serves where a layer's output is on a GPU: those measured faster served there. MXFP4 (V4-Flash's
+# shape, 4 layers, H200 machine, 2026-12-03, bench/results/nvidia-h200-2026-12-03-two-pass: batch-1 TPOT 8.17 ms
+# against 8.15 with kt-kernel and the GPU reading 144 of 256 experts, 1-32 clients 1.2-1.7x, a cached prefix's TTFT
+# half), whose kernel reads the streamer's pinned copy of the released bytes. INT4 (V2-Lite's shape, AMXINT4, H200
+# machine, 2026-12-03, bench/results/nvidia-h200-2026-12-03-v2-lite-peers, one call: batch-1 decode 73.4 tok/s
+# with the kernel reading every expert against 58.3 with kt-kernel and the GPU reading its 32 of 64; the kernel's
+# per-32 INT4 copy, 0.5625 bytes a weight, beside kt-kernel's). INT8 (the same call: 40.1 against 40.0 tok/s, a
+# tie that would cost a second copy of the experts) and FP8 (not measured served) keep kt-kernel with the GPU
+# reading its measured share of their copies.
+AUTO_ON_GPU = frozenset({"mxfp4", "int4"})
 
 
 def check_setting(value: Any) -> str:
