@@ -596,8 +596,8 @@ class RoutedExpertsCPU(nn.Module):
                 return False
         if cache.written_by_kt_kernel:  # kt-kernel only prints (and reads garbage) for a missing file: checked
             self._build_kernel({}, load_dir=cache.root)
-            fmt = DECODE_FORMATS.get(self.method)
-            self._choose_decode_calls(quantized=cache.load_decode_kernel(fmt) if fmt else None)
+            fmt = DECODE_FORMATS.get(self.method)  # the kernel's form is read only if the kernel takes the layer
+            self._choose_decode_calls(quantized=(lambda: cache.load_decode_kernel(fmt)) if fmt else None)
         else:
             prepared = cache.load_prepared()
             self._build_kernel(prepared)

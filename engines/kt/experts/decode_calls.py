@@ -41,7 +41,7 @@ import logging
 import os
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -199,9 +199,10 @@ class DecodeKernelPolicy:
 
     def build(self, layer: "RoutedExpertsCPU", *, floats: tuple[torch.Tensor, ...] | None = None,
               prepared: dict[str, Any] | None = None, packed: dict[str, torch.Tensor] | None = None,
-              quantized: dict[str, torch.Tensor] | None = None) -> DecodeCalls | None:
-        """The decode calls of `layer`, from the forms it was just loaded from (`quantized`: the kernel's own INT8 /
-        INT4 form, as a weight cache kept it), or None (the reason recorded)."""
+              quantized: Callable[[], dict[str, torch.Tensor] | None] | None = None) -> DecodeCalls | None:
+        """The decode calls of `layer`, from the forms it was just loaded from (`quantized`: reads the kernel's own
+        INT8 / INT4 form as a weight cache kept it, called only where the kernel takes the layer), or None (the reason
+        recorded)."""
         self.layers.append(weakref.ref(layer))
         self.formats.pop(layer.layer_idx, None)
         why = self._structural_reason(layer)
@@ -326,12 +327,13 @@ class DecodeKernelPolicy:
 
 def _kernel_layer(layer: "RoutedExpertsCPU", fmt: str, *, floats: tuple[torch.Tensor, ...] | None,
                   prepared: dict[str, Any] | None, packed: dict[str, torch.Tensor] | None,
-                  quantized: dict[str, torch.Tensor] | None = None) -> "DecodeLayer | None":
+                  quantized: Callable[[], dict[str, torch.Tensor] | None] | None = None) -> "DecodeLayer | None":
     from engines.kt.experts.decode_kernel import DecodeLayer
 
     limit = layer.swiglu_limit
-    if layer.method in OWN_FORM_METHODS and quantized is not None:  # the kernel's form, from a weight cache
-        return DecodeLayer(fmt, layer.hidden_size, layer.intermediate_size, quantized, swiglu_limit=limit)
+    kept = quantized() if layer.method in OWN_FORM_METHODS and quantized is not None else None
+    if kept is not None:  # the kernel's form, from a weight cache
+        return DecodeLayer(fmt, layer.hidden_size, layer.intermediate_size, kept, swiglu_limit=limit)
     if fmt == "mxfp4" and packed is not None:  # each expert's block as it lies (a streamer's copy: views)
         return DecodeLayer.mxfp4({k: v if v[0].is_contiguous() else v.contiguous() for k, v in packed.items()},
                                  swiglu_limit=limit)

@@ -182,7 +182,7 @@ class DecodeStep:
         # a padded step's shapes and operations are those of every step of its key
         self.key = (rows, tuple(sorted(pages.items()))) if padded else None
         if device.type != "cpu":
-            self._to(device)
+            self._apply(lambda t: t.to(device, non_blocking=True))
 
     def _tensors(self) -> list[tuple[dict, str]]:
         places: list[tuple[dict, str]] = [(self.__dict__, name) for name in ("slots", "positions", "window_valid")]
@@ -190,9 +190,9 @@ class DecodeStep:
             places += [(at, name) for name, t in at.items() if t is not None]
         return places
 
-    def _to(self, device: torch.device) -> None:
+    def _apply(self, move) -> None:
         for owner, name in self._tensors():
-            owner[name] = owner[name].to(device, non_blocking=True)
+            owner[name] = move(owner[name])
 
     def to(self, device: torch.device) -> "DecodeStep":
         """This step with its tensors on `device` (a new one; this one is left as it is)."""
@@ -206,8 +206,7 @@ class DecodeStep:
     def _moved(self, move) -> "DecodeStep":
         moved = copy.copy(self)
         moved.by_rate = {rate: dict(at) for rate, at in self.by_rate.items()}
-        for owner, name in moved._tensors():
-            owner[name] = move(owner[name])
+        moved._apply(move)
         return moved
 
     def copy_(self, other: "DecodeStep") -> None:
