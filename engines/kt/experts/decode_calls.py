@@ -26,7 +26,8 @@ What the kernel takes, and from what (the weights kt-kernel was loaded from, at 
   the hidden states are on the CPU (the CPU-only rules);
 - BF16: not covered (kt-kernel serves).
 Layers whose output goes to a GPU queue the kernel on the CUDA stream as kt-kernel's calls are queued (cpu.py's
-stream-ordered path: `StreamTask`'s two host functions, which captured decode graphs replay); the share of a decode
+stream-ordered path: decode_kernel/streams.py's `StreamTask`, a doorbell and a done cell in pinned host memory or
+two host functions, which captured decode graphs replay); the share of a decode
 call's experts the GPU reads from their host copies (kt_gpu_read_experts) reaches the kernel as -1 ids, and prompt
 chunks that stream experts stay kt-kernel's. Layers with hot experts, experts the GPU owns (kt-kernel holds the others,
 renumbered), deferred experts, and layers loaded from kt-kernel's own files (kt_weight_path, or a kt_weight_cache
@@ -224,6 +225,10 @@ class DecodeKernelPolicy:
         from engines.kt.experts.cpuinfer import pool_threads
 
         pool = decode_kernel.shared_pool(pool_threads() or layer.threads or 1, kt_worker_cpus())
+        if _gpu_output(layer):  # how its streams will start the calls, asked now: never first inside a capture
+            from engines.kt.experts.decode_kernel.streams import signals
+
+            signals(layer.out_device)
         self.outcomes[layer.layer_idx] = _served_as(layer)
         self.formats[layer.layer_idx] = fmt
         return DecodeCalls(kernel, pool, _max_rows(fmt), extra, own_form=layer.method in OWN_FORM_METHODS)
@@ -322,7 +327,17 @@ class DecodeKernelPolicy:
             text += f"; kt-kernel in {others} of {len(self.outcomes)} layers ({'; '.join(reasons)})"
         if self.charged:
             text += f"; {self.charged / 2**30:.2f} GiB of host memory beside kt-kernel's"
+        gpu = next((layer.out_device for ref in self.layers if (layer := ref()) is not None
+                    and layer.layer_idx in self.formats and _gpu_output(layer)), None)
+        if gpu is not None:
+            from engines.kt.experts.decode_kernel.streams import signals
+
+            text += f"; CUDA streams start and await its calls through {signals(gpu)}"
         return {"decode_kernel": text}
+
+
+def _gpu_output(layer: "RoutedExpertsCPU") -> bool:
+    return layer.out_device is not None and layer.out_device.type == "cuda"
 
 
 def _kernel_layer(layer: "RoutedExpertsCPU", fmt: str, *, floats: tuple[torch.Tensor, ...] | None,

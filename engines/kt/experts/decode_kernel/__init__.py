@@ -25,16 +25,19 @@ as every format does on the AVX-512 half without VNNI (Q4_K's and Q6_K's blocks 
 The C library is built by build.py (halves avx512-vnni, avx512, avx2-vnni, avx2, the best the CPU has chosen at
 run time; KTSERVE_DECODE_KERNEL_ISA names another: avx2 forces the plain AVX2 one, avx512 the AVX-512 one without
 VNNI, which computes every format in float). Where it cannot be built or loaded, `unavailable_reason()` says why
-and callers keep kt-kernel."""
+and callers keep kt-kernel. streams.py queues calls on CUDA streams."""
 from __future__ import annotations
 
 import ctypes
 import logging
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engines.kt.experts.decode_kernel.streams import Doorbells, StreamTask
 
 log = logging.getLogger("ktserve.engine.kt")
 
@@ -78,6 +81,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dk_task_create.argtypes = [p, p, p, i, p, i, p, p, p, i]
     lib.dk_task_create.restype = p
     lib.dk_task_destroy.argtypes = [p]
+    lib.dk_task_bind.argtypes = [p, p]
+    lib.dk_task_bind.restype = i
+    lib.dk_pool_watch.argtypes = [p, p]
+    lib.dk_pool_watch.restype = i
+    lib.dk_pool_bells.restype = i
 
 
 def library() -> ctypes.CDLL | None:
@@ -154,6 +162,18 @@ class DecodePool:
         self._handle = lib.dk_pool_create(threads, cpu_array, spin_us)
         if not self._handle:
             raise RuntimeError("the decode kernel's worker pool could not start")
+        self._doorbells = None
+
+    def doorbells(self) -> "Doorbells":
+        """The cells CUDA streams start this pool's calls through (streams.py), its watcher thread started with
+        the first call."""
+        if self._doorbells is None:
+            from engines.kt.experts.decode_kernel.streams import Doorbells
+
+            with _load_lock:
+                if self._doorbells is None:
+                    self._doorbells = Doorbells(self._lib, self._handle)
+        return self._doorbells
 
     @property
     def handle(self) -> int:
@@ -354,7 +374,9 @@ class DecodeLayer:
 
     def task(self, pool: DecodePool, tokens: torch.Tensor, top_k: int, x: torch.Tensor, ids: torch.Tensor,
              weights: torch.Tensor, out: torch.Tensor) -> "StreamTask":
-        """A call over fixed (pinned) buffers, started and awaited from a CUDA stream (`StreamTask`)."""
+        """A call over fixed (pinned) buffers, started and awaited from a CUDA stream (streams.StreamTask)."""
+        from engines.kt.experts.decode_kernel.streams import StreamTask
+
         return StreamTask(self, pool, tokens, top_k, x, ids, weights, out)
 
     def close(self) -> None:
@@ -364,52 +386,6 @@ class DecodeLayer:
 
     def __del__(self) -> None:
         self.close()
-
-
-class StreamTask:
-    """A call queued on a CUDA stream as two host functions: start (when the stream reaches it, the rows
-    count read from `tokens`, an int32 cell) and wait. The buffers are kept; CUDA graphs may replay both."""
-
-    def __init__(self, layer: DecodeLayer, pool: DecodePool, tokens: torch.Tensor, top_k: int, x: torch.Tensor,
-                 ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor):
-        lib = layer._lib
-        self._keep = (layer, pool, tokens, x, ids, weights, out)
-        self._lib = lib
-        self._handle = lib.dk_task_create(pool.handle, layer.handle, tokens.data_ptr(), top_k, x.data_ptr(),
-                                          int(x.dtype == torch.bfloat16), ids.data_ptr(), weights.data_ptr(),
-                                          out.data_ptr(), int(out.dtype == torch.bfloat16))
-        self._submit = ctypes.cast(lib.dk_task_submit, ctypes.c_void_p).value
-        self._wait = ctypes.cast(lib.dk_task_wait, ctypes.c_void_p).value
-
-    def launch(self, stream: int) -> None:
-        _launch_host_func(stream, self._submit, self._handle)
-
-    def launch_wait(self, stream: int) -> None:
-        _launch_host_func(stream, self._wait, self._handle)
-
-    def __del__(self) -> None:
-        if getattr(self, "_handle", None):
-            self._lib.dk_task_destroy(self._handle)
-            self._handle = None
-
-
-_cuda_launch: Any = None
-
-
-def _launch_host_func(stream: int, fn: int, arg: int) -> None:
-    """cudaLaunchHostFunc from the CUDA runtime torch loaded (found in the process's mappings)."""
-    global _cuda_launch
-    if _cuda_launch is None:
-        path = next((line.split()[-1] for line in open("/proc/self/maps") if "libcudart" in line), None)
-        if path is None:
-            raise RuntimeError("the CUDA runtime is not loaded: no stream to queue the decode kernel on")
-        f = ctypes.CDLL(path).cudaLaunchHostFunc
-        f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        f.restype = ctypes.c_int
-        _cuda_launch = f
-    rc = _cuda_launch(stream, fn, arg)
-    if rc:
-        raise RuntimeError(f"cudaLaunchHostFunc failed ({rc})")
 
 
 # ----------------------------------------------------------------------------------- formats in torch

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.gpu
 require_kt_kernel()
 
 from engines.kt.experts import decode_kernel  # noqa: E402
+from engines.kt.experts.decode_kernel import streams  # noqa: E402
 from engines.kt.experts.cpu import RoutedExpertsCPU, _StreamPending  # noqa: E402
 from engines.kt.experts.decode_calls import FORMATS, MAX_ROWS, DecodeKernelPolicy  # noqa: E402
 from engines.kt.experts.methods import available_methods, best_method  # noqa: E402
@@ -109,6 +110,57 @@ def test_a_captured_decode_call_replays_the_kernel_with_new_inputs(weights):
         assert torch.equal(out, eager)  # the same kernel on the same rows: the same bits
 
 
+def captured_layers(layers: list[RoutedExpertsCPU], x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor):
+    """One graph through `layers` in turn (each layer's output is the next one's input), warmed up first."""
+    def run() -> torch.Tensor:
+        h = x
+        for layer in layers:
+            layer.submit(h, ids, w)
+            h = layer.sync().bfloat16()
+        return h
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    return graph, out, run
+
+
+def test_streams_start_and_await_the_kernel_through_host_memory(weights):
+    experts = gpu_layer(best_method(8), weights, "on")
+    assert streams.signals(torch.cuda.current_device()) == "host memory"
+    _, task = call(experts, routing(3))
+    assert task.through_memory
+
+
+def test_a_graph_of_layers_replayed_many_times_gives_the_eager_bits_each_time(weights):
+    layers = [gpu_layer(best_method(8), weights, "on") for _ in range(3)]
+    static = tuple(t.clone() for t in routing(2))
+    graph, out, run = captured_layers(layers, *static)
+    for seed in range(40):  # bounded: each replay is three calls of two rows
+        for buffer, value in zip(static, routing(2, seed=seed)):
+            buffer.copy_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = out.clone()
+        eager = run()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, eager), seed
+
+
+def test_host_memory_and_host_functions_give_the_same_bits(weights, monkeypatch):
+    inputs = routing(5)
+    through_memory, task = call(gpu_layer(best_method(8), weights, "on"), inputs)
+    assert task.through_memory
+    monkeypatch.setitem(streams._checked, torch.cuda.current_device(), "host functions, for this test")
+    through_callbacks, task = call(gpu_layer(best_method(8), weights, "on"), inputs)
+    assert not task.through_memory
+    assert torch.equal(through_memory, through_callbacks)
+
+
 # ------------------------------------------------------------------------------------------- the engine
 @pytest.fixture(scope="module")
 def served(demo_model_dir, tokenizer):
@@ -139,6 +191,7 @@ def served(demo_model_dir, tokenizer):
 def test_the_engine_queues_decode_calls_on_the_kernel_from_the_gpu_and_says_so(served):
     details = served["on"][2]
     assert details["decode_kernel"].startswith(f"ktserve {decode_kernel.isa()} for calls <= "), details
+    assert details["decode_kernel"].endswith("CUDA streams start and await its calls through host memory"), details
     assert served["off"][2]["decode_kernel"].startswith("off (kt_decode_kernel=off)")
 
 

@@ -213,7 +213,13 @@ typedef struct dk_call {
     size_t x_stride, h_stride;
     float *y;        /* [pairs, hidden] */
     atomic_int next[4];
+    atomic_int *done; /* a stream task's done cell, set to 1 when the call ends (NULL: none) */
 } dk_call;
+
+typedef struct dk_task dk_task;
+#define DK_BELLS 8            /* doorbell cells a pool watches: one per CUDA stream that starts its tasks */
+#define DK_TASK_PAGE 256
+#define DK_TASK_PAGES 256     /* task ids 1 .. DK_TASK_PAGE * DK_TASK_PAGES - 1 */
 
 typedef struct dk_pool {
     int threads;
@@ -227,6 +233,14 @@ typedef struct dk_pool {
     size_t cap_pairs, cap_x, cap_h, cap_y; /* grown, never shrunk */
     long spin_ns;
     int *cpus;
+    /* stream tasks started through host memory (dk_pool_watch): the doorbells the streams write task ids into,
+     * the watcher thread that reads them, and the tasks by id */
+    atomic_int *bells;
+    int watching;
+    pthread_t watcher;
+    pthread_mutex_t ids_lock;
+    _Atomic(dk_task *) *task_pages[DK_TASK_PAGES];
+    int *free_ids, n_free, next_id;
 } dk_pool;
 
 static long now_ns(void) {
@@ -352,8 +366,11 @@ static void *worker(void *arg) {
         seen = g;
         if (atomic_load(&p->stop)) return NULL;
         run_call(p, me);
-        if (atomic_fetch_add_explicit(&p->finished, 1, memory_order_acq_rel) + 1 == p->threads)
+        if (atomic_fetch_add_explicit(&p->finished, 1, memory_order_acq_rel) + 1 == p->threads) {
+            atomic_int *done = p->call.done; /* read before busy clears: the next call may replace it */
             atomic_store_explicit(&p->busy, 0, memory_order_release);
+            if (done) atomic_store_explicit(done, 1, memory_order_release);
+        }
     }
 }
 
@@ -369,6 +386,8 @@ dk_pool *dk_pool_create(int threads, const int *cpus, int spin_us) {
         p->cpus = malloc(sizeof(int) * threads);
         memcpy(p->cpus, cpus, sizeof(int) * threads);
     }
+    pthread_mutex_init(&p->ids_lock, NULL);
+    p->next_id = 1;
     p->tid = calloc(threads, sizeof(pthread_t));
     for (int i = 0; i < threads; i++) {
         void **arg = malloc(2 * sizeof(void *));
@@ -389,6 +408,10 @@ void dk_pool_destroy(dk_pool *p) {
     atomic_fetch_add(&p->generation, 1);
     futex_wake(&p->generation);
     for (int i = 0; i < p->threads; i++) pthread_join(p->tid[i], NULL);
+    if (p->watching) pthread_join(p->watcher, NULL);
+    for (int i = 0; i < DK_TASK_PAGES; i++) free((void *)p->task_pages[i]);
+    free(p->free_ids);
+    pthread_mutex_destroy(&p->ids_lock);
     dk_call *c = &p->call;
     free(c->expert); free(c->pair_start); free(c->pair_row); free(c->pair_slot); free(c->pair_of);
     free(c->xf); free(c->h); free(c->y);
@@ -429,8 +452,18 @@ static int grow(dk_pool *p, size_t tokens, size_t pairs, const dk_layer *L) {
 /* Start a call and return: 0, or -1 while the previous call runs, -2 without memory, -3 for bad sizes.
  * x: [tokens, hidden] bf16 (x_bf16) or float; ids [tokens, top_k] (ids outside 0..experts-1, e.g. -1, add
  * nothing); weights [tokens, top_k] float; out [tokens, hidden] bf16 (out_bf16) or float. */
+static int submit(dk_pool *p, const dk_layer *L, int tokens, int top_k, const void *x, int x_bf16, const int64_t *ids,
+                  const float *weights, void *out, int out_bf16, atomic_int *done);
+
 int dk_submit(dk_pool *p, const dk_layer *L, int tokens, int top_k, const void *x, int x_bf16, const int64_t *ids,
               const float *weights, void *out, int out_bf16) {
+    return submit(p, L, tokens, top_k, x, x_bf16, ids, weights, out, out_bf16, NULL);
+}
+
+/* dk_submit; `done` (or NULL) is set to 1 when the call ends. Returns before starting one (tokens 0, an error)
+ * leave `done` as it is. */
+static int submit(dk_pool *p, const dk_layer *L, int tokens, int top_k, const void *x, int x_bf16, const int64_t *ids,
+                  const float *weights, void *out, int out_bf16, atomic_int *done) {
     if (atomic_load_explicit(&p->busy, memory_order_acquire)) return -1;
     if (tokens < 0 || top_k < 1 || top_k > 64) return -3;
     if (tokens == 0) return 0;
@@ -438,7 +471,7 @@ int dk_submit(dk_pool *p, const dk_layer *L, int tokens, int top_k, const void *
     if (grow(p, tokens, pairs, L)) return -2;
     dk_call *c = &p->call;
     c->L = L; c->tokens = tokens; c->top_k = top_k; c->x = x; c->x_bf16 = x_bf16;
-    c->ids = ids; c->weights = weights; c->out = out; c->out_bf16 = out_bf16;
+    c->ids = ids; c->weights = weights; c->out = out; c->out_bf16 = out_bf16; c->done = done;
     /* experts in first-use order; each one's pairs in (row, slot) order */
     int used = 0;
     for (size_t q = 0; q < pairs; q++) {
@@ -494,9 +527,14 @@ int dk_pool_threads(const dk_pool *p) { return p->threads; }
 
 /* ------------------------------------------------------------------------------- CUDA stream tasks */
 /* A call whose buffers never move (pinned host memory a captured CUDA graph replays), its token count read
- * through `tokens` when the stream reaches it: `dk_task_submit` and `dk_task_wait` are host functions for
- * cudaLaunchHostFunc, with the task as their argument. */
-typedef struct dk_task {
+ * through `tokens` when the stream reaches it. A stream starts and awaits it in one of two ways:
+ *   host functions: `dk_task_submit` and `dk_task_wait` for cudaLaunchHostFunc, with the task as their argument
+ *     (the driver's callback thread runs them: tens of microseconds from the stream to the call and back);
+ *   host memory: the stream writes the task's id into one of the pool's doorbells (dk_pool_watch) and waits for
+ *     the task's done cell to read 1 (dk_task_bind), both stream memory operations on pinned cells; the pool's
+ *     watcher thread spins on the doorbells while calls keep coming and starts the call, whose last worker
+ *     sets the done cell. The stream resets it to 0 after its wait. */
+struct dk_task {
     dk_pool *p;
     const dk_layer *L;
     const int *tokens;
@@ -505,17 +543,58 @@ typedef struct dk_task {
     const int64_t *ids;
     const float *weights;
     void *out;
-} dk_task;
+    int id;          /* > 0 once bound */
+    atomic_int *done;
+};
 
 dk_task *dk_task_create(dk_pool *p, const dk_layer *L, const int *tokens, int top_k, const void *x, int x_bf16,
                         const int64_t *ids, const float *weights, void *out, int out_bf16) {
     dk_task *t = malloc(sizeof *t);
     if (!t) return NULL;
-    *t = (dk_task){p, L, tokens, top_k, x_bf16, out_bf16, x, ids, weights, out};
+    *t = (dk_task){p, L, tokens, top_k, x_bf16, out_bf16, x, ids, weights, out, 0, NULL};
     return t;
 }
 
-void dk_task_destroy(dk_task *t) { free(t); }
+static _Atomic(dk_task *) *task_slot(dk_pool *p, int id) {
+    _Atomic(dk_task *) *page = p->task_pages[id / DK_TASK_PAGE];
+    return page ? &page[id % DK_TASK_PAGE] : NULL;
+}
+
+/* Give `t` an id the watcher knows it by, its done cell `done` (pinned host memory, 0 now). Returns the id, or
+ * -1 (no ids left, no memory). */
+int dk_task_bind(dk_task *t, int *done) {
+    dk_pool *p = t->p;
+    if (t->id) return t->id;
+    pthread_mutex_lock(&p->ids_lock);
+    int id = p->n_free ? p->free_ids[--p->n_free] : p->next_id < DK_TASK_PAGE * DK_TASK_PAGES ? p->next_id++ : -1;
+    if (id > 0 && !p->task_pages[id / DK_TASK_PAGE]) {
+        void *page = calloc(DK_TASK_PAGE, sizeof(dk_task *));
+        if (page) p->task_pages[id / DK_TASK_PAGE] = page;
+        else { p->next_id--; id = -1; }
+    }
+    if (id > 0) {
+        t->id = id;
+        t->done = (atomic_int *)done;
+        atomic_store_explicit(task_slot(p, id), t, memory_order_release);
+    }
+    pthread_mutex_unlock(&p->ids_lock);
+    return id;
+}
+
+void dk_task_destroy(dk_task *t) {
+    if (t && t->id) {
+        dk_pool *p = t->p;
+        pthread_mutex_lock(&p->ids_lock);
+        atomic_store_explicit(task_slot(p, t->id), NULL, memory_order_release);
+        int *grown = realloc(p->free_ids, sizeof(int) * (p->n_free + 1));
+        if (grown) {
+            p->free_ids = grown;
+            p->free_ids[p->n_free++] = t->id;
+        }
+        pthread_mutex_unlock(&p->ids_lock);
+    }
+    free(t);
+}
 
 void dk_task_submit(void *arg) {
     dk_task *t = arg;
@@ -524,3 +603,79 @@ void dk_task_submit(void *arg) {
 }
 
 void dk_task_wait(void *arg) { dk_wait(((dk_task *)arg)->p); }
+
+static void rung(dk_pool *p, int id) {
+    _Atomic(dk_task *) *slot = task_slot(p, id);
+    dk_task *t = slot ? atomic_load_explicit(slot, memory_order_acquire) : NULL;
+    if (!t) return; /* no such task: nothing a stream waits for */
+    dk_wait(p);
+    if (submit(p, t->L, *t->tokens, t->top_k, t->x, t->x_bf16, t->ids, t->weights, t->out, t->out_bf16, t->done))
+        atomic_store_explicit(t->done, 1, memory_order_release); /* no call started (no rows, no memory): done */
+}
+
+#define WATCH_IDLE_NS 1000000000L /* after a second without a call the watcher polls every millisecond */
+
+/* Keep the watcher off the workers' CPUs: the last CPU this thread may run on that no worker is pinned to (none
+ * when the workers are not pinned or take every CPU). */
+static void pin_watcher(dk_pool *p) {
+    cpu_set_t allowed;
+    if (!p->cpus || sched_getaffinity(0, sizeof allowed, &allowed)) return;
+    for (int i = 0; i < p->threads; i++)
+        if (p->cpus[i] >= 0 && p->cpus[i] < CPU_SETSIZE) CPU_CLR(p->cpus[i], &allowed);
+    for (int cpu = CPU_SETSIZE - 1; cpu >= 0; cpu--)
+        if (CPU_ISSET(cpu, &allowed)) {
+            cpu_set_t one;
+            CPU_ZERO(&one);
+            CPU_SET(cpu, &one);
+            pthread_setaffinity_np(pthread_self(), sizeof one, &one);
+            return;
+        }
+}
+
+static void *watch(void *arg) {
+    dk_pool *p = arg;
+    pin_watcher(p);
+    long last = now_ns();
+    int spins = 0;
+    while (!atomic_load_explicit(&p->stop, memory_order_relaxed)) {
+        int any = 0;
+        for (int b = 0; b < DK_BELLS; b++) {
+            int id = atomic_load_explicit(&p->bells[b], memory_order_acquire);
+            if (!id) continue;
+            atomic_store_explicit(&p->bells[b], 0, memory_order_relaxed);
+            rung(p, id);
+            any = 1;
+        }
+        if (any) {
+            last = now_ns();
+            spins = 0;
+            continue;
+        }
+        _mm_pause();
+        if (++spins % 256) continue;
+        long idle = now_ns() - last;
+        if (idle > p->spin_ns) {
+            struct timespec nap = {0, idle > WATCH_IDLE_NS ? 1000000L : 20000L};
+            nanosleep(&nap, NULL);
+        } else {
+            sched_yield();
+        }
+    }
+    return NULL;
+}
+
+/* Start the pool's watcher over `bells` (DK_BELLS int cells of pinned host memory, all 0, kept for the pool's
+ * life); a second call changes nothing. Returns 0, or -1 when the thread does not start. */
+int dk_pool_watch(dk_pool *p, int *bells) {
+    pthread_mutex_lock(&p->ids_lock);
+    int rc = 0;
+    if (!p->watching) {
+        p->bells = (atomic_int *)bells;
+        rc = pthread_create(&p->watcher, NULL, watch, p) ? -1 : 0;
+        p->watching = rc == 0;
+    }
+    pthread_mutex_unlock(&p->ids_lock);
+    return rc;
+}
+
+int dk_pool_bells(void) { return DK_BELLS; }
