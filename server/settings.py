@@ -152,10 +152,10 @@ class Settings(BaseModel):
                 "layers, 16 of FP8 layers and of GGUF layers of Q8_0 / Q4_0 / Q4_K / Q6_K blocks whose output stays "
                 "on the CPU) run on ktserve's own kernel instead of kt-kernel's (INT8 and INT4 quantized its way at "
                 "load, per row and per 32); auto: where it is built and its copies of the experts take under 0.3 of "
-                "the host memory available at load, and on a GPU placement for MXFP4 and INT4 layers only (the "
+                "the host memory available at load, and on a GPU placement for MXFP4, INT4 and INT8 layers only (the "
                 "default); on: every such layer, whatever the memory; off: kt-kernel computes every call. With it "
-                "V4-Flash's shape decoded 1.2-1.7x faster at 1-32 clients on the H200 machine (batch 1 a tie with "
-                "kt-kernel plus the GPU's reads), V2-Lite's at 4 bits 1.26x at batch 1; its integer path rounds "
+                "V4-Flash's shape decoded 1.2-1.7x faster at 1-32 clients on the H200 machine, V2-Lite's at batch 1 "
+                "1.2x at 8 bits and 1.26x at 4 bits (against kt-kernel plus the GPU's reads); its integer path rounds "
                 "INT4's and the ggml formats' activations to int8 per 32, MXFP4's in two int8 passes "
                 "(docs/serving.md). /version's decode_kernel says what was chosen")
     kv_cache_tokens: int | None = engine_setting(None, "KV cache capacity in tokens (ktransformers engine)", gt=0)

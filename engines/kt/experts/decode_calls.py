@@ -85,10 +85,12 @@ MEMORY_SHARE = 0.3  # of the host memory available at the first layer's load, wh
 # half), whose kernel reads the streamer's pinned copy of the released bytes. INT4 (V2-Lite's shape, AMXINT4, H200
 # machine, 2026-12-03, bench/results/nvidia-h200-2026-12-03-v2-lite-peers, one call: batch-1 decode 73.4 tok/s
 # with the kernel reading every expert against 58.3 with kt-kernel and the GPU reading its 32 of 64; the kernel's
-# per-32 INT4 copy, 0.5625 bytes a weight, beside kt-kernel's). INT8 (the same call: 40.1 against 40.0 tok/s, a
-# tie that would cost a second copy of the experts) and FP8 (not measured served) keep kt-kernel with the GPU
-# reading its measured share of their copies.
-AUTO_ON_GPU = frozenset({"mxfp4", "int4"})
+# per-32 INT4 copy, 0.5625 bytes a weight, beside kt-kernel's). INT8 once streams signalled the kernel through host
+# memory (V2-Lite's shape, AMXINT8, H200 machine, 2026-12-04, bench/results/nvidia-h200-2026-12-04-stream-signals,
+# one call: 49.7 tok/s with the kernel reading every expert against 41.2 with kt-kernel and the GPU's 32 of 64, for a
+# second copy of the experts, 13.4 GiB at V2-Lite's size, within MEMORY_SHARE; with host functions it had been a
+# tie, 40.1 against 40.0). FP8 (not measured served) keeps kt-kernel with the GPU reading its measured share.
+AUTO_ON_GPU = frozenset({"mxfp4", "int4", "int8"})
 
 
 def check_setting(value: Any) -> str:

@@ -167,12 +167,12 @@ def test_a_row_gives_the_same_bits_alone_and_among_other_rows(weights):
 
 
 @pytest.mark.parametrize("method, setting, served", [("MXFP4", "auto", True), ("RAWINT4", "auto", True),
-                                                     ("AMXINT4", "auto", True), ("AMXINT8", "auto", False),
-                                                     ("AMXINT8", "on", True)])
-def test_auto_takes_only_mxfp4_and_int4_layers_whose_output_is_on_a_gpu(weights, method, setting, served):
+                                                     ("AMXINT4", "auto", True), ("AMXINT8", "auto", True),
+                                                     ("FP8", "auto", False), ("FP8", "on", True)])
+def test_auto_takes_only_mxfp4_int4_and_int8_layers_whose_output_is_on_a_gpu(weights, method, setting, served):
     """Where a layer's output goes to a GPU, auto serves the formats measured faster served there (AUTO_ON_GPU:
-    MXFP4, INT4) and leaves the others to kt-kernel, saying why; `on` takes them too. (The layer is only built here:
-    no GPU is used.)"""
+    MXFP4, INT4, INT8) and leaves the others to kt-kernel, saying why; `on` takes them too. (The layer is only built
+    here: no GPU is used.)"""
     if method not in available_methods():
         pytest.skip(f"{method} not supported by this kt-kernel build")
     experts = RoutedExpertsCPU(layer_idx=0, num_experts=E, top_k=K, hidden_size=H, intermediate_size=I,
@@ -181,7 +181,7 @@ def test_auto_takes_only_mxfp4_and_int4_layers_whose_output_is_on_a_gpu(weights,
     experts.load_weights(*weights)
     assert (experts.decode_calls is not None) == served
     if not served:
-        assert "auto leaves INT8 layers whose output is on a GPU to kt-kernel" in \
+        assert "auto leaves FP8 layers whose output is on a GPU to kt-kernel" in \
             experts.decode_kernel.details()["decode_kernel"]
 
 
