@@ -20,6 +20,7 @@ import functools
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -356,6 +357,48 @@ def test_rows_without_experts_come_back_zero(pools):
     x, ids, w = _call(2, seed=6)
     out = layer.forward(x, torch.full_like(ids, -1), w, pools[2])
     assert torch.equal(out, torch.zeros_like(out))
+
+
+def _wait_for(cell: torch.Tensor, value: int, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while int(cell[0]) != value and time.monotonic() < deadline:
+        time.sleep(0.0002)
+    return int(cell[0]) == value
+
+
+def test_a_doorbell_starts_a_call_whose_done_cell_is_set_when_it_ends():
+    """What a CUDA stream does through host memory (streams.py), written here from Python: the task's id into one
+    of the pool's doorbells, then the task's done cell read until it is 1 (and reset). The watcher starts the call;
+    its results are the blocking call's bits, round after round; a call of no rows is done at once."""
+    lib = dk.library()
+    layer = make_layer("int8")
+    pool = dk.DecodePool(2)
+    x, ids, w = _call(3, seed=9)
+    x, ids, w = x.contiguous(), ids.to(torch.int64).contiguous(), w.float().contiguous()
+    out = torch.zeros(3, H)
+    tokens = torch.tensor([3], dtype=torch.int32)
+    task = lib.dk_task_create(pool.handle, layer.handle, tokens.data_ptr(), TOP_K, x.data_ptr(), 1, ids.data_ptr(),
+                              w.data_ptr(), out.data_ptr(), 0)
+    try:
+        done = torch.zeros(1, dtype=torch.int32)
+        task_id = lib.dk_task_bind(task, done.data_ptr())
+        assert task_id > 0
+        bells = torch.zeros(lib.dk_pool_bells(), dtype=torch.int32)
+        assert lib.dk_pool_watch(pool.handle, bells.data_ptr()) == 0
+        expected = layer.forward(x, ids, w, pool)
+        for round_, bell in enumerate((0, 3, 0)):
+            out.zero_()
+            bells[bell] = task_id
+            assert _wait_for(done, 1), f"round {round_}: the call never ended"
+            assert int(bells[bell]) == 0  # the watcher took the ring
+            assert torch.equal(out, expected), round_
+            done[0] = 0
+        tokens[0] = 0
+        bells[1] = task_id
+        assert _wait_for(done, 1)
+    finally:
+        lib.dk_task_destroy(task)
+        pool.close()
 
 
 def test_the_environment_variable_forces_the_avx2_half():

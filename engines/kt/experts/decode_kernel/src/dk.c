@@ -609,7 +609,8 @@ static void rung(dk_pool *p, int id) {
     dk_task *t = slot ? atomic_load_explicit(slot, memory_order_acquire) : NULL;
     if (!t) return; /* no such task: nothing a stream waits for */
     dk_wait(p);
-    if (submit(p, t->L, *t->tokens, t->top_k, t->x, t->x_bf16, t->ids, t->weights, t->out, t->out_bf16, t->done))
+    int rows = *t->tokens;
+    if (rows <= 0 || submit(p, t->L, rows, t->top_k, t->x, t->x_bf16, t->ids, t->weights, t->out, t->out_bf16, t->done))
         atomic_store_explicit(t->done, 1, memory_order_release); /* no call started (no rows, no memory): done */
 }
 
