@@ -172,8 +172,9 @@ class WorkerIsolation:
         if not sys.platform.startswith("linux") or not hasattr(os, "sched_setaffinity"):
             return "not on Linux: threads left where the scheduler puts them"
         threads = self._threads()
-        # kt-kernel's workers are the threads pinned to one core (it names them numa_<node>_...)
-        workers = {tid: cpus for tid, cpus in threads if len(cpus) == 1}
+        # kt-kernel's workers are the threads pinned to one core (it names them numa_<node>_...), as are the decode
+        # kernel's (ktserve-dk-<n>); its watcher thread (WATCHER_NAME) keeps to the CPUs they leave, which may be one
+        workers = {tid: cpus for tid, cpus in threads if len(cpus) == 1 and _thread_name(tid) != WATCHER_NAME}
         worker_cores = set().union(*workers.values()) if workers else set()
         allowed = self.allowed = os.sched_getaffinity(0)
         self.spare = server_cores(allowed, worker_cores)
@@ -212,6 +213,17 @@ def server_cores(allowed: set[int], worker_cores: set[int], siblings: Any = None
     free = allowed - worker_cores
     whole = {cpu for cpu in free if not siblings(cpu) & worker_cores}
     return whole or free
+
+
+WATCHER_NAME = "ktserve-dk-bell"  # the decode kernel's watcher thread (decode_kernel/src/dk.c DK_WATCHER_NAME)
+
+
+def _thread_name(tid: int) -> str:
+    try:
+        with open(f"/proc/{os.getpid()}/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def _siblings(cpu: int) -> set[int]:

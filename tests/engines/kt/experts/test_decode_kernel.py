@@ -401,6 +401,26 @@ def test_a_doorbell_starts_a_call_whose_done_cell_is_set_when_it_ends():
         pool.close()
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_the_watcher_is_named_and_keeps_off_the_workers_cpus():
+    lib = dk.library()
+    first = min(os.sched_getaffinity(0))
+    pool = dk.DecodePool(1, [first])
+    try:
+        bells = torch.zeros(lib.dk_pool_bells(), dtype=torch.int32)
+        assert lib.dk_pool_watch(pool.handle, bells.data_ptr()) == 0
+        deadline, cpus = time.monotonic() + 10, None
+        while cpus is None and time.monotonic() < deadline:  # the thread names and places itself as it starts
+            for tid in os.listdir("/proc/self/task"):
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    if f.read().strip() == "ktserve-dk-bell" and first not in os.sched_getaffinity(int(tid)):
+                        cpus = os.sched_getaffinity(int(tid))
+            time.sleep(0.001)
+        assert cpus == os.sched_getaffinity(0) - {first}
+    finally:
+        pool.close()
+
+
 def test_the_environment_variable_forces_the_avx2_half():
     code = "from engines.kt.experts import decode_kernel as dk; print(dk.isa())"
     env = {**os.environ, dk.ISA_ENV: "avx2"}

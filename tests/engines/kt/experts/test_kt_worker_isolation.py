@@ -25,8 +25,17 @@ SCRIPT = textwrap.dedent('''
 
     allowed = sorted(os.sched_getaffinity(0))
     pinned = allowed[:int(sys.argv[1])]
-    stop, ready = threading.Event(), threading.Barrier(len(pinned) + 2)
+    with_watcher = sys.argv[3:] == ["watcher"]
+    stop, ready = threading.Event(), threading.Barrier(len(pinned) + 2 + with_watcher)
     found = {}
+
+    def watcher():  # as the decode kernel's watcher: named so, on the one CPU the workers leave
+        import ctypes
+        ctypes.CDLL(None).prctl(15, b"ktserve-dk-bell", 0, 0, 0)  # PR_SET_NAME
+        os.sched_setaffinity(0, {allowed[-1]})
+        ready.wait()
+        stop.wait()
+        found["watcher"] = sorted(os.sched_getaffinity(0))
 
     def worker(cpu):
         os.sched_setaffinity(0, {cpu})
@@ -40,6 +49,7 @@ SCRIPT = textwrap.dedent('''
         found["other"] = sorted(os.sched_getaffinity(0))
 
     threads = [threading.Thread(target=worker, args=(c,)) for c in pinned] + [threading.Thread(target=other)]
+    threads += [threading.Thread(target=watcher)] if with_watcher else []
     for t in threads:
         t.start()
     ready.wait()
@@ -59,9 +69,9 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def run_case(pinned: int, then: str = "keep") -> dict:
+def run_case(pinned: int, then: str = "keep", *extra: str) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(pinned), then], cwd=REPO, env=env,
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(pinned), then, *extra], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -74,6 +84,15 @@ def test_every_thread_but_the_pinned_workers_moves_off_their_cores():
     assert found["worker_%d" % worker_core] == [worker_core]  # the worker stays where it was pinned
     assert found["main"] == spare and found["other"] == spare
     assert found["later"] == spare  # a thread started afterwards inherits its creator's cores
+    assert "moved to cores" in found["message"]
+
+
+def test_the_decode_kernels_watcher_on_the_one_cpu_left_is_not_taken_for_a_worker():
+    allowed = sorted(os.sched_getaffinity(0))
+    found = run_case(len(allowed) - 1, "keep", "watcher")
+
+    assert found["watcher"] == [allowed[-1]]
+    assert found["main"] == [allowed[-1]] and found["other"] == [allowed[-1]]  # the server keeps that CPU
     assert "moved to cores" in found["message"]
 
 

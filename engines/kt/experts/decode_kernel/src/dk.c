@@ -19,6 +19,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
@@ -343,6 +344,9 @@ static void *worker(void *arg) {
     dk_pool *p = ((void **)arg)[0];
     int me = (int)(intptr_t)((void **)arg)[1];
     free(arg);
+    char name[16];
+    snprintf(name, sizeof name, "ktserve-dk-%d", me);
+    pthread_setname_np(pthread_self(), name);
     _mm_setcsr(0x1F80); /* IEEE: no flush-to-zero, whatever the creating thread had */
     if (p->cpus) {
         cpu_set_t set;
@@ -614,28 +618,24 @@ static void rung(dk_pool *p, int id) {
         atomic_store_explicit(t->done, 1, memory_order_release); /* no call started (no rows, no memory): done */
 }
 
+#define DK_WATCHER_NAME "ktserve-dk-bell"
 #define WATCH_IDLE_NS 1000000000L /* after a second without a call the watcher polls every millisecond */
 
-/* Keep the watcher off the workers' CPUs: the last CPU this thread may run on that no worker is pinned to (none
- * when the workers are not pinned or take every CPU). */
-static void pin_watcher(dk_pool *p) {
+/* Keep the watcher off the workers' CPUs: on the CPUs this thread may run on that no worker is pinned to (left as
+ * it is when the workers are not pinned or take every CPU). Named DK_WATCHER_NAME, which the engine's worker
+ * isolation (engines/kt/experts/cpuinfer.py) knows is no worker even where one CPU is left to it. */
+static void place_watcher(dk_pool *p) {
+    pthread_setname_np(pthread_self(), DK_WATCHER_NAME);
     cpu_set_t allowed;
     if (!p->cpus || sched_getaffinity(0, sizeof allowed, &allowed)) return;
     for (int i = 0; i < p->threads; i++)
         if (p->cpus[i] >= 0 && p->cpus[i] < CPU_SETSIZE) CPU_CLR(p->cpus[i], &allowed);
-    for (int cpu = CPU_SETSIZE - 1; cpu >= 0; cpu--)
-        if (CPU_ISSET(cpu, &allowed)) {
-            cpu_set_t one;
-            CPU_ZERO(&one);
-            CPU_SET(cpu, &one);
-            pthread_setaffinity_np(pthread_self(), sizeof one, &one);
-            return;
-        }
+    if (CPU_COUNT(&allowed)) pthread_setaffinity_np(pthread_self(), sizeof allowed, &allowed);
 }
 
 static void *watch(void *arg) {
     dk_pool *p = arg;
-    pin_watcher(p);
+    place_watcher(p);
     long last = now_ns();
     int spins = 0;
     while (!atomic_load_explicit(&p->stop, memory_order_relaxed)) {
