@@ -2,6 +2,7 @@
 submit / sync, kt_decode_kernel on) against the same layers with kt-kernel serving every call.
 
     python -m bench.decode_calls [--methods AMXINT8,AMXINT4] [--layers 26] [--threads 14] [--tokens 1,4,16]
+                                 [--no-finish]
 
 V2-Lite's MoE shape (64 experts, top-6, 2048 x 1408), `--layers` layers with random weights (one bf16 source, each
 layer its own quantized copies, so every layer is cold in the caches as in a model). A step calls every layer once,
@@ -9,7 +10,8 @@ submit then sync, with fresh random routing. Two orders: `blocks`, each kernel's
 0.2 s without calls (a server that only decodes), and `alternate`, a kernel step right after a kt-kernel step and
 the reverse. kt-kernel's idle workers spin for ~50 ms after their last task (measured on the CI box: 5 of 100 CPU
 ticks in the second after a call, none in the next), on the cores our workers are pinned to, so `alternate` shows
-what a decode step pays right after a prompt chunk. Prints and writes (--out) the median step time and the
+what a decode step pays right after a prompt chunk (unless kt-kernel's workers are niced, as the engine does once
+a model is loaded, which `--no-finish` skips). Prints and writes (--out) the median step time and the
 experts-only tokens per second it implies (tokens / step time)."""
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import torch
 E, K, H, I = 64, 6, 2048, 1408
 
 
-def build(method: str, layers: int, threads: int) -> list:
+def build(method: str, layers: int, threads: int, finish: bool = True) -> list:
     from engines.kt.experts.cpu import RoutedExpertsCPU
     from engines.kt.experts.decode_calls import DecodeKernelPolicy
 
@@ -39,6 +41,8 @@ def build(method: str, layers: int, threads: int) -> list:
                                  method=method, threads=threads, max_tokens=64, decode_kernel=policy)
         layer.load_weights(gate, up, down)
         made.append(layer)
+    if finish:  # as the engine does once the model is loaded (kt-kernel's workers niced: cpuinfer.yield_idle_spin)
+        policy.finish()
     return made
 
 
@@ -69,14 +73,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", default="1,4,16")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--out", type=Path)
+    p.add_argument("--no-finish", action="store_true", help="skip what the engine does once a model is loaded "
+                   "(kt-kernel's workers keep their priority, as before 2026-12-04)")
     args = p.parse_args(argv)
     from engines.kt.experts import decode_kernel
 
     results: dict = {"shape": {"experts": E, "top_k": K, "hidden": H, "intermediate": I, "layers": args.layers},
-                     "threads": args.threads, "isa": decode_kernel.isa(), "methods": {}}
+                     "threads": args.threads, "isa": decode_kernel.isa(), "finish": not args.no_finish, "methods": {}}
     for method in args.methods.split(","):
         started = time.perf_counter()
-        layers = build(method, args.layers, args.threads)
+        layers = build(method, args.layers, args.threads, finish=not args.no_finish)
         entry = results["methods"][method] = {"load_s": round(time.perf_counter() - started, 1),
                                               "pool_cpus": decode_kernel.shared_pool(args.threads).cpus}
         gen = torch.Generator().manual_seed(1)

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from engines.kt.experts.cpuinfer import IDLE_SPIN_NICE, pool_threads, yield_idle_spin
 from engines.kt.experts.methods import memory_available
 
 if TYPE_CHECKING:
@@ -196,6 +197,7 @@ class DecodeKernelPolicy:
     outcomes: dict[int, str] = field(default_factory=dict)  # layer -> "MXFP4" (served) or why not
     formats: dict[int, str] = field(default_factory=dict)  # the served layers -> the kernel's format
     layers: list = field(default_factory=list)  # weak references to the layers built, for `finish`
+    niced: int = 0  # kt-kernel's workers given the lowest priority at `finish` (cpuinfer.yield_idle_spin)
 
     def __post_init__(self) -> None:
         self.setting = check_setting(self.setting)
@@ -224,7 +226,6 @@ class DecodeKernelPolicy:
                 log.info("layer %d: %s=on, but kt-kernel serves its decode calls: %s", layer.layer_idx, SETTING, why)
             return None
         from engines.kt.experts import decode_kernel
-        from engines.kt.experts.cpuinfer import pool_threads
 
         pool = decode_kernel.shared_pool(pool_threads() or layer.threads or 1, kt_worker_cpus())
         if _gpu_output(layer):  # how its streams will start the calls, asked now: never first inside a capture
@@ -308,6 +309,8 @@ class DecodeKernelPolicy:
                 self.formats.pop(layer.layer_idx, None)
             self.charged = 0
             log.info("%s=auto: off, %s", SETTING, why)
+        if any(layer.decode_calls is not None for layer in layers):
+            self.niced = yield_idle_spin()
         return self.details()
 
     def details(self) -> dict[str, str]:
@@ -329,6 +332,8 @@ class DecodeKernelPolicy:
             text += f"; kt-kernel in {others} of {len(self.outcomes)} layers ({'; '.join(reasons)})"
         if self.charged:
             text += f"; {self.charged / 2**30:.2f} GiB of host memory beside kt-kernel's"
+        if self.niced:
+            text += f"; kt-kernel's {self.niced} workers at nice {IDLE_SPIN_NICE}, their idle spin yielding to it"
         gpu = next((layer.out_device for ref in self.layers if (layer := ref()) is not None
                     and layer.layer_idx in self.formats and _gpu_output(layer)), None)
         if gpu is not None:

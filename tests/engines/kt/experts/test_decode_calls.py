@@ -461,3 +461,45 @@ def test_auto_gives_the_kernel_up_in_every_layer_when_kt_kernel_keeps_some(weigh
     assert layers[0].decode_calls is not None
     details = policy.finish()["decode_kernel"]
     assert layers[0].decode_calls is None and "a step must not mix the two" in details, details
+
+
+NICE_SCRIPT = """
+import json, os, torch
+from engines.kt.experts.cpu import RoutedExpertsCPU
+from engines.kt.experts.cpuinfer import KT_WORKER_PREFIX, _thread_name
+from engines.kt.experts.decode_calls import DecodeKernelPolicy
+
+def nice_of_kt_kernel_workers():
+    tids = [int(t) for t in os.listdir("/proc/self/task") if _thread_name(int(t)).startswith(KT_WORKER_PREFIX)]
+    return sorted({os.getpriority(os.PRIO_PROCESS, t) for t in tids})
+
+policy = DecodeKernelPolicy("on")
+g = torch.Generator().manual_seed(0)
+layer = RoutedExpertsCPU(layer_idx=0, num_experts=8, top_k=2, hidden_size=256, intermediate_size=256,
+                         method="AMXINT8", max_tokens=16, decode_kernel=policy)
+layer.load_weights(*(torch.randn(8, 256, 256, generator=g).bfloat16() for _ in range(3)))
+before = nice_of_kt_kernel_workers()
+details = policy.finish()
+print(json.dumps({"before": before, "after": nice_of_kt_kernel_workers(), "details": details["decode_kernel"]}))
+"""
+
+
+def test_a_model_the_kernel_serves_gives_kt_kernels_idle_workers_the_lowest_priority():
+    """kt-kernel's idle workers spin ~50 ms on the kernel's cores after each call (cpuinfer.yield_idle_spin): once a
+    model is loaded with layers the kernel serves, they run at nice 19 (in a child: the change is for good)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if "AMXINT8" not in available_methods():
+        pytest.skip("AMXINT8 not supported by this kt-kernel build")
+    repo = Path(__file__).resolve().parents[4]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", NICE_SCRIPT], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))  # kt-kernel prints too
+    assert found["before"] == [os.getpriority(os.PRIO_PROCESS, 0)] and found["after"] == [19]
+    assert "workers at nice 19" in found["details"]
