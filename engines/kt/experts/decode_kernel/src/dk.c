@@ -453,12 +453,12 @@ static int grow(dk_pool *p, size_t tokens, size_t pairs, const dk_layer *L) {
            grow_bytes(&c->y, &p->cap_y, pairs * L->hidden * sizeof(float));
 }
 
-/* Start a call and return: 0, or -1 while the previous call runs, -2 without memory, -3 for bad sizes.
- * x: [tokens, hidden] bf16 (x_bf16) or float; ids [tokens, top_k] (ids outside 0..experts-1, e.g. -1, add
- * nothing); weights [tokens, top_k] float; out [tokens, hidden] bf16 (out_bf16) or float. */
 static int submit(dk_pool *p, const dk_layer *L, int tokens, int top_k, const void *x, int x_bf16, const int64_t *ids,
                   const float *weights, void *out, int out_bf16, atomic_int *done);
 
+/* Start a call and return: 0, or -1 while the previous call runs, -2 without memory, -3 for bad sizes.
+ * x: [tokens, hidden] bf16 (x_bf16) or float; ids [tokens, top_k] (ids outside 0..experts-1, e.g. -1, add
+ * nothing); weights [tokens, top_k] float; out [tokens, hidden] bf16 (out_bf16) or float. */
 int dk_submit(dk_pool *p, const dk_layer *L, int tokens, int top_k, const void *x, int x_bf16, const int64_t *ids,
               const float *weights, void *out, int out_bf16) {
     return submit(p, L, tokens, top_k, x, x_bf16, ids, weights, out, out_bf16, NULL);
