@@ -75,8 +75,11 @@ def _first(lib: ctypes.CDLL, *names: str) -> Any:
 def _check(device: int) -> str | None:
     """None where a stream of `device` writes and waits on a pinned cell (tried once, outside any capture)."""
     global _driver
-    if os.environ.get(SIGNALS_ENV, "memory") == "callbacks":
+    asked = os.environ.get(SIGNALS_ENV, "memory")
+    if asked == "callbacks":
         return f"{SIGNALS_ENV}=callbacks"
+    if asked != "memory":
+        log.warning("%s=%s is neither memory nor callbacks: memory is used", SIGNALS_ENV, asked)
     try:
         if _driver is None:
             _driver = _Driver()
