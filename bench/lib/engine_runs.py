@@ -194,7 +194,8 @@ def step_breakdown(before: EngineStats, after: EngineStats) -> dict:
                                  "on a GPU the stream's wait inside kt-kernel (CUDA events), else Python's sync()"),
         "step_breakdown": {
             "steps": steps,
-            "step": per_step(step, "wall time of a generation-thread step: input, forward, sampling, delivery"),
+            "step": per_step(step, "wall time of a generation-thread step: input, forward, sampling, detokenizing, "
+                                "outputs queued (handed to the server just after it is counted)"),
             "gpu": per_step(gpu, "GPU stream span of the step less the expert stalls (0 without a GPU)"),
             "expert_wait": per_step(wait, "stalled on CPU experts, summed over layers"),
             "expert": per_step(expert, "CPU experts submitted -> results ready, summed over layers; overlaps the "

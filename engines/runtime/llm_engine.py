@@ -288,10 +288,13 @@ class LLMEngine(Engine):
                 for chunk, _ in computed:
                     if chunk.seq.id in self._sequences:
                         self._finish(chunk.seq, "error", error=f"internal error in the model step: {exc}")
-            self._send_outbox()
+            # the step is counted before its tokens go out: a caller woken by a token then reads stats that hold
+            # the step which made it (bench's step breakdown snapshots them at the first token; delivered first, a
+            # prompt's step sometimes landed in the decode steps' figures)
             self._stats.steps += 1
             elapsed = time.perf_counter() - started
             self._stats.times.step += elapsed
+            self._send_outbox()
             if self._speculator is not None:
                 self._speculator.timed(elapsed)
 

@@ -35,7 +35,29 @@ def test_a_step_wakes_the_callers_loop_once_for_all_its_requests(demo_model_dir)
         texts = asyncio.run(_generate(engine, wakeups))
     finally:
         engine.stop()
-    steps = engine.stats().steps  # read once the engine thread has ended: it counts a step after delivering it
+    steps = engine.stats().steps  # read once the engine thread has ended
     assert [t.strip() for t in texts] == SCRIPTS  # every delta arrived, in order
     deltas = sum(len(engine._tokenizer.encode(s, add_special_tokens=False)) + 1 for s in SCRIPTS)
     assert len(wakeups) <= steps < deltas
+
+
+def test_a_steps_tokens_go_out_once_the_step_is_counted(demo_model_dir, monkeypatch):
+    """A caller woken by a token reads stats that already hold the step that made it (bench's step breakdown
+    snapshots them at the first token: delivered before the count, the prompt's step could land among the decode
+    steps'). Each hand-off of outputs records the steps counted then."""
+    engine = ScriptedEngine(EngineConfig(model_path=str(demo_model_dir), max_concurrent=4))
+    counted_at_send: list[tuple[int, float]] = []
+    send = engine._send_outbox
+
+    def recorded() -> None:
+        if engine._outbox:
+            counted_at_send.append((engine._stats.steps, engine._stats.times.step))
+        send()
+    monkeypatch.setattr(engine, "_send_outbox", recorded)
+    engine.start()
+    try:
+        asyncio.run(_generate(engine, []))
+    finally:
+        engine.stop()
+    assert counted_at_send and counted_at_send[0][0] >= 1 and counted_at_send[0][1] > 0
+    assert [steps for steps, _ in counted_at_send] == sorted({steps for steps, _ in counted_at_send})
