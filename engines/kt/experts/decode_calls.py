@@ -333,7 +333,8 @@ class DecodeKernelPolicy:
         if self.charged:
             text += f"; {self.charged / 2**30:.2f} GiB of host memory beside kt-kernel's"
         if self.niced:
-            text += f"; kt-kernel's {self.niced} workers at nice {IDLE_SPIN_NICE}, their idle spin yielding to it"
+            workers = f"{self.niced} worker" + ("s" if self.niced != 1 else "")
+            text += f"; kt-kernel's {workers} at nice {IDLE_SPIN_NICE}, their idle spin yielding to it"
         gpu = next((layer.out_device for ref in self.layers if (layer := ref()) is not None
                     and layer.layer_idx in self.formats and _gpu_output(layer)), None)
         if gpu is not None:

@@ -504,4 +504,4 @@ def test_a_model_the_kernel_serves_gives_kt_kernels_idle_workers_the_lowest_prio
     found = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))  # kt-kernel prints too
     assert found["served"], found["details"]
     assert found["before"] == [os.getpriority(os.PRIO_PROCESS, 0)] and found["after"] == [19]
-    assert "workers at nice 19" in found["details"]
+    assert "at nice 19, their idle spin yielding to it" in found["details"]
