@@ -146,9 +146,12 @@ def yield_idle_spin() -> int:
     speed: V2-Lite's MoE shape, 6 layers, one thread, a 2-core box, `python -m bench.decode_calls` in its
     alternating order: a one-token step 58.0 ms right after a kt-kernel step, against 29.7 ms after a pause; with
     the workers at nice 19, 29.9 ms, and kt-kernel's own steps unchanged (32.0 ms both ways; nice 10 left 38.1 ms).
-    A niced worker loses its core only to a runnable thread of normal priority, which the engine keeps off the
-    workers' cores but for the decode kernel's workers (WorkerIsolation). The nice value cannot be taken back
-    without CAP_SYS_NICE, so this is for the process's life."""
+    A niced worker yields its core to any runnable thread of normal priority there: the decode kernel's workers
+    (the point of it), torch's threads where the placement computes on the CPU (between the layers' expert calls,
+    and beside them for the shared experts), and other processes of the host; on GPU placements WorkerIsolation
+    keeps the server's own threads off those cores. Served on the 2-core box (a probe: a 4-layer V2-Lite-shaped
+    model on the CPU, one request decoding while 256-token prompts arrive) TPOT and the prompts' TTFT did not move.
+    The nice value cannot be taken back without CAP_SYS_NICE, so this is for the process's life."""
     count = 0
     for entry in os.scandir(f"/proc/{os.getpid()}/task"):
         if not _thread_name(int(entry.name)).startswith(KT_WORKER_PREFIX):
