@@ -153,11 +153,11 @@ def yield_idle_spin() -> int:
     model on the CPU, one request decoding while 256-token prompts arrive) TPOT and the prompts' TTFT did not move.
     The nice value cannot be taken back without CAP_SYS_NICE, so this is for the process's life."""
     count = 0
-    for entry in os.scandir(f"/proc/{os.getpid()}/task"):
-        if not _thread_name(int(entry.name)).startswith(KT_WORKER_PREFIX):
+    for tid in _task_ids():
+        if not _thread_name(tid).startswith(KT_WORKER_PREFIX):
             continue
         try:
-            os.setpriority(os.PRIO_PROCESS, int(entry.name), IDLE_SPIN_NICE)
+            os.setpriority(os.PRIO_PROCESS, tid, IDLE_SPIN_NICE)
             count += 1
         except OSError:  # ended meanwhile
             continue
@@ -189,9 +189,9 @@ class WorkerIsolation:
     @staticmethod
     def _threads() -> list[tuple[int, set[int]]]:
         tasks = []
-        for entry in os.scandir(f"/proc/{os.getpid()}/task"):
+        for tid in _task_ids():
             try:
-                tasks.append((int(entry.name), os.sched_getaffinity(int(entry.name))))
+                tasks.append((tid, os.sched_getaffinity(tid)))
             except OSError:  # a thread that ended meanwhile
                 continue
         return tasks
@@ -246,6 +246,11 @@ def server_cores(allowed: set[int], worker_cores: set[int], siblings: Any = None
 
 WATCHER_NAME = "ktserve-dk-bell"  # the decode kernel's watcher thread (decode_kernel/src/dk.c DK_WATCHER_NAME)
 KT_WORKER_PREFIX = "numa_"  # kt-kernel names its workers numa_<node>_...
+
+
+def _task_ids() -> list[int]:
+    """This process's thread ids (Linux)."""
+    return [int(entry.name) for entry in os.scandir(f"/proc/{os.getpid()}/task")]
 
 
 def _thread_name(tid: int) -> str:

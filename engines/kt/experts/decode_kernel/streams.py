@@ -105,15 +105,15 @@ def signals(device: int | torch.device) -> str:
     index = torch.device(device).index if not isinstance(device, int) else device
     index = torch.cuda.current_device() if index is None else index
     with _lock:
-        if index not in _checked:
+        if index in _checked:
+            why = _checked[index]
+        else:
             capturing = torch.cuda.is_current_stream_capturing()
             why = "first asked during a CUDA graph capture" if capturing else _check(index)
             if why is not None:
                 log.info("decode kernel calls on CUDA streams: host functions (%s)", why)
             if not capturing:
                 _checked[index] = why
-            return "host memory" if why is None else f"host functions ({why})"
-        why = _checked[index]
     return "host memory" if why is None else f"host functions ({why})"
 
 
@@ -129,11 +129,13 @@ class Doorbells:
         self._of_stream: dict[int, int] = {}  # stream -> the device address of its cell
 
     def address(self, stream: int) -> int:
-        with _lock:
-            address = self._of_stream.get(stream)
-            if address is None:
-                index = len(self._of_stream) % self.cells.numel()
-                address = self._of_stream[stream] = _driver.address(self.cells[index:])
+        address = self._of_stream.get(stream)  # every eager call asks: the lock only for a stream's first
+        if address is None:
+            with _lock:
+                address = self._of_stream.get(stream)
+                if address is None:
+                    index = len(self._of_stream) % self.cells.numel()
+                    address = self._of_stream[stream] = _driver.address(self.cells[index:])
         return address
 
 
@@ -156,8 +158,7 @@ class StreamTask:
         self._wait = ctypes.cast(lib.dk_task_wait, ctypes.c_void_p).value
         self._id = 0
         self._done: torch.Tensor | None = None
-        device = out.device if out.device.type == "cuda" else torch.cuda.current_device()
-        if signals(device) == "host memory":
+        if signals(torch.cuda.current_device()) == "host memory":  # the buffers are pinned host memory
             self._done = torch.zeros(1, dtype=torch.int32, pin_memory=True)
             self._id = lib.dk_task_bind(self._handle, self._done.data_ptr())
             if self._id <= 0:
