@@ -18,10 +18,10 @@ of its own instead:
   that computed them gave. A request that borrows is computed as the same request served alone with the same
   pages cached: its numbers follow the cache's history, not its batch. Prompt logprobs (echo, scoring, lm-eval's
   loglikelihood) never borrow, so they are the same bits every time; `prefix_cache: false` makes every request so.
-  DeepSeek-V4's prefix cache keeps whole cache states where a step ended (engines/kt/families/deepseek_v4/
-  prefixes.py): the same request again, started from the state its first run kept, computes its tail in the chunk
-  and over the cache its first run did, so a batch-invariant one gets the same bits (where the chunk size is a
-  multiple of its 128-position pages).
+  DeepSeek-V4's prefix cache keeps whole cache states, for a batch-invariant request where a step ended
+  (engines/kt/families/deepseek_v4/prefixes.py): the same request again, started from the state its first run
+  kept, computes its tail in the chunk and over the cache its first run did, so it gets the same bits (where the
+  chunk size is a multiple of its 128-position pages).
 kt-kernel's CPU kernels compute a row alike at every call size (tests/engines/runtime/test_batch_invariance.py
 measures it per method), so the experts would not need the split; the rest of the model does.
 

@@ -6,7 +6,8 @@ token budget (`chunk_size`) on prompts: continuing chunked prefills first, then 
 runner has KV room for them. A waiting request whose prompt starts with pages a running one is still
 computing waits for them, keeping its place and its slot, and is admitted once they are cached (the other
 choices of an n > 1 request, a batch sharing a preamble). A runner may end a prompt chunk early, where it keeps
-the cache's state for its prefix cache (`ModelRunner.prefill_end`: DeepSeek-V4's page boundaries). The scheduler
+the cache's state for its prefix cache (`ModelRunner.prefill_end`: DeepSeek-V4's page boundaries, for
+batch-invariant requests). The scheduler
 never touches a tensor; the runner decides whether a sequence fits.
 
 KV room goes by use, not by reservation: a request is admitted with room for the tokens it holds (the runner

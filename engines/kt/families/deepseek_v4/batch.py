@@ -36,6 +36,7 @@ from torch import nn
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4CSACompressor, apply_rotary_pos_emb
 
 from engines.kt.families.deepseek_v4.blocks import attend_in_blocks
+from engines.kt.families.deepseek_v4.caches import snapshot_layer
 from engines.lora.modules import AdapterRows, LoraContext
 
 
@@ -50,6 +51,9 @@ class Piece:
     adapter: str | None
     record: Any = None  # caches.py: StepRecord to note what the piece puts into the cache (a verified draft)
     paged: Any = None  # paged.py: PagedSequence, where the piece is one decode row over the paged caches
+    # where the cache's state after this piece is kept (a prefix cut inside a prompt chunk: the chunk's next piece
+    # goes on over the same cache in the same step): each layer's state (caches.py: snapshot_layer) by index
+    keep: dict[int, Any] | None = None
 
 
 class Attending(NamedTuple):
@@ -86,6 +90,10 @@ class _Segment:
     mask: torch.Tensor | None
     rows: AdapterRows
     record: Any
+    keep: dict[int, Any] | None = None  # Piece.keep
+    # the rows' embeddings, where the piece goes on from an earlier piece of the step over the same cache: its
+    # sliding-window mask is made when it first attends, once that piece extended the cache (None: made already)
+    mask_from: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -147,8 +155,6 @@ class V4Batch:
         """What each piece's cached attention needs: its rows, positions and sliding-window mask (None for one
         row: the cache keeps the window's other positions, so a decode token sees every key it holds); the
         decode rows over paged caches together."""
-        from transformers.masking_utils import create_sliding_window_causal_mask
-
         segments = []
         paged = [(p, first, adapter) for p, (adapter, first, _) in zip(pieces, spans) if p.paged is not None]
         cached = Cached(segments, sum(n for _, _, n in spans))
@@ -159,15 +165,18 @@ class V4Batch:
             if rows != list(range(cached.rows)):
                 cached.paged_rows = torch.tensor(rows).to(embeds.device, non_blocking=True)
             cached.paged_adapters = AdapterRows([(adapter, i, 1) for i, (_, _, adapter) in enumerate(paged)])
+        caches: set[int] = set()
         for p, (adapter, first, n) in zip(pieces, spans):
             if p.paged is not None:
                 continue
             cut = slice(first, first + n)
-            mask = None if n == 1 else create_sliding_window_causal_mask(
-                config=self.config, inputs_embeds=embeds[:, cut], attention_mask=None, cache=p.cache,
-                position_ids=positions[:, cut])
+            follows = id(p.cache) in caches  # the cache is not yet where this piece starts: its mask waits
+            caches.add(id(p.cache))
+            mask = None if n == 1 or follows else sliding_mask(self.config, embeds[:, cut], p.cache,
+                                                               positions[:, cut])
             segments.append(_Segment(row=first, n=n, cache=p.cache, positions=positions[:, cut], mask=mask,
-                                     rows=AdapterRows.uniform(adapter), record=p.record))
+                                     rows=AdapterRows.uniform(adapter), record=p.record, keep=p.keep,
+                                     mask_from=embeds[:, cut] if follows and n > 1 else None))
         return cached
 
     def before_attention(self, layer: nn.Module, hidden: torch.Tensor, rope: dict) -> Attending:
@@ -193,6 +202,8 @@ class V4Batch:
             cut = slice(s.row, s.row + s.n)
             with self.lora.step(s.rows):
                 out.append(self._cached(attn, a.q[:, :, cut], a.kv[:, :, cut], a.x[:, cut], a.q_residual[:, cut], s))
+            if s.keep is not None:
+                s.keep[attn.layer_idx] = snapshot_layer(s.cache.layers[attn.layer_idx])
         if cached.paged is None:
             return out[0] if len(out) == 1 else torch.cat(out, dim=1)
         at = cached.paged_rows
@@ -228,6 +239,8 @@ class V4Batch:
         """One sequence's rows through its cache: sliding-window keys, then the compressor's (and indexer's)
         entries appended with their per-query bias, then attention with the sinks (a long chunk's in blocks of
         queries: blocks.py). [1, n, heads, head_dim]."""
+        if s.mask_from is not None:  # the piece before it in the step has extended this layer's cache
+            s.mask, s.mask_from = sliding_mask(self.config, s.mask_from, s.cache, s.positions, attn.layer_idx), None
         if s.record is not None:
             s.record.keys[attn.layer_idx] = kv
         kv = s.cache.update(kv, kv, attn.layer_idx)[0]
@@ -265,6 +278,16 @@ class V4Batch:
         experts.submit(flat, indices, weights)
         shared = mlp.shared_experts(flat)
         return (experts.wait().to(x.dtype) + shared).view_as(x)
+
+
+def sliding_mask(config: Any, embeds: torch.Tensor, cache: Any, positions: torch.Tensor,
+                 layer: int | None = None) -> Any:
+    """transformers' sliding-window causal mask of rows with `embeds` [1, n, hidden] at `positions` [1, n] over
+    `cache` as it holds now (sized against its cache layer `layer`; None: its first sliding one)."""
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    return create_sliding_window_causal_mask(config=config, inputs_embeds=embeds, attention_mask=None, cache=cache,
+                                             position_ids=positions, layer_idx=layer)
 
 
 def closes_no_window(compressor: nn.Module, state: Any) -> bool:

@@ -89,11 +89,11 @@ def _compact_layer(layer: Any) -> None:
             state[key] = compact(value)
 
 
-def snapshot(cache: Any) -> list[tuple[type, dict[str, Any]]]:
-    """The cache's state now, which its later steps cannot change: per layer, its class and attributes (dicts
-    copied, tensors referred to; a tensor that is a view of a larger storage copied out, so the snapshot holds
-    only its own bytes)."""
-    copies: dict[int, torch.Tensor] = {}
+def snapshot_layer(layer: Any, copies: dict[int, torch.Tensor] | None = None) -> tuple[type, dict[str, Any]]:
+    """One cache layer's state now, which later steps cannot change: its class and attributes (dicts copied,
+    tensors referred to; a tensor that is a view of a larger storage copied out, so the state holds only its own
+    bytes). `copies`: the tensors copied so far, shared by the layers of one snapshot."""
+    copies = {} if copies is None else copies
 
     def own(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() <= t.nbytes:
@@ -102,9 +102,14 @@ def snapshot(cache: Any) -> list[tuple[type, dict[str, Any]]]:
             copies[id(t)] = t.clone()
         return copies[id(t)]
 
-    return [(type(layer), {key: {name: own(t) for name, t in value.items()} if isinstance(value, dict) else own(value)
-                           for key, value in vars(layer).items()})
-            for layer in cache.layers]
+    return type(layer), {key: {name: own(t) for name, t in value.items()} if isinstance(value, dict) else own(value)
+                         for key, value in vars(layer).items()}
+
+
+def snapshot(cache: Any) -> list[tuple[type, dict[str, Any]]]:
+    """The cache's state now, layer by layer (`snapshot_layer`)."""
+    copies: dict[int, torch.Tensor] = {}
+    return [snapshot_layer(layer, copies) for layer in cache.layers]
 
 
 def restore(cache: Any, layers: list[tuple[type, dict[str, Any]]]) -> None:

@@ -19,9 +19,12 @@ their tensors), so keeping every boundary would cost a long prompt far more than
 - the **end of the prefix it shares with a prompt seen before**, to the page (the page hashes of recent prompts
   are remembered, `seen`): the second request with a new system prompt keeps the state at the system prompt's
   last full page, and every later one starts there.
-The scheduler cuts a prompt chunk at each of these positions (`ModelRunner.prefill_end`), so the state there is
-the one a step ended with (one step more for a prompt past a page boundary); the same prompt again, started from
-the state its first run kept, then computes its tail in the same chunk, over the same cache, as that run did: the
+Where a cut falls inside a prompt chunk, the runner runs the chunk as pieces split there, one step, and takes each
+layer's state between its pieces (runner.py: `execute`; batch.py: `Piece.keep`): a step of its own for the tail
+would read or copy nearly every expert of every layer once more (V4-Flash's shape at 4 layers, H200 machine: the
+128-token tail of a 1k or 8k prompt took 0.25-0.71 s, its whole first part 0.28-0.47 s). A batch-invariant
+prompt is cut there instead (`ModelRunner.prefill_end`), so the state is the one a step ended with and the same
+prompt again, started from it, computes its tail in the same chunk, over the same cache, as that run did: the
 same bits.
 
 States are charged their tensors' bytes against the V4 cache budget (budget.py) and dropped least recently used
@@ -39,7 +42,7 @@ from typing import Any
 
 from engines.kt.cache.block_pool import extend_hashes
 from engines.kt.families.deepseek_v4.budget import CacheBudget
-from engines.kt.families.deepseek_v4.caches import restore, snapshot, snapshot_bytes
+from engines.kt.families.deepseek_v4.caches import restore, snapshot_bytes
 
 PAGE = 128  # positions of a page: the HCA compress rate (CSA's 4 divides it)
 SEEN_PAGES = 1 << 16  # page hashes of recent prompts remembered to find shared prefixes (a 16-byte hash each)
@@ -107,13 +110,21 @@ class PrefixStore:
         while len(self._seen) > self._seen_pages:
             self._seen.popitem(last=False)
 
-    def keep(self, plan: PrefixPlan, position: int, cache: Any) -> None:
-        """A step left `cache` at `position`, one of the plan's cuts: keep its state, if the budget has room."""
+    def wants(self, plan: PrefixPlan, position: int) -> bool:
+        """Whether the state at `position`, one of the plan's cuts, is still to be kept: none is stored for its
+        tokens (one that is becomes the most recently used)."""
         key = plan.hashes[position // PAGE - 1]
         if key in self._states:  # another sequence kept it first (or a rerun of this step)
             self._states.move_to_end(key)
+            return False
+        return True
+
+    def keep(self, plan: PrefixPlan, position: int, layers: list) -> None:
+        """Keep `layers`, a cache's state at `position` (one of the plan's cuts; caches.py: `snapshot`), if the
+        budget has room and no state for its tokens is stored."""
+        key = plan.hashes[position // PAGE - 1]
+        if key in self._states:  # two sequences of one step with the same tokens: the first one's
             return
-        layers = snapshot(cache)
         nbytes = snapshot_bytes(layers)
         if self.budget.hold_prefix(nbytes):
             self._states[key] = _State(position, layers, nbytes)

@@ -16,10 +16,10 @@ cache): a sequence is charged what its positions hold when admitted and as it gr
 and room past the budget is refused, so the scheduler keeps requests waiting or preempts the newest (its cache is
 dropped and recomputed when readmitted); freed when the request ends.
 
-Prefix caching (prefixes.py): a prompt's cache state is kept at page boundaries (multiples of 128 positions) where
-the scheduler cuts its chunks (`prefill_end`), keyed by the chain hash of its tokens and adapter; a later prompt
-that starts with one is admitted with a copy of that state (`admit` returns the positions it holds) and computes
-the rest. Off with `prefix_cache: false`, and while the MTP head drafts.
+Prefix caching (prefixes.py): a prompt's cache state is kept at page boundaries (multiples of 128 positions),
+between two pieces of its chunk in one step (a batch-invariant prompt's chunks are cut there: `prefill_end`),
+keyed by the chain hash of its tokens and adapter; a later prompt that starts with one is admitted with a copy of
+that state (`admit` returns the positions it holds) and computes the rest. Off with `prefix_cache: false`, and while the MTP head drafts.
 
 LoRA adapters (PEFT, KT-SFT's fused expert LoRA and manifest) go through the shared `LoraModules`: each row of a
 step uses its request's adapter (`AdapterRows` over the step's rows), so requests with different adapters or
@@ -42,7 +42,7 @@ from engines.kt.drafting import Drafter
 from engines.kt.experts.protocol import RoutedExperts
 from engines.kt.families.deepseek_v4.batch import Piece, V4Batch
 from engines.kt.families.deepseek_v4.budget import CacheBudget
-from engines.kt.families.deepseek_v4.caches import SequenceCache
+from engines.kt.families.deepseek_v4.caches import SequenceCache, snapshot
 from engines.kt.families.deepseek_v4.paged import PagedDecode
 from engines.kt.families.deepseek_v4.prefixes import PrefixPlan, PrefixStore
 from engines.lora.install import LoraModules
@@ -104,9 +104,17 @@ class V4ModelRunner(ModelRunner):
             elif state.paged is not None and not decoding:
                 raise RuntimeError(f"sequence {chunk.seq.id}'s V4 cache is paged: it takes decode rows, not "
                                    f"positions {chunk.start}-{chunk.end + len(chunk.draft)}")
-        pieces = [Piece(c.seq.token_ids + list(c.draft) if c.draft else c.seq.token_ids, c.start,
-                        c.end + len(c.draft), s.cache, c.seq.request.adapter, s.record, s.paged)
-                  for c, s in zip(chunks, states)]
+        pieces: list[Piece] = []
+        kept: list[tuple[PrefixPlan, int, dict[int, Any]]] = []  # the states kept at cuts inside a chunk
+        for c, s in zip(chunks, states):
+            tokens = c.seq.token_ids + list(c.draft) if c.draft else c.seq.token_ids
+            bounds = [c.start, *self._cuts_inside(c, s), c.end + len(c.draft)]
+            for start, end in zip(bounds, bounds[1:]):
+                keep = None
+                if end < bounds[-1] and self.prefixes.wants(s.prefix, end):
+                    keep = {}
+                    kept.append((s.prefix, end, keep))
+                pieces.append(Piece(tokens, start, end, s.cache, c.seq.request.adapter, s.record, s.paged, keep))
         try:
             fits = self.graphs is not None and self.graphs.fits(pieces)
             streams = (self.graphs if fits else self.batch).hidden_streams(pieces)
@@ -116,16 +124,29 @@ class V4ModelRunner(ModelRunner):
             for state in states:
                 state.rollback()
             raise
+        for plan, position, layers in kept:
+            self.prefixes.keep(plan, position, [layers[i] for i in range(len(layers))])
         row = 0
-        for chunk, piece, state in zip(chunks, pieces, states):
-            state.commit(piece.end)
+        for chunk, state in zip(chunks, states):
+            end = chunk.end + len(chunk.draft)
+            state.commit(end)
             plan = state.prefix
-            if plan is not None and state.paged is None and not chunk.draft and chunk.end in plan.cuts:
-                self.prefixes.keep(plan, chunk.end, state.cache)
+            if (plan is not None and state.paged is None and not chunk.draft and chunk.end in plan.cuts
+                    and self.prefixes.wants(plan, chunk.end)):
+                self.prefixes.keep(plan, chunk.end, snapshot(state.cache))
             if self.drafter is not None:  # the streams at every fed position, for the draft head after the step
-                self.drafter.keep(chunk.seq, chunk.start, streams[row:row + piece.end - piece.start])
-            row += piece.end - piece.start
+                self.drafter.keep(chunk.seq, chunk.start, streams[row:row + end - chunk.start])
+            row += end - chunk.start
         return self._logits(chunks, streams)
+
+    @staticmethod
+    def _cuts_inside(chunk: ScheduledChunk, state: SequenceCache) -> list[int]:
+        """The positions strictly inside a prompt chunk whose cache state its sequence keeps (`prefill_end` did not
+        end the chunk there): the chunk runs as pieces split there, one step, the state taken between them."""
+        plan = state.prefix
+        if plan is None or state.paged is not None or chunk.draft:
+            return []
+        return [cut for cut in plan.cuts if chunk.start < cut < chunk.end]
 
     def _logits(self, chunks: list[ScheduledChunk], streams: torch.Tensor) -> list[torch.Tensor | None]:
         """Each chunk's logits: every row's (all_logits), its last row's and its draft's (samples) or none."""
@@ -171,9 +192,13 @@ class V4ModelRunner(ModelRunner):
         return plan.borrowed
 
     def prefill_end(self, seq: Sequence, end: int) -> int:
+        """A batch-invariant sequence's prompt chunk ends at each position whose state it keeps, so the same prompt
+        again, started from that state, computes its tail alone as this one did: the same bits. Other chunks go on
+        past them (`execute` keeps the state between the chunk's pieces in one step): a prompt's tail would cost a
+        step of its own, which reads or copies nearly every expert of every layer once more."""
         state = seq.runner_state
         plan = None if state is None else state.prefix  # type: ignore[attr-defined]
-        if plan is not None:
+        if plan is not None and seq.batch_invariant:
             return next((cut for cut in plan.cuts if seq.num_computed < cut < end), end)
         return end
 

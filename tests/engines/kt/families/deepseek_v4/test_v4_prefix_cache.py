@@ -13,7 +13,8 @@ import torch
 
 from tests.conftest import start_server
 from tests.helpers import require_kt_kernel
-from .v4_helpers import V4_LOGPROB_TOLERANCE, fail_once, load_v4_runner, runner_sequence
+from .v4_helpers import (V4_LOGPROB_TOLERANCE, V4_NEAR_TIE_TOLERANCE, Choices, diffs_off_and_on_ties, fail_once,
+                         flipped_near_ties, load_v4_runner, reference_logprobs, runner_sequence, v4_reference_model)
 from .v4_lora_helpers import make_kt_sft_v4_adapter
 
 require_kt_kernel()
@@ -257,8 +258,8 @@ def runner(v4_model_dir):
     return load_v4_runner(v4_model_dir)
 
 
-def admitted(runner, token_ids: list[int]):
-    seq = runner_sequence(token_ids)
+def admitted(runner, token_ids: list[int], batch_invariant: bool = False):
+    seq = runner_sequence(token_ids, batch_invariant=batch_invariant)
     seq.num_computed = runner.admit(seq)
     seq.prompt_logprobs = None
     return seq
@@ -301,10 +302,10 @@ def test_a_kept_v4_state_is_charged_its_bytes_and_not_changed_by_the_steps_after
     assert runner.budget.cached == 0 and runner.budget.used == 0
 
 
-def test_a_v4_sequence_started_from_a_kept_state_computes_what_the_one_that_kept_it_did(runner):
-    first = admitted(runner, ids(51))
+def test_a_batch_invariant_v4_sequence_started_from_a_kept_state_computes_what_the_one_that_kept_it_did(runner):
+    first = admitted(runner, ids(51), batch_invariant=True)
     cold = feed(runner, first, LENGTH)
-    second = admitted(runner, ids(51))
+    second = admitted(runner, ids(51), batch_invariant=True)
     assert second.num_computed == 2 * PAGE
     warm = feed(runner, second, LENGTH)
     assert len(cold) == 2 and len(warm) == 1
@@ -339,4 +340,64 @@ def test_a_failed_step_of_a_v4_sequence_started_from_a_kept_state_runs_again_to_
     assert torch.equal(tail(fault=True), tail(fault=False))
     assert all(torch.equal(a, b) for a, b in zip(before, stored_tensors(runner)))
     runner.release(first)
+    runner.prefixes.reclaim(runner.budget.cached)
+
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], first: int) -> list[float | None]:
+    """The logprob of each token from `first` + 1 on, indexed as a server reports them (NaN before), from logits
+    whose row j predicts token first + j + 1."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    return [float("nan")] * (first + 1) + [float(lp[j, token_ids[first + j + 1]])
+                                           for j in range(len(token_ids) - first - 1)]
+
+
+def assert_matches_reference(served: list, served_choices, reference_model, token_ids: list[int], first: int) -> None:
+    """The tokens after `first` within rounding of the reference, but at few near ties (test_v4_serving's rule)."""
+    with Choices(reference_model, gaps=True) as reference_choices:
+        reference = reference_logprobs(reference_model, token_ids)
+    ties = flipped_near_ties(served_choices, reference_choices)
+    off, on = diffs_off_and_on_ties(served, reference, token_ids, ties)
+    off, on = [d for d in off if d == d], [d for d in on if d == d]  # NaN: a token before `first` + 1
+    assert len(off) + len(on) == len(token_ids) - first - 1
+    assert max(off) < V4_LOGPROB_TOLERANCE
+    assert max(on, default=0.0) < V4_NEAR_TIE_TOLERANCE and len(on) <= len(token_ids) // 20
+
+
+def test_a_v4_prompt_keeps_the_state_at_a_cut_inside_its_chunk_within_one_step(runner):
+    """Not batch-invariant: the prompt is one chunk, run as two pieces over one cache, the state taken between
+    them, rather than a step more for its tail (which reads or copies nearly every expert once more)."""
+    one = admitted(runner, ids(53))
+    assert runner.prefill_end(one, LENGTH) == LENGTH
+    feed(runner, one, LENGTH)
+    (state,) = runner.prefixes._states.values()
+    assert state.position == 2 * PAGE and runner.budget.cached == state.nbytes
+    cut_run = admitted(runner, ids(54), batch_invariant=True)
+    assert runner.prefill_end(cut_run, LENGTH) == 2 * PAGE
+    feed(runner, cut_run, LENGTH)
+    kept = {s.position: s for s in runner.prefixes._states.values()}
+    assert [(kind, sorted(v)) for kind, v in kept[2 * PAGE].layers] == [(kind, sorted(v)) for kind, v in state.layers]
+    for seq in (one, cut_run):
+        runner.release(seq)
+    runner.prefixes.reclaim(runner.budget.cached)
+
+
+def test_the_tail_of_a_v4_chunk_after_a_kept_state_and_a_prompt_borrowing_it_match_the_reference(runner,
+                                                                                                   v4_model_dir):
+    """The chunk's second piece attends over the cache the first piece left in the same step (its sliding-window
+    mask made then); a later prompt starting from the state kept between them computes the rest."""
+    reference_model = v4_reference_model(v4_model_dir)
+    tokens = ids(55)
+    one = admitted(runner, tokens)
+    with Choices(runner.model) as choices:
+        (logits,) = feed(runner, one, LENGTH)
+    assert_matches_reference(token_logprobs(logits, tokens, 0), choices, reference_model, tokens, 0)
+    borrower = admitted(runner, tokens + [7, 8, 9])
+    assert borrower.num_computed == 2 * PAGE
+    with Choices(runner.model, start=2 * PAGE) as choices:
+        (warm,) = feed(runner, borrower, LENGTH + 3)
+    assert_matches_reference(token_logprobs(warm, tokens + [7, 8, 9], 2 * PAGE), choices, reference_model,
+                             tokens + [7, 8, 9], 2 * PAGE)
+    for seq in (one, borrower):
+        runner.release(seq)
     runner.prefixes.reclaim(runner.budget.cached)

@@ -89,10 +89,11 @@ def reference_logprobs(model, token_ids: list[int]) -> torch.Tensor:
 class Choices:
     """The top-k picks a V4 model makes in the forward passes run while this is entered, one sequence fed in order:
     `picks[(module path, position)]`, the lightning indexer's compressed entries and the routers' experts; and,
-    with `gaps`, the k-th minus (k+1)-th candidate's score at each."""
+    with `gaps`, the k-th minus (k+1)-th candidate's score at each. `start`: the position of the first row fed
+    (a sequence that starts from a kept prefix)."""
 
-    def __init__(self, model, gaps: bool = False):
-        self.model, self.gaps = model, gaps
+    def __init__(self, model, gaps: bool = False, start: int = 0):
+        self.model, self.gaps, self.start = model, gaps, start
         self.picks: dict[tuple[str, int], tuple[int, ...]] = {}
         self.gap: dict[tuple[str, int], float] = {}
         self._handles: list = []
@@ -136,7 +137,7 @@ class Choices:
         from torch.nn.functional import linear
         from transformers.activations import ACT2FN
 
-        first = self._routed.get(path, 0)
+        first = self._routed.get(path, self.start)
         self._routed[path] = first + out[2].shape[0]
         ranked = None
         if self.gaps:
@@ -190,12 +191,15 @@ def load_v4_runner(model_dir: Path, max_concurrent: int = 2):
     return load_model(family_for(config), context).runner
 
 
-def runner_sequence(token_ids: list[int], adapter: str | None = None, prompt: int | None = None) -> SimpleNamespace:
-    """What a runner reads of a scheduled sequence: its id, its tokens, its request's adapter, its runner state
-    and how many of its tokens are the prompt (default: all it has; a decode row comes after them)."""
+def runner_sequence(token_ids: list[int], adapter: str | None = None, prompt: int | None = None,
+                    batch_invariant: bool = False) -> SimpleNamespace:
+    """What a runner reads of a scheduled sequence: its id, its tokens, its request's adapter, its runner state,
+    how many of its tokens are the prompt (default: all it has; a decode row comes after them) and whether it is
+    batch-invariant."""
     return SimpleNamespace(id=f"seq-{next(_SEQUENCE_IDS)}", token_ids=token_ids, runner_state=None,
                            request=SimpleNamespace(adapter=adapter),
-                           num_prompt_tokens=len(token_ids) if prompt is None else prompt)
+                           num_prompt_tokens=len(token_ids) if prompt is None else prompt,
+                           batch_invariant=batch_invariant)
 
 
 def served_logprobs(model_dir: Path, token_ids: list[int], chunks: list[int], adapter: Path | None = None
