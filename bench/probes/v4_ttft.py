@@ -61,6 +61,14 @@ class StackSampler:
         return [(name, round(c / max(self.samples, 1), 3)) for name, c in self.counts.most_common(n)]
 
 
+def _value(text: str):
+    """A setting's value as the server's settings would give it: a number or a boolean where it reads as one."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def main() -> int:
     p = argparse.ArgumentParser(prog="python -m bench.probes.v4_ttft", description=__doc__.split("\n\n")[0])
     p.add_argument("--v4-layers", type=int, default=4)
@@ -70,7 +78,7 @@ def main() -> int:
     p.add_argument("--chunk", type=int, default=None)
     p.add_argument("--setting", action="append", default=[], help="an engine setting, name=value (repeatable)")
     args = p.parse_args()
-    settings = dict(s.split("=", 1) for s in args.setting)
+    settings = {name: _value(value) for name, value in (s.split("=", 1) for s in args.setting)}
 
     import torch
 

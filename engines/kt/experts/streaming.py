@@ -70,6 +70,12 @@ CPU_TOKEN_EXPERTS_PER_S_BY_METHOD = {"FP8": 512 * 6 * 26 / 3.69, "MXFP4": 2048 *
 # 8,192 tokens 110.7 / 13.5 / 15.6 (59); while at 512 tokens 15.8 / 10.2 / 8.4 (33) and at 128 10.5 / 13.5 / 9.4
 # (33) the split is the fastest.
 ALL_ON_GPU_SHARE = 0.75
+# kt-kernel's MXFP4 kernel is slower still on a prompt's smaller calls than its 2,048-token rate says, so its share
+# of a split call finishes long after the GPU's: V4-Flash's shape at 4 layers on the H200 machine (2026-12-04, `python
+# -m bench.probes.v4_ttft --prompts 112,129,200,384,700,1500 --setting kt_gpu_prefill_tokens=100`), a 112 / 129 /
+# 200-token prompt took 0.47 / 0.52 / 0.32 s split and 0.29 / 0.33 / 0.32 s with every expert on the GPU (longer
+# ones the same either way: the balance gives the GPU them all). A call of these methods that streams takes them all.
+ALL_ON_GPU_METHODS = frozenset({"MXFP4"})
 
 
 def split_experts(tokens: int, top_k: int, num_experts: int, cpu_bytes: int, gpu_bytes: int,
@@ -77,7 +83,9 @@ def split_experts(tokens: int, top_k: int, num_experts: int, cpu_bytes: int, gpu
     """How many of a layer's experts the GPU should take for a chunk of `tokens`, so that the CPU (bound by
     reading its `cpu_bytes` of experts, or by arithmetic: `CPU_TOKEN_EXPERTS_PER_S`, or `method`'s own rate) and
     the GPU (bound by copying `gpu_bytes` over PCIe) finish together: both sides scale with the share of experts
-    they take. All of them from `ALL_ON_GPU_SHARE` on."""
+    they take. All of them from `ALL_ON_GPU_SHARE` on, and always for `ALL_ON_GPU_METHODS`."""
+    if method in ALL_ON_GPU_METHODS:
+        return num_experts
     token_rate = CPU_TOKEN_EXPERTS_PER_S_BY_METHOD.get(method, CPU_TOKEN_EXPERTS_PER_S)
     cpu = max(cpu_bytes / CPU_EXPERT_BYTES_PER_S, tokens * top_k / token_rate)
     gpu = gpu_bytes / pcie_bytes_per_s

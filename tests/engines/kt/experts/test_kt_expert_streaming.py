@@ -173,6 +173,12 @@ def test_fp8_experts_give_the_gpu_every_expert_of_a_chunk_their_slow_cpu_kernel_
     assert split_experts(512, 6, 64, layer, layer, 55e9, method="FP8") == 64
 
 
+def test_mxfp4_experts_of_a_streamed_call_all_go_to_the_gpu_at_every_size():
+    layer = 256 * 3 * 4096 * 2048 // 2  # a V4-Flash layer's experts, about half a byte a weight
+    assert [split_experts(t, 6, 256, layer, layer, 55e9, method="MXFP4") for t in (100, 129, 512)] == [256] * 3
+    assert split_experts(129, 6, 256, layer, layer, 55e9) < 256  # the INT8 rate would split it
+
+
 def test_a_budget_keeps_copies_of_as_many_first_experts_as_fit_in_every_layer():
     one = expert_copy_bytes(2048, 1408)  # a V2-Lite expert: 8.65 MB of int8 and 0.02 MB of scales
     assert one == 3 * 2048 * 1408 + (2 * 1408 + 2048) * 4
