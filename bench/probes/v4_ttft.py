@@ -1,7 +1,7 @@
 """Where a V4 prompt's time to first token goes in the engine: the steps before its first token, the runner's
 part of each, and what the generation thread was doing (its stack sampled every millisecond).
 
-    python -m bench.probes.v4_ttft [--v4-layers 4] [--prompts 1024,2048,8192]
+    python -m bench.probes.v4_ttft [--v4-layers 4] [--prompts 1024,2048,8192] [--setting name=value] [--quick]
 
 Builds the engine as `python -m bench.run --shape v4-flash` does (its checkpoint and configuration), sends one
 warm-up prompt, then each prompt alone (greedy, 2 tokens). Prints one JSON object: per prompt the TTFT, the
@@ -72,6 +72,7 @@ def _value(text: str):
 def main() -> int:
     p = argparse.ArgumentParser(prog="python -m bench.probes.v4_ttft", description=__doc__.split("\n\n")[0])
     p.add_argument("--v4-layers", type=int, default=4)
+    p.add_argument("--quick", action="store_true", help="the tiny demo V4's dimensions (a CPU check)")
     p.add_argument("--prompts", default="1024,2048,8192")
     p.add_argument("--max-concurrent", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=131360)
@@ -88,7 +89,7 @@ def main() -> int:
     from engines.base import EngineConfig
     from engines.kt.engine import KTEngine
 
-    ns = argparse.Namespace(model_dir=None, quick=False, v4_layers=args.v4_layers)
+    ns = argparse.Namespace(model_dir=None, quick=args.quick, v4_layers=args.v4_layers)
     root, config, _ = _checkpoint(ns)
     engine = KTEngine(EngineConfig(model_path=str(root), model_name="probe-v4-ttft", max_concurrent=args.max_concurrent,
                                    max_model_len=args.max_model_len, chunk_size=args.chunk, settings=settings))
@@ -103,14 +104,15 @@ def main() -> int:
         started = time.perf_counter()
         with sampler.window():
             out = original(chunks)
-            torch.cuda.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
         steps.append({"rows": sum(c.end - c.start for c in chunks), "ms": round((time.perf_counter() - started) * 1e3,
                                                                                   2), "stack_share": sampler.top(25)})
         return out
     runner.execute = timed
     vocab = config["vocab_size"]
     result: dict = {"settings": settings, "layers": config["num_hidden_layers"], "chunk_size": engine.config.chunk_size,
-                    "device": torch.cuda.get_device_name(), "prompts": {}}
+                    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "prompts": {}}
     try:
         asyncio.run(generate(engine, prompt_ids(2048, vocab, seed=7), 2, float("inf")))  # the warm-up
         for n in [int(x) for x in args.prompts.split(",")]:
