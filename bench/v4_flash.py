@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 FLASH_LAYERS = 43
@@ -79,6 +80,7 @@ class RandomExpertsV4:
 
         self.config, self.out = config, out
         self.weights = V4Weights(config, seed=0)
+        self.rng = np.random.default_rng(0)  # the experts' bytes
         self.weights.moe = self._moe  # type: ignore[method-assign]
         self.map: dict[str, str] = {}
 
@@ -93,13 +95,19 @@ class RandomExpertsV4:
             w.plain(f"{p}.gate.bias", torch.zeros(experts))
         for e in range(experts):
             for proj, (n, k) in (("w1", (inter, hidden)), ("w3", (inter, hidden)), ("w2", (hidden, inter))):
-                w.out[f"{p}.experts.{e}.{proj}.weight"] = torch.randint(-128, 128, (n, k // 2), dtype=torch.int8,
-                                                                        generator=w.gen)
+                w.out[f"{p}.experts.{e}.{proj}.weight"] = self._bytes(n, k // 2)
                 w.out[f"{p}.experts.{e}.{proj}.scale"] = torch.full((n, k // 32), 120, dtype=torch.uint8).view(
                     torch.float8_e8m0fnu)
         w.fp8(f"{p}.shared_experts.w1", inter, hidden)
         w.fp8(f"{p}.shared_experts.w3", inter, hidden)
         w.fp8(f"{p}.shared_experts.w2", hidden, inter)
+
+    def _bytes(self, rows: int, cols: int) -> torch.Tensor:
+        """[rows, cols] random int8 (packed E2M1 pairs) from the generator's raw 64-bit words: ~18x the rate of
+        torch.randint's int8 draws (2.5 GB/s against 0.13 on a 2-core Xeon), which took most of the 86-145 s a
+        4-layer checkpoint took to write on the GPU machine."""
+        words = self.rng.bit_generator.random_raw(-(-rows * cols // 8))
+        return torch.from_numpy(words.view(np.int8)[:rows * cols].reshape(rows, cols))
 
     def _flush(self, name: str) -> None:
         from safetensors.torch import save_file
