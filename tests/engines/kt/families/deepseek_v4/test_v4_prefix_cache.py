@@ -401,3 +401,16 @@ def test_the_tail_of_a_v4_chunk_after_a_kept_state_and_a_prompt_borrowing_it_mat
     for seq in (one, borrower):
         runner.release(seq)
     runner.prefixes.reclaim(runner.budget.cached)
+
+
+def test_two_v4_prompts_with_the_same_tokens_in_one_step_store_and_charge_one_state(runner):
+    from engines.runtime.model_runner import ScheduledChunk
+
+    seqs = [admitted(runner, ids(56)) for _ in range(2)]
+    runner.execute([ScheduledChunk(seq=s, start=0, end=LENGTH, all_logits=False) for s in seqs])
+    (state,) = runner.prefixes._states.values()
+    assert state.position == 2 * PAGE and runner.budget.cached == state.nbytes
+    for seq in seqs:
+        runner.release(seq)
+    runner.prefixes.reclaim(runner.budget.cached)
+    assert runner.budget.cached == 0
