@@ -179,7 +179,7 @@ def _capture_graphs(context: LoadContext, runner: Any, gpu: bool, drafting: bool
     rows = min(context.decode_rows(drafting), chunk_size + context.max_concurrent)
     if any(getattr(m, "owned", 0) for m in runner.model.modules()):
         rows = min(rows, MAPPED_MAX_TOKENS)
-    runner.graphs, described = step_graphs(runner.model, runner.batch, rows)
+    runner.graphs, described = step_graphs(runner.model, runner.batch, rows, runner.max_model_len)
     return described
 
 

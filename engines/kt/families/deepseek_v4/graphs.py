@@ -61,8 +61,9 @@ class V4StepGraphs:
     """The row-wise segments of V4 steps over fixed buffers of up to `max_rows` rows on `device`; captured in
     CUDA graphs by `capture()`, else run eagerly."""
 
-    def __init__(self, batch: V4Batch, max_rows: int, device: torch.device):
+    def __init__(self, batch: V4Batch, max_rows: int, device: torch.device, longest: int | None = None):
         self.batch = batch
+        self.longest = longest  # the most positions one sequence reaches (max_model_len); None: the pools' budget
         self.device = device
         self.layers = batch.layers
         self.buckets = sorted({b for b in ROW_BUCKETS if b < max_rows} | {max_rows})
@@ -252,8 +253,9 @@ class V4StepGraphs:
 
     def _capture_short_decode_steps(self) -> None:
         """The whole decode steps of sequences within one page per rate (up to PAGE x the smallest rate
-        positions), every bucket, captured now over pools sized to the cache budget, so that the first requests
-        do not wait for their captures; longer ones are captured at their first step."""
+        positions), every bucket, and of one sequence at every page width it takes on its way to the longest
+        context, captured now over pools sized to the cache budget, so that requests do not wait for those
+        captures (~60 ms each at 4 of V4-Flash's layers); other keys are captured at their first step."""
         paged = self.batch.paged
         if paged is None or paged.sized_for is None or self.attended is None:
             return  # pools without a budget are made at the first sequence's size: their steps wait for it
@@ -265,8 +267,14 @@ class V4StepGraphs:
             for rows in reversed(self.buckets):
                 if self._whole_graph(paged.blank_step(rows)) is None:
                     return
-        log.info("kt_use_cuda_graph: captured whole V4 decode steps of one page per rate x %d row buckets in %.1fs",
-                 len(self.buckets), time.perf_counter() - started)
+            longest = min(self.longest or paged.sized_for[1], paged.sized_for[1])
+            wider = paged.widths_up_to(longest)[1:WHOLE_GRAPHS - len(self.buckets) + 1]
+            for pages in wider:  # one sequence's steps, as its context grows
+                if self._whole_graph(paged.blank_step(self.buckets[0], pages)) is None:
+                    return
+        log.info("kt_use_cuda_graph: captured whole V4 decode steps of one page per rate x %d row buckets and of "
+                 "one sequence at %d wider page widths in %.1fs", len(self.buckets), len(wider),
+                 time.perf_counter() - started)
 
     def _capture(self, rows: int) -> tuple[list[torch.cuda.CUDAGraph], list[dict[str, Any]]]:
         current = torch.cuda.current_stream(self.device)
@@ -291,8 +299,8 @@ class V4StepGraphs:
 
     def describe(self) -> str:
         return (f"piecewise: rows {','.join(map(str, self.buckets))}; decode steps over the paged caches whole "
-                f"(attention included, a graph per rows and page widths: one page per rate captured at load, "
-                f"wider ones at first use), other steps' "
+                f"(attention included, a graph per rows and page widths: one page per rate and one sequence's "
+                f"every width captured at load, other keys at first use), other steps' "
                 f"cached attention eager")
 
 
@@ -308,9 +316,10 @@ def _copied_into(kept: Any, new: Any) -> Any:
     return type(new)(*parts) if hasattr(new, "_fields") else tuple(parts)
 
 
-def step_graphs(model: Any, batch: V4Batch, max_rows: int) -> tuple[V4StepGraphs | None, str]:
-    """The captured segments of V4 steps of up to `max_rows` rows, or None and why not (what the engine
-    details then say)."""
+def step_graphs(model: Any, batch: V4Batch, max_rows: int, longest: int | None = None
+                ) -> tuple[V4StepGraphs | None, str]:
+    """The captured segments of V4 steps of up to `max_rows` rows (and whole decode steps of one sequence up to
+    `longest` positions), or None and why not (what the engine details then say)."""
     experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
     held = {m for e in experts for m in e.modules()}
     devices = {t.device for m in model.modules() if m not in held
@@ -327,6 +336,6 @@ def step_graphs(model: Any, batch: V4Batch, max_rows: int) -> tuple[V4StepGraphs
     if why is not None:
         log.info("kt_use_cuda_graph: V4 steps run without CUDA graphs, because %s", why)
         return None, f"none: {why}"
-    graphs = V4StepGraphs(batch, max_rows, next(iter(devices)))
+    graphs = V4StepGraphs(batch, max_rows, next(iter(devices)), longest)
     graphs.capture()
     return graphs, graphs.describe()

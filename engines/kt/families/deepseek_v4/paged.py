@@ -400,10 +400,23 @@ class PagedDecode:
     def _widths(self, sequences: list[PagedSequence]) -> dict[int, int]:
         return {rate: _pow2(max(len(s.pages[rate]) for s in sequences)) for rate in self.rates}
 
-    def blank_step(self, rows: int) -> DecodeStep:
-        """A padded step of `rows` pad rows and one page per rate, the key of short sequences' steps: what a
-        graph of that key is captured over before any sequence decodes (its writes go to the scratch places)."""
-        return DecodeStep(self, [], [], torch.device("cpu"), rows=rows, pages={rate: 1 for rate in self.rates})
+    def blank_step(self, rows: int, pages: dict[int, int] | None = None) -> DecodeStep:
+        """A padded step of `rows` pad rows and page tables of `pages` pages per rate (default one each: the key
+        of short sequences' steps): what a graph of that key is captured over before any sequence decodes (its
+        writes go to the scratch places)."""
+        return DecodeStep(self, [], [], torch.device("cpu"), rows=rows,
+                          pages=pages or {rate: 1 for rate in self.rates})
+
+    def widths_up_to(self, positions: int) -> list[dict[int, int]]:
+        """The page widths (`padded_step`'s, per rate) one sequence's decode steps take on its way to `positions`
+        positions, in the order it meets them."""
+        widths: list[dict[int, int]] = []
+        # a rate's page count changes only where a position reaches a multiple of rate x PAGE
+        for position in range(0, max(positions, 1), min(self.rates, default=1) * PAGE):
+            width = {rate: _pow2(position // rate // PAGE + 1) for rate in self.rates}
+            if not widths or widths[-1] != width:
+                widths.append(width)
+        return widths
 
     def attend(self, layer_index: int, step: DecodeStep, q: torch.Tensor, kv: torch.Tensor, x: torch.Tensor,
                q_residual: torch.Tensor) -> torch.Tensor:

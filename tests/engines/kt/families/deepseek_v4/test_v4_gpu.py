@@ -104,6 +104,20 @@ def test_v4_short_decode_steps_are_captured_whole_at_load_for_every_row_bucket(v
     assert one_page == set(graphs.buckets)
 
 
+def test_v4_one_sequences_decode_steps_are_captured_whole_at_load_at_every_page_width_it_meets(v4_gpu):
+    from engines.kt.families.deepseek_v4.graphs import WHOLE_GRAPHS
+    from tests.helpers import completions_together
+
+    graphs, paged = v4_gpu.engine._runner.graphs, v4_gpu.engine._runner.paged
+    wider = paged.widths_up_to(min(graphs.longest, paged.sized_for[1]))[1:]
+    assert wider  # the tiny V4's context reaches past one page per rate
+    assert all((1, tuple(sorted(w.items()))) in graphs.whole for w in wider[:WHOLE_GRAPHS - len(graphs.buckets)])
+    captures = graphs.whole_captures
+    # decoded past position 256, where its CSA entries take a second page
+    completions_together(v4_gpu, [list(range(1000, 1250))], max_tokens=12, ignore_eos=True)
+    assert graphs.whole_captures == captures
+
+
 def test_v4_decode_steps_over_the_paged_caches_replay_whole_step_graphs(v4_gpu):
     from tests.helpers import completions_together
 

@@ -247,3 +247,21 @@ def test_a_prompt_fed_a_token_a_step_moves_to_the_paged_caches_at_its_first_deco
         assert seq.runner_state.paged is None
     runner.execute([ScheduledChunk(seq=seq, start=10, end=11)])
     assert seq.runner_state.paged is not None
+
+
+def test_the_page_widths_listed_for_load_captures_are_those_a_decoding_sequence_meets(reference):
+    """graphs.py captures one sequence's whole decode steps at these widths at load, so none waits for a capture
+    as its context grows (a capture at first use took ~60 ms at 4 of V4-Flash's layers)."""
+    from engines.kt.families.deepseek_v4.paged import PagedSequence
+
+    positions = 70_000  # CSA: 274 pages of 64 entries at the end (width 512), HCA: 9 (width 16)
+    pools = PagedDecode(reference, sequences=1, positions=positions)
+    pools.prepare(torch.float32, [torch.device("cpu")] * len(pools.layers))
+    seq, met = PagedSequence(slot=pools._slot()), []
+    for position in range(positions):
+        pools.reserve(seq, position)
+        widths = pools._widths([seq])
+        if not met or met[-1] != widths:
+            met.append(widths)
+    assert pools.widths_up_to(positions) == met
+    assert met[0] == {4: 1, 128: 1} and met[-1] == {4: 512, 128: 16} and len(met) == 10
