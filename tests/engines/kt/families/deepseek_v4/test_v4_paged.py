@@ -83,8 +83,9 @@ def test_decode_steps_padded_to_their_bucket_and_page_widths_give_the_streams_of
     # 530 positions fill three CSA pages (tables padded to four); three rows padded to four, then two, then one
     lengths = [(530, 14), (300, 8), (10, 4)]
     as_is, padded = V4Batch(reference, LoraContext()), V4Batch(reference, LoraContext())
-    # the padded side as a GPU engine's: pools sized to a budget before any sequence, a blank step run over them
-    # (what a load-time capture warms up with) before the sequences move in
+    # the padded side as a GPU engine's: pools sized to a budget before any sequence, blank steps run over them
+    # (what load-time captures warm up with: every bucket's one-page step, one row at each wider page width) before
+    # the sequences move in
     as_is.paged, padded.paged = PagedDecode(reference), PagedDecode(reference, sequences=3, positions=2048)
     whole = V4StepGraphs(padded, 8, torch.device("cpu"))  # not captured: the whole step runs eagerly
     generator = torch.Generator().manual_seed(13)
@@ -92,6 +93,8 @@ def test_decode_steps_padded_to_their_bucket_and_page_widths_give_the_streams_of
     with torch.inference_mode():
         padded.paged.prepare(torch.float32)
         whole._whole(4, padded.paged.blank_step(4))
+        for pages in padded.paged.widths_up_to(2048)[1:]:
+            whole._whole(1, padded.paged.blank_step(1, pages))
         for prompt, decoded in lengths:
             ids = torch.randint(100, 120000, (prompt + decoded,), generator=generator).tolist()
             mine, theirs = _prefilled(as_is, ids, prompt), _prefilled(padded, ids, prompt)
