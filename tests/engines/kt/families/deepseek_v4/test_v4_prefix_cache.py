@@ -414,3 +414,29 @@ def test_two_v4_prompts_with_the_same_tokens_in_one_step_store_and_charge_one_st
         runner.release(seq)
     runner.prefixes.reclaim(runner.budget.cached)
     assert runner.budget.cached == 0
+
+
+def test_v4_prompts_cut_inside_their_chunks_in_one_step_give_their_solo_logprobs_and_states(runner):
+    """Two prompts (the budget's sequences), each run as pieces split at its own kept boundary, side by side in one
+    step: each its solo run's next-token logprobs (within batching's rounding) and its own state at its boundary."""
+    from engines.runtime.model_runner import ScheduledChunk
+
+    from .test_v4_batching import V4_BATCH_TOLERANCE
+    from .v4_helpers import max_next_token_diff
+
+    prompts = [ids(57 + i, n) for i, n in enumerate((300, 530))]
+
+    def run(group: list[list[int]]) -> list[torch.Tensor]:
+        seqs = [admitted(runner, p) for p in group]
+        out = runner.execute([ScheduledChunk(seq=s, start=0, end=len(s.token_ids), all_logits=True) for s in seqs])
+        positions = sorted(s.position for s in runner.prefixes._states.values())
+        for seq in seqs:
+            runner.release(seq)
+        runner.prefixes.reclaim(runner.budget.cached)
+        return [torch.log_softmax(o.float(), dim=-1) for o in out], positions
+
+    together, kept = run(prompts)
+    assert kept == [2 * PAGE, 4 * PAGE]
+    for prompt, batched in zip(prompts, together):
+        (solo,), _ = run([prompt])
+        assert max_next_token_diff(batched, solo, prompt) < V4_BATCH_TOLERANCE
