@@ -114,17 +114,23 @@ def _mixes(streams: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
     return F.linear(streams.flatten(-2).float(), fn.float()).contiguous()
 
 
+def norm_eps(norm: nn.Module) -> float:
+    """The epsilon of transformers' unweighted RMSNorm: `eps` up to transformers 5.24, `variance_epsilon` since."""
+    eps = getattr(norm, "variance_epsilon", None)
+    return float(norm.eps if eps is None else eps)
+
+
 def fused_connection(self: nn.Module, hidden_streams: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """`DeepseekV4HyperConnection.forward` (post, comb, collapsed) in one kernel after the projection."""
     streams = hidden_streams.contiguous()
-    return _launch(streams, _mixes(streams, self.fn), self.base, self.scale, self.input_norm.eps, self.hc_eps,
+    return _launch(streams, _mixes(streams, self.fn), self.base, self.scale, norm_eps(self.input_norm), self.hc_eps,
                    self.hc_sinkhorn_iters, head=False)
 
 
 def fused_head(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`DeepseekV4HyperHead.forward`: the streams collapsed by the head's `pre`."""
     streams = x.contiguous()
-    return _launch(streams, _mixes(streams, self.hc_fn), self.hc_base, self.hc_scale, self.input_norm.eps,
+    return _launch(streams, _mixes(streams, self.hc_fn), self.hc_base, self.hc_scale, norm_eps(self.input_norm),
                    self.eps, 1, head=True)[2]
 
 

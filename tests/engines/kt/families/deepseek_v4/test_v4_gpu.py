@@ -330,11 +330,15 @@ def test_v4_prompts_streaming_their_mxfp4_experts_keep_the_logprobs_of_kt_kernel
     assert against_reference.median() < GPU_MEDIAN_LOGPROB_DIFF
 
 
-@pytest.mark.parametrize("pcie_bytes_per_s", [float("inf"), 4e7], ids=["all-on-the-gpu", "split-with-kt-kernel"])
-def test_a_v4_layer_streaming_its_mxfp4_experts_to_the_gpu_equals_kt_kernel_alone(pcie_bytes_per_s):
+@pytest.mark.parametrize("pcie_bytes_per_s", [float("inf"), 4e7], ids=["free-copies", "slow-copies"])
+def test_a_v4_layer_streaming_its_mxfp4_experts_takes_every_one_to_the_gpu_and_equals_kt_kernel_alone(
+        pcie_bytes_per_s):
     """The layer-level path on the device: the copies pinned in place, the ring filled on the copy stream, each
     expert dequantized on the GPU, against the same layer all in kt-kernel
-    (tests/engines/kt/families/deepseek_v4/test_v4_streamed_experts.py's layer: 20 experts, groups of 8)."""
+    (tests/engines/kt/families/deepseek_v4/test_v4_streamed_experts.py's layer: 20 experts, groups of 8). MXFP4
+    calls hand the GPU every expert whatever the copy rate (streaming.ALL_ON_GPU_METHODS: kt-kernel's MXFP4 share
+    of a split call finished long after the GPU's); the split itself is checked with BF16 layers
+    (tests/engines/kt/experts/test_kt_gpu_streamed_experts.py)."""
     from engines.kt.experts.streaming import ExpertStreamer
     from .test_v4_streamed_experts import E, RELATIVE_TOLERANCE, mxfp4_layer, relative, released_layer, routing
 
@@ -345,17 +349,15 @@ def test_a_v4_layer_streaming_its_mxfp4_experts_to_the_gpu_equals_kt_kernel_alon
     layer = mxfp4_layer(streamer, held=E)
     layer.load_packed(packed)
     assert streamer.layers[3].pinned and streamer.pcie_bytes_per_s > 0  # cudaHostRegister succeeded
-    # the split follows the copy rate: copying for free gives the GPU every expert; at 40 MB/s copying the layer
-    # takes about as long as kt-kernel's MXFP4 rate for 40 x 4 token-experts (27 ms)
+    # at 40 MB/s copying the layer takes about as long as kt-kernel's MXFP4 rate for 40 x 4 token-experts (27 ms):
+    # a balanced split would keep some in kt-kernel
     streamer.pcie_bytes_per_s = pcie_bytes_per_s
     hidden, ids, weights = routing()
-    split = layer._streamed_experts(40)
-    assert split == E if pcie_bytes_per_s == float("inf") else 0 < split < E
+    assert layer._streamed_experts(40) == E
     expected = alone(hidden, ids, weights).float()
     out = layer(hidden.cuda(), ids.cuda(), weights.cuda()).float().cpu()
-    assert streamer.stats.experts == split
+    assert streamer.stats.experts == E
     assert relative(out, expected) < RELATIVE_TOLERANCE
-
 
 
 @pytest.mark.parametrize("tokens", [1, 4])

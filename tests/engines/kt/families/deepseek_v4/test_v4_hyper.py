@@ -6,16 +6,16 @@ from __future__ import annotations
 import torch
 
 from engines.base import engine_options
-from engines.kt.families.deepseek_v4.hyper import install_fused_hyper_connections, is_fused
+from engines.kt.families.deepseek_v4.hyper import install_fused_hyper_connections, is_fused, norm_eps
 from engines.kt.options import KTOptions
 from server.settings import load_settings
 
 
-def _tiny_connections() -> torch.nn.Module:
+def _tiny_connections(**config_kwargs) -> torch.nn.Module:
     from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection, DeepseekV4HyperHead
 
-    config = DeepseekV4Config(hidden_size=8)
+    config = DeepseekV4Config(hidden_size=8, **config_kwargs)
     return torch.nn.ModuleDict({"attn_hc": DeepseekV4HyperConnection(config), "hc_head": DeepseekV4HyperHead(config)})
 
 
@@ -33,3 +33,10 @@ def test_turned_off_the_hyper_connections_keep_transformers_forward_and_the_deta
     assert described == "transformers' modules: kt_fused_hyper_connections is off"
     assert not any(is_fused(m) for m in model.values())
 
+
+
+def test_the_fused_kernel_takes_the_norm_epsilon_from_the_installed_transformers_modules():
+    # transformers 5.25 renamed the unweighted RMSNorm's `eps` to `variance_epsilon`: reading the old name made the
+    # kernel's warm-up fail on the GPU, and transformers' modules served instead
+    model = _tiny_connections(rms_norm_eps=3e-4)
+    assert [norm_eps(m.input_norm) for m in model.values()] == [3e-4, 3e-4]
